@@ -1,0 +1,61 @@
+"""qkv: the attention of "Attention Is All You Need", built to be trained, inspected and trusted."""
+
+from qkv.attention import (
+    AttentionOutput,
+    KVCache,
+    MultiHeadAttention,
+    attention_reference,
+    causal_mask,
+    combine_masks,
+    padding_mask_from_ids,
+    padding_mask_from_lengths,
+    scaled_dot_product_attention,
+    use_backend,
+)
+from qkv.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOutput
+from qkv.models import (
+    CausalLM,
+    DecoderOutput,
+    EncoderModel,
+    EncoderOutput,
+    Transformer,
+    TransformerConfig,
+)
+from qkv.positional import LearnedPositionalEncoding, SinusoidalPositionalEncoding, sinusoidal_table
+
+__version__ = "0.1.0"
+
+
+def load_pretrained(path, **kwargs):
+    """Load a BERT-family checkpoint folder into qkv's own encoder (see :mod:`qkv.pretrained`)."""
+    from qkv.pretrained import load_pretrained as _load
+
+    return _load(path, **kwargs)
+
+
+__all__ = [
+    "AttentionOutput",
+    "CausalLM",
+    "DecoderLayer",
+    "DecoderOutput",
+    "EncoderLayer",
+    "EncoderModel",
+    "EncoderOutput",
+    "FeedForward",
+    "KVCache",
+    "LayerOutput",
+    "LearnedPositionalEncoding",
+    "MultiHeadAttention",
+    "SinusoidalPositionalEncoding",
+    "Transformer",
+    "TransformerConfig",
+    "attention_reference",
+    "causal_mask",
+    "combine_masks",
+    "load_pretrained",
+    "padding_mask_from_ids",
+    "padding_mask_from_lengths",
+    "scaled_dot_product_attention",
+    "sinusoidal_table",
+    "use_backend",
+]

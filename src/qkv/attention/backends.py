@@ -1,0 +1,119 @@
+"""Fast paths for attention and the record of why a call fell back to the eager reference.
+
+The eager reference in :mod:`qkv.attention.functional` is the spec. When the caller does not need
+the attention weights, the same function is computed by PyTorch's fused
+``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient / math kernels),
+which never materialises the ``(s_q, s_k)`` weight matrix. Every fast path is tested against the
+reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from qkv.attention.masks import causal_mask
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch_sdpa", "reference")
+_forced_backend: contextvars.ContextVar[str] = contextvars.ContextVar("qkv_backend", default="auto")
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """Which implementation a call runs, and why it is not the fast path when it is not."""
+
+    backend: str  # "torch_sdpa" or "reference"
+    reason: str | None = None  # why the reference ran; None when the fast path ran
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Force an attention backend inside a ``with`` block: ``"auto"``, ``"torch_sdpa"`` or
+    ``"reference"``. ``"torch_sdpa"`` still falls back when weights are requested."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+    token = _forced_backend.set(name)
+    try:
+        yield
+    finally:
+        _forced_backend.reset(token)
+
+
+def select_backend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+    need_weights: bool,
+) -> BackendChoice:
+    """Pick the implementation for one attention call; log the reason when it is the reference."""
+    forced = _forced_backend.get()
+    if need_weights:
+        choice = BackendChoice("reference", "need_weights=True: the fused kernel does not return weights")
+    elif forced == "reference":
+        choice = BackendChoice("reference", "forced by qkv.attention.backends.use_backend('reference')")
+    else:
+        return BackendChoice("torch_sdpa")
+    logger.debug("attention fell back to the eager reference: %s", choice.reason)
+    return choice
+
+
+def torch_sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+    scale: float | None,
+) -> Tensor:
+    """Attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Bridges the two places where PyTorch's conventions differ from qkv's:
+    * PyTorch aligns ``is_causal`` top-left when ``s_q != s_k``; qkv aligns bottom-right, so an
+      explicit mask is built for unequal lengths (a single query sees every key: no mask).
+    * Fully masked rows: PyTorch's CPU kernels return zeros; other devices' kernels may return
+      NaN, so there such rows are un-masked for the kernel and zeroed afterwards.
+    """
+    s_q, s_k = q.size(-2), k.size(-2)
+    if is_causal and s_q != s_k:
+        if s_q == 1:
+            is_causal = False  # the one new query sees every key
+        else:
+            causal = causal_mask(s_q, s_k, device=q.device)
+            attn_mask = causal if attn_mask is None else _and_mask(attn_mask, causal)
+            is_causal = False
+    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+        attn_mask = attn_mask.to(q.dtype)
+    if attn_mask is not None and is_causal:
+        attn_mask = _and_mask(attn_mask, causal_mask(s_q, s_k, device=q.device))
+        is_causal = False
+    fully_masked = None
+    if attn_mask is not None and q.device.type != "cpu":
+        keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
+        fully_masked = ~keep.any(dim=-1, keepdim=True)  # (..., s_q, 1)
+        attn_mask = attn_mask.masked_fill(fully_masked, True if attn_mask.dtype == torch.bool else 0.0)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+    )
+    if fully_masked is not None:
+        out = out.masked_fill(fully_masked, 0.0)
+    return out
+
+
+def _and_mask(attn_mask: Tensor, causal: Tensor) -> Tensor:
+    """Apply a boolean causal mask on top of a bool or additive mask."""
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & causal
+    return attn_mask.masked_fill(~causal, float("-inf"))

@@ -1,0 +1,149 @@
+"""Scaled dot-product attention: the readable reference (the spec) and the public entry point.
+
+Shape legend: ``...`` leading batch dims (usually ``b, h``), ``s_q`` queries, ``s_k`` keys,
+``d`` query/key feature size, ``d_v`` value feature size.
+
+Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V      ("Attention Is All You Need", section 3.2.1)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from qkv.attention import backends
+from qkv.attention.masks import causal_mask
+
+
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    need_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Scaled dot-product attention with safe masking.
+
+    Runs PyTorch's fused kernel when the attention weights are not needed and the case allows
+    (see :func:`qkv.attention.backends.select_backend`); otherwise runs :func:`attention_reference`.
+    Both compute the same function; the tests hold them to 1e-5.
+
+    Args:
+        q: queries ``(..., s_q, d)``.
+        k: keys ``(..., s_k, d)``.
+        v: values ``(..., s_k, d_v)``.
+        attn_mask: boolean (True = may attend) or float (added to the scores), broadcastable to
+            ``(..., s_q, s_k)``.
+        is_causal: apply a causal mask aligned bottom-right (see :func:`qkv.causal_mask`).
+            Combined with ``attn_mask`` if both are given.
+        dropout_p: dropout probability on the attention weights (pass 0.0 in evaluation).
+        scale: factor applied to ``q k^T``; defaults to ``1 / sqrt(d)``.
+        need_weights: also return the attention weights (before dropout).
+
+    Returns:
+        ``out`` of shape ``(..., s_q, d_v)``, or ``(out, weights)`` with weights
+        ``(..., s_q, s_k)`` when ``need_weights``. A query whose every key is masked gets a zero
+        output row and zero weights, never NaN, in the forward and the backward pass.
+    """
+    check_attention_inputs(q, k, v, attn_mask, dropout_p)
+    choice = backends.select_backend(q, k, v, attn_mask, is_causal, dropout_p, need_weights)
+    if choice.backend == "torch_sdpa":
+        return backends.torch_sdpa(q, k, v, attn_mask, is_causal, dropout_p, scale)
+    out, weights = attention_reference(q, k, v, attn_mask, is_causal, dropout_p, scale)
+    return (out, weights) if need_weights else out
+
+
+def attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The eager reference: plain matmul, masked softmax, matmul. Returns ``(out, weights)``.
+
+    Same arguments as :func:`scaled_dot_product_attention`, without validation.
+    """
+    s_q, s_k = q.size(-2), k.size(-2)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale  # (..., s_q, s_k)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(scores.dtype)
+    if is_causal:
+        scores = scores.masked_fill(~causal_mask(s_q, s_k, device=q.device), float("-inf"))
+    weights = masked_softmax(scores)  # (..., s_q, s_k)
+    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0.0 else weights
+    return dropped @ v, weights  # (..., s_q, d_v), (..., s_q, s_k)
+
+
+def masked_softmax(scores: Tensor) -> Tensor:
+    """Softmax over the last dim where a row of all ``-inf`` gives all zeros (not NaN).
+
+    The fully masked rows are replaced by zeros *before* the softmax, so no NaN is ever formed
+    and the backward pass through them is exactly zero. Low-precision scores are accumulated in
+    float32.
+    """
+    fully_masked = scores.amax(dim=-1, keepdim=True) == float("-inf")  # (..., s_q, 1)
+    scores = scores.masked_fill(fully_masked, 0.0)
+    compute_dtype = torch.promote_types(scores.dtype, torch.float32)
+    weights = torch.softmax(scores, dim=-1, dtype=compute_dtype).to(scores.dtype)
+    return weights.masked_fill(fully_masked, 0.0)
+
+
+def check_attention_inputs(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float = 0.0
+) -> None:
+    """Raise ``ValueError`` naming the offending shapes, dtypes or devices."""
+    if q.dim() < 2 or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(
+            "q, k, v must have the same rank >= 2 (..., seq, dim); got shapes "
+            f"q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}"
+        )
+    if q.size(-1) != k.size(-1):
+        raise ValueError(
+            f"q and k must share the feature size: q={tuple(q.shape)} has {q.size(-1)}, "
+            f"k={tuple(k.shape)} has {k.size(-1)}"
+        )
+    if k.size(-2) != v.size(-2):
+        raise ValueError(
+            f"k and v must have the same number of keys: k={tuple(k.shape)}, v={tuple(v.shape)}"
+        )
+    if q.shape[:-2] != k.shape[:-2] or q.shape[:-2] != v.shape[:-2]:
+        raise ValueError(
+            "q, k, v must have the same leading (batch, head) dims; got "
+            f"q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v devices differ: q={q.device}, k={k.device}, v={v.device}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if attn_mask is not None:
+        target = (*q.shape[:-1], k.size(-2))
+        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+            raise ValueError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+        if attn_mask.device != q.device:
+            raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}")
+        try:
+            broadcast = torch.broadcast_shapes(attn_mask.shape, target)
+        except RuntimeError:
+            broadcast = None
+        if broadcast != torch.Size(target):
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                f"(..., s_q, s_k) = {target}"
+            )

@@ -1,0 +1,70 @@
+"""The ``qkv`` command line: one thin module per subcommand, imported only when it runs.
+
+Each subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int``. Seeds, thread
+counts and logging are set here, in the CLI layer, never in the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import sys
+
+# name -> (module, one-line help). A module that does not exist yet is left out of the CLI.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("qkv.cli.demo", "train on the built-in date task, show accuracy, samples and attention"),
+    "train": ("qkv.cli.train", "train a translation model on parallel text (e.g. --data multi30k)"),
+    "translate": ("qkv.cli.translate", "translate lines from stdin or a file with a trained run"),
+    "evaluate": ("qkv.cli.evaluate", "score a trained run with sacreBLEU and chrF"),
+    "embed": ("qkv.cli.embed", "sentence embeddings from a pretrained encoder"),
+    "attend": ("qkv.cli.attend", "write a self-contained HTML attention explorer"),
+    "serve": ("qkv.cli.serve", "serve the attention explorer on localhost"),
+    "explain": ("qkv.cli.explain", "attention worked by hand, step by step"),
+    "experiment": ("qkv.cli.experiment", "run one of the explanatory experiments"),
+    "report": ("qkv.cli.report", "gather experiment results into one HTML page"),
+    "bench": ("qkv.cli.bench", "time qkv against PyTorch and Hugging Face side by side"),
+}
+
+
+def available_commands() -> dict[str, tuple[str, str]]:
+    return {name: entry for name, entry in COMMANDS.items() if importlib.util.find_spec(entry[0]) is not None}
+
+
+def build_parser(chosen: str | None) -> argparse.ArgumentParser:
+    from qkv import __version__
+
+    parser = argparse.ArgumentParser(prog="qkv", description="Attention Is All You Need, built for real.")
+    parser.add_argument("--version", action="version", version=f"qkv {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in available_commands().items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(chosen)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    if args.command is None:
+        parser.print_help()
+        return 0
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as err:
+        print(f"qkv {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Transformer layers (section 3.1): feed-forward, encoder layer and decoder layer.
+
+Post-LN as in the paper (``x = LayerNorm(x + Dropout(Sublayer(x)))``) by default; pre-LN
+(``x = x + Dropout(Sublayer(LayerNorm(x)))``) with ``norm_first=True``. Dropout is applied to each
+sub-layer's output before the residual sum (section 5.4).
+
+Shape legend: ``b`` batch, ``s`` target/self length, ``s_m`` memory length, ``d`` d_model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qkv.attention.multihead import KVCache, MultiHeadAttention
+
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = act(x W_1 + b_1) W_2 + b_2 (section 3.3), with dropout after the activation."""
+
+    def __init__(self, d_model: int, d_ff: int, *, dropout: float = 0.0, activation: str = "relu", bias: bool = True):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; choose one of {sorted(ACTIVATIONS)}")
+        self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+        self.activation = activation
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear2(self.dropout(ACTIVATIONS[self.activation](self.linear1(x))))  # (b, s, d)
+
+
+@dataclass
+class LayerOutput:
+    """What a layer returns: the hidden states, attention weights if asked, and caches."""
+
+    output: Tensor  # (b, s, d)
+    self_weights: Tensor | None = None  # (b, h, s, s_k)
+    cross_weights: Tensor | None = None  # (b, h, s, s_m)
+    self_cache: KVCache | None = None
+    cross_cache: KVCache | None = None
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward. With ``is_causal=True`` it is a decoder-only (LM) block."""
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        activation: str = "relu",
+        norm_first: bool = False,
+        layer_norm_eps: float = 1e-5,
+        bias: bool = True,
+    ) -> None:
+        """Args:
+            d_model: model width. num_heads: attention heads. d_ff: feed-forward inner width.
+            dropout: residual dropout on each sub-layer's output (section 5.4).
+            attention_dropout: dropout on attention weights (not in the paper).
+            activation: ``relu`` (paper), ``gelu`` or ``gelu_tanh``.
+            norm_first: pre-LN instead of the paper's post-LN. layer_norm_eps: LayerNorm epsilon.
+            bias: biases in attention and feed-forward projections.
+        """
+        super().__init__()
+        self.norm_first = norm_first
+        self.self_attn = MultiHeadAttention(
+            d_model, num_heads, dropout=attention_dropout, bias=bias
+        )
+        self.feed_forward = FeedForward(
+            d_model, d_ff, dropout=dropout, activation=activation, bias=bias
+        )
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        cache: KVCache | None = None,
+    ) -> LayerOutput:
+        """Args: ``x (b, s, d)``; masks as in :class:`MultiHeadAttention`. Returns :class:`LayerOutput`."""
+
+        def attend(h: Tensor):
+            return self.self_attn(
+                h,
+                key_padding_mask=key_padding_mask,
+                attn_mask=attn_mask,
+                is_causal=is_causal,
+                need_weights=need_weights,
+                cache=cache,
+            )
+
+        if self.norm_first:
+            attn = attend(self.norm1(x))
+            x = x + self.dropout1(attn.output)
+            x = x + self.dropout2(self.feed_forward(self.norm2(x)))
+        else:
+            attn = attend(x)
+            x = self.norm1(x + self.dropout1(attn.output))
+            x = self.norm2(x + self.dropout2(self.feed_forward(x)))
+        return LayerOutput(x, self_weights=attn.weights, self_cache=attn.cache)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention over the encoder memory, then feed-forward."""
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        activation: str = "relu",
+        norm_first: bool = False,
+        layer_norm_eps: float = 1e-5,
+        bias: bool = True,
+    ) -> None:
+        """Args:
+            d_model: model width. num_heads: attention heads. d_ff: feed-forward inner width.
+            dropout: residual dropout on each sub-layer's output (section 5.4).
+            attention_dropout: dropout on attention weights (not in the paper).
+            activation: ``relu`` (paper), ``gelu`` or ``gelu_tanh``.
+            norm_first: pre-LN instead of the paper's post-LN. layer_norm_eps: LayerNorm epsilon.
+            bias: biases in attention and feed-forward projections.
+        """
+        super().__init__()
+        self.norm_first = norm_first
+        self.self_attn = MultiHeadAttention(
+            d_model, num_heads, dropout=attention_dropout, bias=bias
+        )
+        self.cross_attn = MultiHeadAttention(
+            d_model, num_heads, dropout=attention_dropout, bias=bias
+        )
+        self.feed_forward = FeedForward(
+            d_model, d_ff, dropout=dropout, activation=activation, bias=bias
+        )
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.norm3 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+        self.dropout3 = nn.Dropout(dropout)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        *,
+        self_attn_mask: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        is_causal: bool = True,
+        need_weights: bool = False,
+        self_cache: KVCache | None = None,
+        cross_cache: KVCache | None = None,
+    ) -> LayerOutput:
+        """Args:
+            x: target states ``(b, s, d)``.
+            memory: encoder output ``(b, s_m, d)`` (ignored when ``cross_cache`` holds it).
+            self_attn_mask: extra mask for self-attention, ``(s, s_k)`` or 4-D.
+            key_padding_mask: ``(b, s_k)`` target padding (True = real), cached keys included.
+            memory_key_padding_mask: ``(b, s_m)`` source padding (True = real).
+            is_causal: mask future target positions (bottom-right aligned, cache-safe).
+            need_weights: return self- and cross-attention weights.
+            self_cache, cross_cache: caches from the previous decoding step.
+        """
+
+        def self_attend(h: Tensor):
+            return self.self_attn(
+                h,
+                key_padding_mask=key_padding_mask,
+                attn_mask=self_attn_mask,
+                is_causal=is_causal,
+                need_weights=need_weights,
+                cache=self_cache,
+            )
+
+        def cross_attend(h: Tensor):
+            return self.cross_attn(
+                h, memory, key_padding_mask=memory_key_padding_mask, need_weights=need_weights, cache=cross_cache
+            )
+
+        if self.norm_first:
+            sa = self_attend(self.norm1(x))
+            x = x + self.dropout1(sa.output)
+            ca = cross_attend(self.norm2(x))
+            x = x + self.dropout2(ca.output)
+            x = x + self.dropout3(self.feed_forward(self.norm3(x)))
+        else:
+            sa = self_attend(x)
+            x = self.norm1(x + self.dropout1(sa.output))
+            ca = cross_attend(x)
+            x = self.norm2(x + self.dropout2(ca.output))
+            x = self.norm3(x + self.dropout3(self.feed_forward(x)))
+        return LayerOutput(x, sa.weights, ca.weights, sa.cache, ca.cache)

@@ -1,0 +1,311 @@
+"""Models built from qkv's layers: the encoder-decoder Transformer, an encoder-only model and a
+decoder-only causal language model. Reads top to bottom.
+
+Shape legend: ``b`` batch, ``s_src`` source length, ``s_tgt`` target length, ``d`` d_model,
+``V`` vocabulary size, ``h`` heads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from qkv.attention.multihead import KVCache
+from qkv.layers import DecoderLayer, EncoderLayer
+from qkv.positional import build_positional_encoding
+
+
+@dataclass
+class TransformerConfig:
+    """Sizes and options of a qkv model. Defaults are the paper's base model (Table 3)."""
+
+    src_vocab_size: int = 32000  # source vocabulary (also the vocabulary of EncoderModel)
+    tgt_vocab_size: int = 32000  # target vocabulary (also the vocabulary of CausalLM)
+    d_model: int = 512  # model width (d_model)
+    num_heads: int = 8  # attention heads (h); d_model must be divisible by it
+    num_encoder_layers: int = 6  # encoder layers (N)
+    num_decoder_layers: int = 6  # decoder layers (N); also CausalLM's layer count
+    d_ff: int = 2048  # inner width of the feed-forward network (d_ff)
+    dropout: float = 0.1  # residual and embedding dropout (P_drop, section 5.4)
+    attention_dropout: float = 0.0  # dropout on attention weights (not used in the paper)
+    activation: str = "relu"  # feed-forward activation: relu (paper), gelu or gelu_tanh
+    norm_first: bool = False  # pre-LN (True) or the paper's post-LN (False)
+    layer_norm_eps: float = 1e-5  # LayerNorm epsilon
+    max_len: int = 1024  # longest sequence the positional table covers
+    positional: str = "sinusoidal"  # sinusoidal (section 3.5), learned, or none
+    share_embeddings: bool = False  # one embedding table for source and target (joint vocabulary)
+    tie_output: bool = True  # output projection shares the target embedding (section 3.4)
+    pad_id: int = 0  # padding token id; masks are derived from it when not given
+    bias: bool = True  # biases in attention and feed-forward projections
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.num_heads != 0:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            raise ValueError(
+                "share_embeddings needs one vocabulary, got "
+                f"src_vocab_size={self.src_vocab_size}, tgt_vocab_size={self.tgt_vocab_size}"
+            )
+        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def layer_kwargs(self) -> dict:
+        """The arguments every EncoderLayer/DecoderLayer of this model is built with."""
+        return dict(
+            d_model=self.d_model,
+            num_heads=self.num_heads,
+            d_ff=self.d_ff,
+            dropout=self.dropout,
+            attention_dropout=self.attention_dropout,
+            activation=self.activation,
+            norm_first=self.norm_first,
+            layer_norm_eps=self.layer_norm_eps,
+            bias=self.bias,
+        )
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TransformerConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown TransformerConfig fields: {unknown}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> TransformerConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@dataclass
+class EncoderOutput:
+    hidden: Tensor  # (b, s_src, d) encoder output ("memory")
+    attentions: list[Tensor] | None = None  # per layer (b, h, s_src, s_src)
+    key_padding_mask: Tensor | None = None  # (b, s_src) True = real token
+
+
+@dataclass
+class DecoderOutput:
+    logits: Tensor  # (b, s_tgt, V)
+    hidden: Tensor  # (b, s_tgt, d) final decoder states
+    self_attentions: list[Tensor] | None = None  # per layer (b, h, s_tgt, s_k)
+    cross_attentions: list[Tensor] | None = None  # per layer (b, h, s_tgt, s_src)
+    cache: list[tuple[KVCache, KVCache]] | None = field(default=None, repr=False)  # per layer (self, cross)
+
+
+class TokenEmbedding(nn.Module):
+    """Token embedding scaled by sqrt(d_model) (section 3.4), then position, then dropout."""
+
+    def __init__(self, embedding: nn.Embedding, positional: nn.Module, d_model: int, dropout: float) -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.positional = positional
+        self.scale = math.sqrt(d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, ids: Tensor, start: int = 0) -> Tensor:
+        if ids.dim() != 2:
+            raise ValueError(f"token ids must be (batch, seq), got shape {tuple(ids.shape)}")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"token ids must be integers, got {ids.dtype}")
+        return self.dropout(self.positional(self.embedding(ids) * self.scale, start))  # (b, s, d)
+
+
+class Encoder(nn.Module):
+    """A stack of EncoderLayers; a final LayerNorm when pre-LN (the paper's post-LN has none)."""
+
+    def __init__(self, config: TransformerConfig, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(**config.layer_kwargs()) for _ in range(num_layers))
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
+
+    def forward(
+        self, x: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False, need_weights: bool = False
+    ) -> tuple[Tensor, list[Tensor] | None]:
+        attentions = [] if need_weights else None
+        for layer in self.layers:
+            out = layer(x, key_padding_mask=key_padding_mask, is_causal=is_causal, need_weights=need_weights)
+            x = out.output
+            if need_weights:
+                attentions.append(out.self_weights)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x, attentions
+
+
+class Decoder(nn.Module):
+    """A stack of DecoderLayers (masked self-attention, cross-attention, feed-forward)."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(**config.layer_kwargs()) for _ in range(config.num_decoder_layers))
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
+
+
+def _init_weights(module: nn.Module, d_model: int, pad_id: int | None) -> None:
+    """Xavier-uniform matrices; embeddings N(0, d_model^-0.5) since they are scaled by sqrt(d_model)."""
+    for name, param in module.named_parameters():
+        if "embedding" in name and param.dim() == 2:
+            nn.init.normal_(param, std=d_model**-0.5)
+            if pad_id is not None and pad_id < param.size(0):
+                with torch.no_grad():
+                    param[pad_id].zero_()
+        elif param.dim() > 1:
+            nn.init.xavier_uniform_(param)
+
+
+class Transformer(nn.Module):
+    """The encoder-decoder Transformer of "Attention Is All You Need".
+
+    ``forward(src, tgt)`` gives next-token logits for every target position (teacher forcing);
+    ``encode`` and ``decode`` are the two halves that decoding calls separately.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        src_embedding = nn.Embedding(config.src_vocab_size, d)
+        tgt_embedding = src_embedding if config.share_embeddings else nn.Embedding(config.tgt_vocab_size, d)
+        positional = build_positional_encoding(config.positional, d, config.max_len)
+        if config.positional == "learned":  # a separate learned table for each side
+            tgt_positional = build_positional_encoding("learned", d, config.max_len)
+        else:
+            tgt_positional = positional
+        self.src_embed = TokenEmbedding(src_embedding, positional, d, config.dropout)
+        self.tgt_embed = TokenEmbedding(tgt_embedding, tgt_positional, d, config.dropout)
+        self.encoder = Encoder(config, config.num_encoder_layers)
+        self.decoder = Decoder(config)
+        self.output_proj = nn.Linear(d, config.tgt_vocab_size, bias=False)
+        _init_weights(self, d, config.pad_id)
+        if config.tie_output:
+            self.output_proj.weight = tgt_embedding.weight
+
+    def encode(
+        self, src: Tensor, *, src_key_padding_mask: Tensor | None = None, need_weights: bool = False
+    ) -> EncoderOutput:
+        """Args: ``src (b, s_src)`` token ids; the padding mask defaults to ``src != pad_id``."""
+        if src_key_padding_mask is None:
+            src_key_padding_mask = src != self.config.pad_id
+        hidden, attentions = self.encoder(
+            self.src_embed(src), key_padding_mask=src_key_padding_mask, need_weights=need_weights
+        )
+        return EncoderOutput(hidden, attentions, src_key_padding_mask)
+
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: EncoderOutput,
+        *,
+        tgt_key_padding_mask: Tensor | None = None,
+        need_weights: bool = False,
+        cache: list[tuple[KVCache, KVCache]] | None = None,
+    ) -> DecoderOutput:
+        """Decode target ids against the encoder output.
+
+        Args:
+            tgt: ``(b, s_tgt)`` target ids (shifted right: starting with BOS). With a ``cache``, only
+                the new step's ids, ``(b, 1)`` usually.
+            memory: what :meth:`encode` returned.
+            tgt_key_padding_mask: ``(b, s_k)`` True = real; ``s_k`` counts cached steps too. Not
+                needed for right-padded targets: the causal mask already hides later pads.
+            need_weights: return per-layer self- and cross-attention weights.
+            cache: the ``cache`` of the previous step's output; None on the first step.
+        """
+        start = 0 if cache is None else len(cache[0][0])
+        x = self.tgt_embed(tgt, start)  # (b, s_tgt, d)
+        self_attns, cross_attns, new_cache = ([] if need_weights else None), ([] if need_weights else None), []
+        for i, layer in enumerate(self.decoder.layers):
+            self_cache, cross_cache = (None, None) if cache is None else cache[i]
+            out = layer(
+                x,
+                memory.hidden,
+                key_padding_mask=tgt_key_padding_mask,
+                memory_key_padding_mask=memory.key_padding_mask,
+                is_causal=True,
+                need_weights=need_weights,
+                self_cache=self_cache,
+                cross_cache=cross_cache,
+            )
+            x = out.output
+            new_cache.append((out.self_cache, out.cross_cache))
+            if need_weights:
+                self_attns.append(out.self_weights)
+                cross_attns.append(out.cross_weights)
+        if self.decoder.norm is not None:
+            x = self.decoder.norm(x)
+        return DecoderOutput(self.output_proj(x), x, self_attns, cross_attns, new_cache)
+
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        *,
+        src_key_padding_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Teacher-forced logits ``(b, s_tgt, V)`` for source ids ``(b, s_src)`` and target ids
+        ``(b, s_tgt)`` (shifted right)."""
+        memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
+        return self.decode(tgt, memory, tgt_key_padding_mask=tgt_key_padding_mask).logits
+
+
+@dataclass
+class EncoderModelOutput:
+    last_hidden_state: Tensor  # (b, s, d)
+    attentions: list[Tensor] | None = None  # per layer (b, h, s, s)
+
+
+class EncoderModel(nn.Module):
+    """Encoder-only model: embeddings, positions and ``num_encoder_layers`` encoder layers over
+    ``src_vocab_size`` tokens. Returns hidden states (add a head for a task)."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        positional = build_positional_encoding(config.positional, config.d_model, config.max_len)
+        self.embed = TokenEmbedding(
+            nn.Embedding(config.src_vocab_size, config.d_model), positional, config.d_model, config.dropout
+        )
+        self.encoder = Encoder(config, config.num_encoder_layers)
+        _init_weights(self, config.d_model, config.pad_id)
+
+    def forward(
+        self, ids: Tensor, *, key_padding_mask: Tensor | None = None, need_weights: bool = False
+    ) -> EncoderModelOutput:
+        if key_padding_mask is None:
+            key_padding_mask = ids != self.config.pad_id
+        hidden, attentions = self.encoder(
+            self.embed(ids), key_padding_mask=key_padding_mask, need_weights=need_weights
+        )
+        return EncoderModelOutput(hidden, attentions)
+
+
+class CausalLM(nn.Module):
+    """Decoder-only language model: ``num_decoder_layers`` causal self-attention blocks over
+    ``tgt_vocab_size`` tokens, output tied to the embedding when ``tie_output``."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        embedding = nn.Embedding(config.tgt_vocab_size, config.d_model)
+        positional = build_positional_encoding(config.positional, config.d_model, config.max_len)
+        self.embed = TokenEmbedding(embedding, positional, config.d_model, config.dropout)
+        self.blocks = Encoder(config, config.num_decoder_layers)
+        self.output_proj = nn.Linear(config.d_model, config.tgt_vocab_size, bias=False)
+        _init_weights(self, config.d_model, None)
+        if config.tie_output:
+            self.output_proj.weight = embedding.weight
+
+    def forward(self, ids: Tensor, *, need_weights: bool = False) -> tuple[Tensor, list[Tensor] | None]:
+        """Next-token logits ``(b, s, V)`` for ids ``(b, s)``, and per-layer weights if asked."""
+        hidden, attentions = self.blocks(self.embed(ids), is_causal=True, need_weights=need_weights)
+        return self.output_proj(hidden), attentions

@@ -1,0 +1,87 @@
+"""Positional encodings: the paper's fixed sinusoids (section 3.5) and a learned table.
+
+Both take ``x`` of shape ``(b, s, d)`` and return ``x`` plus the encoding of positions
+``start .. start + s - 1`` (``start`` > 0 when decoding step by step with a cache).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
+
+    Returns:
+        float32 tensor ``(max_len, d_model)``.
+    """
+    if d_model % 2 != 0:
+        raise ValueError(f"the sinusoidal encoding needs an even d_model, got {d_model}")
+    position = torch.arange(max_len, dtype=torch.float64)[:, None]  # (max_len, 1)
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(max_len, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * inv_freq)  # even dims: sin
+    table[:, 1::2] = torch.cos(position * inv_freq)  # odd dims: cos
+    return table.float()
+
+
+class _PositionalEncoding(nn.Module):
+    max_len: int
+
+    def _check(self, x: Tensor, start: int) -> None:
+        if x.dim() != 3:
+            raise ValueError(f"positional encoding expects (batch, seq, d_model), got {tuple(x.shape)}")
+        if start < 0 or start + x.size(1) > self.max_len:
+            raise ValueError(
+                f"positions {start}..{start + x.size(1) - 1} exceed the positional table of "
+                f"max_len={self.max_len}; raise max_len in the config"
+            )
+
+
+class SinusoidalPositionalEncoding(_PositionalEncoding):
+    """Fixed sinusoidal encoding, added to the input (not a parameter; saved with the model)."""
+
+    def __init__(self, d_model: int, max_len: int = 1024) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
+
+    def forward(self, x: Tensor, start: int = 0) -> Tensor:
+        self._check(x, start)
+        return x + self.table[start : start + x.size(1)].to(x.dtype)  # (b, s, d)
+
+
+class LearnedPositionalEncoding(_PositionalEncoding):
+    """A trained embedding per position (as in BERT), added to the input."""
+
+    def __init__(self, d_model: int, max_len: int = 1024) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.embedding = nn.Embedding(max_len, d_model)
+        nn.init.normal_(self.embedding.weight, std=0.02)
+
+    def forward(self, x: Tensor, start: int = 0) -> Tensor:
+        self._check(x, start)
+        positions = torch.arange(start, start + x.size(1), device=x.device)
+        return x + self.embedding(positions).to(x.dtype)  # (b, s, d)
+
+
+def build_positional_encoding(kind: str, d_model: int, max_len: int) -> nn.Module:
+    """``kind`` is ``"sinusoidal"``, ``"learned"`` or ``"none"`` (identity)."""
+    if kind == "sinusoidal":
+        return SinusoidalPositionalEncoding(d_model, max_len)
+    if kind == "learned":
+        return LearnedPositionalEncoding(d_model, max_len)
+    if kind == "none":
+        return NoPositionalEncoding()
+    raise ValueError(f"unknown positional encoding {kind!r}; choose sinusoidal, learned or none")
+
+
+class NoPositionalEncoding(nn.Module):
+    """Identity: the model sees a bag of tokens (used to show permutation equivariance)."""
+
+    def forward(self, x: Tensor, start: int = 0) -> Tensor:
+        return x
