@@ -123,6 +123,11 @@ class MultiHeadAttention(nn.Module):
         elif key is None:
             if value is not None:
                 raise ValueError("value was given without key; pass both for cross-attention")
+            if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+                raise ValueError(
+                    f"self-attention (key=None) needs kdim == vdim == embed_dim, got kdim={self.kdim}, "
+                    f"vdim={self.vdim}, embed_dim={self.embed_dim}; pass key and value"
+                )
             k = self._split_heads(self.k_proj(query))  # (b, h, s_q, d_h)
             v = self._split_heads(self.v_proj(query))
             if cache is not None:
