@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch_sdpa", "reference")
 _forced_backend: contextvars.ContextVar[str] = contextvars.ContextVar("qkv_backend", default="auto")
+# torch.compile cannot trace ContextVar.get (a graph break in every attention call), so a plain
+# module-level mirror is read while compiling; dynamo guards on its value and recompiles if it changes.
+_forced_backend_mirror = "auto"
 
 
 @dataclass(frozen=True)
@@ -41,11 +44,21 @@ def use_backend(name: str) -> Iterator[None]:
     ``"reference"``. ``"torch_sdpa"`` still falls back when weights are requested."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+    global _forced_backend_mirror
     token = _forced_backend.set(name)
+    previous, _forced_backend_mirror = _forced_backend_mirror, name
     try:
         yield
     finally:
         _forced_backend.reset(token)
+        _forced_backend_mirror = previous
+
+
+def forced_backend() -> str:
+    """The backend forced by the innermost :func:`use_backend` block (``"auto"`` outside any)."""
+    if torch.compiler.is_compiling():
+        return _forced_backend_mirror
+    return _forced_backend.get()
 
 
 def select_backend(
@@ -58,7 +71,7 @@ def select_backend(
     need_weights: bool,
 ) -> BackendChoice:
     """Pick the implementation for one attention call; log the reason when it is the reference."""
-    forced = _forced_backend.get()
+    forced = forced_backend()
     if need_weights:
         choice = BackendChoice("reference", "need_weights=True: the fused kernel does not return weights")
     elif forced == "reference":

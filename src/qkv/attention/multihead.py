@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention.functional import scaled_dot_product_attention
@@ -44,6 +45,14 @@ class AttentionOutput:
     output: Tensor  # (b, s_q, e)
     weights: Tensor | None  # (b, h, s_q, s_k) per head, or None unless need_weights
     cache: KVCache  # keys/values to pass back in on the next decoding step
+
+
+def _fusable(*projections: nn.Module) -> bool:
+    """Plain ``nn.Linear`` projections without hooks, of the same input size, can be fused into
+    one product; a hook (e.g. one that records a projection) needs its own module call."""
+    return all(
+        type(p) is nn.Linear and not p._forward_hooks and not p._forward_pre_hooks for p in projections
+    ) and len({p.in_features for p in projections}) == 1
 
 
 class MultiHeadAttention(nn.Module):
@@ -117,8 +126,8 @@ class MultiHeadAttention(nn.Module):
         """
         self._check_query(query)
         b, s_q, _ = query.shape
-        q = self._split_heads(self.q_proj(query))  # (b, h, s_q, d_h)
         if cache is not None and cache.static:
+            q = self._split_heads(self.q_proj(query))  # (b, h, s_q, d_h)
             k, v = cache.key, cache.value  # cross-attention: memory projected once
         elif key is None:
             if value is not None:
@@ -128,16 +137,25 @@ class MultiHeadAttention(nn.Module):
                     f"self-attention (key=None) needs kdim == vdim == embed_dim, got kdim={self.kdim}, "
                     f"vdim={self.vdim}, embed_dim={self.embed_dim}; pass key and value"
                 )
-            k = self._split_heads(self.k_proj(query))  # (b, h, s_q, d_h)
-            v = self._split_heads(self.v_proj(query))
-            if cache is not None:
-                k = torch.cat([cache.key, k], dim=-2)  # (b, h, s_past + s_q, d_h)
-                v = torch.cat([cache.value, v], dim=-2)
+            if cache is None and _fusable(self.q_proj, self.k_proj, self.v_proj):
+                q, k, v = self._fused_projection(query, (self.q_proj, self.k_proj, self.v_proj))
+            else:
+                # One new step (or hooked projections): three small products beat concatenating the weights every step.
+                q = self._split_heads(self.q_proj(query))  # (b, h, s_q, d_h)
+                k = self._split_heads(self.k_proj(query))  # (b, h, s_q, d_h)
+                v = self._split_heads(self.v_proj(query))
+                if cache is not None:
+                    k = torch.cat([cache.key, k], dim=-2)  # (b, h, s_past + s_q, d_h)
+                    v = torch.cat([cache.value, v], dim=-2)
         else:
             value = key if value is None else value
             self._check_key_value(query, key, value)
-            k = self._split_heads(self.k_proj(key))  # (b, h, s_k, d_h)
-            v = self._split_heads(self.v_proj(value))
+            q = self._split_heads(self.q_proj(query))  # (b, h, s_q, d_h)
+            if value is key and _fusable(self.k_proj, self.v_proj):
+                k, v = self._fused_projection(key, (self.k_proj, self.v_proj))  # (b, h, s_k, d_h) each
+            else:
+                k = self._split_heads(self.k_proj(key))  # (b, h, s_k, d_h)
+                v = self._split_heads(self.v_proj(value))
         new_cache = KVCache(k, v, static=key is not None or (cache is not None and cache.static))
 
         mask = combine_masks(
@@ -150,6 +168,24 @@ class MultiHeadAttention(nn.Module):
         out, weights = result if need_weights else (result, None)
         out = out.transpose(1, 2).reshape(b, s_q, self.embed_dim)  # (b, s_q, e)
         return AttentionOutput(self.out_proj(out), weights, new_cache)
+
+    def _fused_projection(self, x: Tensor, projections: tuple[nn.Linear, ...]) -> tuple[Tensor, ...]:
+        """Apply several same-input projections as one matrix product (fewer, larger kernels).
+
+        The weights are concatenated in the forward pass, so autograd gives each ``nn.Linear``
+        its own gradient and nothing is cached across optimizer steps. A missing bias counts as
+        zeros. Returns one ``(b, h, s, d_h)`` tensor per projection.
+        """
+        b, s, _ = x.shape
+        weight = torch.cat([p.weight for p in projections])  # (n * e, in)
+        biases = [p.bias for p in projections]
+        if all(bias is None for bias in biases):
+            bias = None
+        else:
+            bias = torch.cat([p.weight.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections])
+        fused = F.linear(x, weight, bias)  # (b, s, n * e)
+        fused = fused.view(b, s, len(projections), self.num_heads, self.head_dim)  # (b, s, n, h, d_h)
+        return fused.permute(2, 0, 3, 1, 4).unbind(0)  # n x (b, h, s, d_h)
 
     def _split_heads(self, x: Tensor) -> Tensor:
         b, s, _ = x.shape
