@@ -1,0 +1,136 @@
+"""The word-piece tokenizer of a BERT checkpoint folder (``tokenizer.json`` or ``vocab.txt``).
+
+Built on the ``tokenizers`` library (the same Rust tokenizer Hugging Face's fast tokenizers use);
+padding is done here, to the longest sequence of a batch, with an attention mask.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as _RustTokenizer
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EncodedBatch:
+    """Token ids and masks for a batch, right-padded to the longest sequence."""
+
+    input_ids: Tensor  # (b, s) int64
+    attention_mask: Tensor  # (b, s) int64, 1 = real token, 0 = padding
+    token_type_ids: Tensor  # (b, s) int64 segment ids
+    tokens: list[list[str]]  # the real tokens of each sequence (no padding)
+
+    def to(self, device: torch.device | str) -> EncodedBatch:
+        return EncodedBatch(
+            self.input_ids.to(device), self.attention_mask.to(device), self.token_type_ids.to(device), self.tokens
+        )
+
+
+class WordPieceTokenizer:
+    """A BERT tokenizer: ``[CLS] text [SEP]`` (``[CLS] a [SEP] b [SEP]`` for pairs), padded batches.
+
+    Args:
+        backend: a ``tokenizers.Tokenizer`` whose post-processor adds the special tokens.
+        max_length: truncate longer inputs to this many tokens (specials included).
+        pad_token: the padding token.
+    """
+
+    def __init__(self, backend: _RustTokenizer, *, max_length: int = 512, pad_token: str = "[PAD]") -> None:
+        if max_length < 2:
+            raise ValueError(f"max_length must be >= 2 (room for [CLS] and [SEP]), got {max_length}")
+        self.pad_id = backend.token_to_id(pad_token)
+        if self.pad_id is None:
+            raise ValueError(f"tokenizer has no padding token {pad_token!r}")
+        self.backend = backend
+        self.backend.no_padding()  # we pad to the longest in the batch ourselves
+        self.backend.enable_truncation(max_length)
+        self.max_length = max_length
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, *, max_length: int = 512) -> WordPieceTokenizer:
+        """Read ``tokenizer.json``, or else ``vocab.txt`` (+ ``tokenizer_config.json`` for casing)."""
+        folder = Path(folder)
+        tokenizer_json, vocab_txt = folder / "tokenizer.json", folder / "vocab.txt"
+        settings = _read_json(folder / "tokenizer_config.json")
+        max_length = min(max_length, int(settings.get("model_max_length", max_length) or max_length))
+        if tokenizer_json.is_file():
+            try:
+                backend = _RustTokenizer.from_file(str(tokenizer_json))
+            except Exception as err:  # the Rust error type is not exported
+                raise ValueError(f"{tokenizer_json}: cannot read tokenizer ({_first_line(err)})") from err
+        elif vocab_txt.is_file():
+            from tokenizers.implementations import BertWordPieceTokenizer
+
+            lowercase = bool(settings.get("do_lower_case", True))
+            strip_accents = settings.get("strip_accents")
+            backend = BertWordPieceTokenizer(
+                str(vocab_txt),
+                lowercase=lowercase,
+                strip_accents=lowercase if strip_accents is None else bool(strip_accents),
+                handle_chinese_chars=bool(settings.get("tokenize_chinese_chars", True)),
+            )._tokenizer
+        else:
+            raise FileNotFoundError(f"{folder}: no tokenizer.json or vocab.txt")
+        return cls(backend, max_length=max_length)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def __call__(self, texts: str | list[str], pairs: list[str] | None = None) -> EncodedBatch:
+        """Tokenize a text or a batch of texts (optionally text pairs) into padded tensors.
+
+        Args:
+            texts: one string or a list of strings.
+            pairs: second segments, one per text (token type 1), or None.
+
+        Returns:
+            :class:`EncodedBatch` with ``(b, s)`` tensors.
+        """
+        if isinstance(texts, str):
+            texts = [texts]
+        if not texts:
+            raise ValueError("no texts to tokenize")
+        if pairs is not None:
+            if len(pairs) != len(texts):
+                raise ValueError(f"got {len(texts)} texts but {len(pairs)} pairs")
+            encodings = self.backend.encode_batch(list(zip(texts, pairs)))
+        else:
+            encodings = self.backend.encode_batch(list(texts))
+        longest = max(len(e.ids) for e in encodings)
+        ids = torch.full((len(encodings), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(encodings), longest), dtype=torch.long)
+        types = torch.zeros((len(encodings), longest), dtype=torch.long)
+        for row, e in enumerate(encodings):
+            n = len(e.ids)
+            ids[row, :n] = torch.tensor(e.ids, dtype=torch.long)
+            mask[row, :n] = 1
+            types[row, :n] = torch.tensor(e.type_ids, dtype=torch.long)
+        return EncodedBatch(ids, mask, types, [list(e.tokens) for e in encodings])
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.backend.id_to_token(int(i)) for i in ids]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]
