@@ -124,7 +124,8 @@ def test_serve_command_binds_localhost(tiny_bert_dir, tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
-        assert "serving the attention explorer on http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        stderr = proc.stderr.read() if proc.poll() is not None else ""
+        assert "serving the attention explorer on http://127.0.0.1:" in line, (line, stderr)
         url = line.split(" on ", 1)[1].split(" ", 1)[0]
         with urllib.request.urlopen(url + "api/models", timeout=30) as response:
             assert json.load(response)["models"] == ["tiny-bert"]

