@@ -1,0 +1,167 @@
+"""Line-aligned parallel text: reading plain or gzipped files with clear errors, and Multi30k.
+
+A parallel corpus is two files with one sentence a line; line ``i`` of the source file translates
+line ``i`` of the target file. Errors name the file and the (1-based) line.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import shutil
+import tempfile
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/{name}"
+MULTI30K_SPLITS = {"train": "train", "val": "val", "valid": "val", "test": "test_2016_flickr",
+                   "test2016": "test_2016_flickr", "test_2016_flickr": "test_2016_flickr"}
+MULTI30K_LANGS = ("en", "de", "fr")
+
+
+@dataclass
+class ParallelText:
+    """Aligned source and target sentences (same length lists)."""
+
+    src: list[str]
+    tgt: list[str]
+    src_path: str = ""
+    tgt_path: str = ""
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """Read a UTF-8 text file (``.gz`` is decompressed) into lines without their newline.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: the file is empty, is not valid UTF-8 (names the line), or has an empty line
+            (names the line; an empty sentence cannot be translated or scored).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as handle:
+            raw = handle.read()
+    except (OSError, EOFError) as err:  # e.g. a truncated or fake .gz
+        raise ValueError(f"{path}: cannot read ({err})") from err
+    lines = raw.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # the final newline ends the last line, it does not start a new one
+    if not lines:
+        raise ValueError(f"{path}: file is empty")
+    text = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            decoded = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}, line {number}: not valid UTF-8 ({err.reason} at byte {err.start})") from err
+        decoded = decoded.rstrip("\r")
+        if not decoded.strip():
+            raise ValueError(f"{path}, line {number}: empty line (every line must hold a sentence)")
+        text.append(decoded)
+    return text
+
+
+def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
+    """Read two line-aligned files. Raises ``ValueError`` naming both files when the line counts
+    differ, and naming the file and line for empty lines or bad UTF-8."""
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    if len(src) != len(tgt):
+        shorter, n = (src_path, len(src)) if len(src) < len(tgt) else (tgt_path, len(tgt))
+        raise ValueError(
+            f"misaligned parallel files: {src_path} has {len(src)} lines, {tgt_path} has {len(tgt)} lines "
+            f"({shorter} ends at line {n}; line {n + 1} has no partner)"
+        )
+    return ParallelText(src, tgt, str(src_path), str(tgt_path))
+
+
+def default_cache_dir() -> Path:
+    """``$QKV_CACHE`` or ``$XDG_CACHE_HOME/qkv`` or ``~/.cache/qkv``."""
+    if os.environ.get("QKV_CACHE"):
+        return Path(os.environ["QKV_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "qkv"
+
+
+def _has_multi30k(folder: Path) -> bool:
+    return any((folder / f"train.en{ext}").is_file() for ext in (".gz", ""))
+
+
+def resolve_multi30k(root: str | Path | None = None, *, download: bool = True) -> Path:
+    """Find the folder holding the Multi30k task-1 files (``train.en.gz``, ``val.de.gz``, ...).
+
+    Looks in order at ``root``, ``$QKV_DATA/multi30k``, ``<cache>/multi30k``; if none holds the
+    files and ``download`` is True, downloads them from the upstream repository into the cache.
+    """
+    candidates = []
+    if root is not None:
+        candidates.append(Path(root))
+    if os.environ.get("QKV_DATA"):
+        candidates.append(Path(os.environ["QKV_DATA"]) / "multi30k")
+    cache = default_cache_dir() / "multi30k"
+    candidates.append(cache)
+    for folder in candidates:
+        if _has_multi30k(folder):
+            return folder
+    if not download:
+        raise FileNotFoundError(
+            f"Multi30k not found in {', '.join(map(str, candidates))}; set QKV_DATA to a folder holding multi30k/"
+        )
+    download_multi30k(cache)
+    return cache
+
+
+def download_multi30k(folder: Path, langs: tuple[str, ...] = ("en", "de"), timeout: float = 60.0) -> None:
+    """Download the task-1 raw files for ``langs`` into ``folder`` (each file written atomically)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for stem in sorted(set(MULTI30K_SPLITS.values())):
+        for lang in langs:
+            name = f"{stem}.{lang}.gz"
+            target = folder / name
+            if target.is_file():
+                continue
+            url = MULTI30K_URL.format(name=name)
+            logger.info("downloading %s", url)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
+            try:
+                with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
+                    shutil.copyfileobj(response, out)
+                os.chmod(tmp, 0o644)  # mkstemp creates 0600
+                os.replace(tmp, target)
+            except OSError as err:
+                raise FileNotFoundError(
+                    f"could not download Multi30k file {url} ({err}); put the files in $QKV_DATA/multi30k"
+                ) from err
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+
+
+def multi30k_paths(folder: str | Path, split: str, src_lang: str, tgt_lang: str) -> tuple[Path, Path]:
+    """Paths of one Multi30k split (plain or .gz) for a language pair."""
+    if split not in MULTI30K_SPLITS:
+        raise ValueError(f"unknown Multi30k split {split!r}; choose one of {sorted(MULTI30K_SPLITS)}")
+    for lang in (src_lang, tgt_lang):
+        if lang not in MULTI30K_LANGS:
+            raise ValueError(f"unknown Multi30k language {lang!r}; choose one of {MULTI30K_LANGS}")
+    stem = MULTI30K_SPLITS[split]
+    paths = []
+    for lang in (src_lang, tgt_lang):
+        gz, plain = Path(folder) / f"{stem}.{lang}.gz", Path(folder) / f"{stem}.{lang}"
+        paths.append(gz if gz.is_file() or not plain.is_file() else plain)
+    return paths[0], paths[1]
+
+
+def load_multi30k(folder: str | Path, split: str, src_lang: str = "en", tgt_lang: str = "de") -> ParallelText:
+    """Read one Multi30k split for ``src_lang -> tgt_lang`` from ``folder``."""
+    src_path, tgt_path = multi30k_paths(folder, split, src_lang, tgt_lang)
+    return read_parallel(src_path, tgt_path)

@@ -1,0 +1,105 @@
+"""A joint source/target subword tokenizer: byte-level BPE from the ``tokenizers`` library.
+
+Byte-level BPE covers every UTF-8 string with its 256 byte symbols, so nothing is ever unknown and
+``decode(encode(x)) == x`` exactly. Special ids are fixed: ``<pad>`` 0 (the model's ``pad_id``),
+``<s>`` 1 (BOS), ``</s>`` 2 (EOS), ``<unk>`` 3.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+SPECIALS = [PAD, BOS, EOS, UNK]
+
+
+class Tokenizer:
+    """Byte-level BPE with a joint vocabulary. Build with :meth:`train` or :meth:`load`."""
+
+    pad_id, bos_id, eos_id, unk_id = 0, 1, 2, 3
+
+    def __init__(self, backend: _HFTokenizer) -> None:
+        for i, token in enumerate(SPECIALS):
+            if backend.token_to_id(token) != i:
+                raise ValueError(f"tokenizer must map {token!r} to id {i}, got {backend.token_to_id(token)}")
+        self.backend = backend
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2) -> Tokenizer:
+        """Learn BPE merges on ``texts`` (pass source and target sentences together for a joint vocabulary).
+
+        Args:
+            texts: training sentences.
+            vocab_size: final vocabulary size including the 256 byte symbols and 4 specials
+                (at least 260).
+            min_frequency: a pair must occur this often to be merged.
+        """
+        if vocab_size < 260:
+            raise ValueError(f"vocab_size must be >= 260 (256 bytes + 4 specials), got {vocab_size}")
+        backend = _HFTokenizer(models.BPE(unk_token=UNK))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=SPECIALS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        backend.train_from_iterator(texts, trainer=trainer)
+        return cls(backend)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: tokenizer file not found")
+        return cls(_HFTokenizer.from_file(str(path)))
+
+    def save(self, path: str | Path) -> None:
+        """Write ``tokenizer.json`` atomically (temp file, then rename)."""
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            self.backend.save(tmp)
+            os.chmod(tmp, 0o644)  # mkstemp creates 0600
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Token ids of ``text``, optionally framed by BOS/EOS."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+
+    def encode_batch(self, texts: list[str], *, add_bos: bool = False, add_eos: bool = False) -> list[list[int]]:
+        encoded = self.backend.encode_batch(texts, add_special_tokens=False)
+        head, tail = ([self.bos_id] if add_bos else []), ([self.eos_id] if add_eos else [])
+        return [head + e.ids + tail for e in encoded]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; special tokens are dropped and decoding stops at the first EOS."""
+        kept = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id:
+                break
+            if i >= len(SPECIALS):
+                kept.append(i)
+        return self.backend.decode(kept, skip_special_tokens=True)
+
+    def tokens(self, text: str) -> list[str]:
+        """Readable token strings of ``text`` (byte symbols shown as text where possible)."""
+        return [self.backend.decode([i]) for i in self.encode(text)]

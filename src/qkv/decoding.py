@@ -1,0 +1,196 @@
+"""Batched greedy decoding and beam search over :meth:`Transformer.encode` / :meth:`Transformer.decode`.
+
+Both run the encoder once and, with ``use_cache=True`` (the default), feed the decoder one new
+token a step: self-attention keys/values are appended to a :class:`~qkv.KVCache` and the
+cross-attention keys/values of the encoder output are projected once, on the first step, and
+reused. ``use_cache=False`` recomputes the whole prefix every step (the slow reference the tests
+compare against).
+
+Shape legend: ``b`` sentences, ``k`` beam size, ``s_src`` source length, ``t`` decoded length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qkv.models import EncoderOutput, Transformer
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # decoded ids, EOS excluded
+    score: float  # sum of log-probabilities (EOS included when it was produced)
+    normalized: float  # score / length_penalty(len)
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """GNMT length penalty ``((5 + length) / 6) ** alpha`` (Wu et al. 2016; the paper's alpha is 0.6)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def _max_lengths(memory: EncoderOutput, extra_len: int, limit: int) -> Tensor:
+    """Per-sentence decoding limit: source length + ``extra_len``, capped by the positional table."""
+    src_len = memory.key_padding_mask.sum(dim=1)  # (b,)
+    return (src_len + extra_len).clamp(max=limit)
+
+
+def _reorder_cache(cache, index: Tensor):
+    # self-attention caches follow their beams; the cross-attention cache is the same for every
+    # beam of a sentence and beams never change sentence, so it is left as it is.
+    return [(self_cache.index_select(index), cross_cache) for self_cache, cross_cache in cache]
+
+
+def _expand_memory(memory: EncoderOutput, k: int) -> EncoderOutput:
+    index = torch.arange(memory.hidden.size(0), device=memory.hidden.device).repeat_interleave(k)
+    return EncoderOutput(memory.hidden.index_select(0, index), None, memory.key_padding_mask.index_select(0, index))
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: Transformer,
+    src: Tensor,
+    *,
+    bos_id: int,
+    eos_id: int,
+    extra_len: int = 50,
+    use_cache: bool = True,
+) -> list[list[int]]:
+    """Pick the most likely token at every step, for a whole batch at once.
+
+    Args:
+        model: a :class:`Transformer` (put in eval mode by the caller).
+        src: ``(b, s_src)`` padded source ids (padding = ``model.config.pad_id``).
+        bos_id, eos_id: start and end tokens of the target.
+        extra_len: a sentence stops after ``source length + extra_len`` tokens without EOS.
+        use_cache: decode incrementally with the KV cache (else recompute the prefix each step).
+
+    Returns:
+        one list of token ids per sentence, without BOS and EOS.
+    """
+    pad_id = model.config.pad_id
+    memory = model.encode(src)
+    b = src.size(0)
+    max_len = _max_lengths(memory, extra_len, model.config.max_len - 1)  # (b,)
+    tokens = torch.full((b, 1), bos_id, dtype=torch.long, device=src.device)  # (b, t)
+    finished = torch.zeros(b, dtype=torch.bool, device=src.device)
+    lengths = max_len.clone()
+    cache = None
+    for step in range(int(max_len.max())):
+        out = model.decode(tokens[:, -1:] if use_cache else tokens, memory, cache=cache)
+        cache = out.cache if use_cache else None
+        next_token = out.logits[:, -1].argmax(dim=-1)  # (b,)
+        next_token = next_token.masked_fill(finished, pad_id)
+        just_ended = ~finished & (next_token == eos_id)
+        lengths = torch.where(just_ended, torch.full_like(lengths, step), lengths)
+        finished |= just_ended | (step + 1 >= max_len)
+        tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+        if bool(finished.all()):
+            break
+    return [tokens[i, 1 : 1 + int(lengths[i])].tolist() for i in range(b)]
+
+
+@torch.no_grad()
+def beam_search(
+    model: Transformer,
+    src: Tensor,
+    *,
+    bos_id: int,
+    eos_id: int,
+    beam_size: int = 5,
+    alpha: float = 0.6,
+    extra_len: int = 50,
+    use_cache: bool = True,
+    return_all: bool = False,
+) -> list[list[int]] | list[list[Hypothesis]]:
+    """Beam search for a whole batch, ``beam_size`` hypotheses per sentence.
+
+    Every step extends each live hypothesis by every token, keeps the ``2k`` best candidates per
+    sentence, finalises those ending in EOS that rank within the first ``k`` and keeps the best
+    ``k`` others alive. A sentence is done once it has ``k`` finished hypotheses or reaches
+    ``source length + extra_len`` tokens (then its live hypotheses are finished as they are).
+    The winner maximises ``log p / length_penalty(len, alpha)``.
+
+    Args:
+        model: a :class:`Transformer` in eval mode.
+        src: ``(b, s_src)`` padded source ids.
+        bos_id, eos_id: target start and end tokens.
+        beam_size: ``k``; 1 gives exactly greedy decoding.
+        alpha: length penalty exponent (0 = raw log-probability).
+        extra_len: length limit beyond the source length.
+        use_cache: incremental decoding with the KV cache.
+        return_all: return every finished hypothesis (best first) instead of the best ids.
+
+    Returns:
+        per sentence the best token ids (no BOS/EOS), or lists of :class:`Hypothesis`.
+    """
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    k = beam_size
+    pad_id = model.config.pad_id
+    device = src.device
+    memory = model.encode(src)
+    b = src.size(0)
+    max_len = _max_lengths(memory, extra_len, model.config.max_len - 1).tolist()
+    memory = _expand_memory(memory, k)  # (b*k, s_src, d)
+    tokens = torch.full((b * k, 1), bos_id, dtype=torch.long, device=device)  # (b*k, t)
+    # only the first beam of each sentence is alive at the start, so no duplicates are kept
+    scores = torch.full((b, k), float("-inf"), device=device)
+    scores[:, 0] = 0.0
+    scores = scores.view(-1)  # (b*k,)
+    finished: list[list[Hypothesis]] = [[] for _ in range(b)]
+    done = [False] * b
+    cache = None
+    for step in range(max(max_len)):
+        out = model.decode(tokens[:, -1:] if use_cache else tokens, memory, cache=cache)
+        log_probs = torch.log_softmax(out.logits[:, -1].float(), dim=-1)  # (b*k, V)
+        vocab = log_probs.size(-1)
+        candidates = (scores[:, None] + log_probs).view(b, k * vocab)  # (b, k*V)
+        top_scores, top_index = candidates.topk(min(2 * k, k * vocab), dim=1)  # (b, 2k)
+        top_beam, top_token = top_index // vocab, top_index % vocab
+        top_scores_l, top_beam_l, top_token_l = top_scores.tolist(), top_beam.tolist(), top_token.tolist()
+        new_source = list(range(b * k))  # which old row each new row continues
+        new_token = [pad_id] * (b * k)
+        new_scores = [float("-inf")] * (b * k)
+        for i in range(b):
+            if done[i]:
+                continue
+            alive = 0
+            for rank, (score, beam, token) in enumerate(zip(top_scores_l[i], top_beam_l[i], top_token_l[i])):
+                if score == float("-inf"):
+                    break
+                row = i * k + beam
+                if token == eos_id:
+                    if rank < k:
+                        prefix = tokens[row, 1:].tolist()
+                        finished[i].append(Hypothesis(prefix, score, score / length_penalty(len(prefix) + 1, alpha)))
+                    continue
+                slot = i * k + alive
+                new_source[slot], new_token[slot], new_scores[slot] = row, token, score
+                alive += 1
+                if alive == k:
+                    break
+            if len(finished[i]) >= k:
+                done[i] = True
+            elif step + 1 >= max_len[i]:  # out of length: the live hypotheses end here
+                for j in range(alive):
+                    slot = i * k + j
+                    prefix = tokens[new_source[slot], 1:].tolist() + [new_token[slot]]
+                    score = new_scores[slot]
+                    finished[i].append(Hypothesis(prefix, score, score / length_penalty(len(prefix), alpha)))
+                done[i] = True
+            if done[i]:
+                for j in range(k):
+                    new_scores[i * k + j] = float("-inf")
+        if all(done):
+            break
+        index = torch.tensor(new_source, device=device)
+        tokens = torch.cat([tokens.index_select(0, index), torch.tensor(new_token, device=device)[:, None]], dim=1)
+        scores = torch.tensor(new_scores, device=device)
+        cache = _reorder_cache(out.cache, index) if use_cache else None
+    results = [sorted(hyps, key=lambda h: h.normalized, reverse=True) for hyps in finished]
+    if return_all:
+        return results
+    return [hyps[0].tokens if hyps else [] for hyps in results]

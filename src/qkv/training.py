@@ -1,0 +1,374 @@
+"""Training a translation Transformer: the paper's optimiser and schedule (section 5.3), label
+smoothing (section 5.4), token-count batches, periodic validation, checkpoints, resume and
+checkpoint averaging (section 6.1).
+
+Seeds and thread counts are the caller's business (the CLI sets them); this module only saves and
+restores the RNG state so that a resumed run continues exactly like an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from qkv import checkpoint as ckpt
+from qkv.data.batching import make_batch, token_batches
+from qkv.data.parallel import ParallelText
+from qkv.data.tokenizer import Tokenizer
+from qkv.evaluation import score_translations, translate_texts
+from qkv.models import Transformer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    """Options of a training run (saved in the run's config.json)."""
+
+    max_tokens: int = 6000  # padded tokens per batch (max(source, target) length x sentences)
+    accum_steps: int = 1  # batches whose gradients are summed into one optimizer step
+    lr_factor: float = 1.0  # multiplies the paper's schedule d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+    warmup_steps: int = 800  # linear warmup (the paper: 4000; too slow for a CPU hour)
+    adam_betas: tuple[float, float] = (0.9, 0.98)  # section 5.3
+    adam_eps: float = 1e-9
+    label_smoothing: float = 0.1  # section 5.4
+    clip_norm: float = 1.0  # gradient clipping on the global norm (0 = off)
+    bf16: bool = False  # bfloat16 autocast on CPU
+    max_steps: int = 0  # stop after this many optimizer steps (0 = no limit)
+    max_epochs: float = 0.0  # stop after this many passes over the data (0 = no limit)
+    max_minutes: float = 0.0  # stop after this much wall time, validation included (0 = no limit)
+    eval_every_steps: int = 0  # validate every N steps (0 = off)
+    eval_every_minutes: float = 0.0  # validate every N minutes (0 = off)
+    eval_sentences: int = 300  # validation subset decoded greedily for BLEU
+    checkpoint_every_steps: int = 0  # keep a checkpoint for averaging every N steps (0 = off)
+    checkpoint_every_minutes: float = 0.0  # ... or every N minutes
+    average_last: int = 5  # average this many kept checkpoints at the end (<= 1: no averaging)
+    log_every_steps: int = 20  # write a training-loss line to metrics.jsonl every N steps
+    seed: int = 0  # drives batch order (with the epoch number)
+    progress: bool = True  # tqdm progress bar
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields: {unknown}")
+        data = dict(data)
+        if "adam_betas" in data:
+            data["adam_betas"] = tuple(data["adam_betas"])
+        return cls(**data)
+
+
+def inverse_sqrt_lr(step: int, d_model: int, warmup_steps: int, factor: float = 1.0) -> float:
+    """The paper's learning rate (section 5.3, eq. 3) at optimizer step ``step`` (1-based):
+    ``factor * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)``."""
+    step = max(step, 1)
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+
+def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float, pad_id: int) -> torch.Tensor:
+    """Summed cross-entropy against targets smoothed with ``smoothing`` mass spread uniformly,
+    ignoring padding.
+
+    Shape: ``logits (b, s, V)``, ``target (b, s)`` -> scalar.
+    """
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(),
+        target.reshape(-1),
+        ignore_index=pad_id,
+        label_smoothing=smoothing,
+        reduction="sum",
+    )
+
+
+@dataclass
+class TrainState:
+    """Where a run stands; saved in state.pt with the optimizer and RNG states."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # current pass over the data
+    batch_in_epoch: int = 0  # batches of the current epoch already consumed
+    tokens: int = 0  # target tokens trained on
+    seconds: float = 0.0  # wall time spent in the training loop (over all sessions)
+    best_bleu: float = -1.0
+    last_eval_seconds: float = 0.0
+    last_checkpoint_seconds: float = 0.0
+    kept_checkpoints: list | None = None
+
+
+class Trainer:
+    """Trains ``model`` on tokenised parallel text and writes everything into ``run_dir``.
+
+    Args:
+        model: the :class:`Transformer` to train (its config sizes the schedule).
+        tokenizer: the joint tokenizer (already saved in the run folder by the caller).
+        train_data: training pairs.
+        valid_data: validation pairs (a subset of ``config.eval_sentences`` is used) or None.
+        config: a :class:`TrainConfig`.
+        run_dir: the run folder (must exist and hold config.json and tokenizer.json).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        train_data: ParallelText,
+        valid_data: ParallelText | None,
+        config: TrainConfig,
+        run_dir: str | Path,
+    ) -> None:
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.run_dir = Path(run_dir)
+        (self.run_dir / "checkpoints").mkdir(exist_ok=True)
+        self.src_ids = tokenizer.encode_batch(train_data.src)
+        self.tgt_ids = tokenizer.encode_batch(train_data.tgt)
+        self.src_lengths = [len(s) + 1 for s in self.src_ids]
+        self.tgt_lengths = [len(t) + 1 for t in self.tgt_ids]
+        self.valid = valid_data
+        self.optimizer = torch.optim.Adam(
+            model.parameters(), lr=0.0, betas=config.adam_betas, eps=config.adam_eps
+        )
+        self.state = TrainState(kept_checkpoints=[])
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+
+    # ----------------------------------------------------------------- state
+    def save(self) -> None:
+        """Save ``last.safetensors`` and ``state.pt`` (atomically), at an optimizer-step boundary."""
+        ckpt.save_weights(self.model, self.run_dir / "last.safetensors")
+        ckpt.save_training_state(
+            self.run_dir / "state.pt",
+            {
+                "train_state": asdict(self.state),
+                "optimizer": self.optimizer.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+            },
+        )
+
+    def resume(self) -> None:
+        """Restore weights, optimizer, position and RNG from the run folder."""
+        saved = ckpt.load_training_state(self.run_dir / "state.pt")
+        ckpt.load_weights(self.model, self.run_dir / "last.safetensors")
+        self.optimizer.load_state_dict(saved["optimizer"])
+        torch.set_rng_state(saved["torch_rng"])
+        self.state = TrainState(**saved["train_state"])
+        logger.info("resumed at step %d (epoch %d, %.1f minutes done)", self.state.step, self.state.epoch,
+                    self.state.seconds / 60)
+
+    def log(self, record: dict) -> None:
+        with open(self.metrics_path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    # ----------------------------------------------------------------- loop
+    def _batches(self, epoch: int) -> list[list[int]]:
+        return token_batches(self.src_lengths, self.tgt_lengths, self.config.max_tokens, seed=self.config.seed + epoch)
+
+    def _done(self, epochs_float: float) -> bool:
+        c, s = self.config, self.state
+        return (
+            (c.max_steps and s.step >= c.max_steps)
+            or (c.max_minutes and s.seconds >= c.max_minutes * 60)
+            or (c.max_epochs and epochs_float >= c.max_epochs)
+        )
+
+    def train(self) -> TrainState:
+        """Run until a stop condition (steps, epochs, minutes). Ctrl-C saves a checkpoint and
+        re-raises ``KeyboardInterrupt``. Returns the final :class:`TrainState`."""
+        c, s, model = self.config, self.state, self.model
+        if not (c.max_steps or c.max_minutes or c.max_epochs):
+            raise ValueError("set at least one of max_steps, max_minutes, max_epochs")
+        autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if c.bf16 else contextlib.nullcontext
+        pad_id = model.config.pad_id
+        batches = self._batches(s.epoch)
+        session_start, session_seconds0 = time.perf_counter(), s.seconds
+        window_tokens, window_loss, window_start = 0, 0.0, time.perf_counter()
+        bar = tqdm(total=c.max_steps or None, initial=s.step, desc="training", unit="step", disable=not c.progress,
+                   dynamic_ncols=True)
+        try:
+            while not self._done(s.epoch + s.batch_in_epoch / max(1, len(batches))):
+                model.train()
+                # where this step starts: restored if Ctrl-C lands inside it
+                step_start = (s.epoch, s.batch_in_epoch, torch.get_rng_state(), s.step)
+                group = []
+                while len(group) < c.accum_steps:
+                    if s.batch_in_epoch >= len(batches):
+                        s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+                        batches = self._batches(s.epoch)
+                    index = batches[s.batch_in_epoch]
+                    s.batch_in_epoch += 1
+                    group.append(make_batch([self.src_ids[i] for i in index], [self.tgt_ids[i] for i in index],
+                                            pad_id=pad_id, bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id))
+                group_tokens = sum(b.num_tgt_tokens for b in group)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss_sum = 0.0
+                for batch in group:
+                    with autocast():
+                        logits = model(batch.src, batch.tgt_in)
+                    loss = label_smoothed_loss(logits, batch.tgt_out, c.label_smoothing, pad_id)
+                    (loss / group_tokens).backward()
+                    loss_sum += float(loss.detach())
+                if c.clip_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip_norm)
+                lr = inverse_sqrt_lr(s.step + 1, model.config.d_model, c.warmup_steps, c.lr_factor)
+                for param_group in self.optimizer.param_groups:
+                    param_group["lr"] = lr
+                self.optimizer.step()
+                s.step += 1
+                s.tokens += group_tokens
+                s.seconds = session_seconds0 + time.perf_counter() - session_start
+                window_tokens += group_tokens
+                window_loss += loss_sum
+                bar.update(1)
+                if s.step % c.log_every_steps == 0:
+                    elapsed = time.perf_counter() - window_start
+                    tps = window_tokens / max(elapsed, 1e-9)
+                    record = {"event": "train", "step": s.step, "epoch": round(s.epoch + s.batch_in_epoch /
+                              len(batches), 3), "minutes": round(s.seconds / 60, 3), "loss": round(
+                              window_loss / window_tokens, 4), "lr": lr, "tokens_per_s": round(tps, 1)}
+                    self.log(record)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:.0f}", eta=self._eta())
+                    window_tokens, window_loss, window_start = 0, 0.0, time.perf_counter()
+                self._maybe_evaluate_and_keep()
+        except KeyboardInterrupt:
+            logger.warning("interrupted: saving a checkpoint at step %d before exiting", s.step)
+            # a partly done step is dropped: the checkpoint sits on a step boundary, so resuming
+            # replays exactly the batches and dropout masks of the interrupted step
+            if "step_start" in locals() and s.step == step_start[3]:
+                s.epoch, s.batch_in_epoch = step_start[0], step_start[1]
+                torch.set_rng_state(step_start[2])
+            self.save()
+            bar.close()
+            raise
+        bar.close()
+        self.save()
+        return s
+
+    def _eta(self) -> str:
+        c, s = self.config, self.state
+        remaining = []
+        if c.max_minutes:
+            remaining.append(c.max_minutes * 60 - s.seconds)
+        if c.max_steps and s.step:
+            remaining.append(s.seconds / s.step * (c.max_steps - s.step))
+        if not remaining:
+            return "?"
+        secs = max(0, int(min(remaining)))
+        return f"{secs // 60}:{secs % 60:02d}"
+
+    def _maybe_evaluate_and_keep(self) -> None:
+        c, s = self.config, self.state
+        if (c.eval_every_steps and s.step % c.eval_every_steps == 0) or (
+            c.eval_every_minutes and s.seconds - s.last_eval_seconds >= c.eval_every_minutes * 60
+        ):
+            s.last_eval_seconds = s.seconds
+            self.evaluate()
+        if (c.checkpoint_every_steps and s.step % c.checkpoint_every_steps == 0) or (
+            c.checkpoint_every_minutes and s.seconds - s.last_checkpoint_seconds >= c.checkpoint_every_minutes * 60
+        ):
+            s.last_checkpoint_seconds = s.seconds
+            self.keep_checkpoint()
+
+    def keep_checkpoint(self) -> None:
+        """Save ``checkpoints/step_<N>.safetensors`` (for averaging) and the resumable state."""
+        path = self.run_dir / "checkpoints" / f"step_{self.state.step}.safetensors"
+        ckpt.save_weights(self.model, path)
+        kept = self.state.kept_checkpoints
+        if path.name not in kept:
+            kept.append(path.name)
+        keep = max(self.config.average_last, 1)
+        while len(kept) > keep:
+            old = self.run_dir / "checkpoints" / kept.pop(0)
+            if old.exists():
+                old.unlink()
+        self.save()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict | None:
+        """Validation loss and greedy BLEU on the first ``eval_sentences`` validation pairs;
+        saves ``best.safetensors`` when BLEU improves."""
+        if self.valid is None:
+            return None
+        c, s, model = self.config, self.state, self.model
+        start = time.perf_counter()
+        model.eval()
+        n = min(c.eval_sentences, len(self.valid))
+        src, refs = self.valid.src[:n], self.valid.tgt[:n]
+        src_ids, tgt_ids = self.tokenizer.encode_batch(src), self.tokenizer.encode_batch(refs)
+        pad_id = model.config.pad_id
+        total_loss, total_tokens = 0.0, 0
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if c.bf16 else contextlib.nullcontext()
+        with autocast:
+            for index in token_batches([len(x) + 1 for x in src_ids], [len(x) + 1 for x in tgt_ids], 4000, seed=None):
+                batch = make_batch([src_ids[i] for i in index], [tgt_ids[i] for i in index], pad_id=pad_id,
+                                   bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
+                logits = model(batch.src, batch.tgt_in)
+                total_loss += float(F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
+                                                    batch.tgt_out.reshape(-1), ignore_index=pad_id, reduction="sum"))
+                total_tokens += batch.num_tgt_tokens
+        hyps = translate_texts(model, self.tokenizer, src, beam_size=1, bf16=c.bf16)
+        scores = score_translations(hyps, refs)
+        eval_seconds = time.perf_counter() - start
+        record = {"event": "valid", "step": s.step, "minutes": round(s.seconds / 60, 3),
+                  "val_loss": round(total_loss / total_tokens, 4), "val_ppl": round(math.exp(total_loss / total_tokens), 3),
+                  "val_bleu_greedy": scores["bleu"], "val_chrf_greedy": scores["chrf"], "sentences": n,
+                  "eval_seconds": round(eval_seconds, 1)}
+        self.log(record)
+        logger.info("step %d (%.1f min): val loss %.3f, greedy BLEU %.2f on %d sentences", s.step, s.seconds / 60,
+                    record["val_loss"], scores["bleu"], n)
+        if scores["bleu"] > s.best_bleu:
+            s.best_bleu = scores["bleu"]
+            ckpt.save_weights(model, self.run_dir / "best.safetensors")
+        model.train()
+        return record
+
+    def finish(self) -> Path:
+        """Write ``model.safetensors``: the average of the kept checkpoints (the final weights are
+        added as one of them), or the final weights. Returns its path."""
+        c = self.config
+        out = self.run_dir / "model.safetensors"
+        if c.average_last > 1:
+            self.keep_checkpoint()
+            paths = [self.run_dir / "checkpoints" / name for name in self.state.kept_checkpoints[-c.average_last:]]
+            ckpt.average_weight_files(paths, out)
+            logger.info("averaged %d checkpoints: %s", len(paths), ", ".join(p.name for p in paths))
+        else:
+            ckpt.save_weights(self.model, out)
+        return out
+
+
+def plot_metrics(metrics_path: str | Path, png_path: str | Path) -> None:
+    """Draw training loss and validation BLEU against minutes into a PNG (atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    train = [r for r in records if r.get("event") == "train"]
+    valid = [r for r in records if r.get("event") == "valid"]
+    fig, ax_loss = plt.subplots(figsize=(7, 4))
+    ax_loss.plot([r["minutes"] for r in train], [r["loss"] for r in train], color="tab:blue", label="train loss")
+    if valid:
+        ax_loss.plot([r["minutes"] for r in valid], [r["val_loss"] for r in valid], "o-", color="tab:cyan",
+                     label="val loss")
+    ax_loss.set_xlabel("minutes")
+    ax_loss.set_ylabel("loss (nats/token)")
+    if valid:
+        ax_bleu = ax_loss.twinx()
+        ax_bleu.plot([r["minutes"] for r in valid], [r["val_bleu_greedy"] for r in valid], "s-", color="tab:red",
+                     label="val BLEU (greedy)")
+        ax_bleu.set_ylabel("BLEU")
+        ax_bleu.legend(loc="center right")
+    ax_loss.legend(loc="upper right")
+    fig.tight_layout()
+    with ckpt.atomic_path(png_path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
