@@ -1,0 +1,184 @@
+"""What every experiment shares: a seeded scope, the output folder, atomic JSON/PNG writes, the
+device, and the fitted power law used by the scaling figures.
+
+Every experiment writes ``<out>/<name>/results.json`` (schema ``qkv-experiment/1``, see
+:func:`write_results`) and one or more PNG figures next to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SCHEMA = "qkv-experiment/1"
+
+
+@dataclass
+class ExperimentResult:
+    """What an experiment hands back: its numbers, its one-line claims and the files it wrote."""
+
+    name: str  # experiment name, e.g. "softmax-scaling"
+    quick: bool  # run in --quick mode (small sizes, for tests)
+    seed: int  # the seed it ran under
+    config: dict  # the sizes it ran with
+    results: dict  # the measured numbers (JSON-able)
+    claims: dict[str, bool]  # each claim of the issue -> whether these numbers support it
+    summary: list[str]  # a few human-readable lines
+    figures: list[str] = field(default_factory=list)  # PNG file names, relative to the folder
+    seconds: float = 0.0  # wall time of the run
+    folder: Path | None = None  # where results.json was written
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": SCHEMA,
+            "experiment": self.name,
+            "quick": self.quick,
+            "seed": self.seed,
+            "config": self.config,
+            "results": self.results,
+            "claims": self.claims,
+            "summary": self.summary,
+            "figures": self.figures,
+            "seconds": round(self.seconds, 3),
+            "environment": environment(),
+        }
+
+
+def environment() -> dict:
+    """Versions and hardware the numbers were measured on."""
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    """``None``/``"auto"`` -> CUDA when present, else CPU; anything else is passed to torch."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available")
+    return torch.device(device)
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device | None = None) -> Iterator[None]:
+    """Run a block under ``torch.manual_seed(seed)`` and restore the caller's RNG state afterwards,
+    so an experiment is reproducible without changing the global random state of its caller."""
+    devices = [device.index or 0] if device is not None and device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def experiment_dir(out: str | Path, name: str) -> Path:
+    folder = Path(out) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _atomic(path: Path, write) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    """Write ``data`` as indented JSON, atomically (temporary file, then rename)."""
+    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
+
+    def write(tmp: str) -> None:
+        Path(tmp).write_text(text, encoding="utf-8")
+
+    return _atomic(Path(path), write)
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8), atomically."""
+    return _atomic(Path(path), lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def new_figure(width: float, height: float):
+    """A matplotlib Figure not registered with pyplot: no display, no global state, no leak."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def save_figure(fig, path: str | Path, *, dpi: int = 110) -> Path:
+    """Save a matplotlib figure as PNG, atomically."""
+    return _atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+
+
+def write_results(result: ExperimentResult, folder: str | Path) -> Path:
+    """Write ``results.json`` for ``result`` into ``folder`` and remember the folder."""
+    folder = Path(folder)
+    result.folder = folder
+    return write_json(folder / "results.json", result.to_dict())
+
+
+def fit_power_law(sizes: Sequence[float], values: Sequence[float]) -> tuple[float, float]:
+    """Least-squares fit of ``log value = exponent * log size + log coefficient``.
+
+    Returns:
+        ``(exponent, coefficient)``.
+    """
+    if len(sizes) != len(values) or len(sizes) < 2:
+        raise ValueError(f"need at least two (size, value) pairs, got {len(sizes)} sizes and {len(values)} values")
+    if min(sizes) <= 0 or min(values) <= 0:
+        raise ValueError(f"sizes and values must be positive for a log-log fit, got {list(sizes)}, {list(values)}")
+    xs = [math.log(s) for s in sizes]
+    ys = [math.log(v) for v in values]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError(f"sizes must not all be equal, got {list(sizes)}")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return slope, math.exp(my - slope * mx)
+
+
+class Stopwatch:
+    """``with Stopwatch() as w: ...; w.seconds``."""
+
+    def __enter__(self) -> Stopwatch:
+        self.start = time.perf_counter()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
+def rounded(values, digits: int = 6):
+    """Floats (possibly nested in lists/dicts) rounded to ``digits`` significant digits for JSON."""
+    if isinstance(values, dict):
+        return {k: rounded(v, digits) for k, v in values.items()}
+    if isinstance(values, (list, tuple)):
+        return [rounded(v, digits) for v in values]
+    if isinstance(values, float):
+        if not math.isfinite(values):
+            raise ValueError(f"cannot store a non-finite number in results: {values}")
+        return float(f"{values:.{digits}g}")
+    return values

@@ -1,0 +1,472 @@
+"""Long-range dependencies: recurrent networks forget, attention connects any two tokens in one step.
+
+The task: the first token is one of ``K`` symbols, then come ``N`` noise tokens, then a query
+token; the answer is the first symbol. Its information has to travel ``N + 1`` steps through a
+recurrence, or one step through attention. A vanilla tanh RNN, an LSTM and a one-layer attention
+model, with matched parameter counts, are trained for each ``N`` and tested on fresh sequences.
+
+The gradient that reaches step ``t`` from the last step passes through ``dh_T/dh_t =
+prod_s diag(1 - h_s^2) W_hh`` in a tanh RNN: a product of ``T - t`` matrices whose norm shrinks
+geometrically when the recurrent weights are contractive (the vanishing gradient, Bengio et al.,
+1994). Attention's output at ``T`` depends on every input through one softmax-weighted sum, so
+its gradient does not depend on the distance (section 4 of the paper: path length O(1)).
+
+Shape legend: ``b`` batch, ``T`` sequence length (``N + 2``), ``e`` embedding size, ``h`` hidden
+size, ``d`` d_model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from qkv.experiments.common import (
+    ExperimentResult,
+    Stopwatch,
+    experiment_dir,
+    new_figure,
+    pick_device,
+    rounded,
+    save_figure,
+    seeded,
+    write_results,
+)
+from qkv.layers import EncoderLayer
+from qkv.positional import sinusoidal_table
+
+logger = logging.getLogger(__name__)
+
+NAME = "long-range"
+MODELS = ("rnn", "lstm", "attention")
+
+
+@dataclass(frozen=True)
+class LongRangeConfig:
+    """Sizes of the long-range experiment."""
+
+    distances: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)  # N: noise tokens between symbol and query
+    num_symbols: int = 8  # K: classes (chance accuracy is 1/K)
+    num_noise: int = 8  # distinct noise tokens
+    embed_dim: int = 32  # token embedding size of the recurrent models
+    d_model: int = 32  # width of the attention model
+    num_heads: int = 4  # attention heads
+    d_ff: int = 64  # feed-forward width of the attention model
+    batch_size: int = 64  # sequences per training step
+    max_steps: int = 600  # training steps at most, per model and distance
+    eval_every: int = 50  # validate every this many steps; stop once target_accuracy is reached
+    target_accuracy: float = 0.99  # early stopping threshold on the validation set
+    lr: float = 3e-3  # Adam learning rate (all models)
+    grad_clip: float = 1.0  # gradient norm clipping (all models)
+    eval_size: int = 1000  # fresh test sequences per distance
+    jacobian_batch: int = 16  # sequences averaged over for the gradient norms
+
+    def __post_init__(self) -> None:
+        if not self.distances or min(self.distances) < 1:
+            raise ValueError(f"distances must be positive integers, got {self.distances}")
+        if self.num_symbols < 2 or self.num_noise < 1:
+            raise ValueError(f"need num_symbols >= 2 and num_noise >= 1, got {self.num_symbols}, {self.num_noise}")
+        if self.max_steps < 1 or self.eval_every < 1:
+            raise ValueError(f"max_steps and eval_every must be positive, got {self.max_steps}, {self.eval_every}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.num_symbols + self.num_noise + 1  # symbols, noise, query
+
+    @property
+    def query_id(self) -> int:
+        return self.num_symbols + self.num_noise
+
+
+QUICK = LongRangeConfig(distances=(8, 16, 64), max_steps=300, eval_size=500, jacobian_batch=8)
+
+
+def make_batch(config: LongRangeConfig, size: int, distance: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """``size`` sequences ``[symbol, noise x distance, query]`` and their answers.
+
+    Returns:
+        ``tokens (size, distance + 2)`` int64 and ``targets (size,)``, the first symbol.
+    """
+    k = config.num_symbols
+    tokens = torch.randint(k, k + config.num_noise, (size, distance + 2), generator=generator)
+    tokens[:, 0] = torch.randint(0, k, (size,), generator=generator)
+    tokens[:, -1] = config.query_id
+    return tokens, tokens[:, 0].clone()
+
+
+class RecurrentClassifier(nn.Module):
+    """Embedding, a one-layer ``nn.RNN`` (tanh) or ``nn.LSTM``, a linear readout of the last state.
+
+    Args:
+        kind: ``"rnn"`` or ``"lstm"``.
+        vocab_size, embed_dim, hidden_size, num_classes: sizes.
+    """
+
+    def __init__(self, *, kind: str, vocab_size: int, embed_dim: int, hidden_size: int, num_classes: int) -> None:
+        super().__init__()
+        if kind not in ("rnn", "lstm"):
+            raise ValueError(f"kind must be 'rnn' or 'lstm', got {kind!r}")
+        self.kind = kind
+        self.embedding = nn.Embedding(vocab_size, embed_dim)
+        if kind == "rnn":
+            self.rnn = nn.RNN(embed_dim, hidden_size, nonlinearity="tanh", batch_first=True)
+        else:
+            self.rnn = nn.LSTM(embed_dim, hidden_size, batch_first=True)
+            with torch.no_grad():  # forget-gate bias 1 (Jozefowicz et al., 2015): the LSTM's best chance
+                self.rnn.bias_ih_l0[hidden_size : 2 * hidden_size].fill_(1.0)
+                self.rnn.bias_hh_l0[hidden_size : 2 * hidden_size].fill_(0.0)
+        self.head = nn.Linear(hidden_size, num_classes)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        return self.embedding(tokens)  # (b, T, e)
+
+    def features(self, x: Tensor) -> Tensor:
+        """The last hidden state ``(b, h)`` for embedded inputs ``x (b, T, e)``."""
+        out, _ = self.rnn(x)  # (b, T, h)
+        return out[:, -1]
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.features(self.embed(tokens)))  # (b, K)
+
+
+class AttentionClassifier(nn.Module):
+    """Embedding plus sinusoidal positions, one qkv :class:`EncoderLayer` (post-LN, no dropout),
+    a linear readout at the query (last) position.
+
+    Only the last position is read, so only its row of the layer is computed (:meth:`features`):
+    the same numbers as ``layer(x).output[:, -1]`` at O(T d) instead of O(T^2 d) cost.
+    """
+
+    def __init__(
+        self, *, vocab_size: int, d_model: int, num_heads: int, d_ff: int, num_classes: int, max_len: int
+    ) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, d_model)
+        self.register_buffer("positions", sinusoidal_table(max_len, d_model), persistent=False)
+        self.layer = EncoderLayer(d_model=d_model, num_heads=num_heads, d_ff=d_ff, dropout=0.0)
+        self.head = nn.Linear(d_model, num_classes)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        if tokens.size(1) > self.positions.size(0):
+            raise ValueError(f"sequence length {tokens.size(1)} exceeds max_len {self.positions.size(0)}")
+        return self.embedding(tokens) + self.positions[: tokens.size(1)]  # (b, T, d)
+
+    def features(self, x: Tensor) -> Tensor:
+        """The encoder layer's output at the last position, ``(b, d)``, for inputs ``x (b, T, d)``."""
+        layer = self.layer
+        query = x[:, -1:]  # (b, 1, d)
+        attended = layer.self_attn(query, x, x).output  # (b, 1, d): the query row of self-attention
+        z = layer.norm1(query + attended)  # post-LN residual, as in EncoderLayer
+        z = layer.norm2(z + layer.feed_forward(z))
+        return z[:, -1]
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.features(self.embed(tokens)))  # (b, K)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def recurrent_parameters(kind: str, *, vocab_size: int, embed_dim: int, hidden_size: int, num_classes: int) -> int:
+    """Parameters of :class:`RecurrentClassifier` (embedding, recurrence with two biases, readout)."""
+    gates = 1 if kind == "rnn" else 4
+    e, h = embed_dim, hidden_size
+    return vocab_size * e + gates * (e * h + h * h + 2 * h) + h * num_classes + num_classes
+
+
+def matched_hidden_size(kind: str, target: int, *, vocab_size: int, embed_dim: int, num_classes: int) -> int:
+    """The hidden size whose parameter count is closest to ``target``."""
+    return min(
+        range(1, 1025),
+        key=lambda h: abs(
+            recurrent_parameters(kind, vocab_size=vocab_size, embed_dim=embed_dim, hidden_size=h, num_classes=num_classes)
+            - target
+        ),
+    )
+
+
+def build_models(config: LongRangeConfig, max_len: int) -> dict[str, nn.Module]:
+    """The three models, the recurrent ones sized to the attention model's parameter count."""
+    attention = AttentionClassifier(
+        vocab_size=config.vocab_size,
+        d_model=config.d_model,
+        num_heads=config.num_heads,
+        d_ff=config.d_ff,
+        num_classes=config.num_symbols,
+        max_len=max_len,
+    )
+    target = count_parameters(attention)
+    models: dict[str, nn.Module] = {}
+    for kind in ("rnn", "lstm"):
+        hidden = matched_hidden_size(
+            kind, target, vocab_size=config.vocab_size, embed_dim=config.embed_dim, num_classes=config.num_symbols
+        )
+        models[kind] = RecurrentClassifier(
+            kind=kind,
+            vocab_size=config.vocab_size,
+            embed_dim=config.embed_dim,
+            hidden_size=hidden,
+            num_classes=config.num_symbols,
+        )
+    models["attention"] = attention
+    return models
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, tokens: Tensor, targets: Tensor, batch_size: int = 250) -> float:
+    model.eval()
+    correct = 0
+    for start in range(0, tokens.size(0), batch_size):
+        logits = model(tokens[start : start + batch_size])
+        correct += int((logits.argmax(-1) == targets[start : start + batch_size]).sum())
+    model.train()
+    return correct / tokens.size(0)
+
+
+def train_model(
+    model: nn.Module, config: LongRangeConfig, distance: int, generator: torch.Generator, device: torch.device
+) -> dict:
+    """Adam with gradient clipping on fresh batches until the validation accuracy reaches
+    ``target_accuracy`` or ``max_steps`` run out.
+
+    Returns:
+        ``{"steps", "curve": [[step, validation accuracy], ...], "seconds"}``.
+    """
+    model.to(device).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    val_tokens, val_targets = (t.to(device) for t in make_batch(config, 500, distance, generator))
+    curve = []
+    step = 0
+    with Stopwatch() as watch:
+        while True:
+            if step % config.eval_every == 0 or step == config.max_steps:
+                val = accuracy(model, val_tokens, val_targets)
+                curve.append([step, val])
+                if val >= config.target_accuracy or step == config.max_steps:
+                    break
+            tokens, targets = (t.to(device) for t in make_batch(config, config.batch_size, distance, generator))
+            loss = F.cross_entropy(model(tokens), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            optimizer.step()
+            step += 1
+    return {"steps": step, "curve": curve, "seconds": watch.seconds}
+
+
+def rnn_hidden_states(model: RecurrentClassifier, tokens: Tensor) -> Tensor:
+    """The tanh RNN's hidden states recomputed step by step in float64, ``(b, T, h)``."""
+    if model.kind != "rnn":
+        raise ValueError(f"hidden-state Jacobians are computed for the tanh RNN, got kind={model.kind!r}")
+    rnn = model.rnn
+    w_ih, w_hh = rnn.weight_ih_l0.double(), rnn.weight_hh_l0.double()
+    bias = (rnn.bias_ih_l0 + rnn.bias_hh_l0).double()
+    x = model.embed(tokens).double() @ w_ih.T + bias  # (b, T, h)
+    h = x.new_zeros(x.size(0), w_hh.size(0))
+    states = []
+    for t in range(x.size(1)):
+        h = torch.tanh(x[:, t] + h @ w_hh.T)  # (b, h)
+        states.append(h)
+    return torch.stack(states, dim=1)  # (b, T, h)
+
+
+@torch.no_grad()
+def rnn_jacobian_norms(model: RecurrentClassifier, tokens: Tensor) -> list[float]:
+    """Spectral norm of ``dh_T / dh_t`` for ``T - t = 1 .. T - 1``, averaged over the batch.
+
+    ``dh_s / dh_{s-1} = diag(1 - h_s^2) W_hh``, so ``dh_T / dh_t`` is the product of these
+    Jacobians for ``s = T, T-1, ..., t+1``, accumulated from the end in float64.
+
+    Returns:
+        ``norms[k - 1]`` for distance ``k``.
+    """
+    states = rnn_hidden_states(model, tokens)  # (b, T, h)
+    w_hh = model.rnn.weight_hh_l0.double()
+    b, length, hidden = states.shape
+    product = torch.eye(hidden, dtype=torch.float64, device=states.device).expand(b, hidden, hidden)
+    norms = []
+    for s in range(length - 1, 0, -1):  # s = T .. 2 (0-based: T-1 .. 1); the result is dh_T / dh_{s-1}
+        step_jacobian = (1 - states[:, s] ** 2)[:, :, None] * w_hh  # (b, h, h): diag(1 - h_s^2) W_hh
+        product = product @ step_jacobian  # (b, h, h)
+        norms.append(torch.linalg.matrix_norm(product, ord=2).mean().item())
+    return norms
+
+
+def input_gradient_norms(model: nn.Module, tokens: Tensor) -> list[float]:
+    """Frobenius norm of ``d features_T / d x_t`` (the last representation against each input
+    vector), averaged over the batch, for ``T - t = 0 .. T - 1``.
+
+    Returns:
+        ``norms[k]`` for distance ``k``.
+    """
+    model.eval()
+    x = model.embed(tokens).detach().requires_grad_(True)  # (b, T, e)
+    features = model.features(x)  # (b, f)
+    squared = torch.zeros(x.shape[:2], dtype=torch.float64, device=x.device)  # (b, T)
+    for i in range(features.size(-1)):
+        (grad,) = torch.autograd.grad(features[:, i].sum(), x, retain_graph=True)  # rows are independent
+        squared += grad.double().pow(2).sum(-1)
+    model.train()
+    norms = squared.sqrt().mean(0)  # (T,)
+    return norms.flip(0).tolist()  # index = distance T - t
+
+
+def run(
+    *, out: str | Path, quick: bool = False, seed: int = 0, device: str | None = None,
+    config: LongRangeConfig | None = None, progress: bool = True,
+) -> ExperimentResult:
+    """Train the three models at every distance; measure accuracy and gradient norms; write
+    ``results.json`` and ``long_range.png`` under ``<out>/long-range``."""
+    config = config or (QUICK if quick else LongRangeConfig())
+    dev = pick_device(device)
+    folder = experiment_dir(out, NAME)
+    longest = max(config.distances)
+    accuracy_by_model: dict[str, list[float]] = {m: [] for m in MODELS}
+    training: dict[str, list[dict]] = {m: [] for m in MODELS}
+    with Stopwatch() as watch, seeded(seed, dev):
+        generator = torch.Generator().manual_seed(seed)
+        jacobian_tokens, _ = make_batch(config, config.jacobian_batch, longest, generator)
+        jacobian_tokens = jacobian_tokens.to(dev)
+        init_models = {k: m.to(dev) for k, m in build_models(config, longest + 2).items()}
+        parameters = {k: count_parameters(m) for k, m in init_models.items()}
+        rnn_init = rnn_jacobian_norms(init_models["rnn"], jacobian_tokens)
+        attention_init = input_gradient_norms(init_models["attention"], jacobian_tokens)
+        trained: dict[str, nn.Module] = {}
+        jobs = [(n, m) for n in config.distances for m in MODELS]
+        for distance, kind in tqdm(jobs, desc=NAME, unit="run", disable=not progress):
+            model = build_models(config, distance + 2)[kind] if distance != longest else init_models[kind]
+            info = train_model(model, config, distance, generator, dev)
+            test_tokens, test_targets = (t.to(dev) for t in make_batch(config, config.eval_size, distance, generator))
+            acc = accuracy(model, test_tokens, test_targets)
+            accuracy_by_model[kind].append(acc)
+            training[kind].append({"distance": distance, "accuracy": acc, **info})
+            logger.debug("%s N=%d: accuracy %.3f after %d steps", kind, distance, acc, info["steps"])
+            if distance == longest:
+                trained[kind] = model
+        rnn_trained = rnn_jacobian_norms(trained["rnn"], jacobian_tokens)
+        input_trained = {k: input_gradient_norms(m, jacobian_tokens) for k, m in trained.items()}
+    results = {
+        "distances": list(config.distances),
+        "accuracy": accuracy_by_model,
+        "chance": 1.0 / config.num_symbols,
+        "parameters": parameters,
+        "training": training,
+        "rnn_jacobian_norm": {"distance": list(range(1, len(rnn_init) + 1)), "init": rnn_init, "trained": rnn_trained},
+        "input_gradient_norm": {
+            "distance": list(range(len(attention_init))),
+            "attention_init": attention_init,
+            **{f"{k}_trained": v for k, v in input_trained.items()},
+        },
+    }
+    claims = _claims(results)
+    summary = _summary(results, config)
+    fig_name = "long_range.png"
+    _plot(results, config, folder / fig_name)
+    result = ExperimentResult(
+        name=NAME, quick=quick, seed=seed, config=asdict(config) | {"device": str(dev)},
+        results=_jsonable(results), claims=claims, summary=summary, figures=[fig_name], seconds=watch.seconds,
+    )
+    write_results(result, folder)
+    return result
+
+
+def _jsonable(results: dict) -> dict:
+    """Round floats; tiny Jacobian norms keep their exponent (they underflow float32 on purpose)."""
+    return rounded(results, 6)
+
+
+def _at(norms: list[float], distance: int) -> float:
+    return norms[min(distance, len(norms)) - 1]
+
+
+def _claims(results: dict) -> dict[str, bool]:
+    acc = results["accuracy"]
+    rnn = results["rnn_jacobian_norm"]
+    return {
+        "attention beats the RNN at the longest distance": acc["attention"][-1] > acc["rnn"][-1],
+        "the RNN's gradient norm falls with distance (init)": rnn["init"][-1] < 1e-3 * rnn["init"][0],
+        "the RNN's gradient norm falls with distance (trained)": rnn["trained"][-1] < 1e-3 * rnn["trained"][0],
+    }
+
+
+def _longest_solved(distances: list[int], accuracies: list[float], threshold: float = 0.9) -> int | None:
+    solved = [n for n, a in zip(distances, accuracies) if a >= threshold]
+    return max(solved) if solved else None
+
+
+def _summary(results: dict, config: LongRangeConfig) -> list[str]:
+    distances = results["distances"]
+    lines = [
+        f"recall the first of {config.num_symbols} symbols after N noise tokens; chance {results['chance']:.3f}; "
+        f"parameters " + ", ".join(f"{k} {v:,}" for k, v in results["parameters"].items())
+    ]
+    for kind in MODELS:
+        accs = " ".join(f"{n}:{a:.2f}" for n, a in zip(distances, results["accuracy"][kind]))
+        solved = _longest_solved(distances, results["accuracy"][kind])
+        lines.append(f"{kind:>9} accuracy by N  {accs}  (longest N with >= 0.9: {solved})")
+    rnn = results["rnn_jacobian_norm"]
+    for when in ("init", "trained"):
+        norms = rnn[when]
+        picks = [k for k in (1, 10, 50, len(norms)) if k <= len(norms)]
+        text = ", ".join(f"T-t={k}: {_at(norms, k):.2e}" for k in picks)
+        lines.append(f"RNN ||dh_T/dh_t|| ({when}): {text}")
+    attn = results["input_gradient_norm"]["attention_trained"]
+    lines.append(
+        f"attention ||dz_T/dx_t|| (trained): T-t=1: {attn[1]:.2e}, T-t={len(attn) - 1}: {attn[-1]:.2e} (one step at any distance)"
+    )
+    return lines
+
+
+def _plot(results: dict, config: LongRangeConfig, path: Path) -> None:
+    fig = new_figure(12, 4.4)
+    ax_acc, ax_rnn, ax_in = fig.subplots(1, 3)
+    colors = {"rnn": "tab:red", "lstm": "tab:orange", "attention": "tab:blue"}
+    for kind in MODELS:
+        ax_acc.plot(results["distances"], results["accuracy"][kind], "o-", color=colors[kind],
+                    label=f"{kind} ({results['parameters'][kind]:,} params)")
+    ax_acc.axhline(results["chance"], color="gray", ls=":", label="chance")
+    ax_acc.set_xscale("log", base=2)
+    ax_acc.set_xlabel("N (tokens between the symbol and the question)")
+    ax_acc.set_ylabel("test accuracy")
+    ax_acc.set_ylim(0, 1.05)
+    ax_acc.set_title(f"recall after N steps (<= {config.max_steps} training steps)")
+    ax_acc.legend(fontsize=8)
+
+    rnn = results["rnn_jacobian_norm"]
+    tiny = 1e-300  # keep log plots finite where the product underflows to exactly 0
+    ax_rnn.semilogy(rnn["distance"], [max(v, tiny) for v in rnn["init"]], color="tab:red", ls="--", label="RNN at init")
+    ax_rnn.semilogy(rnn["distance"], [max(v, tiny) for v in rnn["trained"]], color="tab:red", label="RNN trained")
+    ax_rnn.set_xlabel("T - t")
+    ax_rnn.set_ylabel("||dh_T / dh_t||  (spectral norm)")
+    ax_rnn.set_title("the RNN's gradient vanishes with distance")
+    ax_rnn.legend(fontsize=8)
+
+    grads = results["input_gradient_norm"]
+    d = grads["distance"]
+    ax_in.semilogy(d, [max(v, tiny) for v in grads["attention_init"]], color="tab:blue", ls="--", label="attention at init")
+    for kind in MODELS:
+        ax_in.semilogy(d, [max(v, tiny) for v in grads[f"{kind}_trained"]], color=colors[kind], label=f"{kind} trained")
+    ax_in.set_xlabel("T - t")
+    ax_in.set_ylabel("||d output_T / d input_t||")
+    ax_in.set_title(f"gradient from the last step to input t (N = {max(results['distances'])})")
+    ax_in.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+__all__ = [
+    "QUICK",
+    "AttentionClassifier",
+    "LongRangeConfig",
+    "RecurrentClassifier",
+    "build_models",
+    "input_gradient_norms",
+    "make_batch",
+    "rnn_jacobian_norms",
+    "run",
+]
