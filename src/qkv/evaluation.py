@@ -21,6 +21,13 @@ from qkv.models import Transformer
 logger = logging.getLogger(__name__)
 
 
+def autocast_context(device: torch.device | str, bf16: bool):
+    """bfloat16 autocast on ``device`` (CPU or CUDA) when ``bf16``, else a no-op context."""
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+
 def translate_texts(
     model: Transformer,
     tokenizer: Tokenizer,
@@ -47,7 +54,12 @@ def translate_texts(
         the translations, one per input sentence.
     """
     model.eval()
-    ids = [s + [tokenizer.eos_id] for s in tokenizer.encode_batch(texts)]
+    limit = model.config.max_len - 1  # source tokens that fit the positional table with EOS
+    encoded = tokenizer.encode_batch(texts)
+    too_long = sum(len(s) > limit for s in encoded)
+    ids = [s[:limit] + [tokenizer.eos_id] for s in encoded]
+    if too_long:
+        logger.warning("%d sentence(s) longer than %d tokens were cut to fit the model", too_long, limit)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     results: list[str] = [""] * len(ids)
     budget = max(1, max_tokens // max(1, beam_size))
@@ -59,10 +71,10 @@ def translate_texts(
         current.append(i)
     if current:
         batches.append(current)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    with autocast:
+    device = next(model.parameters()).device
+    with autocast_context(device, bf16):
         for batch in tqdm(batches, desc="translating", disable=not progress, leave=False):
-            src = pad_sequences([ids[i] for i in batch], model.config.pad_id)
+            src = pad_sequences([ids[i] for i in batch], model.config.pad_id).to(device)
             kwargs = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
             if beam_size == 1:
                 out = greedy_decode(model, src, **kwargs)

@@ -8,7 +8,6 @@ restores the RNG state so that a resumed run continues exactly like an uninterru
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -23,9 +22,10 @@ from tqdm.auto import tqdm
 from qkv import checkpoint as ckpt
 from qkv.data.batching import make_batch, token_batches
 from qkv.data.parallel import ParallelText
+from qkv.data.sources import check_spec, describe, load_train_valid
 from qkv.data.tokenizer import Tokenizer
-from qkv.evaluation import score_translations, translate_texts
-from qkv.models import Transformer
+from qkv.evaluation import autocast_context, exact_match, score_translations, translate_texts
+from qkv.models import Transformer, TransformerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +42,14 @@ class TrainConfig:
     adam_eps: float = 1e-9
     label_smoothing: float = 0.1  # section 5.4
     clip_norm: float = 1.0  # gradient clipping on the global norm (0 = off)
-    bf16: bool = False  # bfloat16 autocast on CPU
+    bf16: bool = False  # bfloat16 autocast (CPU or CUDA); weights and the optimizer stay float32
     max_steps: int = 0  # stop after this many optimizer steps (0 = no limit)
     max_epochs: float = 0.0  # stop after this many passes over the data (0 = no limit)
     max_minutes: float = 0.0  # stop after this much wall time, validation included (0 = no limit)
     eval_every_steps: int = 0  # validate every N steps (0 = off)
     eval_every_minutes: float = 0.0  # validate every N minutes (0 = off)
     eval_sentences: int = 300  # validation subset decoded greedily for BLEU
+    stop_at_exact_match: float = 0.0  # stop once validation exact match reaches this fraction (0 = off)
     checkpoint_every_steps: int = 0  # keep a checkpoint for averaging every N steps (0 = off)
     checkpoint_every_minutes: float = 0.0  # ... or every N minutes
     average_last: int = 5  # average this many kept checkpoints at the end (<= 1: no averaging)
@@ -90,6 +91,19 @@ def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: f
     )
 
 
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 @dataclass
 class TrainState:
     """Where a run stands; saved in state.pt with the optimizer and RNG states."""
@@ -103,6 +117,7 @@ class TrainState:
     last_eval_seconds: float = 0.0
     last_checkpoint_seconds: float = 0.0
     kept_checkpoints: list | None = None
+    stopped_early: bool = False  # a stop_at_exact_match target was reached
 
 
 class Trainer:
@@ -149,7 +164,7 @@ class Trainer:
             {
                 "train_state": asdict(self.state),
                 "optimizer": self.optimizer.state_dict(),
-                "torch_rng": torch.get_rng_state(),
+                "rng": _rng_state(),
             },
         )
 
@@ -158,7 +173,7 @@ class Trainer:
         saved = ckpt.load_training_state(self.run_dir / "state.pt")
         ckpt.load_weights(self.model, self.run_dir / "last.safetensors")
         self.optimizer.load_state_dict(saved["optimizer"])
-        torch.set_rng_state(saved["torch_rng"])
+        _set_rng_state(saved["rng"])
         self.state = TrainState(**saved["train_state"])
         logger.info("resumed at step %d (epoch %d, %.1f minutes done)", self.state.step, self.state.epoch,
                     self.state.seconds / 60)
@@ -173,8 +188,9 @@ class Trainer:
 
     def _done(self, epochs_float: float) -> bool:
         c, s = self.config, self.state
-        return (
-            (c.max_steps and s.step >= c.max_steps)
+        return bool(
+            s.stopped_early
+            or (c.max_steps and s.step >= c.max_steps)
             or (c.max_minutes and s.seconds >= c.max_minutes * 60)
             or (c.max_epochs and epochs_float >= c.max_epochs)
         )
@@ -185,7 +201,7 @@ class Trainer:
         c, s, model = self.config, self.state, self.model
         if not (c.max_steps or c.max_minutes or c.max_epochs):
             raise ValueError("set at least one of max_steps, max_minutes, max_epochs")
-        autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if c.bf16 else contextlib.nullcontext
+        device = next(model.parameters()).device
         pad_id = model.config.pad_id
         batches = self._batches(s.epoch)
         session_start, session_seconds0 = time.perf_counter(), s.seconds
@@ -196,7 +212,7 @@ class Trainer:
             while not self._done(s.epoch + s.batch_in_epoch / max(1, len(batches))):
                 model.train()
                 # where this step starts: restored if Ctrl-C lands inside it
-                step_start = (s.epoch, s.batch_in_epoch, torch.get_rng_state(), s.step)
+                step_start = (s.epoch, s.batch_in_epoch, _rng_state(), s.step)
                 group = []
                 while len(group) < c.accum_steps:
                     if s.batch_in_epoch >= len(batches):
@@ -205,12 +221,13 @@ class Trainer:
                     index = batches[s.batch_in_epoch]
                     s.batch_in_epoch += 1
                     group.append(make_batch([self.src_ids[i] for i in index], [self.tgt_ids[i] for i in index],
-                                            pad_id=pad_id, bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id))
+                                            pad_id=pad_id, bos_id=self.tokenizer.bos_id,
+                                            eos_id=self.tokenizer.eos_id).to(device))
                 group_tokens = sum(b.num_tgt_tokens for b in group)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
                 for batch in group:
-                    with autocast():
+                    with autocast_context(device, c.bf16):
                         logits = model(batch.src, batch.tgt_in)
                     loss = label_smoothed_loss(logits, batch.tgt_out, c.label_smoothing, pad_id)
                     (loss / group_tokens).backward()
@@ -243,7 +260,7 @@ class Trainer:
             # replays exactly the batches and dropout masks of the interrupted step
             if "step_start" in locals() and s.step == step_start[3]:
                 s.epoch, s.batch_in_epoch = step_start[0], step_start[1]
-                torch.set_rng_state(step_start[2])
+                _set_rng_state(step_start[2])
             self.save()
             bar.close()
             raise
@@ -304,25 +321,29 @@ class Trainer:
         src_ids, tgt_ids = self.tokenizer.encode_batch(src), self.tokenizer.encode_batch(refs)
         pad_id = model.config.pad_id
         total_loss, total_tokens = 0.0, 0
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if c.bf16 else contextlib.nullcontext()
-        with autocast:
+        device = next(model.parameters()).device
+        with autocast_context(device, c.bf16):
             for index in token_batches([len(x) + 1 for x in src_ids], [len(x) + 1 for x in tgt_ids], 4000, seed=None):
                 batch = make_batch([src_ids[i] for i in index], [tgt_ids[i] for i in index], pad_id=pad_id,
-                                   bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
+                                   bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id).to(device)
                 logits = model(batch.src, batch.tgt_in)
                 total_loss += float(F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
                                                     batch.tgt_out.reshape(-1), ignore_index=pad_id, reduction="sum"))
                 total_tokens += batch.num_tgt_tokens
         hyps = translate_texts(model, self.tokenizer, src, beam_size=1, bf16=c.bf16)
         scores = score_translations(hyps, refs)
+        accuracy = exact_match(hyps, refs)
         eval_seconds = time.perf_counter() - start
         record = {"event": "valid", "step": s.step, "minutes": round(s.seconds / 60, 3),
                   "val_loss": round(total_loss / total_tokens, 4), "val_ppl": round(math.exp(total_loss / total_tokens), 3),
-                  "val_bleu_greedy": scores["bleu"], "val_chrf_greedy": scores["chrf"], "sentences": n,
+                  "val_bleu_greedy": scores["bleu"], "val_chrf_greedy": scores["chrf"], "val_exact_match": round(accuracy, 4), "sentences": n,
                   "eval_seconds": round(eval_seconds, 1)}
         self.log(record)
-        logger.info("step %d (%.1f min): val loss %.3f, greedy BLEU %.2f on %d sentences", s.step, s.seconds / 60,
-                    record["val_loss"], scores["bleu"], n)
+        logger.info("step %d (%.1f min): val loss %.3f, greedy BLEU %.2f, exact match %.1f%% on %d sentences",
+                    s.step, s.seconds / 60, record["val_loss"], scores["bleu"], 100 * accuracy, n)
+        if c.stop_at_exact_match and accuracy >= c.stop_at_exact_match:
+            logger.info("validation exact match %.2f%% >= %.2f%%: stopping", 100 * accuracy, 100 * c.stop_at_exact_match)
+            s.stopped_early = True
         if scores["bleu"] > s.best_bleu:
             s.best_bleu = scores["bleu"]
             ckpt.save_weights(model, self.run_dir / "best.safetensors")
@@ -372,3 +393,109 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path) -> None:
     with ckpt.atomic_path(png_path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- runs
+# Recipes: defaults for a model and its training, per data source. The Multi30k recipe is sized for
+# an hour on a 2-core CPU (see benchmarks/train_multi30k.py); the date recipe for the demo's
+# three minutes. Anything given explicitly overrides them.
+RECIPES: dict[str, dict] = {
+    "multi30k": {
+        "vocab_size": 8000,
+        "split_digits": False,
+        "model": dict(d_model=256, num_heads=4, num_encoder_layers=3, num_decoder_layers=3, d_ff=1024, dropout=0.1,
+                      max_len=256, share_embeddings=True, tie_output=True),
+        "train": dict(max_tokens=6000, warmup_steps=800, bf16=True, max_minutes=60.0, eval_every_minutes=6.0,
+                      checkpoint_every_minutes=3.0, average_last=5),
+    },
+    "dates": {
+        "vocab_size": 400,
+        "split_digits": True,
+        "model": dict(d_model=128, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, d_ff=512, dropout=0.0,
+                      max_len=64, norm_first=True, share_embeddings=True, tie_output=True),
+        "train": dict(max_tokens=1500, warmup_steps=100, lr_factor=0.25, max_minutes=2.5, eval_every_steps=100,
+                      eval_sentences=500, stop_at_exact_match=0.995, average_last=1),
+    },
+}
+RECIPES["files"] = RECIPES["multi30k"]
+
+
+def start_run(
+    run_dir: str | Path,
+    *,
+    data: dict,
+    model_options: dict | None = None,
+    train_options: dict | None = None,
+    vocab_size: int | None = None,
+    overwrite: bool = False,
+    device: str | torch.device = "cpu",
+) -> Trainer:
+    """Read the data, learn the tokenizer, create the run folder and return a ready :class:`Trainer`.
+
+    Bad data raises before anything is written, and the run folder appears whole or not at all.
+
+    Args:
+        run_dir: the run folder to create.
+        data: a data spec (:mod:`qkv.data.sources`), e.g. ``{"source": "multi30k", "src_lang": "en",
+            "tgt_lang": "de"}``.
+        model_options: :class:`TransformerConfig` fields over the source's recipe (vocabulary
+            sizes and ``pad_id`` come from the tokenizer).
+        train_options: :class:`TrainConfig` fields over the recipe.
+        vocab_size: BPE vocabulary size (default: the recipe's).
+        overwrite: replace an existing run folder.
+        device: where the model trains.
+    """
+    check_spec(data)
+    recipe = RECIPES[data["source"]]
+    train_data, valid_data = load_train_valid(data)
+    logger.info("data: %s, %d training pairs, %s validation pairs", describe(data), len(train_data),
+                len(valid_data) if valid_data is not None else "no")
+    tokenizer = Tokenizer.train(train_data.src + train_data.tgt, vocab_size=vocab_size or recipe["vocab_size"],
+                                split_digits=recipe["split_digits"])
+    model_config = TransformerConfig(**{
+        **recipe["model"], **(model_options or {}),
+        "src_vocab_size": tokenizer.vocab_size, "tgt_vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id,
+    })
+    train_config = TrainConfig.from_dict({**recipe["train"], **(train_options or {})})
+    config = {"model": asdict(model_config), "train": asdict(train_config), "data": data}
+    ckpt.create_run(run_dir, config, tokenizer, overwrite=overwrite)
+    model = Transformer(model_config).to(device)
+    logger.info("model: %.1fM parameters; run folder %s", sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
+    return Trainer(model, tokenizer, train_data, valid_data, train_config, run_dir)
+
+
+def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
+               device: str | torch.device = "cpu") -> Trainer:
+    """Reopen a run folder where it stopped (weights, optimizer, data position, RNG).
+
+    Args:
+        run_dir: a folder made by :func:`start_run`.
+        train_options: :class:`TrainConfig` fields to change, e.g. a longer ``max_minutes``
+            (saved back into config.json).
+        device: where the model trains.
+    """
+    run_dir = Path(run_dir)
+    config = ckpt.read_run_config(run_dir)
+    if not (run_dir / "state.pt").is_file():
+        raise FileNotFoundError(f"{run_dir / 'state.pt'}: no training state to resume from")
+    train_data, valid_data = load_train_valid(config["data"])
+    tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
+    model = Transformer(TransformerConfig.from_dict(config["model"])).to(device)
+    train_config = TrainConfig.from_dict({**config["train"], **(train_options or {})})
+    if train_options:
+        ckpt.write_json(run_dir / "config.json", {**config, "train": asdict(train_config)})
+    trainer = Trainer(model, tokenizer, train_data, valid_data, train_config, run_dir)
+    trainer.resume()
+    return trainer
+
+
+def run_training(trainer: Trainer) -> Path:
+    """Train until a stop condition, then write ``model.safetensors`` (averaged checkpoints) and
+    ``curves.png``. On Ctrl-C the trainer saves a resumable checkpoint and ``KeyboardInterrupt``
+    propagates. Returns the path of ``model.safetensors``."""
+    try:
+        trainer.train()
+    finally:
+        if trainer.metrics_path.is_file():
+            plot_metrics(trainer.metrics_path, trainer.run_dir / "curves.png")
+    return trainer.finish()

@@ -30,6 +30,11 @@ class Batch:
     def size(self) -> int:
         return self.src.size(0)
 
+    def to(self, device: torch.device | str) -> Batch:
+        """The same batch on ``device`` (non-blocking copies)."""
+        return Batch(self.src.to(device, non_blocking=True), self.tgt_in.to(device, non_blocking=True),
+                     self.tgt_out.to(device, non_blocking=True), self.num_tgt_tokens)
+
 
 def pad_sequences(seqs: list[list[int]], pad_id: int) -> Tensor:
     """Right-pad integer lists into a ``(len(seqs), longest)`` int64 tensor."""

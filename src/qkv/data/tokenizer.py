@@ -31,7 +31,9 @@ class Tokenizer:
         self.backend = backend
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2) -> Tokenizer:
+    def train(
+        cls, texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2, *, split_digits: bool = False
+    ) -> Tokenizer:
         """Learn BPE merges on ``texts`` (pass source and target sentences together for a joint vocabulary).
 
         Args:
@@ -39,11 +41,16 @@ class Tokenizer:
             vocab_size: final vocabulary size including the 256 byte symbols and 4 specials
                 (at least 260).
             min_frequency: a pair must occur this often to be merged.
+            split_digits: keep every digit a token of its own (numbers are then copied digit by
+                digit; the date task uses it).
         """
         if vocab_size < 260:
             raise ValueError(f"vocab_size must be >= 260 (256 bytes + 4 specials), got {vocab_size}")
         backend = _HFTokenizer(models.BPE(unk_token=UNK))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if split_digits:
+            byte_level = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        backend.pre_tokenizer = byte_level
         backend.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,

@@ -1,0 +1,264 @@
+"""Training: the schedule and the loss against hand computations and torch, overfitting, exact
+resume (also after Ctrl-C), checkpoints and averaging, and run folders that appear whole or not at all."""
+
+import json
+import math
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from qkv import checkpoint as ckpt
+from qkv.data.dates import generate_dates
+from qkv.data.parallel import ParallelText
+from qkv.data.tokenizer import Tokenizer
+from qkv.evaluation import translate_texts
+from qkv.models import Transformer, TransformerConfig
+from qkv.training import TrainConfig, Trainer, inverse_sqrt_lr, label_smoothed_loss, resume_run, start_run
+
+TINY = dict(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64, max_len=64,
+            norm_first=True, share_embeddings=True)
+
+
+def tiny_run(tmp_path, pairs: ParallelText, train: TrainConfig, name="run", dropout=0.1, **model):
+    tokenizer = Tokenizer.train(pairs.src + pairs.tgt, vocab_size=300, split_digits=True)
+    config = TransformerConfig(src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size,
+                               dropout=dropout, pad_id=tokenizer.pad_id, **{**TINY, **model})
+    run_dir = tmp_path / name
+    ckpt.create_run(run_dir, {"model": asdict(config), "train": asdict(train), "data": {"source": "dates"}},
+                    tokenizer)
+    torch.manual_seed(0)
+    return Trainer(Transformer(config), tokenizer, pairs, None, train, run_dir)
+
+
+# --------------------------------------------------------------------------- schedule and loss
+def test_inverse_sqrt_schedule_by_hand():
+    d, warmup = 256, 800
+    assert inverse_sqrt_lr(1, d, warmup) == pytest.approx(256**-0.5 * 1 * 800**-1.5)
+    assert inverse_sqrt_lr(400, d, warmup) == pytest.approx(256**-0.5 * 400 * 800**-1.5)
+    peak = 256**-0.5 * 800**-0.5  # both branches meet at the end of warmup: 0.00221
+    assert inverse_sqrt_lr(800, d, warmup) == pytest.approx(peak) and peak == pytest.approx(0.0022097, rel=1e-4)
+    assert inverse_sqrt_lr(3200, d, warmup) == pytest.approx(peak / 2)  # 1/sqrt(4x the steps)
+    assert inverse_sqrt_lr(800, d, warmup, factor=0.5) == pytest.approx(peak / 2)
+    values = [inverse_sqrt_lr(s, d, warmup) for s in range(1, 3000)]
+    assert max(values) == pytest.approx(peak) and values.index(max(values)) == 799
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
+def test_label_smoothed_loss_against_torch_and_by_hand(smoothing):
+    torch.manual_seed(1)
+    logits = torch.randn(3, 5, 11)
+    target = torch.randint(1, 11, (3, 5))
+    target[0, 3:] = 0  # padding
+    target[2, 1:] = 0
+    got = label_smoothed_loss(logits, target, smoothing, pad_id=0)
+    real = target != 0
+    reference = F.cross_entropy(logits[real], target[real], label_smoothing=smoothing, reduction="sum")
+    torch.testing.assert_close(got, reference)
+    # by hand: (1 - eps) * NLL + eps * mean over the vocabulary of -log p (Szegedy et al. 2016)
+    log_p = torch.log_softmax(logits.double(), dim=-1)[real]
+    nll = -log_p.gather(1, target[real][:, None]).squeeze(1)
+    uniform = -log_p.mean(dim=1)
+    hand = ((1 - smoothing) * nll + smoothing * uniform).sum()
+    assert float(got) == pytest.approx(float(hand), rel=1e-5)
+
+
+def test_trainer_applies_schedule_and_adam_settings(tmp_path):
+    pairs = generate_dates(64, seed=0)
+    train = TrainConfig(max_tokens=400, warmup_steps=4, lr_factor=2.0, max_steps=6, progress=False, average_last=1,
+                        log_every_steps=1)
+    trainer = tiny_run(tmp_path, pairs, train)
+    trainer.train()
+    group = trainer.optimizer.param_groups[0]
+    assert group["betas"] == (0.9, 0.98) and group["eps"] == 1e-9
+    logged = [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 6]
+    for r in logged:  # step s uses lr(s): warmup to step 4, then 1/sqrt(s)
+        assert r["lr"] == pytest.approx(2.0 * 32**-0.5 * min(r["step"] ** -0.5, r["step"] * 4**-1.5))
+    assert group["lr"] == pytest.approx(logged[-1]["lr"])
+
+
+# --------------------------------------------------------------------------- learning
+def test_tiny_model_overfits_64_pairs(tmp_path):
+    pairs = generate_dates(64, seed=5)
+    train = TrainConfig(max_tokens=2000, warmup_steps=30, lr_factor=1.0, max_steps=400, label_smoothing=0.0,
+                        progress=False, average_last=1, log_every_steps=50)
+    trainer = tiny_run(tmp_path, pairs, train, dropout=0.0, d_model=64, d_ff=128)
+    trainer.train()
+    assert trainer.state.epoch >= 300  # one batch an epoch
+    outputs = translate_texts(trainer.model, trainer.tokenizer, pairs.src)
+    assert outputs == pairs.tgt
+    losses = [json.loads(x)["loss"] for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < 0.05 < losses[0]
+
+
+# --------------------------------------------------------------------------- resume
+RESUME = dict(max_tokens=300, accum_steps=2, warmup_steps=5, max_steps=12, progress=False, average_last=1,
+              log_every_steps=100)
+
+
+def params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    pairs = generate_dates(200, seed=1)
+    trainer = tiny_run(tmp_path_factory.mktemp("full"), pairs, TrainConfig(**RESUME))
+    assert len(trainer._batches(0)) > 3  # several batches an epoch, so the epoch position matters
+    trainer.train()
+    return pairs, params(trainer.model), trainer.state
+
+
+def test_stop_and_resume_equals_uninterrupted(tmp_path, uninterrupted):
+    pairs, expected, state = uninterrupted
+    first = tiny_run(tmp_path, pairs, TrainConfig(**{**RESUME, "max_steps": 5}))
+    first.train()
+    torch.manual_seed(123)  # a fresh process would not share the RNG: resume must restore it
+    second = Trainer(Transformer(first.model.config), first.tokenizer, pairs, None, TrainConfig(**RESUME),
+                     first.run_dir)
+    second.resume()
+    assert second.state.step == 5
+    second.train()
+    assert second.state.step == 12 and second.state.tokens == state.tokens
+    assert (second.state.epoch, second.state.batch_in_epoch) == (state.epoch, state.batch_in_epoch)
+    assert_same_weights(params(second.model), expected)
+
+
+def test_ctrl_c_mid_step_saves_and_resumes_exactly(tmp_path, uninterrupted, monkeypatch):
+    pairs, expected, _ = uninterrupted
+    first = tiny_run(tmp_path, pairs, TrainConfig(**RESUME))
+    calls = {"n": 0}
+    original = first.model.forward
+
+    def forward_then_interrupt(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 14:  # the second batch of step 7 (accum_steps=2): a step half done
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(first.model, "forward", forward_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        first.train()
+    saved = json.loads(json.dumps(torch.load(first.run_dir / "state.pt", weights_only=False)["train_state"]))
+    assert saved["step"] == 6  # the half-done step is dropped
+    second = Trainer(Transformer(first.model.config), first.tokenizer, pairs, None, TrainConfig(**RESUME),
+                     first.run_dir)
+    second.resume()
+    second.train()
+    assert_same_weights(params(second.model), expected)
+
+
+# --------------------------------------------------------------------------- checkpoints
+def test_checkpoint_averaging_and_best(tmp_path):
+    pairs = generate_dates(100, seed=2)
+    valid = generate_dates(20, seed=3, split="test")
+    train = TrainConfig(max_tokens=400, warmup_steps=5, max_steps=8, checkpoint_every_steps=2, average_last=3,
+                        eval_every_steps=4, eval_sentences=20, progress=False)
+    trainer = tiny_run(tmp_path, pairs, train)
+    trainer.valid = valid
+    trainer.train()
+    model_path = trainer.finish()
+    kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir())
+    assert kept == ["step_4.safetensors", "step_6.safetensors", "step_8.safetensors"]
+    files = [load_file(trainer.run_dir / "checkpoints" / k) for k in kept]
+    averaged = load_file(model_path)
+    for name, tensor in averaged.items():
+        torch.testing.assert_close(tensor, sum(f[name] for f in files) / 3)
+    model, tokenizer, config = ckpt.load_run(trainer.run_dir)  # loads (tied weights stored once)
+    assert config["model"]["d_model"] == 32 and not model.training
+    state = model.state_dict()
+    for name, tensor in averaged.items():
+        torch.testing.assert_close(state[name], tensor)
+    assert model.output_proj.weight is model.tgt_embed.embedding.weight  # still tied after loading
+    assert (trainer.run_dir / "best.safetensors").is_file()
+    events = [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    valid_events = [e for e in events if e["event"] == "valid"]
+    assert [e["step"] for e in valid_events] == [4, 8]
+    assert all(0 <= e["val_exact_match"] <= 1 and math.isfinite(e["val_loss"]) for e in valid_events)
+    assert not [p for p in trainer.run_dir.rglob("*.tmp")]  # atomic writes leave no temporaries
+
+
+def test_stop_at_exact_match(tmp_path):
+    pairs = generate_dates(64, seed=5)
+    train = TrainConfig(max_tokens=2000, warmup_steps=1, lr_factor=1e-12, max_steps=5, eval_every_steps=1,
+                        eval_sentences=8, stop_at_exact_match=0.99, progress=False, average_last=1)
+    trainer = tiny_run(tmp_path, pairs, train, dropout=0.0)
+    # references = the model's own translations, and a learning rate too small to change them
+    trainer.valid = ParallelText(pairs.src[:8], translate_texts(trainer.model, trainer.tokenizer, pairs.src[:8]))
+    trainer.train()
+    assert trainer.state.stopped_early and trainer.state.step == 1
+    trainer.valid = ParallelText(pairs.src[:8], ["never produced"] * 8)
+    trainer.state.stopped_early = False
+    trainer.train()
+    assert trainer.state.step == 5 and not trainer.state.stopped_early
+
+
+def test_bf16_autocast_training(tmp_path):
+    from qkv.evaluation import autocast_context
+
+    pairs = generate_dates(64, seed=5)
+    train = TrainConfig(max_tokens=2000, warmup_steps=10, max_steps=20, bf16=True, progress=False,
+                        average_last=1, log_every_steps=1)
+    trainer = tiny_run(tmp_path, pairs, train, dropout=0.0)
+    batch_src = torch.tensor([trainer.src_ids[0] + [2]])
+    with autocast_context("cpu", True):
+        assert trainer.model(batch_src, torch.tensor([[1]])).dtype == torch.bfloat16
+    trainer.train()
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in trainer.model.parameters())
+    losses = [json.loads(x)["loss"] for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 20 and losses[-1] < 0.7 * losses[0]
+
+
+# --------------------------------------------------------------------------- run folders
+@pytest.mark.parametrize("bad, expected", [
+    ("misaligned", "misaligned parallel files"),
+    ("empty", "file is empty"),
+    ("latin1", "line 2: not valid UTF-8"),
+    ("blank", "line 3: empty line"),
+])
+def test_bad_data_leaves_no_run_folder(tmp_path, bad, expected):
+    src = tmp_path / "train.src"
+    tgt = tmp_path / "train.tgt"
+    src.write_text("a\nb\nc\n", encoding="utf-8")
+    tgt.write_text("A\nB\nC\n", encoding="utf-8")
+    if bad == "misaligned":
+        tgt.write_text("A\nB\n", encoding="utf-8")
+    elif bad == "empty":
+        tgt.write_bytes(b"")
+    elif bad == "latin1":
+        tgt.write_bytes("A\nGrüße\nC\n".encode("latin-1"))
+    else:
+        tgt.write_text("A\nB\n \n", encoding="utf-8")
+    spec = {"source": "files", "train_src": str(src), "train_tgt": str(tgt), "val_src": None, "val_tgt": None}
+    with pytest.raises(ValueError, match=expected):
+        start_run(tmp_path / "run", data=spec, model_options=TINY)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.src", "train.tgt"]
+
+
+def test_start_and_resume_run_from_files(tmp_path):
+    pairs = generate_dates(120, seed=7)
+    (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
+    (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
+    spec = {"source": "files", "train_src": str(tmp_path / "s.txt"), "train_tgt": str(tmp_path / "t.txt"),
+            "val_src": None, "val_tgt": None}
+    trainer = start_run(tmp_path / "run", data=spec, model_options=TINY, vocab_size=300,
+                        train_options=dict(max_steps=3, max_minutes=0, max_tokens=500, progress=False, bf16=False))
+    trainer.train()
+    with pytest.raises(ValueError, match="run folder exists"):
+        start_run(tmp_path / "run", data=spec, model_options=TINY)
+    again = resume_run(tmp_path / "run", train_options={"max_steps": 5})
+    assert again.state.step == 3
+    again.train()
+    assert again.state.step == 5
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["max_steps"] == 5
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resume_run(tmp_path)
