@@ -1,0 +1,24 @@
+"""``qkv report``: every experiment's results and figures in one self-contained HTML page.
+
+    qkv experiment all --quick && qkv report      # -> qkv-out/experiments/report.html
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from qkv.cli.experiment import DEFAULT_OUT
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"folder holding the experiments' results (default {DEFAULT_OUT})")
+    parser.add_argument("-o", "--output", help="HTML file to write (default <out>/report.html)")
+    parser.add_argument("--title", default="qkv experiments", help="page title")
+
+
+def run(args: argparse.Namespace) -> int:
+    from qkv.experiments.report import write_report
+
+    path = write_report(args.out, args.output, title=args.title)
+    print(f"wrote {path}")
+    return 0
