@@ -12,6 +12,13 @@ bending one point of the curve. A sample of a fast call repeats it until it last
 ``min_sample_seconds`` and divides, which averages out the occasional slow call (allocator page
 faults cost a few milliseconds every few calls on CPU).
 
+On CPU the default clock is the process's CPU time (``time.process_time``), not the wall clock:
+on a machine shared with other work the scheduler takes the core away at random moments, which
+lands in wall-clock samples as noise several times larger than the effect being measured, but
+not in the CPU time this process actually spent. (With several torch threads it is the sum over
+threads: the work, not the latency.) On CUDA the clock is the wall clock, synchronised. Both
+medians are recorded.
+
 Shape legend: ``b`` batch (1), ``n`` sequence length, ``d`` model width.
 """
 
@@ -58,6 +65,7 @@ class ScalingConfig:
     large_length: int = 1024  # the exponent in n is also fitted on n >= this ("large n")
     repeats: int = 5  # timed samples per size (the median is kept), after one warm-up run
     min_sample_seconds: float = 0.02  # a sample repeats the call until it lasts about this long
+    clock: str = "auto"  # "cpu" (process CPU time), "wall", or "auto": cpu on CPU, wall on CUDA
     backward: bool = True  # also time forward + backward
 
     def __post_init__(self) -> None:
@@ -70,11 +78,14 @@ class ScalingConfig:
             )
         if self.repeats < 1:
             raise ValueError(f"repeats must be positive, got {self.repeats}")
+        if self.clock not in ("auto", "cpu", "wall"):
+            raise ValueError(f"clock must be auto, cpu or wall, got {self.clock!r}")
 
 
 # n from 1024 to 4096 with a small d: the n^2 d term dominates the n d^2 projections by far.
 QUICK = ScalingConfig(
-    lengths=(256, 1024, 2048, 4096), dims=(32, 64, 128), fixed_dim=32, fixed_length=256, repeats=3
+    lengths=(256, 1024, 2048, 4096), dims=(32, 64, 128), fixed_dim=32, fixed_length=256, repeats=3,
+    min_sample_seconds=0.01,
 )
 
 
@@ -110,13 +121,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def resolve_clock(config: ScalingConfig, device: torch.device) -> str:
+    if config.clock != "auto":
+        return config.clock
+    return "wall" if device.type == "cuda" else "cpu"
+
+
 def time_layers(
     sizes: list[tuple[int, int]], config: ScalingConfig, device: torch.device, *, progress: bool = True, desc: str = ""
-) -> dict[str, dict[str, list[float]]]:
-    """Median seconds of each layer and mode at each ``(n, d)``, timed round-robin.
+) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """Median seconds of each layer and mode at each ``(n, d)``, timed round-robin, by both clocks.
 
     Returns:
-        ``{layer: {mode: [seconds per size]}}``.
+        ``{"cpu" | "wall": {layer: {mode: [seconds per size]}}}``.
     """
     modes = MODES if config.backward else MODES[:1]
     jobs = []
@@ -126,25 +143,31 @@ def time_layers(
             x = torch.randn(1, n, d, device=device)  # (b, n, d)
             for mode in modes:
                 jobs.append((kind, mode, size_index, _step(kind, layer, x, mode)))
-    samples: dict[tuple[str, str], list[list[float]]] = {}
+    samples: dict[tuple[str, str, str], list[list[float]]] = {}
     calls = [1] * len(jobs)  # calls per sample, set from the warm-up
     bar = tqdm(total=len(jobs) * (config.repeats + 1), desc=desc or NAME, unit="run", disable=not progress)
     for repeat in range(config.repeats + 1):  # repeat 0 is the warm-up
         for j, (kind, mode, size_index, step) in enumerate(jobs):
             _sync(device)
-            start = time.perf_counter()
+            start_wall, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(calls[j]):
                 step()
             _sync(device)
-            elapsed = (time.perf_counter() - start) / calls[j]
+            wall = (time.perf_counter() - start_wall) / calls[j]
+            cpu = (time.process_time() - start_cpu) / calls[j]
             if repeat == 0:
-                calls[j] = max(1, min(1000, round(config.min_sample_seconds / max(elapsed, 1e-7))))
+                calls[j] = max(1, min(1000, round(config.min_sample_seconds / max(wall, 1e-7))))
             else:
-                samples.setdefault((kind, mode), [[] for _ in sizes])[size_index].append(elapsed)
+                for clock, elapsed in (("wall", wall), ("cpu", cpu)):
+                    samples.setdefault((clock, kind, mode), [[] for _ in sizes])[size_index].append(elapsed)
             bar.update()
     bar.close()
     return {
-        kind: {mode: [statistics.median(s) for s in samples[(kind, mode)]] for mode in modes} for kind in LAYERS
+        clock: {
+            kind: {mode: [statistics.median(s) for s in samples[(clock, kind, mode)]] for mode in modes}
+            for kind in LAYERS
+        }
+        for clock in ("cpu", "wall")
     }
 
 
@@ -169,16 +192,23 @@ def run(
     dev = pick_device(device)
     folder = experiment_dir(out, NAME)
     lengths, dims = list(config.lengths), list(config.dims)
+    clock = resolve_clock(config, dev)
     with Stopwatch() as watch, seeded(seed, dev):
-        by_length = time_layers([(n, config.fixed_dim) for n in lengths], config, dev, progress=progress,
-                                desc=f"{NAME} over n")
-        by_dim = time_layers([(config.fixed_length, d) for d in dims], config, dev, progress=progress,
-                             desc=f"{NAME} over d")
+        both_by_length = time_layers([(n, config.fixed_dim) for n in lengths], config, dev, progress=progress,
+                                     desc=f"{NAME} over n")
+        both_by_dim = time_layers([(config.fixed_length, d) for d in dims], config, dev, progress=progress,
+                                  desc=f"{NAME} over d")
+    by_length, by_dim = both_by_length[clock], both_by_dim[clock]
+    other = "wall" if clock == "cpu" else "cpu"
     results = {
+        "clock": clock,
         "lengths": lengths,
         "dims": dims,
         "by_length": by_length,
         "by_dim": by_dim,
+        f"by_length_{other}": both_by_length[other],
+        f"by_dim_{other}": both_by_dim[other],
+        f"exponent_in_n_large_{other}": _fits(lengths, both_by_length[other], config.large_length),
         "exponent_in_n": _fits(lengths, by_length),
         "exponent_in_n_large": _fits(lengths, by_length, config.large_length),
         "exponent_in_d": _fits(dims, by_dim),
@@ -211,7 +241,7 @@ def _summary(results: dict, config: ScalingConfig) -> list[str]:
     for kind in LAYERS:
         for mode, times in results["by_length"][kind].items():
             cells = " ".join(f"{n}:{t * 1e3:.2f}" for n, t in zip(results["lengths"], times))
-            lines.append(f"{kind:>9} {mode:>8} ms by n (d={config.fixed_dim}): {cells}")
+            lines.append(f"{kind:>9} {mode:>8} ms by n (d={config.fixed_dim}, {results['clock']} time): {cells}")
     for kind in LAYERS:
         n_all = results["exponent_in_n"][kind]
         n_large = results["exponent_in_n_large"][kind]
@@ -244,10 +274,10 @@ def _plot(results: dict, config: ScalingConfig, path: Path) -> None:
             ax_tok.loglog(results["lengths"], [t * 1e6 for t in per_token], lines[mode], marker="o",
                           color=colors[kind], label=f"{kind} {mode}")
     ax_n.set_xlabel("sequence length n")
-    ax_n.set_ylabel("seconds (median)")
+    ax_n.set_ylabel(f"seconds (median, {results['clock']} time)")
     ax_n.set_title(f"time over n (d = {config.fixed_dim}); attention 1 step, RNN n steps", fontsize=9)
     ax_d.set_xlabel("model width d")
-    ax_d.set_ylabel("seconds (median)")
+    ax_d.set_ylabel(f"seconds (median, {results['clock']} time)")
     ax_d.set_title(f"time over d (n = {config.fixed_length})", fontsize=9)
     ax_tok.set_xlabel("sequence length n")
     ax_tok.set_ylabel("microseconds per token")
