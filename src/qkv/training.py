@@ -253,7 +253,9 @@ class Trainer:
                     self.log(record)
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:.0f}", eta=self._eta())
                     window_tokens, window_loss, window_start = 0, 0.0, time.perf_counter()
+                paused = time.perf_counter()
                 self._maybe_evaluate_and_keep()
+                window_start += time.perf_counter() - paused  # tokens/s counts training time only
         except KeyboardInterrupt:
             logger.warning("interrupted: saving a checkpoint at step %d before exiting", s.step)
             # a partly done step is dropped: the checkpoint sits on a step boundary, so resuming
@@ -405,8 +407,10 @@ RECIPES: dict[str, dict] = {
         "split_digits": False,
         "model": dict(d_model=256, num_heads=4, num_encoder_layers=3, num_decoder_layers=3, d_ff=1024, dropout=0.1,
                       max_len=256, share_embeddings=True, tie_output=True),
-        "train": dict(max_tokens=6000, warmup_steps=800, bf16=True, max_minutes=60.0, eval_every_minutes=6.0,
-                      checkpoint_every_minutes=3.0, average_last=5),
+        # ~3.7k target tokens a step (124 steps an epoch): more updates than 6k-token batches in an hour
+        # of CPU; warmup 400 with factor 0.7 reaches the same peak (2.2e-3) as warmup 800 with factor 1.
+        "train": dict(max_tokens=4000, warmup_steps=400, lr_factor=0.7, bf16=True, max_minutes=60.0,
+                      eval_every_minutes=6.0, checkpoint_every_minutes=3.0, average_last=5),
     },
     "dates": {
         "vocab_size": 400,

@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=float, default=0.995,
                         help="stop once held-out exact match reaches this (default 0.995)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads (default 1: the model is tiny, and extra threads only wait on each other "
+                             "when other programs share the CPU)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
