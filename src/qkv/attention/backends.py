@@ -98,8 +98,17 @@ def torch_sdpa(
       explicit mask is built for unequal lengths (a single query sees every key: no mask).
     * Fully masked rows: PyTorch's CPU kernels return zeros; other devices' kernels may return
       NaN, so there such rows are un-masked for the kernel and zeroed afterwards.
+
+    And one place where it is slow: on CPU, the fused kernel's bfloat16/float16 *backward* is 2-5x
+    slower than its float32 one for short sequences (below 192 positions: the kernel's small-tile
+    path), so there, when gradients will be needed, the kernel runs in float32 and the output is
+    cast back (see :func:`upcast_for_cpu_backward`).
     """
     s_q, s_k = q.size(-2), k.size(-2)
+    low_precision = None
+    if upcast_for_cpu_backward(q, k, v):
+        low_precision = q.dtype
+        q, k, v = q.float(), k.float(), v.float()
     if is_causal and s_q != s_k:
         if s_q == 1:
             is_causal = False  # the one new query sees every key
@@ -117,12 +126,35 @@ def torch_sdpa(
         keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
         fully_masked = ~keep.any(dim=-1, keepdim=True)  # (..., s_q, 1)
         attn_mask = attn_mask.masked_fill(fully_masked, True if attn_mask.dtype == torch.bool else 0.0)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
-    )
+    if low_precision is None:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+        )
+    else:  # autocast would cast the float32 inputs straight back to bfloat16
+        with torch.autocast(q.device.type, enabled=False):
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+            )
     if fully_masked is not None:
         out = out.masked_fill(fully_masked, 0.0)
-    return out
+    return out if low_precision is None else out.to(low_precision)
+
+
+# Below this many queries and keys, torch's CPU flash kernel uses small tiles and its bf16/fp16
+# backward is slower than float32's (b 1-32, h 8, d_h 64: 1.4-2.6x at s 64-128, parity near 256).
+UPCAST_MAX_LEN = 192
+
+
+def upcast_for_cpu_backward(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether to run the fused kernel in float32 for low-precision inputs: on CPU, short
+    sequences (< :data:`UPCAST_MAX_LEN`), and only when autograd will need a backward pass."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and max(q.size(-2), k.size(-2)) < UPCAST_MAX_LEN
+        and torch.is_grad_enabled()
+        and (q.requires_grad or k.requires_grad or v.requires_grad)
+    )
 
 
 def _and_mask(attn_mask: Tensor, causal: Tensor) -> Tensor:
