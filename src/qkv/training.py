@@ -412,12 +412,15 @@ RECIPES: dict[str, dict] = {
         "train": dict(max_tokens=4000, warmup_steps=400, lr_factor=0.7, bf16=True, max_minutes=60.0,
                       eval_every_minutes=6.0, checkpoint_every_minutes=3.0, average_last=5),
     },
+    # Dates: 600 BPE tokens (enough that capitalised month and day names become whole tokens), digits
+    # split; a 0.2M-parameter pre-LN model (pre-LN trains faster at this size than the paper's
+    # post-LN); fresh dates never repeat enough to need dropout. About 1,000 steps reach 99.5%.
     "dates": {
-        "vocab_size": 400,
+        "vocab_size": 600,
         "split_digits": True,
-        "model": dict(d_model=128, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, d_ff=512, dropout=0.0,
+        "model": dict(d_model=64, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, d_ff=256, dropout=0.0,
                       max_len=64, norm_first=True, share_embeddings=True, tie_output=True),
-        "train": dict(max_tokens=1500, warmup_steps=100, lr_factor=0.25, max_minutes=2.5, eval_every_steps=100,
+        "train": dict(max_tokens=1500, warmup_steps=100, lr_factor=0.5, max_minutes=2.5, eval_every_steps=100,
                       eval_sentences=500, stop_at_exact_match=0.995, average_last=1),
     },
 }

@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--resume", action="store_true", help="continue the run in --run-dir where it stopped")
     run.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
     model = parser.add_argument_group("model (defaults: the data set's recipe)")
-    model.add_argument("--vocab-size", type=int, help="joint BPE vocabulary (recipe: 8000; dates 400)")
+    model.add_argument("--vocab-size", type=int, help="joint BPE vocabulary (recipe: 8000; dates 600)")
     model.add_argument("--d-model", type=int)
     model.add_argument("--heads", type=int)
     model.add_argument("--encoder-layers", type=int)
