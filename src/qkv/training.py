@@ -173,7 +173,7 @@ class Trainer:
         saved = ckpt.load_training_state(self.run_dir / "state.pt")
         ckpt.load_weights(self.model, self.run_dir / "last.safetensors")
         self.optimizer.load_state_dict(saved["optimizer"])
-        _set_rng_state(saved["rng"])
+        _set_rng_state(saved["rng"] if "rng" in saved else {"cpu": saved["torch_rng"]})  # older runs: CPU only
         self.state = TrainState(**saved["train_state"])
         logger.info("resumed at step %d (epoch %d, %.1f minutes done)", self.state.step, self.state.epoch,
                     self.state.seconds / 60)
