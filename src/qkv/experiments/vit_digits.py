@@ -56,7 +56,7 @@ class ViTDigitsConfig:
     dropout: float = 0.1  # residual dropout
     epochs: int = 100  # passes over the training images
     batch_size: int = 64  # images per step
-    lr: float = 3e-3  # peak learning rate (one-cycle schedule, AdamW)
+    lr: float = 5e-3  # peak learning rate (one-cycle schedule, AdamW)
     weight_decay: float = 0.05  # AdamW weight decay
     label_smoothing: float = 0.1  # cross-entropy label smoothing
     max_shift: int = 1  # augmentation: random translation by up to this many pixels
