@@ -32,7 +32,7 @@ import torch
 from qkv import checkpoint as ckpt
 from qkv.data.sources import load_split
 from qkv.evaluation import score_translations, translate_texts
-from qkv.training import RECIPES, run_training, start_run
+from qkv.training import run_training, start_run
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -85,7 +85,8 @@ def main() -> int:
                      if field and getattr(args, opt) is not None}
     if args.layers is not None:
         model_options.update(num_encoder_layers=args.layers, num_decoder_layers=args.layers)
-    train_options = {field: getattr(args, opt) for opt, field in TRAIN_OPTIONS.items() if getattr(args, opt) is not None}
+    train_options = {field: getattr(args, opt) for opt, field in TRAIN_OPTIONS.items()
+                     if getattr(args, opt) is not None}
     train_options.update(max_minutes=args.minutes, bf16=not args.no_bf16, seed=args.seed, eval_sentences=300,
                          progress=sys.stderr.isatty(), log_every_steps=10)
     data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": args.src, "tgt_lang": args.tgt}
@@ -98,7 +99,8 @@ def main() -> int:
         trainer.src_lengths = trainer.src_lengths[: args.train_limit]
         trainer.tgt_lengths = trainer.tgt_lengths[: args.train_limit]
     if args.eval_limit and trainer.valid is not None:
-        trainer.valid.src, trainer.valid.tgt = trainer.valid.src[: args.eval_limit], trainer.valid.tgt[: args.eval_limit]
+        limit = args.eval_limit
+        trainer.valid.src, trainer.valid.tgt = trainer.valid.src[:limit], trainer.valid.tgt[:limit]
     prep_seconds = time.perf_counter() - t0
     train_start = time.perf_counter()
     run_training(trainer)

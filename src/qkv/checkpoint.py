@@ -47,6 +47,7 @@ def atomic_path(path: str | Path):
 
 
 def write_json(path: str | Path, data: dict) -> None:
+    """Write ``data`` as indented JSON, atomically."""
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
@@ -58,6 +59,7 @@ def save_weights(model: torch.nn.Module, path: str | Path) -> None:
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Load safetensors weights into ``model``; every tensor must match (names and shapes)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: weights file not found")
@@ -80,11 +82,13 @@ def average_weight_files(paths: list[Path], out_path: str | Path) -> None:
 
 
 def save_training_state(path: str | Path, state: dict) -> None:
+    """``torch.save`` the optimizer/RNG/position state, atomically."""
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
 
 
 def load_training_state(path: str | Path) -> dict:
+    """Read what :func:`save_training_state` wrote (our own file: full unpickling is allowed)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no training state to resume from")
@@ -92,10 +96,17 @@ def load_training_state(path: str | Path) -> dict:
 
 
 def read_run_config(run_dir: str | Path) -> dict:
+    """The run folder's ``config.json``; ``FileNotFoundError`` if it is not a run folder."""
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not a qkv run folder (config.json missing)")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(config, dict) or "model" not in config:
+        raise ValueError(f"{path}: not a qkv run config (no 'model' section)")
+    return config
 
 
 def load_run(run_dir: str | Path, weights: str = "model") -> tuple[Transformer, Tokenizer, dict]:

@@ -21,6 +21,8 @@ from qkv.models import EncoderOutput, Transformer
 
 @dataclass
 class Hypothesis:
+    """A finished beam-search hypothesis."""
+
     tokens: list[int]  # decoded ids, EOS excluded
     score: float  # sum of log-probabilities (EOS included when it was produced)
     normalized: float  # score / length_penalty(len)

@@ -59,6 +59,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> TrainConfig:
+        """Build from a dict (e.g. config.json's ``train``); unknown keys raise ``ValueError``."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -179,6 +180,7 @@ class Trainer:
                     self.state.seconds / 60)
 
     def log(self, record: dict) -> None:
+        """Append one JSON line to ``metrics.jsonl``."""
         with open(self.metrics_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
 
@@ -336,15 +338,17 @@ class Trainer:
         scores = score_translations(hyps, refs)
         accuracy = exact_match(hyps, refs)
         eval_seconds = time.perf_counter() - start
+        val_loss = total_loss / total_tokens
         record = {"event": "valid", "step": s.step, "minutes": round(s.seconds / 60, 3),
-                  "val_loss": round(total_loss / total_tokens, 4), "val_ppl": round(math.exp(total_loss / total_tokens), 3),
-                  "val_bleu_greedy": scores["bleu"], "val_chrf_greedy": scores["chrf"], "val_exact_match": round(accuracy, 4), "sentences": n,
-                  "eval_seconds": round(eval_seconds, 1)}
+                  "val_loss": round(val_loss, 4), "val_ppl": round(math.exp(val_loss), 3),
+                  "val_bleu_greedy": scores["bleu"], "val_chrf_greedy": scores["chrf"],
+                  "val_exact_match": round(accuracy, 4), "sentences": n, "eval_seconds": round(eval_seconds, 1)}
         self.log(record)
         logger.info("step %d (%.1f min): val loss %.3f, greedy BLEU %.2f, exact match %.1f%% on %d sentences",
                     s.step, s.seconds / 60, record["val_loss"], scores["bleu"], 100 * accuracy, n)
         if c.stop_at_exact_match and accuracy >= c.stop_at_exact_match:
-            logger.info("validation exact match %.2f%% >= %.2f%%: stopping", 100 * accuracy, 100 * c.stop_at_exact_match)
+            logger.info("validation exact match %.2f%% >= %.2f%%: stopping", 100 * accuracy,
+                        100 * c.stop_at_exact_match)
             s.stopped_early = True
         if scores["bleu"] > s.best_bleu:
             s.best_bleu = scores["bleu"]

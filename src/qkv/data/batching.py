@@ -28,6 +28,7 @@ class Batch:
 
     @property
     def size(self) -> int:
+        """Number of sentence pairs ``b``."""
         return self.src.size(0)
 
     def to(self, device: torch.device | str) -> Batch:

@@ -64,6 +64,7 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
+        """Read a ``tokenizer.json`` written by :meth:`save`. Raises ``FileNotFoundError`` if missing."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: tokenizer file not found")
@@ -84,6 +85,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """Number of ids, specials and byte symbols included."""
         return self.backend.get_vocab_size()
 
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
@@ -92,6 +94,7 @@ class Tokenizer:
         return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
 
     def encode_batch(self, texts: list[str], *, add_bos: bool = False, add_eos: bool = False) -> list[list[int]]:
+        """:meth:`encode` for many texts at once (the backend runs them in parallel)."""
         encoded = self.backend.encode_batch(texts, add_special_tokens=False)
         head, tail = ([self.bos_id] if add_bos else []), ([self.eos_id] if add_eos else [])
         return [head + e.ids + tail for e in encoded]
