@@ -1,0 +1,22 @@
+"""The attention op (qkv eager reference, qkv fast path, torch SDPA) and the attention module (qkv
+MultiHeadAttention, torch.nn.MultiheadAttention, with and without need_weights), s in {128, 512,
+2048, 8192}, fp32 and bf16, causal and not, forward and forward+backward; times and peak memory.
+
+Writes benchmarks/results/attention.json and attention.png and prints the ratios; the same as
+`qkv bench attention`. Arguments are those of `qkv bench` (--quick, --threads, --device, --out, --data).
+
+    python benchmarks/attention.py --threads 2
+"""
+
+import sys
+from pathlib import Path
+
+from qkv.cli import main
+
+SHARED_MULTI30K = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "multi30k"
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if "--data" not in args and SHARED_MULTI30K.is_dir():
+        args += ["--data", str(SHARED_MULTI30K)]
+    sys.exit(main(["bench", "attention", *args]))

@@ -1,0 +1,262 @@
+"""Side-by-side timing: interleaved repeats after warm-up, medians, ratios, peak memory, JSON.
+
+Every benchmark in :mod:`qkv.bench` times its contenders *in one run, interleaved*: repeat ``r``
+runs contender A, then B, then C, ... (the order rotates each repeat), so that load from other
+processes on a shared machine hits every contender alike. Figures are medians over repeats and the
+report is a ratio of medians; absolute times on a noisy machine mean little.
+
+Peak memory is measured per call: on CUDA with ``torch.cuda.max_memory_allocated``; on a Linux CPU
+by resetting the process's resident-set high-water mark (``/proc/self/clear_refs``) and reading
+``VmHWM`` afterwards, which counts what the call allocated above what was live before it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import logging
+import math
+import os
+import platform
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def pick_device(requested: str | None = None) -> torch.device:
+    """The device to benchmark on: ``requested`` if given, else CUDA when present, else CPU."""
+    if requested:
+        device = torch.device(requested)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {requested!r} was requested but CUDA is not available")
+        return device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels (CUDA is asynchronous; a timer must not stop before the work does)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Timing:
+    """Seconds per call of one contender over interleaved repeats."""
+
+    name: str
+    times: list[float] = field(default_factory=list)
+    error: str | None = None  # why it could not run (e.g. out of memory), if it could not
+    peak_bytes: int | None = None  # memory allocated at the peak of one call, when measured
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.times) if self.times else None
+
+    def as_dict(self) -> dict:
+        return {"median_s": self.median, "times_s": self.times, "peak_bytes": self.peak_bytes, "error": self.error}
+
+
+def time_interleaved(
+    contenders: dict[str, Callable[[], object]],
+    *,
+    device: torch.device,
+    repeats: int = 7,
+    warmup: int = 2,
+    inner: int = 1,
+    budget_s: float | None = None,
+    memory: bool = False,
+    min_sample_s: float = 0.0,
+) -> dict[str, Timing]:
+    """Time several callables side by side.
+
+    Args:
+        contenders: name -> zero-argument callable doing one unit of work.
+        device: where the work runs (CUDA calls are synchronised around each timing).
+        repeats: timed rounds; each round calls every contender (order rotated every round).
+        warmup: untimed calls of each contender first (allocator, kernels, lazy init).
+        inner: calls per timed sample (the sample is their mean), for very short calls.
+        budget_s: stop adding rounds once this many seconds have passed (at least 3 rounds run,
+            or all of them if fewer were asked), to keep very large sizes bounded.
+        memory: measure each contender's peak memory (:func:`peak_memory_bytes`) on its last
+            warm-up call (one extra untimed call when ``warmup`` is 0).
+        min_sample_s: raise a contender's ``inner`` until one timed sample lasts about this long
+            (measured on one extra call after warm-up), so that microsecond calls are not lost in
+            timer and scheduler noise.
+
+    Returns:
+        name -> :class:`Timing`; a contender that raised (e.g. out of memory) has ``error`` set and
+        is dropped from later rounds.
+    """
+    if repeats < 1 or warmup < 0 or inner < 1:
+        raise ValueError(f"need repeats >= 1, warmup >= 0, inner >= 1; got {repeats}, {warmup}, {inner}")
+    if not contenders:
+        raise ValueError("no contenders to time")
+    results = {name: Timing(name) for name in contenders}
+    names = list(contenders)
+    for name in names:
+        try:
+            for _ in range(warmup - 1 if memory and warmup else warmup):
+                contenders[name]()
+            synchronize(device)
+            if memory:
+                results[name].peak_bytes = peak_memory_bytes(contenders[name], device)
+        except (RuntimeError, MemoryError) as err:  # out of memory, unsupported dtype, ...
+            results[name].error = _describe(err)
+            logger.warning("%s failed in warm-up: %s", name, results[name].error)
+    inners = {name: inner for name in names}
+    if min_sample_s > 0:
+        for name in names:
+            if results[name].error is None:
+                try:
+                    synchronize(device)
+                    t0 = time.perf_counter()
+                    contenders[name]()
+                    synchronize(device)
+                    once = time.perf_counter() - t0
+                except (RuntimeError, MemoryError) as err:
+                    results[name].error = _describe(err)
+                    continue
+                inners[name] = max(inner, min(1000, math.ceil(min_sample_s / max(once, 1e-7))))
+    start = time.perf_counter()
+    for round_index in range(repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            if results[name].error is not None:
+                continue
+            try:
+                synchronize(device)
+                t0 = time.perf_counter()
+                for _ in range(inners[name]):
+                    contenders[name]()
+                synchronize(device)
+                results[name].times.append((time.perf_counter() - t0) / inners[name])
+            except (RuntimeError, MemoryError) as err:
+                results[name].error = _describe(err)
+                logger.warning("%s failed: %s", name, results[name].error)
+        if budget_s is not None and round_index + 1 >= min(3, repeats) and time.perf_counter() - start > budget_s:
+            break
+    return results
+
+
+def _describe(err: BaseException) -> str:
+    lines = str(err).strip().splitlines() or [""]
+    return f"{type(err).__name__}: {lines[0][:200]}"
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """``numerator / denominator``, or None when either is missing."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def _proc_status_bytes(key: str) -> int | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    match = re.search(rf"^{key}:\s+(\d+) kB", text, flags=re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else None
+
+
+def _release_free_heap() -> None:
+    """Hand memory that was freed but kept by glibc's allocator back to the system, so that a
+    call reusing it shows up in the resident-set high-water mark (no-op off glibc)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
+    """Memory a call allocates at its peak above what was live before it, in bytes.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` minus the allocation before the call. Linux CPU:
+    the resident-set high-water mark (reset through ``/proc/self/clear_refs``) minus the resident
+    set before the call, after ``malloc_trim`` has returned freed heap pages (so reused memory is
+    counted); small calls read a few MiB of allocator noise. None where neither is available. The
+    call's result is dropped afterwards.
+    """
+    gc.collect()
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = fn()
+        synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        del result
+        return peak
+    _release_free_heap()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    before = _proc_status_bytes("VmRSS")
+    result = fn()
+    peak = _proc_status_bytes("VmHWM")
+    del result
+    gc.collect()
+    if before is None or peak is None:
+        return None
+    return max(peak - before, 0)
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Memory free for new allocations: CUDA's free memory, or Linux's ``MemAvailable``."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        match = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), flags=re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
+def environment() -> dict:
+    """What the figures were measured on."""
+    info = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    try:
+        model = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), flags=re.MULTILINE)
+        info["cpu_model"] = model.group(1) if model else None
+    except OSError:
+        pass
+    return info
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    """Write ``data`` as JSON atomically (temporary file in the same folder, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

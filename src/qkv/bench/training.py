@@ -1,0 +1,184 @@
+"""Training throughput, side by side: qkv's Transformer, ``torch.nn.Transformer`` and Hugging
+Face's MarianMT with the same sizes, on the same batches, with the same loss and optimiser.
+
+One training step = zero the gradients, forward (under bfloat16 autocast for ``+bf16``
+contenders), label-smoothed cross-entropy summed over real target tokens divided by their count,
+backward, gradient clipping at 1.0, Adam. Round ``r`` of the interleaved timing gives every
+contender the same batch, so tokens/s are comparable; a contender's figure is target tokens
+trained divided by the seconds its timed steps took.
+
+Contender names: ``qkv``, ``torch`` (``nn.Transformer``), ``marian``; suffix ``+bf16`` for bfloat16
+autocast and ``+compile`` for ``torch.compile`` of the model's forward (qkv only by default).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qkv.bench.competitors import TorchTransformerMT, autocast_context, build_marian, count_parameters
+from qkv.bench.data import BenchData
+from qkv.bench.timing import ratio, time_interleaved
+from qkv.models import Transformer, TransformerConfig
+
+logger = logging.getLogger(__name__)
+
+FAMILIES = ("qkv", "torch", "marian")
+
+
+def multi30k_config(data: BenchData, **overrides) -> TransformerConfig:
+    """The Multi30k model of the translation benchmark: d_model 256, 4 heads, 3+3 layers, d_ff 1024,
+    shared embeddings and tied output over the joint vocabulary; ``overrides`` replace fields."""
+    fields = dict(
+        src_vocab_size=data.vocab_size, tgt_vocab_size=data.vocab_size, d_model=256, num_heads=4,
+        num_encoder_layers=3, num_decoder_layers=3, d_ff=1024, dropout=0.1, max_len=512,
+        share_embeddings=True, tie_output=True, pad_id=data.pad_id,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_model(family: str, config: TransformerConfig, data: BenchData) -> nn.Module:
+    """A model of ``family`` (``qkv``, ``torch`` or ``marian``) with ``config``'s sizes, called as
+    ``model(src, tgt_in) -> logits``."""
+    if family == "qkv":
+        return Transformer(config)
+    if family == "torch":
+        return TorchTransformerMT(config)
+    if family == "marian":
+        return build_marian(config, bos_id=data.bos_id, eos_id=data.eos_id)
+    raise ValueError(f"unknown model family {family!r}; choose from {FAMILIES}")
+
+
+def parse_contender(name: str) -> tuple[str, bool, bool]:
+    """``"qkv+bf16+compile"`` -> ``("qkv", bf16=True, compile=True)``."""
+    family, *flags = name.split("+")
+    unknown = [f for f in flags if f not in ("bf16", "compile")]
+    if family not in FAMILIES or unknown:
+        raise ValueError(f"bad contender {name!r}: a family in {FAMILIES} and optional +bf16 / +compile")
+    return family, "bf16" in flags, "compile" in flags
+
+
+def make_train_step(
+    model: nn.Module,
+    data: BenchData,
+    *,
+    device: torch.device,
+    bf16: bool = False,
+    compile_model: bool = False,
+    label_smoothing: float = 0.1,
+    lr: float = 1e-4,
+) -> Callable[[], int]:
+    """A zero-argument training step over ``data.batches`` in order (cycling). Returns the step's
+    target token count."""
+    model.to(device).train()
+    forward = torch.compile(model, dynamic=True) if compile_model else model
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
+    position = [0]
+
+    def step() -> int:
+        batch = data.batches[position[0] % len(data.batches)]
+        position[0] += 1
+        optimizer.zero_grad(set_to_none=True)
+        with autocast_context(device, bf16):
+            logits = forward(batch.src, batch.tgt_in)  # (b, s_tgt, V)
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), batch.tgt_out.reshape(-1), ignore_index=data.pad_id,
+            label_smoothing=label_smoothing, reduction="sum",
+        )
+        (loss / batch.num_tgt_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return batch.num_tgt_tokens
+
+    return step
+
+
+def training_benchmark(
+    data: BenchData,
+    config: TransformerConfig,
+    *,
+    contenders: Sequence[str] = ("qkv", "torch", "marian", "qkv+bf16", "torch+bf16", "marian+bf16"),
+    device: torch.device,
+    repeats: int = 8,
+    warmup: int = 2,
+    budget_s: float | None = None,
+) -> dict:
+    """Tokens/s of each contender's training step, timed interleaved on the same batches.
+
+    Args:
+        data: the batches (moved to ``device`` here).
+        config: the model sizes, shared by every family.
+        contenders: names as parsed by :func:`parse_contender`.
+        device: where to train.
+        repeats: timed steps per contender; warmup: untimed steps first (compilation happens there).
+        budget_s: stop adding rounds after this many seconds (at least 3 rounds).
+
+    Returns:
+        ``{"config", "data", "contenders": {name: {tokens_per_s, median_step_s, ...}}, "ratios"}``.
+    """
+    if not contenders:
+        raise ValueError("no contenders given")
+    parsed = {name: parse_contender(name) for name in contenders}
+    data = data.to(device)
+    steps, parameters = {}, {}
+    for name, (family, bf16, compile_model) in parsed.items():
+        try:
+            model = build_model(family, config, data)
+        except (ImportError, ValueError) as err:
+            logger.warning("%s left out: %s", name, err)
+            continue
+        parameters[name] = count_parameters(model)
+        steps[name] = make_train_step(model, data, device=device, bf16=bf16, compile_model=compile_model)
+    timings = time_interleaved(steps, device=device, repeats=repeats, warmup=warmup, budget_s=budget_s)
+    # every contender consumed the same batches: `warmup` untimed, then one per timed round
+    tokens = [b.num_tgt_tokens for b in data.batches]
+    results = {}
+    for name, timing in timings.items():
+        timed_tokens = sum(tokens[(warmup + i) % len(tokens)] for i in range(len(timing.times)))
+        seconds = sum(timing.times)
+        results[name] = {
+            "tokens_per_s": timed_tokens / seconds if seconds else None,
+            "median_step_s": timing.median,
+            "steps_timed": len(timing.times),
+            "parameters": parameters[name],
+            "times_s": timing.times,
+            "error": timing.error,
+        }
+    tps = {name: r["tokens_per_s"] for name, r in results.items()}
+    ratios = {}
+    for suffix in ("", "+bf16"):
+        for other in ("torch", "marian"):
+            if f"qkv{suffix}" in tps and f"{other}{suffix}" in tps:
+                ratios[f"qkv{suffix}_vs_{other}{suffix}"] = ratio(tps[f"qkv{suffix}"], tps[f"{other}{suffix}"])
+    for name in tps:
+        family, bf16, compile_model = parsed[name]
+        if bf16 or compile_model:
+            base = family
+            if base in tps:
+                ratios[f"{name}_vs_{base}"] = ratio(tps[name], tps[base])
+    return {
+        "config": {"model": _config_dict(config), "device": str(device), "repeats": repeats, "warmup": warmup},
+        "data": {"description": data.description, **data.info},
+        "contenders": results,
+        "ratios": ratios,
+    }
+
+
+def _config_dict(config: TransformerConfig) -> dict:
+    from dataclasses import asdict
+
+    return asdict(config)
+
+
+def plot_training(report: dict, path) -> None:
+    """Bars of target tokens/s per contender."""
+    from qkv.bench.plots import bar_chart
+
+    values = {n: r["tokens_per_s"] for n, r in report["contenders"].items() if r["tokens_per_s"]}
+    bar_chart(values, path, ylabel="target tokens / s (higher is better)",
+              title=f"training step, {report['data']['description']}")

@@ -1,0 +1,40 @@
+"""``qkv bench``: time qkv against PyTorch and Hugging Face side by side (a thin front end over
+:mod:`qkv.bench.suites`; the scripts in ``benchmarks/`` run the same suites)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from qkv.bench.suites import SUITES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("suite", choices=(*SUITES, "all"), help="what to time")
+    parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (tiny sizes, few repeats)")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for <suite>.json and <suite>.png")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--data", default=None, help="folder with the Multi30k files (default: $QKV_DATA/multi30k)")
+    parser.add_argument("--compile", dest="compile_models", action="store_true", default=None,
+                        help="include torch.compile contenders in the precision suite even with --quick")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from qkv.bench.suites import run_suite
+    from qkv.bench.timing import pick_device
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    device = pick_device(args.device)
+    for suite in SUITES if args.suite == "all" else (args.suite,):
+        _, summary = run_suite(suite, out_dir=args.out, device=device, quick=args.quick, data_dir=args.data,
+                               compile_models=args.compile_models)
+        print(summary, flush=True)
+        print()
+    return 0
