@@ -142,6 +142,7 @@ def attention_benchmark(
     budget_s: float | None = 60.0,
     weights_max_len: int = 2048,
     memory: bool = True,
+    min_sample_s: float = 0.05,
     progress: bool = True,
 ) -> dict:
     """Time attention contenders side by side over a grid of sizes.
@@ -157,6 +158,7 @@ def attention_benchmark(
             more use at most 3 repeats and 1 warm-up.
         weights_max_len: longest ``s`` for the ``need_weights=True`` module contenders.
         memory: measure each contender's peak memory.
+        min_sample_s: shortest timed sample (short calls are repeated inside one sample).
         progress: show a progress bar.
 
     Returns:
@@ -179,7 +181,7 @@ def attention_benchmark(
                 s, DTYPES[dtype_name], is_causal, pass_name == "forward_backward", batch=batch, heads=heads,
                 head_dim=head_dim, device=device, repeats=repeats if s < 4096 else min(repeats, 3),
                 warmup=warmup if s < 4096 else min(warmup, 1), budget_s=budget_s,
-                with_weights=s <= weights_max_len, memory=memory,
+                with_weights=s <= weights_max_len, memory=memory, min_sample_s=min_sample_s,
             )
         )
         point = results[-1]
@@ -212,6 +214,7 @@ def _one_point(
     budget_s: float | None,
     with_weights: bool,
     memory: bool,
+    min_sample_s: float,
 ) -> dict:
     q, k, v = (torch.randn(batch, heads, s, head_dim, device=device, dtype=dtype) for _ in range(3))  # (b, h, s, d_h)
     x = torch.randn(batch, s, heads * head_dim, device=device, dtype=dtype)  # (b, s, e)
@@ -235,7 +238,7 @@ def _one_point(
             forward, leaves, grad_out = _module_call(name, module, x, is_causal, mask), tuple(module.parameters()), x
         contenders[name] = _with_backward(forward, leaves, grad_out) if backward else _no_grad(forward)
     timings = time_interleaved(contenders, device=device, repeats=repeats, warmup=warmup, budget_s=budget_s,
-                               memory=memory, min_sample_s=0.05) if contenders else {}
+                               memory=memory, min_sample_s=min_sample_s) if contenders else {}
     entry = {
         "seq_len": s,
         "dtype": str(dtype).replace("torch.", ""),
