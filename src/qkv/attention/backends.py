@@ -104,11 +104,11 @@ def torch_sdpa(
     path), so there, when gradients will be needed, the kernel runs in float32 and the output is
     cast back (see :func:`upcast_for_cpu_backward`).
     """
-    s_q, s_k = q.size(-2), k.size(-2)
-    low_precision = None
-    if upcast_for_cpu_backward(q, k, v):
-        low_precision = q.dtype
-        q, k, v = q.float(), k.float(), v.float()
+    if q.dtype in _LOW_PRECISION and upcast_for_cpu_backward(q, k, v):
+        with torch.autocast(q.device.type, enabled=False):  # autocast would cast straight back
+            out = torch_sdpa(q.float(), k.float(), v.float(), attn_mask, is_causal, dropout_p, scale)
+        return out.to(q.dtype)
+    s_q, s_k = q.shape[-2], k.shape[-2]
     if is_causal and s_q != s_k:
         if s_q == 1:
             is_causal = False  # the one new query sees every key
@@ -116,30 +116,29 @@ def torch_sdpa(
             causal = causal_mask(s_q, s_k, device=q.device)
             attn_mask = causal if attn_mask is None else _and_mask(attn_mask, causal)
             is_causal = False
-    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+    if attn_mask is None:  # the common case, kept short: this runs on every call
+        if dropout_p == 0.0 and scale is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
         attn_mask = attn_mask.to(q.dtype)
-    if attn_mask is not None and is_causal:
+    if is_causal:
         attn_mask = _and_mask(attn_mask, causal_mask(s_q, s_k, device=q.device))
         is_causal = False
     fully_masked = None
-    if attn_mask is not None and q.device.type != "cpu":
+    if q.device.type != "cpu":
         keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
         fully_masked = ~keep.any(dim=-1, keepdim=True)  # (..., s_q, 1)
         attn_mask = attn_mask.masked_fill(fully_masked, True if attn_mask.dtype == torch.bool else 0.0)
-    if low_precision is None:
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
-        )
-    else:  # autocast would cast the float32 inputs straight back to bfloat16
-        with torch.autocast(q.device.type, enabled=False):
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
-            )
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+    )
     if fully_masked is not None:
         out = out.masked_fill(fully_masked, 0.0)
-    return out if low_precision is None else out.to(low_precision)
+    return out
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Below this many queries and keys, torch's CPU flash kernel uses small tiles and its bf16/fp16
 # backward is slower than float32's (b 1-32, h 8, d_h 64: 1.4-2.6x at s 64-128, parity near 256).
 UPCAST_MAX_LEN = 192
@@ -150,8 +149,8 @@ def upcast_for_cpu_backward(q: Tensor, k: Tensor, v: Tensor) -> bool:
     sequences (< :data:`UPCAST_MAX_LEN`), and only when autograd will need a backward pass."""
     return (
         q.device.type == "cpu"
-        and q.dtype in (torch.bfloat16, torch.float16)
-        and max(q.size(-2), k.size(-2)) < UPCAST_MAX_LEN
+        and q.dtype in _LOW_PRECISION
+        and max(q.shape[-2], k.shape[-2]) < UPCAST_MAX_LEN
         and torch.is_grad_enabled()
         and (q.requires_grad or k.requires_grad or v.requires_grad)
     )

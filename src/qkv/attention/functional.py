@@ -52,9 +52,9 @@ def scaled_dot_product_attention(
         output row and zero weights, never NaN, in the forward and the backward pass.
     """
     check_attention_inputs(q, k, v, attn_mask, dropout_p)
-    choice = backends.select_backend(q, k, v, attn_mask, is_causal, dropout_p, need_weights)
-    if choice.backend == "torch_sdpa":
+    if not need_weights and backends.forced_backend() != "reference":  # the fast path, decided cheaply
         return backends.torch_sdpa(q, k, v, attn_mask, is_causal, dropout_p, scale)
+    backends.select_backend(q, k, v, attn_mask, is_causal, dropout_p, need_weights)  # logs why
     out, weights = attention_reference(q, k, v, attn_mask, is_causal, dropout_p, scale)
     return (out, weights) if need_weights else out
 
