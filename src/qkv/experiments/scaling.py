@@ -257,8 +257,8 @@ def _summary(results: dict, config: ScalingConfig) -> list[str]:
 
 
 def _plot(results: dict, config: ScalingConfig, path: Path) -> None:
-    fig = new_figure(13, 4.4)
-    ax_n, ax_d, ax_tok = fig.subplots(1, 3)
+    fig = new_figure(17, 4.4)
+    ax_n, ax_d, ax_tok, ax_steps = fig.subplots(1, 4)
     colors = {"attention": "tab:blue", "rnn": "tab:red"}
     lines = {"forward": "-", "backward": "--"}
     for kind in LAYERS:
@@ -275,13 +275,19 @@ def _plot(results: dict, config: ScalingConfig, path: Path) -> None:
                           color=colors[kind], label=f"{kind} {mode}")
     ax_n.set_xlabel("sequence length n")
     ax_n.set_ylabel(f"seconds (median, {results['clock']} time)")
-    ax_n.set_title(f"time over n (d = {config.fixed_dim}); attention 1 step, RNN n steps", fontsize=9)
+    ax_n.set_title(f"time over n (d = {config.fixed_dim})", fontsize=9)
     ax_d.set_xlabel("model width d")
     ax_d.set_ylabel(f"seconds (median, {results['clock']} time)")
     ax_d.set_title(f"time over d (n = {config.fixed_length})", fontsize=9)
     ax_tok.set_xlabel("sequence length n")
     ax_tok.set_ylabel("microseconds per token")
     ax_tok.set_title("time per token", fontsize=9)
-    for ax in (ax_n, ax_d, ax_tok):
+    for kind in LAYERS:
+        ax_steps.loglog(results["lengths"], results["sequential_steps"][kind], marker="o", color=colors[kind],
+                        label=kind)
+    ax_steps.set_xlabel("sequence length n")
+    ax_steps.set_ylabel("sequential steps per layer")
+    ax_steps.set_title("steps that must run one after another", fontsize=9)
+    for ax in (ax_n, ax_d, ax_tok, ax_steps):
         ax.legend(fontsize=7)
     save_figure(fig, path)
