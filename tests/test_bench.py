@@ -72,6 +72,9 @@ def test_peak_memory_sees_a_large_temporary_allocation():
 def test_ratio_json_and_environment(tmp_path):
     assert timing.ratio(3.0, 1.5) == 2.0
     assert timing.ratio(None, 1.0) is None and timing.ratio(1.0, 0.0) is None
+    # per-round ratios: a load spike in round 2 slows both contenders alike and drops out
+    assert timing.paired_ratio([2.0, 8.0, 2.2], [1.0, 4.0, 1.0]) == 2.0
+    assert timing.paired_ratio([], []) is None
     path = timing.write_json(tmp_path / "sub" / "r.json", {"x": [1, 2]})
     assert json.loads(path.read_text()) == {"x": [1, 2]}
     assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temporary file left
@@ -163,7 +166,7 @@ def test_training_benchmark_counts_tokens_of_the_timed_batches():
     for name, result in report["contenders"].items():
         assert result["steps_timed"] == 4 and result["error"] is None
         assert result["tokens_per_s"] == pytest.approx(timed / sum(result["times_s"]))
-    assert set(report["ratios"]) == {"qkv_vs_torch", "qkv+bf16_vs_qkv"}
+    assert set(report["ratios"]) == set(report["paired_ratios"]) == {"qkv_vs_torch", "qkv+bf16_vs_qkv"}
 
 
 @pytest.mark.parametrize("suite", ["attention", "decoding", "precision"])

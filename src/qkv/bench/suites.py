@@ -148,8 +148,9 @@ def summarize(report: dict) -> str:
             tps = "failed: " + str(r["error"]) if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}"
             step = "n/a" if r["median_step_s"] is None else f"{r['median_step_s']:.3f}"
             lines.append(f"| {name} | {tps} | {step} |")
-        lines += ["", "| ratio (tokens/s) | value |", "|---|---|"]
-        lines += [f"| {k} | {_x(v)} |" for k, v in report["ratios"].items()]
+        lines += ["", "| ratio (tokens/s) | all timed steps | median of per-batch ratios |", "|---|---|---|"]
+        paired = report.get("paired_ratios", {})
+        lines += [f"| {k} | {_x(v)} | {_x(paired.get(k))} |" for k, v in report["ratios"].items()]
     elif suite == "decoding":
         c = report["config"]
         lines += [f"batch {c['batch_size']}, {c['new_tokens']} new tokens, beam {c['beam_size']}", "",

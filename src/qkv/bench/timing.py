@@ -158,6 +158,13 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
+def paired_ratio(numerator_times: list[float], denominator_times: list[float]) -> float | None:
+    """Median over rounds of ``numerator_times[r] / denominator_times[r]``: robust to load that
+    changes between rounds, since both calls of a round ran back to back on the same input."""
+    pairs = [a / b for a, b in zip(numerator_times, denominator_times) if b > 0]
+    return statistics.median(pairs) if pairs else None
+
+
 def _proc_status_bytes(key: str) -> int | None:
     try:
         text = Path("/proc/self/status").read_text()

@@ -22,7 +22,7 @@ from torch import nn
 
 from qkv.bench.competitors import TorchTransformerMT, autocast_context, build_marian, count_parameters
 from qkv.bench.data import BenchData
-from qkv.bench.timing import ratio, time_interleaved
+from qkv.bench.timing import paired_ratio, ratio, time_interleaved
 from qkv.models import Transformer, TransformerConfig
 
 logger = logging.getLogger(__name__)
@@ -150,22 +150,21 @@ def training_benchmark(
             "error": timing.error,
         }
     tps = {name: r["tokens_per_s"] for name, r in results.items()}
-    ratios = {}
+    pairs = []  # (faster candidate, baseline)
     for suffix in ("", "+bf16"):
-        for other in ("torch", "marian"):
-            if f"qkv{suffix}" in tps and f"{other}{suffix}" in tps:
-                ratios[f"qkv{suffix}_vs_{other}{suffix}"] = ratio(tps[f"qkv{suffix}"], tps[f"{other}{suffix}"])
-    for name in tps:
-        family, bf16, compile_model = parsed[name]
-        if bf16 or compile_model:
-            base = family
-            if base in tps:
-                ratios[f"{name}_vs_{base}"] = ratio(tps[name], tps[base])
+        pairs += [(f"qkv{suffix}", f"{other}{suffix}") for other in ("torch", "marian")]
+    pairs += [(name, parsed[name][0]) for name in tps if parsed[name][1] or parsed[name][2]]
+    ratios, paired = {}, {}
+    for name, base in pairs:
+        if name in tps and base in tps:
+            ratios[f"{name}_vs_{base}"] = ratio(tps[name], tps[base])
+            paired[f"{name}_vs_{base}"] = paired_ratio(timings[base].times, timings[name].times)
     return {
         "config": {"model": _config_dict(config), "device": str(device), "repeats": repeats, "warmup": warmup},
         "data": {"description": data.description, **data.info},
         "contenders": results,
-        "ratios": ratios,
+        "ratios": ratios,  # tokens/s over all timed steps
+        "paired_ratios": paired,  # median over rounds of the per-round (same batch) ratio
     }
 
 
