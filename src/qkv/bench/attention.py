@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from qkv.attention import MultiHeadAttention, scaled_dot_product_attention, use_backend
-from qkv.bench.timing import available_memory_bytes, ratio, time_interleaved
+from qkv.bench.timing import available_memory_bytes, paired_ratio, ratio, time_interleaved
 
 logger = logging.getLogger(__name__)
 
@@ -251,6 +251,8 @@ def _one_point(
     peak = {name: t.peak_bytes for name, t in timings.items()}
     entry["ratios"] = {
         "qkv_fast_vs_torch_sdpa": ratio(med.get("qkv_fast"), med.get("torch_sdpa")),  # target <= 1.05
+        "qkv_fast_vs_torch_sdpa_paired": paired_ratio(timings["qkv_fast"].times, timings["torch_sdpa"].times)
+        if "qkv_fast" in timings and "torch_sdpa" in timings else None,
         "reference_vs_qkv_fast": ratio(med.get("qkv_reference"), med.get("qkv_fast")),  # target >= 3 at s=2048
         "qkv_mha_vs_torch_mha": ratio(med.get("qkv_mha"), med.get("torch_mha")),
         "qkv_need_weights_cost": ratio(med.get("qkv_mha_weights"), med.get("qkv_mha")),

@@ -124,7 +124,7 @@ def summarize(report: dict) -> str:
     lines = [head, ""]
     if suite == "attention":
         lines += [
-            "| s | dtype | causal | pass | qkv fast / torch SDPA | eager / qkv fast | qkv MHA / torch MHA "
+            "| s | dtype | causal | pass | qkv fast / torch SDPA (paired) | eager / qkv fast | qkv MHA / torch MHA "
             "| need_weights cost (qkv, torch) | peak MiB (fast, eager) |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
@@ -138,7 +138,7 @@ def summarize(report: dict) -> str:
             eager = _x(r["reference_vs_qkv_fast"]) if "qkv_reference" in t else p["skipped"].get("qkv_reference", "n/a")
             lines.append(
                 f"| {p['seq_len']} | {p['dtype']} | {p['causal']} | {p['pass'].replace('_', '+')} "
-                f"| {_x(r['qkv_fast_vs_torch_sdpa'])} | {eager} | {_x(r['qkv_mha_vs_torch_mha'])} "
+                f"| {_x(r['qkv_fast_vs_torch_sdpa'])} ({_x(r.get('qkv_fast_vs_torch_sdpa_paired'))}) | {eager} | {_x(r['qkv_mha_vs_torch_mha'])} "
                 f"| {_x(r['qkv_need_weights_cost'])}, {_x(r['torch_need_weights_cost'])} "
                 f"| {mib('qkv_fast')}, {mib('qkv_reference')} |"
             )
