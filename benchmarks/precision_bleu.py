@@ -7,7 +7,7 @@ in the precision it was trained in (and the bf16-trained model in float32 too), 
 sacreBLEU. The runs go one after the other, so their tokens/s are not interleaved: the
 interleaved step speed-up is the ``precision`` suite's (``python benchmarks/precision.py``).
 
-    python benchmarks/precision_bleu.py --steps 360 --out benchmarks/results/precision_bleu.json
+    python benchmarks/precision_bleu.py --steps 200 --out benchmarks/results/precision_bleu.json
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ REPO = Path(__file__).resolve().parent.parent
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "multi30k"))
-    p.add_argument("--steps", type=int, default=360, help="optimizer steps of each run")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps of each run")
     p.add_argument("--max-tokens", type=int, default=3000)
-    p.add_argument("--warmup", type=int, default=150)
-    p.add_argument("--lr-factor", type=float, default=0.45, help="peak lr = factor * 256^-0.5 * warmup^-0.5")
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--lr-factor", type=float, default=0.35, help="peak lr = factor * 256^-0.5 * warmup^-0.5")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--test-limit", type=int, default=0, help="score only the first N test pairs (smoke runs)")
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N training pairs (smoke runs)")
