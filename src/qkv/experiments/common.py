@@ -85,6 +85,21 @@ def seeded(seed: int, device: torch.device | None = None) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def flush_denormals() -> Iterator[None]:
+    """Flush subnormal floats to zero inside the block, then restore torch's default (off).
+
+    Vanishing gradients underflow into subnormal numbers, which x86 CPUs process up to ~100 times
+    slower: a tanh RNN trained on 512 steps spends most of its time on them. Values that small
+    (below 1e-38 in float32) change nothing the experiments measure.
+    """
+    torch.set_flush_denormal(True)  # returns False where unsupported: then nothing changes
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
 def experiment_dir(out: str | Path, name: str) -> Path:
     folder = Path(out) / name
     folder.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ from qkv.experiments.common import (
     ExperimentResult,
     Stopwatch,
     experiment_dir,
+    flush_denormals,
     new_figure,
     pick_device,
     rounded,
@@ -329,7 +330,7 @@ def run(
     longest = max(config.distances)
     accuracy_by_model: dict[str, list[float]] = {m: [] for m in MODELS}
     training: dict[str, list[dict]] = {m: [] for m in MODELS}
-    with Stopwatch() as watch, seeded(seed, dev):
+    with Stopwatch() as watch, seeded(seed, dev), flush_denormals():
         generator = torch.Generator().manual_seed(seed)
         jacobian_tokens, _ = make_batch(config, config.jacobian_batch, longest, generator)
         jacobian_tokens = jacobian_tokens.to(dev)
