@@ -140,6 +140,30 @@ def test_rnn_jacobian_matches_autograd():
         assert norms[distance - 1] == pytest.approx(sum(per_sequence) / 2, rel=1e-9)
 
 
+def test_input_gradient_norms_match_jacobian():
+    torch.manual_seed(2)
+    model = long_range.build_models(long_range.QUICK, 12)["lstm"]
+    tokens, _ = long_range.make_batch(long_range.QUICK, 3, 6, torch.Generator().manual_seed(0))
+    ours = long_range.input_gradient_norms(model, tokens)
+    m64 = long_range.RecurrentClassifier(kind="lstm", vocab_size=long_range.QUICK.vocab_size, embed_dim=32,
+                                         hidden_size=model.rnn.hidden_size, num_classes=8).double()
+    m64.load_state_dict(model.state_dict())
+    x = m64.embed(tokens).detach()
+    jac = torch.autograd.functional.jacobian(m64.features, x)  # (b, f, b, T, e)
+    ref = torch.stack([jac[b, :, b].pow(2).sum((0, 2)).sqrt() for b in range(3)]).mean(0).flip(0)
+    torch.testing.assert_close(torch.tensor(ours, dtype=torch.float64), ref, rtol=1e-9, atol=0)
+
+    class Tiny(torch.nn.Module):  # a gradient of 1e-170: its square underflows float64
+        def embed(self, tokens):
+            return torch.ones(tokens.shape + (4,), dtype=torch.float64)
+
+        def features(self, x):
+            return x[:, 0] * 1e-170
+
+    norms = long_range.input_gradient_norms(Tiny(), torch.zeros(2, 5, dtype=torch.long))
+    assert norms[4] == pytest.approx(2e-170, rel=1e-12, abs=0) and norms[0] == 0.0  # ||1e-170 I_4||_F
+
+
 # ---------------------------------------------------------------- scaling
 
 

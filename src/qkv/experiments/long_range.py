@@ -304,8 +304,9 @@ def input_gradient_norms(model: nn.Module, tokens: Tensor) -> list[float]:
     """Frobenius norm of ``d features_T / d x_t`` (the last representation against each input
     vector), averaged over the batch, for ``T - t = 0 .. T - 1``.
 
-    Computed on a float64 copy of the model: a vanishing gradient underflows float32 (below
-    ~1e-45) long before it reaches the start of a 512-step sequence.
+    Computed on a float64 copy of the model, and summed in the log domain: a vanishing gradient
+    underflows float32 (below ~1e-45) long before it reaches the start of a 512-step sequence,
+    and its square (~1e-316) underflows float64.
 
     Returns:
         ``norms[k]`` for distance ``k``.
@@ -313,11 +314,16 @@ def input_gradient_norms(model: nn.Module, tokens: Tensor) -> list[float]:
     model64 = copy.deepcopy(model).double().eval()
     x = model64.embed(tokens).detach().requires_grad_(True)  # (b, T, e), float64
     features = model64.features(x)  # (b, f)
-    squared = torch.zeros(x.shape[:2], dtype=torch.float64, device=x.device)  # (b, T)
+    log_squared = torch.full(x.shape[:2], float("-inf"), dtype=torch.float64, device=x.device)  # (b, T)
     for i in range(features.size(-1)):
         (grad,) = torch.autograd.grad(features[:, i].sum(), x, retain_graph=True)  # rows are independent
-        squared += grad.pow(2).sum(-1)
-    norms = squared.sqrt().mean(0)  # (T,)
+        grad = grad.double()
+        largest = grad.abs().amax(-1, keepdim=True)  # (b, T, 1)
+        scale = largest.clamp_min(torch.finfo(torch.float64).tiny)
+        log_norm = scale[..., 0].log() + (grad / scale).norm(dim=-1).log()  # log ||grad|| without underflow
+        both_zero = torch.isneginf(log_squared) & torch.isneginf(log_norm)  # logaddexp(-inf, -inf) is nan
+        log_squared = torch.where(both_zero, log_squared, torch.logaddexp(log_squared, 2 * log_norm))
+    norms = (log_squared / 2).exp().mean(0)  # (T,)
     return norms.flip(0).tolist()  # index = distance T - t
 
 
