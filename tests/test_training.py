@@ -203,7 +203,7 @@ def test_stop_at_exact_match(tmp_path):
 
 
 def test_bf16_autocast_training(tmp_path):
-    from qkv.evaluation import autocast_context
+    from qkv.precision import autocast_context
 
     pairs = generate_dates(64, seed=5)
     train = TrainConfig(max_tokens=2000, warmup_steps=10, max_steps=20, bf16=True, progress=False,
@@ -262,3 +262,34 @@ def test_start_and_resume_run_from_files(tmp_path):
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["max_steps"] == 5
     with pytest.raises(FileNotFoundError, match="config.json"):
         resume_run(tmp_path)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_recipe_bf16_only_where_it_is_fast(tmp_path, monkeypatch, fast):
+    import qkv.training
+
+    monkeypatch.setattr(qkv.training, "bf16_is_fast", lambda device: fast)
+    pairs = generate_dates(60, seed=3)
+    (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
+    (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
+    spec = {"source": "files", "train_src": str(tmp_path / "s.txt"), "train_tgt": str(tmp_path / "t.txt"),
+            "val_src": None, "val_tgt": None}
+    options = dict(max_steps=1, progress=False)
+    recipe = start_run(tmp_path / "recipe", data=spec, model_options=TINY, vocab_size=300, train_options=options)
+    assert recipe.config.bf16 is fast  # the files recipe asks for bf16; kept only where it pays
+    saved = json.loads((tmp_path / "recipe" / "config.json").read_text())["train"]["bf16"]
+    assert saved is fast
+    asked = start_run(tmp_path / "asked", data=spec, model_options=TINY, vocab_size=300,
+                      train_options={**options, "bf16": True})
+    assert asked.config.bf16 is True  # an explicit request is honoured (with a warning when slow)
+
+
+def test_bf16_probe_reports_its_figures():
+    from qkv.precision import bf16_is_fast, cpu_bf16_probe, slow_bf16_reason
+
+    fp32, bf16 = cpu_bf16_probe()
+    assert fp32 > 0 and bf16 > 0 and cpu_bf16_probe() == (fp32, bf16)  # probed once per process
+    reason = slow_bf16_reason("cpu")
+    assert (reason is None) == bf16_is_fast("cpu")
+    if reason is not None:
+        assert f"{bf16 / fp32:.0f}x the float32 time" in reason

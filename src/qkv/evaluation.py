@@ -6,7 +6,6 @@ reported with their signatures so a number can be reproduced.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import sacrebleu
@@ -17,15 +16,9 @@ from qkv.data.batching import pad_sequences
 from qkv.data.tokenizer import Tokenizer
 from qkv.decoding import beam_search, greedy_decode
 from qkv.models import Transformer
+from qkv.precision import autocast_context
 
 logger = logging.getLogger(__name__)
-
-
-def autocast_context(device: torch.device | str, bf16: bool):
-    """bfloat16 autocast on ``device`` (CPU or CUDA) when ``bf16``, else a no-op context."""
-    if not bf16:
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
 def translate_texts(

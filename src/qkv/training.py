@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -24,8 +24,9 @@ from qkv.data.batching import make_batch, token_batches
 from qkv.data.parallel import ParallelText
 from qkv.data.sources import check_spec, describe, load_train_valid
 from qkv.data.tokenizer import Tokenizer
-from qkv.evaluation import autocast_context, exact_match, score_translations, translate_texts
+from qkv.evaluation import exact_match, score_translations, translate_texts
 from qkv.models import Transformer, TransformerConfig
+from qkv.precision import autocast_context, bf16_is_fast
 
 logger = logging.getLogger(__name__)
 
@@ -413,6 +414,7 @@ RECIPES: dict[str, dict] = {
                       max_len=256, share_embeddings=True, tie_output=True),
         # ~3.7k target tokens a step (124 steps an epoch): more updates than 6k-token batches in an hour
         # of CPU; warmup 400 with factor 0.7 reaches the same peak (2.2e-3) as warmup 800 with factor 1.
+        # bf16 autocast only where it is fast (qkv.precision.bf16_is_fast); start_run turns it off elsewhere.
         "train": dict(max_tokens=4000, warmup_steps=400, lr_factor=0.7, bf16=True, max_minutes=60.0,
                       eval_every_minutes=6.0, checkpoint_every_minutes=3.0, average_last=5),
     },
@@ -468,6 +470,13 @@ def start_run(
         "src_vocab_size": tokenizer.vocab_size, "tgt_vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id,
     })
     train_config = TrainConfig.from_dict({**recipe["train"], **(train_options or {})})
+    if train_config.bf16 and not bf16_is_fast(device):
+        if "bf16" in (train_options or {}):
+            logger.warning("bf16 autocast asked for, but bfloat16 matrix products are slower than float32 "
+                           "on this %s (no bf16 matrix instructions): expect slow steps", torch.device(device).type)
+        else:  # the recipe's choice, made for hardware with bf16 units
+            logger.info("bf16 autocast off: this %s has no fast bfloat16 matrix products", torch.device(device).type)
+            train_config = replace(train_config, bf16=False)
     config = {"model": asdict(model_config), "train": asdict(train_config), "data": data}
     ckpt.create_run(run_dir, config, tokenizer, overwrite=overwrite)
     model = Transformer(model_config).to(device)

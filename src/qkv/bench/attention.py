@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from qkv.attention import MultiHeadAttention, scaled_dot_product_attention, use_backend
 from qkv.bench.timing import available_memory_bytes, paired_ratio, ratio, time_interleaved
+from qkv.precision import slow_bf16_reason
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +175,8 @@ def attention_benchmark(
     if min(seq_lens) < 1 or batch < 1 or heads < 1 or head_dim < 1:
         raise ValueError(f"sizes must be positive: seq_lens={list(seq_lens)}, b={batch}, h={heads}, d_h={head_dim}")
     grid = [(s, d, c, p) for s in seq_lens for d in dtypes for c in causal for p in passes]
+    # without bf16 matrix units only the fused kernels (which compute in float32 inside) run in bf16
+    slow_bf16 = slow_bf16_reason(device)
     results = []
     for s, dtype_name, is_causal, pass_name in tqdm(grid, desc="attention", disable=not progress):
         results.append(
@@ -182,6 +185,7 @@ def attention_benchmark(
                 head_dim=head_dim, device=device, repeats=repeats if s < 4096 else min(repeats, 3),
                 warmup=warmup if s < 4096 else min(warmup, 1), budget_s=budget_s,
                 with_weights=s <= weights_max_len, memory=memory, min_sample_s=min_sample_s,
+                slow_bf16=slow_bf16,
             )
         )
         point = results[-1]
@@ -191,7 +195,8 @@ def attention_benchmark(
             _fmt(point["ratios"].get("reference_vs_qkv_fast")),
         )
     config = dict(seq_lens=list(seq_lens), dtypes=list(dtypes), causal=list(causal), passes=list(passes), batch=batch,
-                  heads=heads, head_dim=head_dim, device=str(device), repeats=repeats, warmup=warmup)
+                  heads=heads, head_dim=head_dim, device=str(device), repeats=repeats, warmup=warmup,
+                  slow_bf16=slow_bf16)
     return {"config": config, "results": results}
 
 
@@ -215,6 +220,7 @@ def _one_point(
     with_weights: bool,
     memory: bool,
     min_sample_s: float,
+    slow_bf16: str | None = None,
 ) -> dict:
     q, k, v = (torch.randn(batch, heads, s, head_dim, device=device, dtype=dtype) for _ in range(3))  # (b, h, s, d_h)
     x = torch.randn(batch, s, heads * head_dim, device=device, dtype=dtype)  # (b, s, e)
@@ -228,6 +234,8 @@ def _one_point(
     skipped: dict[str, str] = {}
     for name in names:
         reason = _fits(name, batch, heads, s, dtype, backward, device)
+        if slow_bf16 and dtype == torch.bfloat16 and name not in ("qkv_fast", "torch_sdpa"):
+            reason = f"skipped: {slow_bf16}"
         if reason:
             skipped[name] = reason
             continue

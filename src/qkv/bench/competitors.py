@@ -165,8 +165,3 @@ def build_marian(config: TransformerConfig, *, bos_id: int, eos_id: int) -> Mari
 def count_parameters(model: nn.Module) -> int:
     """Trainable parameters, tied tensors counted once."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
-
-
-def autocast_context(device: torch.device, bf16: bool):
-    """bfloat16 autocast on ``device`` when ``bf16``, else a no-op context."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)

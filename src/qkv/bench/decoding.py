@@ -18,10 +18,11 @@ from collections.abc import Callable
 
 import torch
 
-from qkv.bench.competitors import autocast_context, build_marian
+from qkv.bench.competitors import build_marian
 from qkv.bench.data import BenchData
 from qkv.bench.timing import ratio, time_interleaved
 from qkv.models import Transformer, TransformerConfig
+from qkv.precision import autocast_context
 
 logger = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ import torch
 
 from qkv.bench.data import BenchData, multi30k_data, synthetic_data
 from qkv.bench.timing import environment, write_json
+from qkv.precision import slow_bf16_reason
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,14 @@ def run_suite(
             else:
                 use_compile = (not quick) if compile_models is None else compile_models
                 contenders = PRECISION_CONTENDERS if use_compile else PRECISION_CONTENDERS[:2]
+            skipped = {}
+            slow_bf16 = slow_bf16_reason(device)
+            if slow_bf16:  # an emulated bf16 step takes minutes; say why instead of timing it
+                skipped = {c: slow_bf16 for c in contenders if "+bf16" in c}
+                contenders = tuple(c for c in contenders if c not in skipped)
             kwargs = dict(repeats=3, warmup=1) if quick else dict(repeats=8, warmup=3)
             report = training_benchmark(data, config, contenders=contenders, device=device, **kwargs)
+            report["skipped"] = skipped
             plot = plot_training
     report = {"suite": name, "quick": quick, "command": " ".join(sys.argv), "environment": env, **report}
     json_path = write_json(out_dir / f"{name}.json", report)
@@ -151,6 +158,7 @@ def summarize(report: dict) -> str:
         lines += ["", "| ratio (tokens/s) | all timed steps | median of per-batch ratios |", "|---|---|---|"]
         paired = report.get("paired_ratios", {})
         lines += [f"| {k} | {_x(v)} | {_x(paired.get(k))} |" for k, v in report["ratios"].items()]
+        lines += [f"\nnot timed: {name}: {why}" for name, why in report.get("skipped", {}).items()]
     elif suite == "decoding":
         c = report["config"]
         lines += [f"batch {c['batch_size']}, {c['new_tokens']} new tokens, beam {c['beam_size']}", "",

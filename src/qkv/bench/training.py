@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.bench.competitors import TorchTransformerMT, autocast_context, build_marian, count_parameters
+from qkv.bench.competitors import TorchTransformerMT, build_marian, count_parameters
 from qkv.bench.data import BenchData
 from qkv.bench.timing import paired_ratio, ratio, time_interleaved
 from qkv.models import Transformer, TransformerConfig
+from qkv.precision import autocast_context
 
 logger = logging.getLogger(__name__)
 
