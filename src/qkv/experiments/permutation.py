@@ -188,6 +188,6 @@ def _plot(results: dict, table: Tensor, path: Path) -> None:
     ax_err.set_xticklabels([f"PE: {n}" for n in names])
     ax_err.axhline(1e-6, color="gray", ls=":", label="1e-6")
     ax_err.set_ylabel("max |enc(P x) - P enc(x)|")
-    ax_err.set_title("permuting the input permutes the output only without\npositional encoding (float32 residue = rounding)", fontsize=10)
+    ax_err.set_title("permuting the input permutes the output\nonly without positional encoding\n(float32 residue = rounding)", fontsize=10)
     ax_err.legend(fontsize=8)
     save_figure(fig, path)
