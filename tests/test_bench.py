@@ -28,6 +28,13 @@ def test_time_interleaved_rotates_order_and_counts_calls():
         assert results[name].median == sorted(results[name].times)[1]
 
 
+def test_settle_makes_each_long_timed_call_follow_its_own_twin():
+    order = []
+    contenders = {name: (lambda name=name: order.append(name)) for name in "ab"}
+    timing.time_interleaved(contenders, device=CPU, repeats=2, warmup=1, settle=True)
+    assert order[2:] == ["a", "a", "b", "b", "b", "b", "a", "a"]  # untimed twin, then the timed call
+
+
 def test_failing_contender_is_recorded_and_dropped():
     calls = {"ok": 0, "bad": 0}
 
@@ -190,6 +197,18 @@ def test_quick_suites_write_json_and_plot(tmp_path, suite, monkeypatch):
     if suite == "decoding":  # every contender did the same number of decoder steps
         for name, result in saved["contenders"].items():
             assert result["tokens_per_sentence"] == [saved["config"]["new_tokens"]], name
+
+
+def test_attention_contenders_and_sizes_from_the_command_line(tmp_path, capsys):
+    from qkv.cli import main
+
+    assert main(["bench", "attention", "--quick", "--seq-lens", "24", "--contenders", "qkv_fast,torch_sdpa",
+                 "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "attention.json").read_text())
+    assert {p["seq_len"] for p in saved["results"]} == {24}
+    assert all(set(p["timings"]) == {"qkv_fast", "torch_sdpa"} for p in saved["results"])
+    assert main(["bench", "attention", "--contenders", "qkv_slow"]) == 2
+    assert "unknown attention contenders" in capsys.readouterr().err
 
 
 def test_cli_bench_errors(capsys):

@@ -145,6 +145,7 @@ def attention_benchmark(
     memory: bool = True,
     min_sample_s: float = 0.05,
     progress: bool = True,
+    contenders: Sequence[str] | None = None,
 ) -> dict:
     """Time attention contenders side by side over a grid of sizes.
 
@@ -161,6 +162,7 @@ def attention_benchmark(
         memory: measure each contender's peak memory.
         min_sample_s: shortest timed sample (short calls are repeated inside one sample).
         progress: show a progress bar.
+        contenders: time only these (names above; default all), e.g. ``("qkv_fast", "torch_sdpa")``.
 
     Returns:
         ``{"config": ..., "results": [one entry per grid point with per-contender timings,
@@ -174,6 +176,10 @@ def attention_benchmark(
             raise ValueError(f"unknown pass {name!r}; choose 'forward' or 'forward_backward'")
     if min(seq_lens) < 1 or batch < 1 or heads < 1 or head_dim < 1:
         raise ValueError(f"sizes must be positive: seq_lens={list(seq_lens)}, b={batch}, h={heads}, d_h={head_dim}")
+    known = OP_CONTENDERS + MODULE_CONTENDERS + WEIGHT_CONTENDERS
+    unknown = [name for name in contenders or () if name not in known]
+    if unknown:
+        raise ValueError(f"unknown attention contenders {unknown}; choose from {list(known)}")
     grid = [(s, d, c, p) for s in seq_lens for d in dtypes for c in causal for p in passes]
     # without bf16 matrix units only the fused kernels (which compute in float32 inside) run in bf16
     slow_bf16 = slow_bf16_reason(device)
@@ -185,7 +191,7 @@ def attention_benchmark(
                 head_dim=head_dim, device=device, repeats=repeats if s < 4096 else min(repeats, 3),
                 warmup=warmup if s < 4096 else min(warmup, 1), budget_s=budget_s,
                 with_weights=s <= weights_max_len, memory=memory, min_sample_s=min_sample_s,
-                slow_bf16=slow_bf16,
+                slow_bf16=slow_bf16, only=contenders,
             )
         )
         point = results[-1]
@@ -196,7 +202,7 @@ def attention_benchmark(
         )
     config = dict(seq_lens=list(seq_lens), dtypes=list(dtypes), causal=list(causal), passes=list(passes), batch=batch,
                   heads=heads, head_dim=head_dim, device=str(device), repeats=repeats, warmup=warmup,
-                  slow_bf16=slow_bf16)
+                  slow_bf16=slow_bf16, contenders=list(contenders or known))
     return {"config": config, "results": results}
 
 
@@ -221,12 +227,15 @@ def _one_point(
     memory: bool,
     min_sample_s: float,
     slow_bf16: str | None = None,
+    only: Sequence[str] | None = None,
 ) -> dict:
     q, k, v = (torch.randn(batch, heads, s, head_dim, device=device, dtype=dtype) for _ in range(3))  # (b, h, s, d_h)
     x = torch.randn(batch, s, heads * head_dim, device=device, dtype=dtype)  # (b, s, e)
     modules = _build_modules(heads * head_dim, heads, dtype, device)
     mask = _bool_causal(s, device) if is_causal else None
     names = list(OP_CONTENDERS) + list(MODULE_CONTENDERS) + (list(WEIGHT_CONTENDERS) if with_weights else [])
+    if only:
+        names = [name for name in names if name in only]
     if backward:
         for t in (q, k, v):
             t.requires_grad_(True)
@@ -246,7 +255,7 @@ def _one_point(
             forward, leaves, grad_out = _module_call(name, module, x, is_causal, mask), tuple(module.parameters()), x
         contenders[name] = _with_backward(forward, leaves, grad_out) if backward else _no_grad(forward)
     timings = time_interleaved(contenders, device=device, repeats=repeats, warmup=warmup, budget_s=budget_s,
-                               memory=memory, min_sample_s=min_sample_s) if contenders else {}
+                               memory=memory, min_sample_s=min_sample_s, settle=True) if contenders else {}
     entry = {
         "seq_len": s,
         "dtype": str(dtype).replace("torch.", ""),

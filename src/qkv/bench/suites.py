@@ -58,6 +58,7 @@ def run_suite(
     data: BenchData | None = None,
     progress: bool = True,
     compile_models: bool | None = None,
+    attention_options: dict | None = None,
 ) -> tuple[dict, str]:
     """Run one suite, write its JSON and plot, return ``(report, markdown summary)``.
 
@@ -71,6 +72,8 @@ def run_suite(
         progress: progress bars.
         compile_models: time ``torch.compile`` contenders in the precision suite (default: not in
             quick runs, where compiling would take longer than everything else).
+        attention_options: extra arguments of :func:`qkv.bench.attention.attention_benchmark`
+            (``seq_lens``, ``contenders``).
     """
     if name not in SUITES:
         raise ValueError(f"unknown benchmark suite {name!r}; choose from {SUITES} or 'all'")
@@ -80,6 +83,7 @@ def run_suite(
         from qkv.bench.attention import attention_benchmark, plot_attention
 
         kwargs = dict(seq_lens=(64, 128), repeats=3, warmup=1, budget_s=5.0) if quick else {}
+        kwargs.update(attention_options or {})
         report = attention_benchmark(device=device, progress=progress, **kwargs)
         plot = plot_attention
     else:

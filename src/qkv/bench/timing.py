@@ -74,6 +74,7 @@ def time_interleaved(
     budget_s: float | None = None,
     memory: bool = False,
     min_sample_s: float = 0.0,
+    settle: bool = False,
 ) -> dict[str, Timing]:
     """Time several callables side by side.
 
@@ -90,6 +91,10 @@ def time_interleaved(
         min_sample_s: raise a contender's ``inner`` until one timed sample lasts about this long
             (measured on one extra call after warm-up), so that microsecond calls are not lost in
             timer and scheduler noise.
+        settle: before each timed single call (``inner`` 1: long calls), make one untimed call
+            of the same contender, so that the timed call follows an identical one and not
+            whatever the previous contender left behind (freed gigabytes, cold caches). Without
+            it, a contender that always follows a memory-hungry one in the rotation pays for it.
 
     Returns:
         name -> :class:`Timing`; a contender that raised (e.g. out of memory) has ``error`` set and
@@ -132,6 +137,8 @@ def time_interleaved(
             if results[name].error is not None:
                 continue
             try:
+                if settle and inners[name] == 1:
+                    contenders[name]()
                 synchronize(device)
                 t0 = time.perf_counter()
                 for _ in range(inners[name]):

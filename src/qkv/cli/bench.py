@@ -20,6 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", dest="compile_models", action="store_true", default=None,
                         help="include torch.compile contenders in the precision suite even with --quick")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seq-lens", default=None,
+                        help="attention suite: comma-separated sequence lengths (default 128,512,2048,8192)")
+    parser.add_argument("--contenders", default=None,
+                        help="attention suite: comma-separated contenders to time, e.g. qkv_fast,torch_sdpa "
+                             "(default all)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,9 +37,17 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     device = pick_device(args.device)
+    attention_options = {}
+    if args.seq_lens:
+        try:
+            attention_options["seq_lens"] = tuple(int(x) for x in args.seq_lens.split(","))
+        except ValueError:
+            raise ValueError(f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}") from None
+    if args.contenders:
+        attention_options["contenders"] = tuple(x.strip() for x in args.contenders.split(",") if x.strip())
     for suite in SUITES if args.suite == "all" else (args.suite,):
         _, summary = run_suite(suite, out_dir=args.out, device=device, quick=args.quick, data_dir=args.data,
-                               compile_models=args.compile_models)
+                               compile_models=args.compile_models, attention_options=attention_options)
         print(summary, flush=True)
         print()
     return 0
