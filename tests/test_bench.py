@@ -203,9 +203,9 @@ def test_attention_contenders_and_sizes_from_the_command_line(tmp_path, capsys):
     from qkv.cli import main
 
     assert main(["bench", "attention", "--quick", "--seq-lens", "24", "--contenders", "qkv_fast,torch_sdpa",
-                 "--out", str(tmp_path)]) == 0
+                 "--dtypes", "float32", "--passes", "forward", "--out", str(tmp_path)]) == 0
     saved = json.loads((tmp_path / "attention.json").read_text())
-    assert {p["seq_len"] for p in saved["results"]} == {24}
+    assert {(p["seq_len"], p["dtype"], p["pass"]) for p in saved["results"]} == {(24, "float32", "forward")}
     assert all(set(p["timings"]) == {"qkv_fast", "torch_sdpa"} for p in saved["results"])
     assert main(["bench", "attention", "--contenders", "qkv_slow"]) == 2
     assert "unknown attention contenders" in capsys.readouterr().err

@@ -73,7 +73,7 @@ def run_suite(
         compile_models: time ``torch.compile`` contenders in the precision suite (default: not in
             quick runs, where compiling would take longer than everything else).
         attention_options: extra arguments of :func:`qkv.bench.attention.attention_benchmark`
-            (``seq_lens``, ``contenders``).
+            (``seq_lens``, ``dtypes``, ``passes``, ``contenders``).
     """
     if name not in SUITES:
         raise ValueError(f"unknown benchmark suite {name!r}; choose from {SUITES} or 'all'")

@@ -22,6 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seq-lens", default=None,
                         help="attention suite: comma-separated sequence lengths (default 128,512,2048,8192)")
+    parser.add_argument("--dtypes", default=None, help="attention suite: comma-separated, e.g. float32 "
+                                                         "(default float32,bfloat16)")
+    parser.add_argument("--passes", default=None, help="attention suite: forward and/or forward_backward "
+                                                         "(default both)")
     parser.add_argument("--contenders", default=None,
                         help="attention suite: comma-separated contenders to time, e.g. qkv_fast,torch_sdpa "
                              "(default all)")
@@ -43,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
             attention_options["seq_lens"] = tuple(int(x) for x in args.seq_lens.split(","))
         except ValueError:
             raise ValueError(f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}") from None
+    for option in ("dtypes", "passes"):
+        if getattr(args, option):
+            attention_options[option] = tuple(x.strip() for x in getattr(args, option).split(",") if x.strip())
     if args.contenders:
         attention_options["contenders"] = tuple(x.strip() for x in args.contenders.split(",") if x.strip())
     for suite in SUITES if args.suite == "all" else (args.suite,):
