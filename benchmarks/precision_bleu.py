@@ -28,6 +28,7 @@ from qkv.bench.timing import environment, write_json
 from qkv.data import Tokenizer, load_multi30k, resolve_multi30k
 from qkv.evaluation import score_translations, translate_texts
 from qkv.models import Transformer, TransformerConfig
+from qkv.precision import slow_bf16_reason
 from qkv.training import TrainConfig, Trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,9 +46,15 @@ def main() -> int:
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N training pairs (smoke runs)")
     p.add_argument("--run-dir", default=str(REPO / "runs" / "precision-bleu"))
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "precision_bleu.json"))
+    p.add_argument("--force", action="store_true", help="run even where bf16 is emulated (very slow)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
+    slow = slow_bf16_reason("cpu")
+    if slow and not args.force:
+        print(f"precision_bleu: not run: {slow}; the bf16 run would take tens of times the fp32 one "
+              "(--force runs it anyway)", file=sys.stderr)
+        return 2
 
     folder = resolve_multi30k(args.data, download=False)
     train = load_multi30k(folder, "train", "en", "de")
