@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OP_CONTENDERS = ("qkv_reference", "qkv_fast", "torch_sdpa")
+FUSED_CONTENDERS = ("qkv_fast", "torch_sdpa")  # the fused kernels: fp32 math inside, fine with emulated bf16
 MODULE_CONTENDERS = ("qkv_mha", "torch_mha")
 WEIGHT_CONTENDERS = ("qkv_mha_weights", "torch_mha_weights")
 # contenders that build (b, h, s, s) matrices: how many fp32-sized copies they hold at the peak
@@ -181,7 +182,7 @@ def attention_benchmark(
     if unknown:
         raise ValueError(f"unknown attention contenders {unknown}; choose from {list(known)}")
     grid = [(s, d, c, p) for s in seq_lens for d in dtypes for c in causal for p in passes]
-    # without bf16 matrix units only the fused kernels (which compute in float32 inside) run in bf16
+    # without bf16 matrix units only FUSED_CONTENDERS run in bf16
     slow_bf16 = slow_bf16_reason(device)
     results = []
     for s, dtype_name, is_causal, pass_name in tqdm(grid, desc="attention", disable=not progress):
@@ -243,7 +244,7 @@ def _one_point(
     skipped: dict[str, str] = {}
     for name in names:
         reason = _fits(name, batch, heads, s, dtype, backward, device)
-        if slow_bf16 and dtype == torch.bfloat16 and name not in ("qkv_fast", "torch_sdpa"):
+        if slow_bf16 and dtype == torch.bfloat16 and name not in FUSED_CONTENDERS:
             reason = f"skipped: {slow_bf16}"
         if reason:
             skipped[name] = reason

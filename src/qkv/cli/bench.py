@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default all)")
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """``"a, b,"`` -> ``("a", "b")``."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 def run(args: argparse.Namespace) -> int:
     from qkv.bench.suites import run_suite
     from qkv.bench.timing import pick_device
@@ -41,17 +46,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     device = pick_device(args.device)
-    attention_options = {}
+    attention_options: dict = {option: _names(getattr(args, option))
+                               for option in ("dtypes", "passes", "contenders") if getattr(args, option)}
     if args.seq_lens:
         try:
-            attention_options["seq_lens"] = tuple(int(x) for x in args.seq_lens.split(","))
+            attention_options["seq_lens"] = tuple(int(x) for x in _names(args.seq_lens))
         except ValueError:
             raise ValueError(f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}") from None
-    for option in ("dtypes", "passes"):
-        if getattr(args, option):
-            attention_options[option] = tuple(x.strip() for x in getattr(args, option).split(",") if x.strip())
-    if args.contenders:
-        attention_options["contenders"] = tuple(x.strip() for x in args.contenders.split(",") if x.strip())
     for suite in SUITES if args.suite == "all" else (args.suite,):
         _, summary = run_suite(suite, out_dir=args.out, device=device, quick=args.quick, data_dir=args.data,
                                compile_models=args.compile_models, attention_options=attention_options)

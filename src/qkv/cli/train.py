@@ -73,7 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--lr-factor", type=float, help="multiplies the paper's learning-rate schedule")
     train.add_argument("--label-smoothing", type=float)
     train.add_argument("--clip-norm", type=float, help="gradient clipping on the global norm (0 = off)")
-    train.add_argument("--bf16", action=argparse.BooleanOptionalAction, help="bfloat16 autocast (default: the recipe's; Multi30k uses it where bf16 matrix products are fast, i.e. CUDA or CPUs with AVX512-BF16/AMX)")
+    train.add_argument("--bf16", action=argparse.BooleanOptionalAction,
+                       help="bfloat16 autocast (default: the recipe's; Multi30k uses it where bf16 matrix "
+                            "products are fast, i.e. CUDA or CPUs with AVX512-BF16/AMX)")
     train.add_argument("--eval-every-minutes", type=float)
     train.add_argument("--eval-every-steps", type=int)
     train.add_argument("--eval-sentences", type=int, help="validation sentences decoded for BLEU")
