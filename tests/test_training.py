@@ -15,8 +15,9 @@ from qkv.data.dates import generate_dates
 from qkv.data.parallel import ParallelText
 from qkv.data.tokenizer import Tokenizer
 from qkv.evaluation import translate_texts
+from qkv.loss import label_smoothed_cross_entropy
 from qkv.models import Transformer, TransformerConfig
-from qkv.training import TrainConfig, Trainer, inverse_sqrt_lr, label_smoothed_loss, resume_run, start_run
+from qkv.training import TrainConfig, Trainer, inverse_sqrt_lr, resume_run, start_run
 
 TINY = dict(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64, max_len=64,
             norm_first=True, share_embeddings=True)
@@ -53,7 +54,7 @@ def test_label_smoothed_loss_against_torch_and_by_hand(smoothing):
     target = torch.randint(1, 11, (3, 5))
     target[0, 3:] = 0  # padding
     target[2, 1:] = 0
-    got = label_smoothed_loss(logits, target, smoothing, pad_id=0)
+    got = label_smoothed_cross_entropy(logits, target, smoothing, ignore_index=0)
     real = target != 0
     reference = F.cross_entropy(logits[real], target[real], label_smoothing=smoothing, reduction="sum")
     torch.testing.assert_close(got, reference)
@@ -137,15 +138,15 @@ def test_ctrl_c_mid_step_saves_and_resumes_exactly(tmp_path, uninterrupted, monk
     pairs, expected, _ = uninterrupted
     first = tiny_run(tmp_path, pairs, TrainConfig(**RESUME))
     calls = {"n": 0}
-    original = first.model.forward
+    original = first.model.loss
 
-    def forward_then_interrupt(*args, **kwargs):
+    def loss_then_interrupt(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 14:  # the second batch of step 7 (accum_steps=2): a step half done
             raise KeyboardInterrupt
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(first.model, "forward", forward_then_interrupt)
+    monkeypatch.setattr(first.model, "loss", loss_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         first.train()
     saved = json.loads(json.dumps(torch.load(first.run_dir / "state.pt", weights_only=False)["train_state"]))

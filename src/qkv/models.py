@@ -16,7 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache
+from qkv.dropout import Dropout
 from qkv.layers import DecoderLayer, EncoderLayer
+from qkv.loss import fused_linear_cross_entropy
 from qkv.positional import build_positional_encoding
 
 
@@ -94,7 +96,7 @@ class EncoderOutput:
 
 @dataclass
 class DecoderOutput:
-    logits: Tensor  # (b, s_tgt, V)
+    logits: Tensor | None  # (b, s_tgt, V); None from decode(..., project=False)
     hidden: Tensor  # (b, s_tgt, d) final decoder states
     self_attentions: list[Tensor] | None = None  # per layer (b, h, s_tgt, s_k)
     cross_attentions: list[Tensor] | None = None  # per layer (b, h, s_tgt, s_src)
@@ -109,7 +111,7 @@ class TokenEmbedding(nn.Module):
         self.embedding = embedding
         self.positional = positional
         self.scale = math.sqrt(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, ids: Tensor, start: int = 0) -> Tensor:
         if ids.dim() != 2:
@@ -208,6 +210,7 @@ class Transformer(nn.Module):
         tgt_key_padding_mask: Tensor | None = None,
         need_weights: bool = False,
         cache: list[tuple[KVCache, KVCache]] | None = None,
+        project: bool = True,
     ) -> DecoderOutput:
         """Decode target ids against the encoder output.
 
@@ -219,6 +222,7 @@ class Transformer(nn.Module):
                 needed for right-padded targets: the causal mask already hides later pads.
             need_weights: return per-layer self- and cross-attention weights.
             cache: the ``cache`` of the previous step's output; None on the first step.
+            project: apply the output projection; False leaves ``logits`` None (see :meth:`loss`).
         """
         start = 0 if cache is None else len(cache[0][0])
         x = self.tgt_embed(tgt, start)  # (b, s_tgt, d)
@@ -242,7 +246,7 @@ class Transformer(nn.Module):
                 cross_attns.append(out.cross_weights)
         if self.decoder.norm is not None:
             x = self.decoder.norm(x)
-        return DecoderOutput(self.output_proj(x), x, self_attns, cross_attns, new_cache)
+        return DecoderOutput(self.output_proj(x) if project else None, x, self_attns, cross_attns, new_cache)
 
     def forward(
         self,
@@ -256,6 +260,33 @@ class Transformer(nn.Module):
         ``(b, s_tgt)`` (shifted right)."""
         memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
         return self.decode(tgt, memory, tgt_key_padding_mask=tgt_key_padding_mask).logits
+
+    def loss(
+        self,
+        src: Tensor,
+        tgt_in: Tensor,
+        tgt_out: Tensor,
+        *,
+        label_smoothing: float = 0.0,
+        src_key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Summed label-smoothed cross-entropy of the teacher-forced predictions over the real
+        target positions (``tgt_out != pad_id``): what training minimises.
+
+        Equal to ``label_smoothed_cross_entropy(self(src, tgt_in), tgt_out, ...)`` but computed by
+        :func:`qkv.loss.fused_linear_cross_entropy`, which never builds the ``(b, s_tgt, V)`` logits.
+
+        Args:
+            src: ``(b, s_src)`` source ids.
+            tgt_in: ``(b, s_tgt)`` target ids shifted right (BOS first).
+            tgt_out: ``(b, s_tgt)`` the ids to predict (pad where nothing is).
+            label_smoothing: ``eps`` of the smoothed target distribution.
+            src_key_padding_mask: defaults to ``src != pad_id``.
+        """
+        memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
+        hidden = self.decode(tgt_in, memory, project=False).hidden  # (b, s_tgt, d)
+        return fused_linear_cross_entropy(hidden, self.output_proj.weight, tgt_out, label_smoothing,
+                                          self.config.pad_id)
 
 
 @dataclass

@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from qkv import checkpoint as ckpt
@@ -76,21 +75,6 @@ def inverse_sqrt_lr(step: int, d_model: int, warmup_steps: int, factor: float = 
     ``factor * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)``."""
     step = max(step, 1)
     return factor * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
-
-
-def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float, pad_id: int) -> torch.Tensor:
-    """Summed cross-entropy against targets smoothed with ``smoothing`` mass spread uniformly,
-    ignoring padding.
-
-    Shape: ``logits (b, s, V)``, ``target (b, s)`` -> scalar.
-    """
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(),
-        target.reshape(-1),
-        ignore_index=pad_id,
-        label_smoothing=smoothing,
-        reduction="sum",
-    )
 
 
 def _rng_state() -> dict:
@@ -230,9 +214,8 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
                 for batch in group:
-                    with autocast_context(device, c.bf16):
-                        logits = model(batch.src, batch.tgt_in)
-                    loss = label_smoothed_loss(logits, batch.tgt_out, c.label_smoothing, pad_id)
+                    with autocast_context(device, c.bf16):  # the fused projection + loss (qkv.loss)
+                        loss = model.loss(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=c.label_smoothing)
                     (loss / group_tokens).backward()
                     loss_sum += float(loss.detach())
                 if c.clip_norm > 0:
@@ -331,9 +314,7 @@ class Trainer:
             for index in token_batches([len(x) + 1 for x in src_ids], [len(x) + 1 for x in tgt_ids], 4000, seed=None):
                 batch = make_batch([src_ids[i] for i in index], [tgt_ids[i] for i in index], pad_id=pad_id,
                                    bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id).to(device)
-                logits = model(batch.src, batch.tgt_in)
-                total_loss += float(F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
-                                                    batch.tgt_out.reshape(-1), ignore_index=pad_id, reduction="sum"))
+                total_loss += float(model.loss(batch.src, batch.tgt_in, batch.tgt_out))
                 total_tokens += batch.num_tgt_tokens
         hyps = translate_texts(model, self.tokenizer, src, beam_size=1, bf16=c.bf16)
         scores = score_translations(hyps, refs)

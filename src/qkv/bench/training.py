@@ -3,8 +3,11 @@ Face's MarianMT with the same sizes, on the same batches, with the same loss and
 
 One training step = zero the gradients, forward (under bfloat16 autocast for ``+bf16``
 contenders), label-smoothed cross-entropy summed over real target tokens divided by their count,
-backward, gradient clipping at 1.0, Adam. Round ``r`` of the interleaved timing gives every
-contender the same batch, so tokens/s are comparable; a contender's figure is target tokens
+backward, gradient clipping at 1.0, Adam. The loss is the same function for every contender: qkv
+computes it as its trainer does, with ``Transformer.loss`` (the output projection fused with the
+loss, :mod:`qkv.loss`); the others, and ``+compile`` (which compiles the model's forward), from the
+logits with ``F.cross_entropy``. Round ``r`` of the interleaved timing gives every contender the
+same batch, so tokens/s are comparable; a contender's figure is target tokens
 trained divided by the seconds its timed steps took.
 
 Contender names: ``qkv``, ``torch`` (``nn.Transformer``), ``marian``; suffix ``+bf16`` for bfloat16
@@ -17,12 +20,12 @@ import logging
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qkv.bench.competitors import TorchTransformerMT, build_marian, count_parameters
 from qkv.bench.data import BenchData
 from qkv.bench.timing import paired_ratio, ratio, time_interleaved
+from qkv.loss import label_smoothed_cross_entropy
 from qkv.models import Transformer, TransformerConfig
 from qkv.precision import autocast_context
 
@@ -78,6 +81,7 @@ def make_train_step(
     target token count."""
     model.to(device).train()
     forward = torch.compile(model, dynamic=True) if compile_model else model
+    fused_loss = isinstance(model, Transformer) and not compile_model  # as qkv's trainer runs it
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
     position = [0]
 
@@ -86,11 +90,12 @@ def make_train_step(
         position[0] += 1
         optimizer.zero_grad(set_to_none=True)
         with autocast_context(device, bf16):
-            logits = forward(batch.src, batch.tgt_in)  # (b, s_tgt, V)
-        loss = F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).float(), batch.tgt_out.reshape(-1), ignore_index=data.pad_id,
-            label_smoothing=label_smoothing, reduction="sum",
-        )
+            if fused_loss:
+                loss = model.loss(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing)
+            else:
+                logits = forward(batch.src, batch.tgt_in)  # (b, s_tgt, V)
+        if not fused_loss:
+            loss = label_smoothed_cross_entropy(logits, batch.tgt_out, label_smoothing, data.pad_id)
         (loss / batch.num_tgt_tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
+from qkv.dropout import Dropout
 from qkv.layers import EncoderLayer
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, d)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, d)
         self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
         positions = torch.arange(input_ids.size(1), device=input_ids.device)  # (s,)

@@ -1,0 +1,56 @@
+"""Dropout (Srivastava et al. 2014) with a faster mask on CPU.
+
+``F.dropout`` on CPU draws its mask with ``bernoulli_``, one 32-bit draw and a float compare per
+element: a tenth of a Multi30k training step on a 2-core CPU. Here one 64-bit draw from PyTorch's
+generator gives four 16-bit uniforms, and an element is dropped when its uniform falls below
+``round(p * 2^16)``; kept elements are scaled by ``1 / (1 - p')`` with ``p' = round(p * 2^16) / 2^16``
+(``|p - p'| <= 2^-17``), so the expected output still equals the input exactly. Forward plus
+backward take about 2.5x less time than ``F.dropout`` on a (5900, 256) float32 tensor. Other
+devices, and code being compiled by ``torch.compile``, use ``F.dropout``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_LEVELS = 1 << 16  # a 16-bit uniform draw per element
+
+
+def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
+    """Zero each element of ``x`` with probability ``p`` and scale the rest so the mean is kept.
+
+    Args:
+        x: any shape, floating point.
+        p: drop probability in [0, 1].
+        training: identity when False.
+    """
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+    if not training or p == 0.0:
+        return x
+    threshold = round(p * _LEVELS)
+    if x.device.type != "cpu" or threshold >= _LEVELS or torch.compiler.is_compiling():
+        return F.dropout(x, p, training=True)
+    n = x.numel()
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-(1 << 63), None)
+    draws = words.view(torch.int16)[:n].view(x.shape)  # uniform over [-2^15, 2^15)
+    keep = (draws >= threshold - _LEVELS // 2).to(x.dtype).mul_(_LEVELS / (_LEVELS - threshold))
+    return x * keep  # the backward multiplies the gradient by the same scaled mask
+
+
+class Dropout(nn.Module):
+    """Drop-in for ``nn.Dropout`` that runs :func:`dropout`."""
+
+    def __init__(self, p: float = 0.1) -> None:
+        super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        return dropout(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"

@@ -1,0 +1,115 @@
+"""The training loss: label-smoothed cross-entropy, plain (from logits) and fused with the output
+projection (from the decoder's hidden states).
+
+Shape legend: ``n`` target positions, ``d`` model width, ``V`` vocabulary size.
+
+With smoothing ``eps`` the target distribution is ``q = (1 - eps) * onehot(y) + eps / V`` and the
+loss of one position is ``-sum_c q_c log softmax(z)_c = logsumexp(z) - (1 - eps) z_y - eps/V sum_c z_c``
+(Szegedy et al. 2016; "Attention Is All You Need", section 5.4, uses eps = 0.1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# rows of logits made at once by the fused loss: (1024, 8000) fp32 is 32 MiB, a few times the L3
+FUSED_CHUNK_ROWS = 1024
+
+
+def label_smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float, ignore_index: int) -> Tensor:
+    """Summed label-smoothed cross-entropy over the positions whose target is not ``ignore_index``.
+
+    The reference the fused loss is tested against (it is PyTorch's ``F.cross_entropy``).
+    Shapes: ``logits (..., V)``, ``target (...)`` -> scalar.
+    """
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(),
+        target.reshape(-1),
+        ignore_index=ignore_index,
+        label_smoothing=smoothing,
+        reduction="sum",
+    )
+
+
+def fused_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    smoothing: float,
+    ignore_index: int,
+    *,
+    chunk_rows: int = FUSED_CHUNK_ROWS,
+) -> Tensor:
+    """``label_smoothed_cross_entropy(hidden @ weight.T, target, ...)`` without the logits tensor.
+
+    Only the positions with a real target are projected, a chunk of rows at a time, and the
+    gradients of the loss with respect to ``hidden`` and ``weight`` are formed in the same pass (the
+    loss is the last op of a training step, so they are needed anyway): the ``(n, V)`` logits, their
+    log-softmax and its backward are never stored. Same value and gradients as the reference to
+    float32 rounding; the saved gradients are scaled by the incoming gradient in the backward.
+
+    Args:
+        hidden: ``(..., d)`` the decoder's final hidden states.
+        weight: ``(V, d)`` the output projection (tied to the target embedding or not).
+        target: ``(...)`` next-token ids.
+        smoothing: label smoothing ``eps`` in [0, 1).
+        ignore_index: target id that adds nothing (padding).
+        chunk_rows: positions projected at once.
+
+    Returns:
+        The summed loss, a scalar.
+    """
+    if hidden.shape[:-1] != target.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and target {tuple(target.shape)} disagree on positions")
+    keep = (target != ignore_index).reshape(-1)
+    rows = hidden.reshape(-1, hidden.size(-1))[keep]  # (n, d): real positions only
+    return _LinearCrossEntropy.apply(rows, weight, target.reshape(-1)[keep], float(smoothing), int(chunk_rows))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed smoothed cross-entropy of ``rows @ weight.T``; gradients made in the forward pass."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, weight: Tensor, target: Tensor, eps: float, chunk_rows: int) -> Tensor:
+        device_type = rows.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else rows.dtype
+        with torch.autocast(device_type, enabled=False):
+            h, w = rows.to(dtype), weight.to(dtype)
+            vocab = w.size(0)
+            need_grads = rows.requires_grad or weight.requires_grad
+            grad_rows = torch.empty_like(rows) if need_grads else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grads else None
+            total = torch.zeros((), dtype=torch.float32, device=rows.device)
+            for start in range(0, h.size(0), chunk_rows):
+                h_c, y_c = h[start : start + chunk_rows], target[start : start + chunk_rows]
+                z = (h_c @ w.T).float()  # (c, V) logits
+                z_max = z.amax(dim=-1, keepdim=True)
+                z_true = z.gather(-1, y_c[:, None])
+                z_sum = z.sum(dim=-1, keepdim=True) if eps else None
+                probs = z.sub_(z_max).exp_()  # z now holds exp(z - max)
+                norm = probs.sum(dim=-1, keepdim=True)
+                lse = norm.log() + z_max  # (c, 1)
+                loss = lse - z_true if not eps else lse - (1.0 - eps) * z_true - (eps / vocab) * z_sum
+                total += loss.sum()
+                if not need_grads:
+                    continue
+                grad_z = probs.div_(norm)  # softmax ...
+                if eps:
+                    grad_z.sub_(eps / vocab)  # ... minus the smoothed target
+                grad_z.scatter_add_(-1, y_c[:, None], grad_z.new_full((y_c.size(0), 1), -(1.0 - eps)))
+                grad_z = grad_z.to(dtype)
+                grad_rows[start : start + chunk_rows] = grad_z @ w
+                grad_weight += (grad_z.T @ h_c).float()
+        ctx.save_for_backward(grad_rows, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        grad_rows, grad_weight = ctx.saved_tensors
+        if grad_rows is None:
+            raise RuntimeError("fused_linear_cross_entropy: backward called but no input required a gradient")
+        g = grad_output.float()
+        return (grad_rows * g.to(grad_rows.dtype), (grad_weight * g).to(ctx.weight_dtype), None, None, None)
