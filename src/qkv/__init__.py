@@ -12,6 +12,7 @@ from qkv.attention import (
     scaled_dot_product_attention,
     use_backend,
 )
+from qkv.dropout import Dropout
 from qkv.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOutput
 from qkv.models import (
     CausalLM,
@@ -38,6 +39,7 @@ __all__ = [
     "CausalLM",
     "DecoderLayer",
     "DecoderOutput",
+    "Dropout",
     "EncoderLayer",
     "EncoderModel",
     "EncoderOutput",

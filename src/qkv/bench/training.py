@@ -5,13 +5,13 @@ One training step = zero the gradients, forward (under bfloat16 autocast for ``+
 contenders), label-smoothed cross-entropy summed over real target tokens divided by their count,
 backward, gradient clipping at 1.0, Adam. The loss is the same function for every contender: qkv
 computes it as its trainer does, with ``Transformer.loss`` (the output projection fused with the
-loss, :mod:`qkv.loss`); the others, and ``+compile`` (which compiles the model's forward), from the
-logits with ``F.cross_entropy``. Round ``r`` of the interleaved timing gives every contender the
-same batch, so tokens/s are comparable; a contender's figure is target tokens
-trained divided by the seconds its timed steps took.
+loss, :mod:`qkv.loss`; ``+compile`` compiles that call); the others from their logits with
+``F.cross_entropy`` (``+compile`` compiles their forward). Round ``r`` of the interleaved timing
+gives every contender the same batch, so tokens/s are comparable; a contender's figure is target
+tokens trained divided by the seconds its timed steps took.
 
 Contender names: ``qkv``, ``torch`` (``nn.Transformer``), ``marian``; suffix ``+bf16`` for bfloat16
-autocast and ``+compile`` for ``torch.compile`` of the model's forward (qkv only by default).
+autocast and ``+compile`` for ``torch.compile`` (qkv only by default).
 """
 
 from __future__ import annotations
@@ -80,8 +80,10 @@ def make_train_step(
     """A zero-argument training step over ``data.batches`` in order (cycling). Returns the step's
     target token count."""
     model.to(device).train()
-    forward = torch.compile(model, dynamic=True) if compile_model else model
-    fused_loss = isinstance(model, Transformer) and not compile_model  # as qkv's trainer runs it
+    fused_loss = isinstance(model, Transformer)  # qkv: Transformer.loss, as its trainer runs it
+    forward = model.loss if fused_loss else model
+    if compile_model:
+        forward = torch.compile(forward, dynamic=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
     position = [0]
 
@@ -91,7 +93,7 @@ def make_train_step(
         optimizer.zero_grad(set_to_none=True)
         with autocast_context(device, bf16):
             if fused_loss:
-                loss = model.loss(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing)
+                loss = forward(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing)
             else:
                 logits = forward(batch.src, batch.tgt_in)  # (b, s_tgt, V)
         if not fused_loss:
