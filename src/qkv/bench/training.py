@@ -6,7 +6,7 @@ contenders), label-smoothed cross-entropy summed over real target tokens divided
 backward, gradient clipping at 1.0, Adam. The loss is the same function for every contender: qkv
 computes it as its trainer does, with ``Transformer.loss`` (the output projection fused with the
 loss, :mod:`qkv.loss`; ``+compile`` compiles that call); the others from their logits with
-``F.cross_entropy`` (``+compile`` compiles their forward). Round ``r`` of the interleaved timing
+``F.cross_entropy`` (``+compile`` compiles forward and loss). Round ``r`` of the interleaved timing
 gives every contender the same batch, so tokens/s are comparable; a contender's figure is target
 tokens trained divided by the seconds its timed steps took.
 
@@ -80,8 +80,14 @@ def make_train_step(
     """A zero-argument training step over ``data.batches`` in order (cycling). Returns the step's
     target token count."""
     model.to(device).train()
-    fused_loss = isinstance(model, Transformer)  # qkv: Transformer.loss, as its trainer runs it
-    forward = model.loss if fused_loss else model
+    if isinstance(model, Transformer):  # qkv: Transformer.loss, as its trainer runs it
+        forward = model.loss
+    else:
+
+        def forward(src, tgt_in, tgt_out, *, label_smoothing):
+            logits = model(src, tgt_in)  # (b, s_tgt, V)
+            return label_smoothed_cross_entropy(logits, tgt_out, label_smoothing, data.pad_id)
+
     if compile_model:
         forward = torch.compile(forward, dynamic=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
@@ -92,12 +98,7 @@ def make_train_step(
         position[0] += 1
         optimizer.zero_grad(set_to_none=True)
         with autocast_context(device, bf16):
-            if fused_loss:
-                loss = forward(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing)
-            else:
-                logits = forward(batch.src, batch.tgt_in)  # (b, s_tgt, V)
-        if not fused_loss:
-            loss = label_smoothed_cross_entropy(logits, batch.tgt_out, label_smoothing, data.pad_id)
+            loss = forward(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing)
         (loss / batch.num_tgt_tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
