@@ -189,6 +189,36 @@ def test_compiled_training_step_equals_eager():
         torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_loss_compiles_once_for_batches_of_any_shape():
+    """The trainer's ``Transformer.loss`` under ``torch.compile(dynamic=True)``: the fused loss is
+    left out of the graph, so batches with other lengths and other numbers of real target positions
+    reuse the first compilation (no recompile per batch), and the loss and gradients equal the
+    plain ``F.cross_entropy`` of the eager model's logits."""
+    torch._dynamo.reset()
+    model = _tiny_model(dropout=0.0).train()
+    compiled = torch.compile(model.loss, dynamic=True, backend="eager")
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3, 9, 6), (4, 7, 8), (2, 5, 11), (5, 12, 3)]  # first: no two sizes equal (duck sizing)
+    for i, (b, s_src, s_tgt) in enumerate(shapes):
+        src = torch.randint(4, 40, (b, s_src), generator=gen)
+        tgt = torch.randint(4, 40, (b, s_tgt + 1), generator=gen)
+        tgt[0, s_tgt // 2 + 1 :] = 0  # padding: fewer real positions than b * s_tgt
+        tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
+        model.zero_grad()
+        want = F.cross_entropy(model(src, tgt_in).reshape(-1, 40), tgt_out.reshape(-1), ignore_index=0,
+                               label_smoothing=0.1, reduction="sum")
+        want.backward()
+        want_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        stance = "default" if i == 0 else "fail_on_recompile"
+        with torch.compiler.set_stance(stance):
+            got = compiled(src, tgt_in, tgt_out, label_smoothing=0.1)
+        got.backward()
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+        for param, grad in zip(model.parameters(), want_grads):
+            torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-4)
+
+
 def test_compiled_cached_decoding_step_has_no_graph_breaks():
     torch._dynamo.reset()
     model = _tiny_model().eval()

@@ -33,6 +33,7 @@ def label_smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: floa
     )
 
 
+@torch.compiler.disable  # its own fused loop; traced, the row selection's shape would recompile per batch
 def fused_linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
