@@ -219,6 +219,37 @@ def test_bf16_autocast_training(tmp_path):
     assert len(losses) == 20 and losses[-1] < 0.7 * losses[0]
 
 
+def test_compiled_training_follows_the_eager_run(tmp_path, monkeypatch):
+    """``TrainConfig(compile=True)`` trains through ``torch.compile(model.loss)``: without dropout
+    the same losses and weights as the eager run from the same start (aot_eager backend here, which
+    traces forward and backward like inductor; inductor's code generation is a slow test elsewhere)."""
+    compiled_fns, torch_compile = [], torch.compile
+
+    def compile_with_aot_eager(fn, **kwargs):
+        compiled_fns.append(fn)
+        return torch_compile(fn, backend="aot_eager", **kwargs)
+
+    pairs = generate_dates(64, seed=5)
+    runs = {}
+    for compile_loss in (False, True):
+        torch._dynamo.reset()
+        train = TrainConfig(max_tokens=600, warmup_steps=4, max_steps=6, compile=compile_loss, progress=False,
+                            average_last=1, log_every_steps=1)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, "compile", compile_with_aot_eager)
+            trainer = tiny_run(tmp_path, pairs, train, name=f"compile-{compile_loss}", dropout=0.0)
+            trainer.train()
+        losses = [json.loads(x)["loss"] for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+        runs[compile_loss] = (losses, trainer.model.state_dict())
+    assert len(compiled_fns) == 1  # only the compile=True run compiled
+    assert len(runs[True][0]) == 6
+    assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-4)
+    for name, weight in runs[False][1].items():
+        if name.endswith("k_proj.bias"):  # its gradient is 0 in exact arithmetic (softmax ignores a
+            continue  # per-query shift); Adam's update of the rounding noise is +-lr, in either run
+        torch.testing.assert_close(runs[True][1][name], weight, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
 # --------------------------------------------------------------------------- run folders
 @pytest.mark.parametrize("bad, expected", [
     ("misaligned", "misaligned parallel files"),

@@ -43,6 +43,7 @@ class TrainConfig:
     label_smoothing: float = 0.1  # section 5.4
     clip_norm: float = 1.0  # gradient clipping on the global norm (0 = off)
     bf16: bool = False  # bfloat16 autocast (CPU or CUDA); weights and the optimizer stay float32
+    compile: bool = False  # torch.compile the model's loss call (encoder + decoder; the fused loss stays eager)
     max_steps: int = 0  # stop after this many optimizer steps (0 = no limit)
     max_epochs: float = 0.0  # stop after this many passes over the data (0 = no limit)
     max_minutes: float = 0.0  # stop after this much wall time, validation included (0 = no limit)
@@ -138,6 +139,8 @@ class Trainer:
         self.optimizer = torch.optim.Adam(
             model.parameters(), lr=0.0, betas=config.adam_betas, eps=config.adam_eps
         )
+        # the training step's loss (what torch.compile compiles when asked; weights are shared with model)
+        self.loss_fn = torch.compile(model.loss, dynamic=True) if config.compile else model.loss
         self.state = TrainState(kept_checkpoints=[])
         self.metrics_path = self.run_dir / "metrics.jsonl"
 
@@ -215,7 +218,7 @@ class Trainer:
                 loss_sum = 0.0
                 for batch in group:
                     with autocast_context(device, c.bf16):  # the fused projection + loss (qkv.loss)
-                        loss = model.loss(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=c.label_smoothing)
+                        loss = self.loss_fn(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=c.label_smoothing)
                     (loss / group_tokens).backward()
                     loss_sum += float(loss.detach())
                 if c.clip_norm > 0:

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 # command-line option -> TrainConfig field (None = keep the recipe's / the saved run's value)
 TRAIN_OPTIONS = {
     "max_tokens": "max_tokens", "accum_steps": "accum_steps", "warmup": "warmup_steps", "lr_factor": "lr_factor",
-    "label_smoothing": "label_smoothing", "clip_norm": "clip_norm", "bf16": "bf16", "minutes": "max_minutes",
+    "label_smoothing": "label_smoothing", "clip_norm": "clip_norm", "bf16": "bf16", "compile": "compile",
+    "minutes": "max_minutes",
     "max_steps": "max_steps", "epochs": "max_epochs", "eval_every_minutes": "eval_every_minutes",
     "eval_every_steps": "eval_every_steps", "eval_sentences": "eval_sentences",
     "checkpoint_every_minutes": "checkpoint_every_minutes", "checkpoint_every_steps": "checkpoint_every_steps",
@@ -76,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--bf16", action=argparse.BooleanOptionalAction,
                        help="bfloat16 autocast (default: the recipe's; Multi30k uses it where bf16 matrix "
                             "products are fast, i.e. CUDA or CPUs with AVX512-BF16/AMX)")
+    train.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                       help="torch.compile the encoder and decoder (default: off; on a 2-core CPU it made "
+                            "the step slower, see the README's performance section)")
     train.add_argument("--eval-every-minutes", type=float)
     train.add_argument("--eval-every-steps", type=int)
     train.add_argument("--eval-sentences", type=int, help="validation sentences decoded for BLEU")
