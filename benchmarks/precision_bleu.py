@@ -3,16 +3,18 @@ speed and test BLEU.
 
 Trains the Multi30k model (d_model 256, 4 heads, 3+3 layers, d_ff 1024, joint BPE 8k) twice from
 the same initial weights, on the same batches in the same order, for the same number of optimizer
-steps: once in float32, once under bfloat16 autocast (``--compare bf16``) or with the loss call
-compiled by ``torch.compile`` (``--compare compile``). Then decodes test 2016 greedily, each model
-in the precision it was trained in (and the bf16-trained model in float32 too), and scores it with
-sacreBLEU. The runs go one after the other, so their tokens/s are not interleaved: the
+steps: once in float32, once under bfloat16 autocast (``--compare bf16``), with the loss call
+compiled by ``torch.compile`` (``--compare compile``) or again in float32 with other dropout masks
+(``--compare seed``: how much BLEU moves between two equally good runs at this length). Then
+decodes test 2016 greedily, each model in the precision it was trained in (and the bf16-trained
+model in float32 too), and scores it with sacreBLEU. The runs go one after the other, so their tokens/s are not interleaved: the
 interleaved step speed-up is the ``precision`` suite's (``python benchmarks/precision.py``).
-Compiled code draws other dropout masks than eager code, so that BLEU change includes the noise of
-a different dropout stream.
+Compiled code draws other dropout masks than eager code, so its BLEU change includes that noise;
+``--compare seed`` measures it.
 
     python benchmarks/precision_bleu.py --steps 200 --out benchmarks/results/precision_bleu.json
     python benchmarks/precision_bleu.py --compare compile --out benchmarks/results/compile_bleu.json
+    python benchmarks/precision_bleu.py --compare seed --out benchmarks/results/seed_bleu.json
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "multi30k"))
-    p.add_argument("--compare", choices=("bf16", "compile"), default="bf16",
+    p.add_argument("--compare", choices=("bf16", "compile", "seed"), default="bf16",
                    help="what the second run changes against the float32 eager one")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps of each run")
     p.add_argument("--max-tokens", type=int, default=3000)
@@ -93,7 +95,7 @@ def main() -> int:
                         tokenizer, overwrite=True)
         model = Transformer(model_config)
         model.load_state_dict(copy.deepcopy(initial))
-        torch.manual_seed(1)  # the same dropout masks' seed for both runs
+        torch.manual_seed(2 if name == "seed" else 1)  # dropout masks' seed: the same except for "seed"
         trainer = Trainer(model, tokenizer, train, None, train_config, run_dir)
         start = time.perf_counter()
         state = trainer.train()
