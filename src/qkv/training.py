@@ -139,8 +139,6 @@ class Trainer:
         self.optimizer = torch.optim.Adam(
             model.parameters(), lr=0.0, betas=config.adam_betas, eps=config.adam_eps
         )
-        # the training step's loss (what torch.compile compiles when asked; weights are shared with model)
-        self.loss_fn = torch.compile(model.loss, dynamic=True) if config.compile else model.loss
         self.state = TrainState(kept_checkpoints=[])
         self.metrics_path = self.run_dir / "metrics.jsonl"
 
@@ -194,6 +192,8 @@ class Trainer:
         device = next(model.parameters()).device
         pad_id = model.config.pad_id
         batches = self._batches(s.epoch)
+        # the fused projection + loss (qkv.loss); compiled, the encoder and decoder run as one graph
+        loss_fn = torch.compile(model.loss, dynamic=True) if c.compile else model.loss
         session_start, session_seconds0 = time.perf_counter(), s.seconds
         window_tokens, window_loss, window_start = 0, 0.0, time.perf_counter()
         bar = tqdm(total=c.max_steps or None, initial=s.step, desc="training", unit="step", disable=not c.progress,
@@ -217,8 +217,8 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
                 for batch in group:
-                    with autocast_context(device, c.bf16):  # the fused projection + loss (qkv.loss)
-                        loss = self.loss_fn(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=c.label_smoothing)
+                    with autocast_context(device, c.bf16):
+                        loss = loss_fn(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=c.label_smoothing)
                     (loss / group_tokens).backward()
                     loss_sum += float(loss.detach())
                 if c.clip_norm > 0:
