@@ -7,8 +7,9 @@ steps: once in float32, once under bfloat16 autocast (``--compare bf16``), with 
 compiled by ``torch.compile`` (``--compare compile``) or again in float32 with other dropout masks
 (``--compare seed``: how much BLEU moves between two equally good runs at this length). Then
 decodes test 2016 greedily, each model in the precision it was trained in (and the bf16-trained
-model in float32 too), and scores it with sacreBLEU. The runs go one after the other, so their tokens/s are not interleaved: the
-interleaved step speed-up is the ``precision`` suite's (``python benchmarks/precision.py``).
+model in float32 too), and scores it with sacreBLEU. The runs go one after the other, so their
+tokens/s are not interleaved: the interleaved step speed-up is the ``precision`` suite's
+(``python benchmarks/precision.py``).
 Compiled code draws other dropout masks than eager code, so its BLEU change includes that noise;
 ``--compare seed`` measures it.
 
