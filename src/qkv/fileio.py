@@ -1,0 +1,94 @@
+"""The one way qkv writes a file: to a temporary name in the same folder, flushed to disk, then
+renamed over the target (``os.replace`` is atomic on POSIX and Windows), so a reader or a crash
+sees the old file or the new one, never half of one.
+
+Temporary files are named ``.<name>.<random>.tmp``; :func:`remove_stale_temporaries` clears the
+ones a killed process left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+TMP_SUFFIX = ".tmp"
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(path: str | Path, *, mode: int = 0o644) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; when the block succeeds, flush it to disk and
+    rename it onto ``path``. On an exception the temporary file is removed and ``path`` is left
+    as it was.
+
+    Raises:
+        IsADirectoryError: ``path`` names an existing directory (checked before any work).
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: is a directory, not a file")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        with open(tmp, "rb+") as handle:  # whatever wrote it (torch, safetensors, matplotlib) did not fsync
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)  # mkstemp creates 0600; qkv's outputs are meant to be shared
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write UTF-8 ``text`` to ``path`` atomically. Returns ``path``."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically. Returns ``path``."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def write_json(path: str | Path, data: object, *, indent: int | None = 2) -> Path:
+    """Write ``data`` as JSON (strict: no NaN/Infinity) atomically. Returns ``path``."""
+    return write_text(path, json.dumps(data, indent=indent, allow_nan=False) + "\n")
+
+
+def remove_stale_temporaries(folder: str | Path, *, recursive: bool = True) -> list[Path]:
+    """Delete the ``.<name>.<random>.tmp`` files that a killed writer left in ``folder``.
+
+    Only call this on a folder that no other process is writing to (e.g. a run folder when a run
+    starts). Returns the removed paths.
+    """
+    folder = Path(folder)
+    pattern = f"**/.*{TMP_SUFFIX}" if recursive else f".*{TMP_SUFFIX}"
+    removed = []
+    for path in folder.glob(pattern):
+        if path.is_file() and not path.is_symlink():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
