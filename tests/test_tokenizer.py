@@ -88,6 +88,34 @@ def test_save_load_same_ids(tokenizer, tmp_path):
         Tokenizer.load(tmp_path / "missing.json")
 
 
+BROKEN_FILES = {
+    "garbage bytes": b"\x00\xff\xfe\x89PNG not json at all",
+    "empty file": b"",
+    "a JSON list": b"[1, 2, 3]",
+    "an object of the wrong shape": b'{"version": "1.0", "model": {"type": "Nonsense"}}',
+}
+
+
+@pytest.mark.parametrize("name", [*BROKEN_FILES, "truncated JSON", "a tokenizer without qkv's special ids"])
+def test_load_rejects_broken_files_in_one_line(tokenizer, tmp_path, name):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    path = tmp_path / "tokenizer.json"
+    if name == "truncated JSON":
+        tokenizer.save(path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif name == "a tokenizer without qkv's special ids":
+        HFTokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(path))
+    else:
+        path.write_bytes(BROKEN_FILES[name])
+    with pytest.raises(ValueError) as info:
+        Tokenizer.load(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: not a valid tokenizer file (") and message.endswith(")")
+    assert "\n" not in message and len(message) < len(str(path)) + 300
+
+
 def test_split_digits_and_multi30k_round_trip(shared_data):
     with gzip.open(shared_data / "multi30k" / "val.de.gz", "rt", encoding="utf-8") as f:
         german = f.read().splitlines()

@@ -7,13 +7,14 @@ Byte-level BPE covers every UTF-8 string with its 256 byte symbols, so nothing i
 
 from __future__ import annotations
 
-import os
-import tempfile
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from qkv.fileio import atomic_path
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]
@@ -64,24 +65,41 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
-        """Read a ``tokenizer.json`` written by :meth:`save`. Raises ``FileNotFoundError`` if missing."""
+        """Read a ``tokenizer.json`` written by :meth:`save`.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: the file is not a tokenizer qkv can use (not UTF-8 JSON, cut short, not a
+                ``tokenizers`` tokenizer, or without qkv's special ids), as one line naming the file.
+        """
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: tokenizer file not found")
-        return cls(_HFTokenizer.from_file(str(path)))
+
+        def invalid(reason: object) -> ValueError:
+            lines = str(reason).strip().splitlines() or ["empty error"]
+            return ValueError(f"{path}: not a valid tokenizer file ({lines[0][:200]})")
+
+        try:
+            text = path.read_bytes().decode("utf-8")
+            json.loads(text)  # Python's message for a garbage or cut-short file names line and column
+        except UnicodeDecodeError:
+            raise invalid("not UTF-8 text") from None
+        except json.JSONDecodeError as err:
+            raise invalid(f"not JSON: {err}") from None
+        try:
+            backend = _HFTokenizer.from_str(text)
+        except Exception as err:  # the tokenizers library raises a bare Exception for a bad layout
+            raise invalid(err) from None
+        try:
+            return cls(backend)
+        except ValueError as err:
+            raise invalid(err) from None
 
     def save(self, path: str | Path) -> None:
-        """Write ``tokenizer.json`` atomically (temp file, then rename)."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            self.backend.save(tmp)
-            os.chmod(tmp, 0o644)  # mkstemp creates 0600
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        """Write ``tokenizer.json`` atomically (see :mod:`qkv.fileio`)."""
+        with atomic_path(path) as tmp:
+            self.backend.save(str(tmp))
 
     @property
     def vocab_size(self) -> int:
