@@ -237,6 +237,7 @@ def test_attend_cli_writes_html_json_and_png(tmp_path, capsys):
     pngs = sorted(png_dir.glob("*.png"))
     assert len(pngs) == 2 * 3  # 2 sentences x 3 layers
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    assert sorted(png_dir.iterdir()) == pngs  # no temporary file left behind
 
 
 def test_attend_cli_on_a_translation_run_folder(tmp_path, tiny_seq2seq):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from qkv.device import pick_device
 from qkv.viz.capture import AttentionRecorder
 from qkv.viz.export import AttentionView, make_example
 
@@ -174,7 +175,7 @@ def open_explorer(path: str | Path | None = None):
         from qkv.checkpoint import load_run
 
         model, tokenizer, _ = load_run(folder)
-        model.to(_default_device())
+        model.to(pick_device())
         return Seq2SeqExplorer(model=model, tokenizer=tokenizer, name=name)
     return EncoderExplorer(model=load_pretrained(folder), name=name)
 
@@ -187,6 +188,3 @@ def _check_text(text: str) -> None:
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
-
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"

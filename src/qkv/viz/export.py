@@ -23,6 +23,8 @@ from pathlib import Path
 
 from torch import Tensor
 
+from qkv.fileio import write_text
+
 FORMAT = "qkv-attention/1"
 
 
@@ -126,7 +128,5 @@ def check_data(data: dict) -> None:
 
 
 def write_json(data: dict, path: str | Path) -> Path:
-    """Write the document as JSON, atomically."""
-    from qkv.viz.html import atomic_write_text
-
-    return atomic_write_text(path, json.dumps(data, ensure_ascii=False))
+    """Write the document as compact UTF-8 JSON, atomically (see :mod:`qkv.fileio`)."""
+    return write_text(path, json.dumps(data, ensure_ascii=False))

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import html
 import json
-import os
-import tempfile
 from importlib import resources
 from pathlib import Path
 
+from qkv.fileio import write_text
 from qkv.viz.export import check_data
 
 _CSP_STATIC = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
 _CSP_LIVE = _CSP_STATIC + "; connect-src 'self'"
+
+atomic_write_text = write_text  # the old name, kept until qkv.cli.embed imports qkv.fileio itself
 
 
 def static_text(name: str) -> str:
@@ -66,22 +67,6 @@ def render_html(data: dict, *, live: dict | None = None) -> str:
     )
 
 
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` to a temporary file next to ``path`` and rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the page is meant to be shared
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
-
-
 def write_html(data: dict, path: str | Path) -> Path:
-    """Write the self-contained explorer page for ``data`` to ``path`` (atomically)."""
-    return atomic_write_text(path, render_html(data))
+    """Write the self-contained explorer page for ``data`` to ``path`` (atomically, see :mod:`qkv.fileio`)."""
+    return write_text(path, render_html(data))

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
-import tempfile
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from qkv.fileio import atomic_path
 from qkv.viz.export import check_data
 
 logger = logging.getLogger(__name__)
@@ -69,16 +68,11 @@ def save_heatmaps(data: dict, out_dir: str | Path, *, max_columns: int = 6, prog
         fig.suptitle(f"{example['text'][:60]} | {view['name']} | layer {layer}", fontsize=9)
         fig.tight_layout()
         path = out_dir / f"{e:02d}-{_slug(example['text'])}-{_slug(view['name'])}-layer{layer}.png"
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{path.name}.", suffix=".png")
-        os.close(fd)
         try:
-            fig.savefig(tmp, dpi=110)
-            os.chmod(tmp, 0o644)  # mkstemp makes 0600
-            os.replace(tmp, path)
+            with atomic_path(path) as tmp:
+                fig.savefig(tmp, dpi=110, format="png")  # the temporary name ends in .tmp, not .png
         finally:
             plt.close(fig)
-            if os.path.exists(tmp):
-                os.remove(tmp)
         written.append(path)
     logger.debug("wrote %d heatmaps to %s", len(written), out_dir)
     return written
