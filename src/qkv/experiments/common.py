@@ -8,17 +8,19 @@ Every experiment writes ``<out>/<name>/results.json`` (schema ``qkv-experiment/1
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+# qkv's one device picker and atomic writers; the experiments (and qkv explain/report) import them from here
+from qkv.device import pick_device  # noqa: F401
+from qkv.fileio import atomic_path, write_json, write_text  # noqa: F401
 
 SCHEMA = "qkv-experiment/1"
 
@@ -66,15 +68,6 @@ def environment() -> dict:
     }
 
 
-def pick_device(device: str | None = None) -> torch.device:
-    """``None``/``"auto"`` -> CUDA when present, else CPU; anything else is passed to torch."""
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for but CUDA is not available")
-    return torch.device(device)
-
-
 @contextlib.contextmanager
 def seeded(seed: int, device: torch.device | None = None) -> Iterator[None]:
     """Run a block under ``torch.manual_seed(seed)`` and restore the caller's RNG state afterwards,
@@ -106,35 +99,6 @@ def experiment_dir(out: str | Path, name: str) -> Path:
     return folder
 
 
-def _atomic(path: Path, write) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
-
-
-def write_json(path: str | Path, data: dict) -> Path:
-    """Write ``data`` as indented JSON, atomically (temporary file, then rename)."""
-    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
-
-    def write(tmp: str) -> None:
-        Path(tmp).write_text(text, encoding="utf-8")
-
-    return _atomic(Path(path), write)
-
-
-def write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` (UTF-8), atomically."""
-    return _atomic(Path(path), lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-
-
 def new_figure(width: float, height: float):
     """A matplotlib Figure not registered with pyplot: no display, no global state, no leak."""
     from matplotlib.figure import Figure
@@ -143,8 +107,10 @@ def new_figure(width: float, height: float):
 
 
 def save_figure(fig, path: str | Path, *, dpi: int = 110) -> Path:
-    """Save a matplotlib figure as PNG, atomically."""
-    return _atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    """Save a matplotlib figure as PNG, atomically (see :mod:`qkv.fileio`)."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format="png")
+    return Path(path)
 
 
 def write_results(result: ExperimentResult, folder: str | Path) -> Path:
