@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 
 from qkv import checkpoint as ckpt
-from qkv.bench.timing import environment, write_json
+from qkv.bench.timing import environment
 from qkv.data import Tokenizer, load_multi30k, resolve_multi30k
 from qkv.evaluation import score_translations, translate_texts
+from qkv.fileio import write_json
 from qkv.models import Transformer, TransformerConfig
 from qkv.precision import slow_bf16_reason
 from qkv.training import TrainConfig, Trainer

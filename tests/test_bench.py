@@ -13,6 +13,7 @@ from qkv.bench.competitors import TorchTransformerMT, count_parameters
 from qkv.bench.data import synthetic_data
 from qkv.bench.suites import run_suite, summarize
 from qkv.bench.training import parse_contender, training_benchmark
+from qkv.device import pick_device
 
 CPU = torch.device("cpu")
 
@@ -76,17 +77,15 @@ def test_peak_memory_sees_a_large_temporary_allocation():
     assert timing.peak_memory_bytes(lambda: None, CPU) < size / 2
 
 
-def test_ratio_json_and_environment(tmp_path):
+def test_ratio_environment_and_device():
     assert timing.ratio(3.0, 1.5) == 2.0
     assert timing.ratio(None, 1.0) is None and timing.ratio(1.0, 0.0) is None
     # per-round ratios: a load spike in round 2 slows both contenders alike and drops out
     assert timing.paired_ratio([2.0, 8.0, 2.2], [1.0, 4.0, 1.0]) == 2.0
     assert timing.paired_ratio([], []) is None
-    path = timing.write_json(tmp_path / "sub" / "r.json", {"x": [1, 2]})
-    assert json.loads(path.read_text()) == {"x": [1, 2]}
-    assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temporary file left
     env = timing.environment()
     assert env["torch"] == torch.__version__ and env["torch_threads"] == torch.get_num_threads()
+    assert timing.pick_device is pick_device  # qkv.bench re-exports the one device picker
     assert timing.pick_device("cpu") == CPU
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
@@ -190,6 +189,7 @@ def test_quick_suites_write_json_and_plot(tmp_path, suite, monkeypatch):
     saved = json.loads((tmp_path / f"{suite}.json").read_text())
     assert saved["suite"] == suite and saved["environment"]["torch"] == torch.__version__
     assert (tmp_path / f"{suite}.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{suite}.json", f"{suite}.png"]  # no temporaries left
     assert summary == summarize(saved) and summary.startswith(f"**{suite}**")
     if suite == "attention":
         point = saved["results"][0]

@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
+
+from qkv.fileio import atomic_path
 
 
 def _save(fig, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+    return Path(path)
 
 
 def _pyplot():

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from qkv.bench.data import BenchData, multi30k_data, synthetic_data
-from qkv.bench.timing import environment, write_json
+from qkv.bench.timing import environment
+from qkv.fileio import write_json
 from qkv.precision import slow_bf16_reason
 
 logger = logging.getLogger(__name__)

@@ -13,14 +13,12 @@ by resetting the process's resident-set high-water mark (``/proc/self/clear_refs
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import math
 import os
 import platform
 import re
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,17 +26,9 @@ from pathlib import Path
 
 import torch
 
+from qkv.device import pick_device  # noqa: F401  (re-exported: qkv.bench.pick_device, qkv bench)
+
 logger = logging.getLogger(__name__)
-
-
-def pick_device(requested: str | None = None) -> torch.device:
-    """The device to benchmark on: ``requested`` if given, else CUDA when present, else CPU."""
-    if requested:
-        device = torch.device(requested)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {requested!r} was requested but CUDA is not available")
-        return device
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def synchronize(device: torch.device) -> None:
@@ -257,19 +247,3 @@ def environment() -> dict:
     except OSError:
         pass
     return info
-
-
-def write_json(path: str | Path, data: dict) -> Path:
-    """Write ``data`` as JSON atomically (temporary file in the same folder, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2)
-            handle.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
