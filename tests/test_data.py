@@ -100,6 +100,33 @@ def test_resolve_multi30k_order(tmp_path, monkeypatch, shared_data):
     assert resolve_multi30k(plain, download=False) == plain  # an explicit folder comes first
 
 
+def test_download_multi30k_writes_whole_files_or_none(tmp_path, monkeypatch):
+    import io
+    import urllib.request
+
+    import qkv.data.parallel as parallel
+
+    class Dropped(io.BytesIO):
+        def read(self, *args):
+            raise ConnectionResetError("connection reset by peer")
+
+    def urlopen(url, timeout):
+        name = url.rsplit("/", 1)[1]
+        return Dropped() if name == "val.de.gz" else io.BytesIO(name.encode())
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    folder = tmp_path / "multi30k"
+    with pytest.raises(FileNotFoundError) as err:
+        parallel.download_multi30k(folder, langs=("en", "de"))
+    assert "could not download Multi30k file" in str(err.value) and "val.de.gz" in str(err.value)
+    assert "connection reset by peer" in str(err.value) and "\n" not in str(err.value)
+    written = sorted(p.name for p in folder.iterdir())  # sorted stems: test_2016_flickr, train, val
+    assert written == ["test_2016_flickr.de.gz", "test_2016_flickr.en.gz", "train.de.gz", "train.en.gz",
+                       "val.en.gz"]  # the interrupted file is absent, and no temporary file is left
+    assert (folder / "train.en.gz").read_bytes() == b"train.en.gz"
+    assert oct((folder / "train.en.gz").stat().st_mode & 0o777) == oct(0o644)
+
+
 def test_data_spec_multi30k_and_files(tmp_path, shared_data):
     spec = {"source": "multi30k", "folder": str(shared_data / "multi30k"), "src_lang": "de", "tgt_lang": "en"}
     train, valid = load_train_valid(spec)

@@ -10,10 +10,11 @@ import gzip
 import logging
 import os
 import shutil
-import tempfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from qkv.fileio import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -131,19 +132,14 @@ def download_multi30k(folder: Path, langs: tuple[str, ...] = ("en", "de"), timeo
                 continue
             url = MULTI30K_URL.format(name=name)
             logger.info("downloading %s", url)
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
             try:
-                with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
+                with atomic_path(target) as tmp, open(tmp, "wb") as out, \
+                        urllib.request.urlopen(url, timeout=timeout) as response:
                     shutil.copyfileobj(response, out)
-                os.chmod(tmp, 0o644)  # mkstemp creates 0600
-                os.replace(tmp, target)
             except OSError as err:
                 raise FileNotFoundError(
                     f"could not download Multi30k file {url} ({err}); put the files in $QKV_DATA/multi30k"
                 ) from err
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
 
 
 def multi30k_paths(folder: str | Path, split: str, src_lang: str, tgt_lang: str) -> tuple[Path, Path]:
