@@ -176,6 +176,15 @@ def test_unsupported_architecture_is_a_one_line_error(tmp_path):
     assert "swish" in one_line_error(lambda: qkv.load_pretrained(tmp_path))
 
 
+def test_bad_device_is_a_one_line_error_before_loading(tmp_path):
+    make_hf_bert(tmp_path)
+    assert "unknown device 'gpu0'" in one_line_error(lambda: qkv.load_pretrained(tmp_path, device="gpu0"))
+    if not torch.cuda.is_available():
+        assert "CUDA is not available" in one_line_error(lambda: qkv.load_pretrained(tmp_path, device="cuda"))
+    # checked before the folder is even looked at
+    assert "device" in one_line_error(lambda: qkv.load_pretrained(tmp_path / "nowhere", device="gpu0"))
+
+
 def test_missing_unexpected_and_misshapen_keys_are_listed(tmp_path):
     from safetensors.torch import load_file, save_file
 

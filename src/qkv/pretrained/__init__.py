@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from qkv.device import pick_device
 from qkv.pretrained.bert import BertConfig, BertEncoder, BertOutput, bert_key_map, build_bert
 from qkv.pretrained.tokenizer import EncodedBatch, WordPieceTokenizer
 
@@ -109,7 +110,8 @@ def load_pretrained(path: str | Path, *, device: str | torch.device | None = Non
 
     Args:
         path: the checkpoint folder.
-        device: where to put the model; defaults to CUDA when available, else CPU.
+        device: where to put the model; defaults to CUDA when available, else CPU
+            (:func:`qkv.device.pick_device`).
 
     Returns:
         A :class:`BertEncoder` in eval mode; its tokenizer is ``model.tokenizer``. Call it as
@@ -117,9 +119,10 @@ def load_pretrained(path: str | Path, *, device: str | torch.device | None = Non
 
     Raises:
         FileNotFoundError: the folder or a required file is missing.
-        ValueError: unsupported architecture, corrupt weights, missing/unexpected keys or shapes
-            that disagree with the config (one line naming them).
+        ValueError: an unknown or absent device, unsupported architecture, corrupt weights,
+            missing/unexpected keys or shapes that disagree with the config (one line naming them).
     """
+    device = pick_device(device)  # before any loading: a bad --device fails at once
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: checkpoint folder not found")
@@ -139,8 +142,6 @@ def load_pretrained(path: str | Path, *, device: str | torch.device | None = Non
             f"{folder}: tokenizer has {model.tokenizer.vocab_size} tokens but config vocab_size is {config.vocab_size}"
         )
     model.name = folder.name
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     logger.debug("loaded %s (%d layers, %d heads, d=%d) from %s", folder.name, config.num_hidden_layers,
                  config.num_attention_heads, config.hidden_size, weights_file)
     return model.to(device)
