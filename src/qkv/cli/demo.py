@@ -48,17 +48,18 @@ def sample_sources(seed: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qkv.checkpoint import write_json
     from qkv.data.sources import load_split
+    from qkv.device import pick_device
     from qkv.evaluation import exact_match, translate_texts
+    from qkv.fileio import write_json
     from qkv.training import run_training, start_run
     from qkv.viz import Seq2SeqExplorer, explorer_data, save_heatmaps, write_html
 
     start = time.perf_counter()
+    device = pick_device(args.device)  # before the output folder is made
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = {"source": "dates", "train_size": 20000, "valid_size": 500, "seed": args.seed}
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     summary = {
         "exact_match": round(accuracy, 4), "test_dates": len(test), "steps": trainer.state.step,
         "train_seconds": round(train_seconds, 1), "total_seconds": round(time.perf_counter() - start, 1),
-        "stopped_early": trainer.state.stopped_early, "threads": torch.get_num_threads(), "device": device,
+        "stopped_early": trainer.state.stopped_early, "threads": torch.get_num_threads(), "device": str(device),
         "samples": dict(zip(samples, translate_texts(model, tokenizer, samples))),
     }
     write_json(out / "summary.json", summary)
