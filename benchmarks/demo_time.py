@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from qkv.fileio import write_json
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -55,12 +57,7 @@ def main() -> int:
         "runs": runs,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, out)
-    print(f"wrote {out}")
+    print(f"wrote {write_json(args.out, report)}")
     return 0
 
 
