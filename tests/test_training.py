@@ -17,7 +17,8 @@ from qkv.data.tokenizer import Tokenizer
 from qkv.evaluation import translate_texts
 from qkv.loss import label_smoothed_cross_entropy
 from qkv.models import Transformer, TransformerConfig
-from qkv.training import TrainConfig, Trainer, inverse_sqrt_lr, resume_run, start_run
+from qkv.runs import resume_run, start_run
+from qkv.training import TrainConfig, Trainer, inverse_sqrt_lr
 
 TINY = dict(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64, max_len=64,
             norm_first=True, share_embeddings=True)
@@ -298,9 +299,9 @@ def test_start_and_resume_run_from_files(tmp_path):
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_recipe_bf16_only_where_it_is_fast(tmp_path, monkeypatch, fast):
-    import qkv.training
+    import qkv.runs
 
-    monkeypatch.setattr(qkv.training, "bf16_is_fast", lambda device: fast)
+    monkeypatch.setattr(qkv.runs, "bf16_is_fast", lambda device: fast)
     pairs = generate_dates(60, seed=3)
     (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")

@@ -1,71 +1,99 @@
-"""Run folders: weights (safetensors), config (JSON), tokenizer and training state, written atomically.
+"""Run folders on disk: weights (safetensors), config (JSON), tokenizer and the resumable
+checkpoint, each written atomically (:mod:`qkv.fileio`).
 
 A run folder holds::
 
-    config.json          {"model": TransformerConfig fields, "train": TrainConfig fields, "data": {...}}
+    config.json          {"qkv_run": 2, "model": TransformerConfig fields, "train": TrainConfig fields,
+                          "data": {...}, "data_fingerprint": {...}}
     tokenizer.json       the joint BPE tokenizer
+    state.pt             the resumable checkpoint, ONE file: weights, optimizer, step, epoch, position
+                         in the epoch, RNG states (what --resume reads)
+    last.safetensors     the weights at the last saved step (written after state.pt, from the same step)
     model.safetensors    the weights to translate with (the average of the last checkpoints, if made)
-    last.safetensors     the weights at the last saved step (what --resume continues from)
     best.safetensors     the weights with the best validation BLEU
-    state.pt             optimizer, step, epoch, position in the epoch, RNG states (for --resume)
     checkpoints/         step_<N>.safetensors kept for checkpoint averaging
     metrics.jsonl        one JSON object per log/validation event
     curves.png           training loss and validation BLEU against minutes
 
-Every file is written to a temporary name in the same folder and renamed, so a crash never
-leaves a half-written file behind.
+The ``qkv_run`` key marks a folder as a qkv run: ``--overwrite`` replaces nothing else. Because the
+resumable checkpoint is a single file replaced atomically, a crash at any moment leaves either the
+previous step's checkpoint or the new one, never weights from one step with the state of another.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file, save_model
 
 from qkv.data.tokenizer import Tokenizer
+from qkv.fileio import atomic_path, remove_stale_temporaries, write_json
 from qkv.models import Transformer, TransformerConfig
 
+logger = logging.getLogger(__name__)
 
-@contextmanager
-def atomic_path(path: str | Path):
-    """Yield a temporary path next to ``path``; rename it onto ``path`` if the block succeeds."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+RUN_MARKER = "qkv_run"  # config.json key that marks a qkv run folder; its value is the format version
+RUN_FORMAT = 2  # 2: state.pt holds the weights too (one atomic checkpoint)
+CHECKPOINT_FILE = "state.pt"
+
+
+def save_weights(model: torch.nn.Module, path: str | Path, *, step: int | None = None) -> None:
+    """Save weights as safetensors (tied tensors stored once), atomically; ``step`` goes in the metadata."""
+    with atomic_path(path) as tmp:
+        save_model(model, str(tmp), metadata=None if step is None else {"step": str(step)})
+
+
+def _check_weights_file(model: torch.nn.Module, path: Path) -> None:
+    """Compare a safetensors file's names and shapes with ``model`` before loading, so damage or a
+    config that does not match the weights is a one-line ``ValueError``."""
     try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a run folder is meant to be shared
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def write_json(path: str | Path, data: dict) -> None:
-    """Write ``data`` as indented JSON, atomically."""
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-
-
-def save_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Save weights as safetensors (tied tensors stored once), atomically."""
-    with atomic_path(path) as tmp:
-        save_model(model, str(tmp))
+        with safe_open(str(path), framework="pt") as handle:
+            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{path}: not a readable safetensors file ({str(err).splitlines()[0][:200]})") from None
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    for name, shape in shapes.items():
+        if name in expected and expected[name] != shape:
+            raise ValueError(f"{path}: {name} has shape {list(shape)} but the run's config.json gives "
+                             f"{list(expected[name])}; the weights and config.json do not belong together")
+    unknown = sorted(set(shapes) - set(expected))
+    if unknown:
+        raise ValueError(f"{path}: tensors the model does not have: {unknown[:5]}")
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Load safetensors weights into ``model``; every tensor must match (names and shapes)."""
+    """Load safetensors weights into ``model``; every tensor must match (names and shapes).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is damaged or does not fit the model (one line naming the first problem).
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: weights file not found")
-    missing, unexpected = load_model(model, str(path), strict=True)
-    if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match the model: missing {missing}, unexpected {unexpected}")
+    _check_weights_file(model, path)
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{path}: not a readable safetensors file ({str(err).splitlines()[0][:200]})") from None
+    state = model.state_dict()
+    # tied weights are stored once: a missing name is fine when the tensor it shares storage with is present
+    by_storage = {}
+    for name, tensor in state.items():
+        by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(name)
+    missing = [names for names in by_storage.values() if not any(n in tensors for n in names)]
+    if missing:
+        raise ValueError(f"{path}: weights missing for {[names[0] for names in missing][:5]}")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            state[name].copy_(tensor)
 
 
 def average_weight_files(paths: list[Path], out_path: str | Path) -> None:
@@ -81,18 +109,64 @@ def average_weight_files(paths: list[Path], out_path: str | Path) -> None:
         save_file(averaged, str(tmp), metadata={"format": "pt"})
 
 
-def save_training_state(path: str | Path, state: dict) -> None:
-    """``torch.save`` the optimizer/RNG/position state, atomically."""
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
+def save_checkpoint(run_dir: str | Path, model: torch.nn.Module, state: dict) -> None:
+    """Write the resumable checkpoint: ``state.pt`` (weights + ``state``: optimizer, position, RNG)
+    as one atomic file, then ``last.safetensors`` from the same weights for translating."""
+    run_dir = Path(run_dir)
+    step = int(state["train_state"]["step"])
+    with atomic_path(run_dir / CHECKPOINT_FILE) as tmp:
+        torch.save({**state, "format": RUN_FORMAT, "step": step, "model": model.state_dict()}, tmp)
+    save_weights(model, run_dir / "last.safetensors", step=step)
 
 
-def load_training_state(path: str | Path) -> dict:
-    """Read what :func:`save_training_state` wrote (our own file: full unpickling is allowed)."""
-    path = Path(path)
+def load_checkpoint(run_dir: str | Path, model: torch.nn.Module) -> dict:
+    """Read ``state.pt``, load its weights into ``model`` and return the rest (optimizer, position,
+    RNG). Stale temporary files of a killed writer are removed first.
+
+    Runs written before format 2 kept the weights only in ``last.safetensors``; those are loaded
+    from there, and refused if its step differs from the state's.
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / CHECKPOINT_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no training state to resume from")
-    return torch.load(path, weights_only=False)
+    for stale in remove_stale_temporaries(run_dir):
+        logger.info("removed %s, left by an interrupted write", stale)
+    try:  # our own file (optimizer and RNG states are pickled): full unpickling is allowed
+        saved = torch.load(path, weights_only=False, map_location="cpu")
+    except Exception as err:  # noqa: BLE001 - torch raises many types for a damaged file
+        raise ValueError(f"{path}: damaged training state ({type(err).__name__}); the run cannot be resumed") from None
+    if not isinstance(saved, dict) or "train_state" not in saved or "optimizer" not in saved:
+        raise ValueError(f"{path}: not a qkv training state")
+    if "model" in saved:
+        try:
+            model.load_state_dict(saved["model"], strict=True)
+        except RuntimeError as err:
+            raise ValueError(f"{path}: the saved weights do not fit the run's config.json "
+                             f"({str(err).splitlines()[-1].strip()[:200]})") from None
+    else:
+        weights = run_dir / "last.safetensors"
+        with safe_open(str(weights), framework="pt") as handle:
+            step = (handle.metadata() or {}).get("step")
+        if step is not None and int(step) != saved["train_state"]["step"]:
+            raise ValueError(f"{weights} holds step {step} but {path} step {saved['train_state']['step']}")
+        load_weights(model, weights)
+    return saved
+
+
+def is_run_folder(path: str | Path) -> bool:
+    """True when ``path`` holds a config.json that marks it as a qkv run (or a run made before the
+    marker existed: a config with model, train and data sections next to tokenizer.json)."""
+    config_path = Path(path) / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict):
+        return False
+    if RUN_MARKER in config:
+        return True
+    return {"model", "train", "data"} <= set(config) and (Path(path) / "tokenizer.json").is_file()
 
 
 def read_run_config(run_dir: str | Path) -> dict:
@@ -104,7 +178,7 @@ def read_run_config(run_dir: str | Path) -> dict:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path}: not valid JSON ({err})") from err
-    if not isinstance(config, dict) or "model" not in config:
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise ValueError(f"{path}: not a qkv run config (no 'model' section)")
     return config
 
@@ -118,43 +192,92 @@ def load_run(run_dir: str | Path, weights: str = "model") -> tuple[Transformer, 
 
     Returns:
         ``(model in eval mode, tokenizer, config dict)``.
+
+    Raises:
+        FileNotFoundError / ValueError: a missing or damaged file, in one line naming it.
     """
     run_dir = Path(run_dir)
     config = read_run_config(run_dir)
-    model = Transformer(TransformerConfig.from_dict(config["model"]))
+    try:
+        model_config = TransformerConfig.from_dict(config["model"])
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{run_dir / 'config.json'}: bad model section ({err})") from None
+    model = Transformer(model_config)
     path = run_dir / f"{weights}.safetensors"
     if weights == "model" and not path.is_file():
         path = run_dir / "last.safetensors"
     load_weights(model, path)
     model.eval()
-    return model, Tokenizer.load(run_dir / "tokenizer.json"), config
+    tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
+    if tokenizer.vocab_size > min(model_config.src_vocab_size, model_config.tgt_vocab_size):
+        raise ValueError(f"{run_dir / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than the model's "
+                         f"vocabulary in config.json; the files do not belong together")
+    return model, tokenizer, config
 
 
-def create_run(run_dir: str | Path, config: dict, tokenizer: Tokenizer, *, overwrite: bool = False) -> Path:
-    """Create a run folder holding ``config.json`` and ``tokenizer.json``.
+def check_replaceable(run_dir: str | Path, *, inputs: list[str | Path] = ()) -> None:
+    """Check that ``--overwrite`` may replace ``run_dir``: it must be a qkv run folder or an empty
+    folder, must not hold the current directory, and must not hold any of ``inputs`` (the files
+    the new run reads). Raises ``ValueError`` saying which rule failed; deletes nothing."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir() or run_dir.is_symlink():
+        raise ValueError(f"{run_dir}: exists and is not a folder; --overwrite only replaces a qkv run folder")
+    resolved = run_dir.resolve()
+    if not (is_run_folder(run_dir) or not any(run_dir.iterdir())):
+        raise ValueError(f"{run_dir}: not a qkv run folder (no config.json marked '{RUN_MARKER}') and not empty; "
+                         "--overwrite only replaces a run folder: choose another --run-dir")
+    cwd = Path.cwd().resolve()
+    if cwd == resolved or resolved in cwd.parents:
+        raise ValueError(f"{run_dir}: holds the current directory; --overwrite will not replace it")
+    for item in inputs:
+        if item and (resolved == Path(item).resolve() or resolved in Path(item).resolve().parents):
+            raise ValueError(f"{item}: the new run reads this file, and it lies inside {run_dir}, which "
+                             "--overwrite would replace; move it or choose another --run-dir")
 
-    The folder is assembled under a temporary name and renamed into place, so a failure never
-    leaves a half-written run folder behind.
+
+def create_run(run_dir: str | Path, config: dict, tokenizer: Tokenizer, *, overwrite: bool = False,
+               write_initial=None, inputs: list[str | Path] = ()) -> Path:
+    """Create a run folder holding ``config.json`` (marked as a qkv run) and ``tokenizer.json``.
+
+    The folder is assembled under a temporary name (with ``write_initial(folder)`` adding e.g. the
+    step-0 checkpoint) and renamed into place, so a failure never leaves a half-made run folder.
+    With ``overwrite``, an existing run folder (see :func:`check_replaceable`) is replaced only
+    once the new one is complete.
 
     Raises:
-        ValueError: ``run_dir`` exists and ``overwrite`` is False (use --resume to continue it).
+        ValueError: ``run_dir`` exists and ``overwrite`` is False, or it may not be replaced.
     """
-    import shutil
-
     run_dir = Path(run_dir)
     if run_dir.exists():
         if not overwrite:
             raise ValueError(f"{run_dir}: run folder exists; pass --resume to continue it or --overwrite to replace it")
-        shutil.rmtree(run_dir)
+        check_replaceable(run_dir, inputs=inputs)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=run_dir.parent, prefix=f".{run_dir.name}."))
+    for stale in run_dir.parent.glob(f".{run_dir.name}.new-*"):  # a creation killed half-way
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(dir=run_dir.parent, prefix=f".{run_dir.name}.new-"))
     try:
-        write_json(tmp / "config.json", config)
+        write_json(tmp / "config.json", {RUN_MARKER: RUN_FORMAT, **config})
         tokenizer.save(tmp / "tokenizer.json")
         (tmp / "checkpoints").mkdir()
+        if write_initial is not None:
+            write_initial(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp creates 0700
-        os.replace(tmp, run_dir)
+        if run_dir.exists():  # --overwrite, checked above: move the old run aside, then swap
+            old = Path(tempfile.mkdtemp(dir=run_dir.parent, prefix=f".{run_dir.name}.old-"))
+            os.replace(run_dir, old / run_dir.name)
+            os.replace(tmp, run_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return run_dir
+
+
+def write_config(run_dir: str | Path, config: dict) -> None:
+    """Rewrite a run's ``config.json`` (atomically), keeping the run marker."""
+    write_json(Path(run_dir) / "config.json", {RUN_MARKER: config.get(RUN_MARKER, RUN_FORMAT), **config})

@@ -59,6 +59,21 @@ def atomic_path(path: str | Path, *, mode: int = 0o644) -> Iterator[Path]:
             os.remove(tmp)
 
 
+def check_output_file(path: str | Path, option: str = "output") -> Path:
+    """Check, before any work, that ``path`` can be written as a file: not an existing directory,
+    and its parent is a directory (or can be made). Raises ``IsADirectoryError`` /
+    ``NotADirectoryError`` naming ``option``; writes nothing."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: {option} names a directory, not a file")
+    for parent in path.resolve().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise NotADirectoryError(f"{path}: {option} lies under {parent}, which is a file")
+            break
+    return path
+
+
 def write_text(path: str | Path, text: str) -> Path:
     """Write UTF-8 ``text`` to ``path`` atomically. Returns ``path``."""
     with atomic_path(path) as tmp:

@@ -46,16 +46,38 @@ class TransformerConfig:
     bias: bool = True  # biases in attention and feed-forward projections
 
     def __post_init__(self) -> None:
+        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_encoder_layers", "num_decoder_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.d_model % self.num_heads != 0:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+        for name in ("dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:  # also rejects NaN
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+        if not self.layer_norm_eps > 0:
+            raise ValueError(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
+        from qkv.layers import ACTIVATIONS
+        from qkv.positional import POSITIONAL_KINDS
+
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
+        if self.positional not in POSITIONAL_KINDS:
+            raise ValueError(f"unknown positional encoding {self.positional!r}; choose one of {POSITIONAL_KINDS}")
+        if self.positional == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"the sinusoidal encoding needs an even d_model, got {self.d_model}")
+        if not 0 <= self.pad_id < max(self.src_vocab_size, self.tgt_vocab_size):
+            raise ValueError(f"pad_id {self.pad_id} is outside the vocabulary")
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ValueError(
                 "share_embeddings needs one vocabulary, got "
                 f"src_vocab_size={self.src_vocab_size}, tgt_vocab_size={self.tgt_vocab_size}"
             )
-        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     def layer_kwargs(self) -> dict:
         """The arguments every EncoderLayer/DecoderLayer of this model is built with."""

@@ -69,6 +69,9 @@ class LearnedPositionalEncoding(_PositionalEncoding):
         return x + self.embedding(positions).to(x.dtype)  # (b, s, d)
 
 
+POSITIONAL_KINDS = ("sinusoidal", "learned", "none")
+
+
 def build_positional_encoding(kind: str, d_model: int, max_len: int) -> nn.Module:
     """``kind`` is ``"sinusoidal"``, ``"learned"`` or ``"none"`` (identity)."""
     if kind == "sinusoidal":

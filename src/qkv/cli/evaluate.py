@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-import torch
+from qkv.cli.options import non_negative_int, positive_int, set_threads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,33 +24,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "files val (default: test, or val for files)")
     parser.add_argument("--src", help="score this source file instead of a split (needs --ref)")
     parser.add_argument("--ref", help="reference translations of --src, line-aligned")
-    parser.add_argument("--beam", type=int, default=5, help="beam size (1 = greedy; default 5)")
+    parser.add_argument("--beam", type=positive_int, default=5, help="beam size (1 = greedy; default 5)")
     parser.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (default 0.6)")
     parser.add_argument("--weights", choices=["model", "best", "last"], default="model")
-    parser.add_argument("--limit", type=int, default=0, help="score only the first N sentences")
+    parser.add_argument("--limit", type=non_negative_int, default=0, help="score only the first N sentences (0 = all)")
     parser.add_argument("--hyp-out", help="also write the translations to this file")
     parser.add_argument("--json", action="store_true", help="print the scores as one JSON object")
     parser.add_argument("--bf16", action="store_true", help="decode under bfloat16 autocast")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from qkv.checkpoint import atomic_path, load_run
+    from qkv.checkpoint import load_run
+    from qkv.device import pick_device
+    from qkv.fileio import check_output_file, write_text
     from qkv.data.parallel import read_parallel
     from qkv.data.sources import load_split
     from qkv.evaluation import exact_match, score_translations, translate_texts
 
-    if args.beam < 1:
-        raise ValueError(f"--beam must be >= 1, got {args.beam}")
     if bool(args.src) != bool(args.ref):
         raise ValueError("give both --src and --ref, or a --split")
     if args.src and args.split:
         raise ValueError("give either --split or --src/--ref, not both")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.hyp_out:
+        check_output_file(args.hyp_out, "--hyp-out")
+    set_threads(args.threads)
+    device = pick_device(args.device)
     model, tokenizer, config = load_run(args.run_dir, args.weights)
-    model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model.to(device)
     if args.src:
         data, name = read_parallel(args.src, args.ref), f"{args.src} -> {args.ref}"
     else:
@@ -66,8 +68,7 @@ def run(args: argparse.Namespace) -> int:
     scores.update(split=name, sentences=len(src), beam=args.beam, weights=args.weights,
                   exact_match=round(exact_match(hyps, refs), 4))
     if args.hyp_out:
-        with atomic_path(Path(args.hyp_out).resolve()) as tmp:
-            tmp.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+        write_text(Path(args.hyp_out).resolve(), "".join(h + "\n" for h in hyps))
     if args.json:
         print(json.dumps(scores))
         return 0

@@ -5,35 +5,45 @@
     qkv train --data dates --run-dir runs/dates
     qkv train --run-dir runs/en-de --resume --minutes 90      # continue (the budget counts all sessions)
 
-Ctrl-C saves a checkpoint first; ``--resume`` continues from it.
+Every option and input is checked before the run folder is written. Ctrl-C saves a checkpoint
+first, and so does a failed step; ``--resume`` continues from it.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from qkv.cli.options import positive_int, set_threads
 
-# command-line option -> TrainConfig field (None = keep the recipe's / the saved run's value)
-TRAIN_OPTIONS = {
-    "max_tokens": "max_tokens", "accum_steps": "accum_steps", "warmup": "warmup_steps", "lr_factor": "lr_factor",
-    "label_smoothing": "label_smoothing", "clip_norm": "clip_norm", "bf16": "bf16", "compile": "compile",
-    "minutes": "max_minutes",
-    "max_steps": "max_steps", "epochs": "max_epochs", "eval_every_minutes": "eval_every_minutes",
-    "eval_every_steps": "eval_every_steps", "eval_sentences": "eval_sentences",
-    "checkpoint_every_minutes": "checkpoint_every_minutes", "checkpoint_every_steps": "checkpoint_every_steps",
-    "average_last": "average_last", "seed": "seed",
-}
+# command-line option -> TransformerConfig field, with its help (None = keep the recipe's value)
 MODEL_OPTIONS = {
-    "d_model": "d_model", "heads": "num_heads", "encoder_layers": "num_encoder_layers",
-    "decoder_layers": "num_decoder_layers", "d_ff": "d_ff", "dropout": "dropout", "activation": "activation",
-    "norm_first": "norm_first", "max_len": "max_len", "share_embeddings": "share_embeddings",
+    "d_model": ("d_model", int, "model width"),
+    "heads": ("num_heads", int, "attention heads; must divide --d-model"),
+    "encoder_layers": ("num_encoder_layers", int, "encoder layers"),
+    "decoder_layers": ("num_decoder_layers", int, "decoder layers"),
+    "d_ff": ("d_ff", int, "inner width of the feed-forward layers"),
+    "dropout": ("dropout", float, "residual and embedding dropout, in [0, 1)"),
+    "activation": ("activation", str, "feed-forward activation: relu, gelu or gelu_tanh"),
+    "norm_first": ("norm_first", bool, "pre-LN instead of the paper's post-LN"),
+    "max_len": ("max_len", int, "longest sequence in tokens (longer training pairs are dropped, with a count)"),
+    "share_embeddings": ("share_embeddings", bool, "one embedding table for source and target"),
 }
+DATA_OPTIONS = ("data", "data_dir", "src_lang", "tgt_lang", "train_src", "train_tgt", "val_src", "val_tgt",
+                "vocab_size")
+
+
+def _train_fields():
+    """The :class:`~qkv.training.TrainConfig` fields that are command-line options, with their flags."""
+    from qkv.training import TrainConfig
+
+    for f in fields(TrainConfig):
+        if f.metadata.get("cli"):
+            yield f, f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--data", choices=["multi30k", "dates"], help="a known data set")
     data.add_argument("--data-dir", help="folder with the Multi30k files (default: $QKV_DATA/multi30k, the cache, "
                                          "or a download)")
-    data.add_argument("--src-lang", default="en", help="Multi30k source language (en, de, fr; default en)")
-    data.add_argument("--tgt-lang", default="de", help="Multi30k target language (default de)")
+    data.add_argument("--src-lang", choices=["en", "de", "fr"], help="Multi30k source language (default en)")
+    data.add_argument("--tgt-lang", choices=["en", "de", "fr"], help="Multi30k target language (default de)")
     data.add_argument("--train-src", help="training source file, one sentence a line (.gz allowed)")
     data.add_argument("--train-tgt", help="training target file, line-aligned with --train-src")
     data.add_argument("--val-src", help="validation source file (optional)")
@@ -51,49 +61,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--run-dir", required=True, help="the run folder (created; it must not exist unless "
                                                       "--resume or --overwrite)")
     run.add_argument("--resume", action="store_true", help="continue the run in --run-dir where it stopped")
-    run.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
-    model = parser.add_argument_group("model (defaults: the data set's recipe)")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace --run-dir if it is a qkv run folder (or empty), once every check has passed")
+    model = parser.add_argument_group("model (defaults: the data set's recipe; fixed once a run exists)")
     model.add_argument("--vocab-size", type=int, help="joint BPE vocabulary (recipe: 8000; dates 600)")
-    model.add_argument("--d-model", type=int)
-    model.add_argument("--heads", type=int)
-    model.add_argument("--encoder-layers", type=int)
-    model.add_argument("--decoder-layers", type=int)
-    model.add_argument("--d-ff", type=int)
-    model.add_argument("--dropout", type=float)
-    model.add_argument("--activation", choices=["relu", "gelu", "gelu_tanh"])
-    model.add_argument("--norm-first", action=argparse.BooleanOptionalAction, help="pre-LN instead of post-LN")
-    model.add_argument("--max-len", type=int, help="longest sequence in tokens")
-    model.add_argument("--share-embeddings", action=argparse.BooleanOptionalAction)
+    for option, (_, kind, help_text) in MODEL_OPTIONS.items():
+        flag = "--" + option.replace("_", "-")
+        if kind is bool:
+            model.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            model.add_argument(flag, type=kind, help=help_text)
     train = parser.add_argument_group("training (defaults: the recipe; with --resume: the run's own)")
-    train.add_argument("--minutes", type=float, help="stop after this much training time, over all sessions")
-    train.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
-    train.add_argument("--epochs", type=float, help="stop after this many passes over the data")
-    train.add_argument("--max-tokens", type=int, help="padded tokens per batch")
-    train.add_argument("--accum-steps", type=int, help="batches per optimizer step (gradient accumulation)")
-    train.add_argument("--warmup", type=int, help="warmup steps of the inverse-sqrt schedule")
-    train.add_argument("--lr-factor", type=float, help="multiplies the paper's learning-rate schedule")
-    train.add_argument("--label-smoothing", type=float)
-    train.add_argument("--clip-norm", type=float, help="gradient clipping on the global norm (0 = off)")
-    train.add_argument("--bf16", action=argparse.BooleanOptionalAction,
-                       help="bfloat16 autocast (default: the recipe's; Multi30k uses it where bf16 matrix "
-                            "products are fast, i.e. CUDA or CPUs with AVX512-BF16/AMX)")
-    train.add_argument("--compile", action=argparse.BooleanOptionalAction,
-                       help="torch.compile the encoder and decoder (default: off; on a 2-core CPU it made "
-                            "the step slower, see the README's performance section)")
-    train.add_argument("--eval-every-minutes", type=float)
-    train.add_argument("--eval-every-steps", type=int)
-    train.add_argument("--eval-sentences", type=int, help="validation sentences decoded for BLEU")
-    train.add_argument("--checkpoint-every-minutes", type=float)
-    train.add_argument("--checkpoint-every-steps", type=int)
-    train.add_argument("--average-last", type=int, help="average this many last checkpoints at the end")
-    train.add_argument("--seed", type=int)
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    for f, flag in _train_fields():
+        if f.type == "bool":
+            train.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
+        else:
+            train.add_argument(flag, dest=f.name, type=int if f.type == "int" else float, help=f.metadata["help"])
+    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _chosen(args: argparse.Namespace, names: dict) -> dict:
-    return {field: getattr(args, opt) for opt, field in names.items() if getattr(args, opt) is not None}
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
 def data_spec(args: argparse.Namespace) -> dict:
@@ -101,9 +91,20 @@ def data_spec(args: argparse.Namespace) -> dict:
     files = [args.train_src, args.train_tgt, args.val_src, args.val_tgt]
     if args.data and any(files):
         raise ValueError("give either --data or --train-src/--train-tgt files, not both")
+    if args.data != "multi30k":
+        for name in ("data_dir", "src_lang", "tgt_lang"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"{_flag(name)} is for --data multi30k only")
     if args.data == "multi30k":
-        folder = str(Path(args.data_dir).resolve()) if args.data_dir else None
-        return {"source": "multi30k", "folder": folder, "src_lang": args.src_lang, "tgt_lang": args.tgt_lang}
+        folder = None
+        if args.data_dir:
+            folder = Path(args.data_dir).resolve()
+            if not folder.is_dir():
+                raise FileNotFoundError(f"{args.data_dir}: --data-dir is not a folder")
+        src, tgt = args.src_lang or "en", args.tgt_lang or "de"
+        if src == tgt:
+            raise ValueError(f"--src-lang and --tgt-lang are both {src!r}")
+        return {"source": "multi30k", "folder": str(folder) if folder else None, "src_lang": src, "tgt_lang": tgt}
     if args.data == "dates":
         return {"source": "dates", "train_size": 20000, "valid_size": 500, "seed": args.seed or 0}
     if not (args.train_src and args.train_tgt):
@@ -113,21 +114,30 @@ def data_spec(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qkv.training import resume_run, run_training, start_run
+    from qkv.device import pick_device
+    from qkv.runs import TrainingCrashed, resume_run, run_training, start_run
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    train_options = _chosen(args, TRAIN_OPTIONS)
+    set_threads(args.threads)
+    device = pick_device(args.device)
+    train_options = {f.name: getattr(args, f.name) for f, _ in _train_fields() if getattr(args, f.name) is not None}
     if args.no_progress or not sys.stderr.isatty():
         train_options["progress"] = False
+    model_options = {field: getattr(args, opt) for opt, (field, _, _) in MODEL_OPTIONS.items()
+                     if getattr(args, opt) is not None}
     if args.resume:
+        fixed = [_flag(opt) for opt in MODEL_OPTIONS if getattr(args, opt) is not None]
+        fixed += [_flag(opt) for opt in DATA_OPTIONS if getattr(args, opt) is not None]
+        if args.overwrite:
+            raise ValueError("--resume continues a run and --overwrite replaces it: give one of them")
+        if fixed:
+            raise ValueError(f"{', '.join(fixed)}: a resumed run keeps the model and data it started with; "
+                             "drop these options, or start a new --run-dir")
         if not Path(args.run_dir).is_dir():
             raise FileNotFoundError(f"{args.run_dir}: no run folder to resume")
         trainer = resume_run(args.run_dir, train_options=train_options, device=device)
     else:
         torch.manual_seed(args.seed or 0)
-        trainer = start_run(args.run_dir, data=data_spec(args), model_options=_chosen(args, MODEL_OPTIONS),
+        trainer = start_run(args.run_dir, data=data_spec(args), model_options=model_options,
                             train_options=train_options, vocab_size=args.vocab_size, overwrite=args.overwrite,
                             device=device)
     try:
@@ -136,6 +146,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"interrupted: checkpoint saved at step {trainer.state.step}; continue with "
               f"qkv train --run-dir {args.run_dir} --resume", file=sys.stderr)
         return 130
+    except TrainingCrashed as err:
+        print(f"qkv train: error: {err}; the last whole step ({err.step}) is saved: after fixing the cause, "
+              f"continue with qkv train --run-dir {args.run_dir} --resume", file=sys.stderr)
+        return 1
     s = trainer.state
     print(f"trained {s.step} steps ({s.seconds / 60:.1f} min, {s.tokens / max(s.seconds, 1e-9):.0f} target tokens/s);"
           f" wrote {path}", file=sys.stderr)

@@ -72,6 +72,16 @@ def read_lines(path: str | Path) -> list[str]:
     return text
 
 
+def decode_lines(data: bytes, name: str = "<stdin>") -> list[str]:
+    """Split UTF-8 ``data`` (e.g. all of stdin) into lines; ``ValueError`` naming the line of the first
+    byte that is not UTF-8."""
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(f"{name}, line {line}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
+
+
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
     """Read two line-aligned files. Raises ``ValueError`` naming both files when the line counts
     differ, and naming the file and line for empty lines or bad UTF-8."""

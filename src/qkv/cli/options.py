@@ -1,0 +1,39 @@
+"""Option helpers shared by the subcommands: checked number types for argparse and the thread
+count (set only here, in the CLI layer)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+
+def _number(kind, minimum, what):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+positive_int = _number(int, 1, "an integer >= 1")
+non_negative_int = _number(int, 0, "an integer >= 0")
+non_negative_float = _number(float, 0.0, "a number >= 0")
+
+
+def set_threads(threads: int | None) -> None:
+    """Use ``threads`` CPU threads (None: torch's default, all cores). Raises ``ValueError`` below 1."""
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"--threads must be an integer >= 1, got {threads!r}")
+    torch.set_num_threads(threads)

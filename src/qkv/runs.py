@@ -1,0 +1,204 @@
+"""Run folders for training: recipes, starting a run (after every check passed) and resuming one.
+
+The order in :func:`start_run` is the promise to the user: every option and every input is
+checked, the data is read and tokenised and the model is built before the first file is written;
+then the run folder appears whole (config, tokenizer and the step-0 checkpoint) or not at all, and
+``--overwrite`` replaces an existing run folder only at that moment, and only a qkv run folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+
+import torch
+
+from qkv import checkpoint as ckpt
+from qkv.data.parallel import ParallelText
+from qkv.data.sources import check_spec, describe, load_train_valid
+from qkv.data.tokenizer import Tokenizer
+from qkv.device import pick_device
+from qkv.models import Transformer, TransformerConfig
+from qkv.precision import bf16_is_fast
+from qkv.training import TrainConfig, Trainer, TrainingCrashed
+from qkv.viz.curves import plot_metrics
+
+logger = logging.getLogger(__name__)
+
+# Recipes: defaults for a model and its training, per data source. The Multi30k recipe is sized for
+# an hour on a 2-core CPU (see benchmarks/train_multi30k.py); the date recipe for the demo's
+# three minutes. Anything given explicitly overrides them.
+RECIPES: dict[str, dict] = {
+    "multi30k": {
+        "vocab_size": 8000,
+        "split_digits": False,
+        "model": dict(d_model=256, num_heads=4, num_encoder_layers=3, num_decoder_layers=3, d_ff=1024, dropout=0.1,
+                      max_len=256, share_embeddings=True, tie_output=True),
+        # ~3.7k target tokens a step (124 steps an epoch): more updates than 6k-token batches in an hour
+        # of CPU; warmup 400 with factor 0.7 reaches the same peak (2.2e-3) as warmup 800 with factor 1.
+        # bf16 autocast only where it is fast (qkv.precision.bf16_is_fast); start_run turns it off elsewhere.
+        "train": dict(max_tokens=4000, warmup_steps=400, lr_factor=0.7, bf16=True, max_minutes=60.0,
+                      eval_every_minutes=6.0, checkpoint_every_minutes=3.0, average_last=5),
+    },
+    # Dates: 600 BPE tokens (enough that capitalised month and day names become whole tokens), digits
+    # split; a 0.2M-parameter pre-LN model (pre-LN trains faster at this size than the paper's
+    # post-LN); fresh dates never repeat enough to need dropout. About 1,000 steps reach 99.5%.
+    "dates": {
+        "vocab_size": 600,
+        "split_digits": True,
+        "model": dict(d_model=64, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, d_ff=256, dropout=0.0,
+                      max_len=64, norm_first=True, share_embeddings=True, tie_output=True),
+        "train": dict(max_tokens=1500, warmup_steps=100, lr_factor=0.5, max_minutes=2.5, eval_every_steps=100,
+                      eval_sentences=500, stop_at_exact_match=0.995, average_last=1),
+    },
+}
+RECIPES["files"] = RECIPES["multi30k"]
+
+
+def data_fingerprint(data: ParallelText) -> dict:
+    """Number of pairs and a SHA-256 of their text: how a resumed run knows its data is unchanged."""
+    digest = hashlib.sha256()
+    for src, tgt in zip(data.src, data.tgt):
+        digest.update(src.encode("utf-8", "surrogatepass") + b"\t" + tgt.encode("utf-8", "surrogatepass") + b"\n")
+    return {"pairs": len(data), "sha256": digest.hexdigest()}
+
+
+def _input_files(spec: dict) -> list[str]:
+    return [spec[k] for k in ("train_src", "train_tgt", "val_src", "val_tgt") if spec.get(k)]
+
+
+def _model_config(recipe: dict, model_options: dict | None, vocab_size: int, pad_id: int) -> TransformerConfig:
+    known = {f.name for f in fields(TransformerConfig)}
+    unknown = sorted(set(model_options or {}) - known)
+    if unknown:
+        raise ValueError(f"unknown model options: {unknown}")
+    return TransformerConfig(**{**recipe["model"], **(model_options or {}), "src_vocab_size": vocab_size,
+                                "tgt_vocab_size": vocab_size, "pad_id": pad_id})
+
+
+def start_run(
+    run_dir: str | Path,
+    *,
+    data: dict,
+    model_options: dict | None = None,
+    train_options: dict | None = None,
+    vocab_size: int | None = None,
+    overwrite: bool = False,
+    device: str | torch.device | None = None,
+) -> Trainer:
+    """Check everything, read the data, learn the tokenizer, build the model, and only then create
+    the run folder (with its step-0 checkpoint, so it can be resumed from the first moment).
+    Returns a ready :class:`Trainer`.
+
+    Args:
+        run_dir: the run folder to create.
+        data: a data spec (:mod:`qkv.data.sources`), e.g. ``{"source": "multi30k", "src_lang": "en",
+            "tgt_lang": "de"}``.
+        model_options: :class:`TransformerConfig` fields over the source's recipe (vocabulary
+            sizes and ``pad_id`` come from the tokenizer).
+        train_options: :class:`TrainConfig` fields over the recipe.
+        vocab_size: BPE vocabulary size (default: the recipe's).
+        overwrite: replace ``run_dir`` if it is a qkv run folder (or empty); anything else is refused.
+        device: where the model trains (default: CUDA when present, else CPU).
+
+    Raises:
+        ValueError / FileNotFoundError: a bad option or input, before anything is written.
+    """
+    run_dir = Path(run_dir)
+    check_spec(data)
+    recipe = RECIPES[data["source"]]
+    device = pick_device(device)
+    if run_dir.exists():
+        if not overwrite:
+            raise ValueError(f"{run_dir}: run folder exists; pass --resume to continue it or --overwrite to replace it")
+        ckpt.check_replaceable(run_dir, inputs=_input_files(data))
+    vocab_size = recipe["vocab_size"] if vocab_size is None else vocab_size
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 260:
+        raise ValueError(f"vocab_size (--vocab-size) must be an integer >= 260 (256 bytes + 4 specials), "
+                         f"got {vocab_size!r}")
+    _model_config(recipe, model_options, vocab_size, 0)  # the model options' own checks, before reading data
+    train_config = TrainConfig.from_dict({**recipe["train"], **(train_options or {})})
+    train_config.check_stops()
+
+    train_data, valid_data = load_train_valid(data)
+    logger.info("data: %s, %d training pairs, %s validation pairs", describe(data), len(train_data),
+                len(valid_data) if valid_data is not None else "no")
+    tokenizer = Tokenizer.train(train_data.src + train_data.tgt, vocab_size=vocab_size,
+                                split_digits=recipe["split_digits"])
+    model_config = _model_config(recipe, model_options, tokenizer.vocab_size, tokenizer.pad_id)
+    if train_config.bf16 and not bf16_is_fast(device):
+        if "bf16" in (train_options or {}):
+            logger.warning("bf16 autocast asked for, but bfloat16 matrix products are slower than float32 "
+                           "on this %s (no bf16 matrix instructions): expect slow steps", device.type)
+        else:  # the recipe's choice, made for hardware with bf16 units
+            logger.info("bf16 autocast off: this %s has no fast bfloat16 matrix products", device.type)
+            train_config = replace(train_config, bf16=False)
+    model = Transformer(model_config).to(device)
+    trainer = Trainer(model, tokenizer, train_data, valid_data, train_config, run_dir)  # drops over-long pairs
+    config = {"model": asdict(model_config), "train": asdict(train_config), "data": data,
+              "data_fingerprint": data_fingerprint(train_data)}
+    ckpt.create_run(run_dir, config, tokenizer, overwrite=overwrite, write_initial=trainer.save,
+                    inputs=_input_files(data))
+    logger.info("model: %.1fM parameters; run folder %s", sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
+    return trainer
+
+
+def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
+               device: str | torch.device | None = None) -> Trainer:
+    """Reopen a run folder where it stopped (weights, optimizer, data position, RNG).
+
+    Args:
+        run_dir: a folder made by :func:`start_run`.
+        train_options: :class:`TrainConfig` fields to change, e.g. a longer ``max_minutes``
+            (saved back into config.json once everything has been checked).
+        device: where the model trains.
+
+    Raises:
+        ValueError / FileNotFoundError: not a run, a damaged checkpoint, bad options, or training
+            data that changed since the run started.
+    """
+    run_dir = Path(run_dir)
+    config = ckpt.read_run_config(run_dir)
+    if not (run_dir / ckpt.CHECKPOINT_FILE).is_file():
+        raise FileNotFoundError(f"{run_dir / ckpt.CHECKPOINT_FILE}: no training state to resume from")
+    device = pick_device(device)
+    try:
+        train_config = TrainConfig.from_dict({**config.get("train", {}), **(train_options or {})})
+        model_config = TransformerConfig.from_dict(config["model"])
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{run_dir / 'config.json'}: {err}") from None
+    train_config.check_stops()
+    train_data, valid_data = load_train_valid(config["data"])
+    saved_print, now = config.get("data_fingerprint"), data_fingerprint(train_data)
+    if saved_print and saved_print != now:
+        raise ValueError(f"the training data changed since this run started ({saved_print['pairs']} pairs, now "
+                         f"{now['pairs']}{'' if saved_print['pairs'] != now['pairs'] else ', different text'}): "
+                         "resuming would not continue the same run; restore the data or start a new --run-dir")
+    tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
+    model = Transformer(model_config).to(device)
+    trainer = Trainer(model, tokenizer, train_data, valid_data, train_config, run_dir)
+    trainer.resume()
+    if train_options and asdict(train_config) != config.get("train"):
+        ckpt.write_config(run_dir, {**config, "train": asdict(train_config)})
+    return trainer
+
+
+def run_training(trainer: Trainer) -> Path:
+    """Train until a stop condition, then write ``model.safetensors`` (averaged checkpoints) and
+    ``curves.png``. On Ctrl-C the trainer saves a resumable checkpoint and ``KeyboardInterrupt``
+    propagates; a failed step saves the last whole step and raises :class:`TrainingCrashed`.
+    Returns the path of ``model.safetensors``."""
+    try:
+        trainer.train()
+    finally:
+        if trainer.metrics_path.is_file():
+            try:
+                plot_metrics(trainer.metrics_path, trainer.run_dir / "curves.png")
+            except Exception as err:  # noqa: BLE001 - a plot must never hide the training's own outcome
+                logger.warning("could not draw curves.png (%s)", err)
+    return trainer.finish()
+
+
+__all__ = ["RECIPES", "TrainingCrashed", "data_fingerprint", "resume_run", "run_training", "start_run"]
