@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from qkv.device import pick_device
     from qkv.evaluation import exact_match, translate_texts
     from qkv.fileio import write_json
-    from qkv.training import run_training, start_run
+    from qkv.runs import run_training, start_run
     from qkv.viz import Seq2SeqExplorer, explorer_data, save_heatmaps, write_html
 
     start = time.perf_counter()
