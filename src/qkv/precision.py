@@ -36,7 +36,8 @@ def _seconds(fn, repeats: int) -> float:
 def cpu_bf16_probe(size: int = 256) -> tuple[float, float]:
     """Seconds for one ``size`` x ``size`` matrix product on the CPU in (float32, bfloat16), best of
     a few; the bfloat16 one is timed once when it is clearly emulated (over 4x slower)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    generator = torch.Generator().manual_seed(0)  # its own: probing must not move the caller's RNG
+    a, b = torch.randn(size, size, generator=generator), torch.randn(size, size, generator=generator)
     a16, b16 = a.bfloat16(), b.bfloat16()
     a @ b, a16 @ b16  # warm-up: kernels chosen, buffers allocated
     fp32 = _seconds(lambda: a @ b, 3)
