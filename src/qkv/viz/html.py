@@ -19,8 +19,6 @@ from qkv.viz.export import check_data
 _CSP_STATIC = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
 _CSP_LIVE = _CSP_STATIC + "; connect-src 'self'"
 
-atomic_write_text = write_text  # the old name, kept until qkv.cli.embed imports qkv.fileio itself
-
 
 def static_text(name: str) -> str:
     """The text of a file shipped under ``qkv/viz/static/``."""
