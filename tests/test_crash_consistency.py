@@ -1,0 +1,35 @@
+"""SIGKILL at random moments of a run that checkpoints every step (see tests/crash_trials.py):
+after every kill ``qkv translate`` loads the run and ``--resume`` finishes it with the weights of an
+uninterrupted run, bit for bit. 10 kills here; 100 with ``-m slow``."""
+
+import pytest
+
+import crash_trials
+
+
+def trials(tmp_path, chains, kills_per_chain):
+    src, tgt = crash_trials.write_data(tmp_path / "data")
+    expected = crash_trials.uninterrupted(tmp_path, src, tgt)
+    kills = []
+    for chain in range(chains):
+        root = tmp_path / f"chain{chain}"
+        root.mkdir()
+        report = crash_trials.run_chain(root, src, tgt, expected, kills_per_chain, seed=chain)
+        assert report.chain_final_equal, f"chain {chain}: the run killed {kills_per_chain} times ended elsewhere"
+        kills += report.kills
+    failures = [k for k in kills if not (k.translate_ok and k.resumed_equal)]
+    assert not failures, failures
+    return kills
+
+
+def test_ten_kills_lose_nothing(tmp_path):
+    kills = trials(tmp_path, chains=1, kills_per_chain=10)
+    assert len(kills) == 10
+
+
+@pytest.mark.slow
+def test_a_hundred_kills_lose_nothing(tmp_path):
+    kills = trials(tmp_path, chains=10, kills_per_chain=10)
+    assert len(kills) == 100
+    moments = {k.moment for k in kills}
+    assert "between-saves" in moments or "mid-write" in moments  # the kills did land inside training
