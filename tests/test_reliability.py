@@ -307,3 +307,11 @@ def test_a_failing_step_saves_the_last_whole_step_and_says_how_to_resume(tmp_pat
     monkeypatch.setattr(Transformer, "loss", original)
     assert main(["train", "--run-dir", str(run), "--resume", "--no-progress"]) == 0
     assert torch.load(run / "state.pt", weights_only=False)["train_state"]["step"] == 6
+
+
+def test_an_absurd_length_penalty_is_refused_not_an_overflow(capsys, trained):
+    """Found by tests/test_cli_fuzz.py: --alpha 1e9 overflowed inside beam search (exit 1)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["translate", str(trained[0]), "--alpha", "1e9"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--alpha" in err and len(err.strip().splitlines()) == 1

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from qkv.cli.options import non_negative_int, positive_int, set_threads
+from qkv.cli.options import length_penalty, non_negative_int, positive_int, set_threads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--src", help="score this source file instead of a split (needs --ref)")
     parser.add_argument("--ref", help="reference translations of --src, line-aligned")
     parser.add_argument("--beam", type=positive_int, default=5, help="beam size (1 = greedy; default 5)")
-    parser.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (default 0.6)")
+    parser.add_argument("--alpha", type=length_penalty, default=0.6,
+                        help="length penalty exponent, 0 to 10 (default 0.6)")
     parser.add_argument("--weights", choices=["model", "best", "last"], default="model")
     parser.add_argument("--limit", type=non_negative_int, default=0, help="score only the first N sentences (0 = all)")
     parser.add_argument("--hyp-out", help="also write the translations to this file")

@@ -9,7 +9,7 @@ import math
 import torch
 
 
-def _number(kind, minimum, what):
+def _number(kind, minimum, what, maximum=None):
     def parse(text: str):
         try:
             value = kind(text)
@@ -17,7 +17,7 @@ def _number(kind, minimum, what):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if isinstance(value, float) and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        if value < minimum:
+        if value < minimum or (maximum is not None and value > maximum):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
 
@@ -28,6 +28,7 @@ def _number(kind, minimum, what):
 positive_int = _number(int, 1, "an integer >= 1")
 non_negative_int = _number(int, 0, "an integer >= 0")
 non_negative_float = _number(float, 0.0, "a number >= 0")
+length_penalty = _number(float, 0.0, "a number from 0 to 10", maximum=10.0)
 
 
 def set_threads(threads: int | None) -> None:

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from qkv.cli.options import positive_int, set_threads
+from qkv.cli.options import length_penalty, positive_int, set_threads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", nargs="?", help="file with one sentence a line (.gz allowed; default: stdin)")
     parser.add_argument("-o", "--output", help="write the translations here (default: stdout)")
     parser.add_argument("--beam", type=positive_int, default=5, help="beam size (1 = greedy; default 5)")
-    parser.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (default 0.6)")
+    parser.add_argument("--alpha", type=length_penalty, default=0.6,
+                        help="length penalty exponent, 0 to 10 (default 0.6)")
     parser.add_argument("--weights", choices=["model", "best", "last"], default="model",
                         help="model = averaged final weights (default), best = best validation BLEU, last")
     parser.add_argument("--bf16", action="store_true", help="decode under bfloat16 autocast")
