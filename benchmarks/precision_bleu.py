@@ -38,7 +38,7 @@ from qkv.evaluation import score_translations, translate_texts
 from qkv.fileio import write_json
 from qkv.models import Transformer, TransformerConfig
 from qkv.precision import slow_bf16_reason
-from qkv.training import TrainConfig, Trainer
+from qkv.training import TrainConfig, Trainer, TranslationTask
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -98,7 +98,8 @@ def main() -> int:
         model = Transformer(model_config)
         model.load_state_dict(copy.deepcopy(initial))
         torch.manual_seed(2 if name == "seed" else 1)  # dropout masks' seed: the same except for "seed"
-        trainer = Trainer(model, tokenizer, train, None, train_config, run_dir)
+        task = TranslationTask(tokenizer, train, None, max_len=model_config.max_len, pad_id=model_config.pad_id)
+        trainer = Trainer(model, task, train_config, run_dir)
         start = time.perf_counter()
         state = trainer.train()
         seconds = time.perf_counter() - start

@@ -13,7 +13,7 @@ from qkv.data.tokenizer import Tokenizer
 from qkv.decoding import beam_search, greedy_decode, length_penalty
 from qkv.evaluation import exact_match, score_translations, translate_texts
 from qkv.models import Transformer, TransformerConfig
-from qkv.training import TrainConfig, Trainer
+from qkv.training import TrainConfig, Trainer, TranslationTask
 
 BOS, EOS = 1, 2
 
@@ -29,8 +29,9 @@ def trained(tmp_path_factory):
                                max_len=64, norm_first=True, share_embeddings=True)
     run_dir = tmp_path_factory.mktemp("decode") / "run"
     run_dir.mkdir()
-    trainer = Trainer(Transformer(config), tokenizer, pairs, None,
-                      TrainConfig(max_tokens=1500, warmup_steps=20, max_steps=60, progress=False), run_dir)
+    task = TranslationTask(tokenizer, pairs, None, max_len=config.max_len, pad_id=config.pad_id)
+    trainer = Trainer(Transformer(config), task, TrainConfig(max_tokens=1500, warmup_steps=20, max_steps=60,
+                                                             progress=False), run_dir)
     trainer.train()
     model = trainer.model.eval()
     sources = generate_dates(12, seed=12, split="test").src

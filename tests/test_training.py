@@ -18,7 +18,7 @@ from qkv.evaluation import translate_texts
 from qkv.loss import label_smoothed_cross_entropy
 from qkv.models import Transformer, TransformerConfig
 from qkv.runs import resume_run, start_run
-from qkv.training import TrainConfig, Trainer, inverse_sqrt_lr
+from qkv.training import TrainConfig, Trainer, TranslationTask, inverse_sqrt_lr
 
 TINY = dict(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64, max_len=64,
             norm_first=True, share_embeddings=True)
@@ -32,7 +32,11 @@ def tiny_run(tmp_path, pairs: ParallelText, train: TrainConfig, name="run", drop
     ckpt.create_run(run_dir, {"model": asdict(config), "train": asdict(train), "data": {"source": "dates"}},
                     tokenizer)
     torch.manual_seed(0)
-    return Trainer(Transformer(config), tokenizer, pairs, None, train, run_dir)
+    return Trainer(Transformer(config), translation(tokenizer, pairs, config), train, run_dir)
+
+
+def translation(tokenizer, pairs, config, valid=None):
+    return TranslationTask(tokenizer, pairs, valid, max_len=config.max_len, pad_id=config.pad_id)
 
 
 # --------------------------------------------------------------------------- schedule and loss
@@ -90,7 +94,7 @@ def test_tiny_model_overfits_64_pairs(tmp_path):
     trainer = tiny_run(tmp_path, pairs, train, dropout=0.0, d_model=64, d_ff=128)
     trainer.train()
     assert trainer.state.epoch >= 300  # one batch an epoch
-    outputs = translate_texts(trainer.model, trainer.tokenizer, pairs.src)
+    outputs = translate_texts(trainer.model, trainer.task.tokenizer, pairs.src)
     assert outputs == pairs.tgt
     losses = [json.loads(x)["loss"] for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert losses[-1] < 0.05 < losses[0]
@@ -115,7 +119,7 @@ def assert_same_weights(a, b):
 def uninterrupted(tmp_path_factory):
     pairs = generate_dates(200, seed=1)
     trainer = tiny_run(tmp_path_factory.mktemp("full"), pairs, TrainConfig(**RESUME))
-    assert len(trainer._batches(0)) > 3  # several batches an epoch, so the epoch position matters
+    assert len(trainer.task.batches(0, RESUME['max_tokens'], 0)) > 3  # several batches an epoch, so the epoch position matters
     trainer.train()
     return pairs, params(trainer.model), trainer.state
 
@@ -125,7 +129,8 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path, uninterrupted):
     first = tiny_run(tmp_path, pairs, TrainConfig(**{**RESUME, "max_steps": 5}))
     first.train()
     torch.manual_seed(123)  # a fresh process would not share the RNG: resume must restore it
-    second = Trainer(Transformer(first.model.config), first.tokenizer, pairs, None, TrainConfig(**RESUME),
+    second = Trainer(Transformer(first.model.config), translation(first.task.tokenizer, pairs, first.model.config),
+                     TrainConfig(**RESUME),
                      first.run_dir)
     second.resume()
     assert second.state.step == 5
@@ -152,7 +157,8 @@ def test_ctrl_c_mid_step_saves_and_resumes_exactly(tmp_path, uninterrupted, monk
         first.train()
     saved = json.loads(json.dumps(torch.load(first.run_dir / "state.pt", weights_only=False)["train_state"]))
     assert saved["step"] == 6  # the half-done step is dropped
-    second = Trainer(Transformer(first.model.config), first.tokenizer, pairs, None, TrainConfig(**RESUME),
+    second = Trainer(Transformer(first.model.config), translation(first.task.tokenizer, pairs, first.model.config),
+                     TrainConfig(**RESUME),
                      first.run_dir)
     second.resume()
     second.train()
@@ -166,7 +172,7 @@ def test_checkpoint_averaging_and_best(tmp_path):
     train = TrainConfig(max_tokens=400, warmup_steps=5, max_steps=8, checkpoint_every_steps=2, average_last=3,
                         eval_every_steps=4, eval_sentences=20, progress=False)
     trainer = tiny_run(tmp_path, pairs, train)
-    trainer.valid = valid
+    trainer.task.valid = valid
     trainer.train()
     model_path = trainer.finish()
     kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir())
@@ -195,10 +201,10 @@ def test_stop_at_exact_match(tmp_path):
                         eval_sentences=8, stop_at_exact_match=0.99, progress=False, average_last=1)
     trainer = tiny_run(tmp_path, pairs, train, dropout=0.0)
     # references = the model's own translations, and a learning rate too small to change them
-    trainer.valid = ParallelText(pairs.src[:8], translate_texts(trainer.model, trainer.tokenizer, pairs.src[:8]))
+    trainer.task.valid = ParallelText(pairs.src[:8], translate_texts(trainer.model, trainer.task.tokenizer, pairs.src[:8]))
     trainer.train()
     assert trainer.state.stopped_early and trainer.state.step == 1
-    trainer.valid = ParallelText(pairs.src[:8], ["never produced"] * 8)
+    trainer.task.valid = ParallelText(pairs.src[:8], ["never produced"] * 8)
     trainer.state.stopped_early = False
     trainer.train()
     assert trainer.state.step == 5 and not trainer.state.stopped_early
@@ -211,7 +217,7 @@ def test_bf16_autocast_training(tmp_path):
     train = TrainConfig(max_tokens=2000, warmup_steps=10, max_steps=20, bf16=True, progress=False,
                         average_last=1, log_every_steps=1)
     trainer = tiny_run(tmp_path, pairs, train, dropout=0.0)
-    batch_src = torch.tensor([trainer.src_ids[0] + [2]])
+    batch_src = torch.tensor([trainer.task.src_ids[0] + [2]])
     with autocast_context("cpu", True):
         assert trainer.model(batch_src, torch.tensor([[1]])).dtype == torch.bfloat16
     trainer.train()

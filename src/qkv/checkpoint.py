@@ -79,10 +79,7 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: weights file not found")
     _check_weights_file(model, path)
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise ValueError(f"{path}: not a readable safetensors file ({str(err).splitlines()[0][:200]})") from None
+    tensors = read_weights(path)
     state = model.state_dict()
     # tied weights are stored once: a missing name is fine when the tensor it shares storage with is present
     by_storage = {}
@@ -109,49 +106,54 @@ def average_weight_files(paths: list[Path], out_path: str | Path) -> None:
         save_file(averaged, str(tmp), metadata={"format": "pt"})
 
 
-def save_checkpoint(run_dir: str | Path, model: torch.nn.Module, state: dict) -> None:
-    """Write the resumable checkpoint: ``state.pt`` (weights + ``state``: optimizer, position, RNG)
-    as one atomic file, then ``last.safetensors`` from the same weights for translating."""
+def save_checkpoint(run_dir: str | Path, model: torch.nn.Module, state: dict, *, weights: dict | None = None) -> None:
+    """Write the resumable checkpoint: ``state.pt`` (the weights, default ``model.state_dict()``,
+    plus ``state``: optimizer, position, RNG) as one atomic file, then ``last.safetensors`` from
+    ``model`` for translating."""
     run_dir = Path(run_dir)
     step = int(state["train_state"]["step"])
+    weights = model.state_dict() if weights is None else weights
     with atomic_path(run_dir / CHECKPOINT_FILE) as tmp:
-        torch.save({**state, "format": RUN_FORMAT, "step": step, "model": model.state_dict()}, tmp)
+        torch.save({**state, "format": RUN_FORMAT, "step": step, "model": weights}, tmp)
     save_weights(model, run_dir / "last.safetensors", step=step)
 
 
-def load_checkpoint(run_dir: str | Path, model: torch.nn.Module) -> dict:
-    """Read ``state.pt``, load its weights into ``model`` and return the rest (optimizer, position,
-    RNG). Stale temporary files of a killed writer are removed first.
+def load_checkpoint(run_dir: str | Path, *, clean: bool = True) -> dict:
+    """Read ``state.pt``: ``{"model": weights (absent in runs written before format 2), "optimizer",
+    "train_state", "rng", ...}``. With ``clean``, stale temporary files of a killed writer are
+    removed first (only the one process that writes may do that).
 
-    Runs written before format 2 kept the weights only in ``last.safetensors``; those are loaded
-    from there, and refused if its step differs from the state's.
+    Runs written before format 2 kept the weights only in ``last.safetensors``; for those its step
+    must equal the state's, else the run is refused.
     """
     run_dir = Path(run_dir)
     path = run_dir / CHECKPOINT_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no training state to resume from")
-    for stale in remove_stale_temporaries(run_dir):
-        logger.info("removed %s, left by an interrupted write", stale)
+    if clean:
+        for stale in remove_stale_temporaries(run_dir):
+            logger.info("removed %s, left by an interrupted write", stale)
     try:  # our own file (optimizer and RNG states are pickled): full unpickling is allowed
         saved = torch.load(path, weights_only=False, map_location="cpu")
     except Exception as err:  # noqa: BLE001 - torch raises many types for a damaged file
         raise ValueError(f"{path}: damaged training state ({type(err).__name__}); the run cannot be resumed") from None
     if not isinstance(saved, dict) or "train_state" not in saved or "optimizer" not in saved:
         raise ValueError(f"{path}: not a qkv training state")
-    if "model" in saved:
-        try:
-            model.load_state_dict(saved["model"], strict=True)
-        except RuntimeError as err:
-            raise ValueError(f"{path}: the saved weights do not fit the run's config.json "
-                             f"({str(err).splitlines()[-1].strip()[:200]})") from None
-    else:
+    if "model" not in saved:
         weights = run_dir / "last.safetensors"
         with safe_open(str(weights), framework="pt") as handle:
             step = (handle.metadata() or {}).get("step")
         if step is not None and int(step) != saved["train_state"]["step"]:
             raise ValueError(f"{weights} holds step {step} but {path} step {saved['train_state']['step']}")
-        load_weights(model, weights)
     return saved
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file (``ValueError`` in one line if it is damaged)."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{path}: not a readable safetensors file ({str(err).splitlines()[0][:200]})") from None
 
 
 def is_run_folder(path: str | Path) -> bool:

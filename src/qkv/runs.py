@@ -22,7 +22,7 @@ from qkv.data.tokenizer import Tokenizer
 from qkv.device import pick_device
 from qkv.models import Transformer, TransformerConfig
 from qkv.precision import bf16_is_fast
-from qkv.training import TrainConfig, Trainer, TrainingCrashed
+from qkv.training import Distributed, TrainConfig, Trainer, TrainingCrashed, TranslationTask
 from qkv.viz.curves import plot_metrics
 
 logger = logging.getLogger(__name__)
@@ -87,10 +87,15 @@ def start_run(
     vocab_size: int | None = None,
     overwrite: bool = False,
     device: str | torch.device | None = None,
+    dist: Distributed | None = None,
 ) -> Trainer:
     """Check everything, read the data, learn the tokenizer, build the model, and only then create
     the run folder (with its step-0 checkpoint, so it can be resumed from the first moment).
     Returns a ready :class:`Trainer`.
+
+    With several processes (``dist``), rank 0 creates the run folder as one process would, then
+    every process opens it as :func:`resume_run` does, so all start from the same weights; an
+    error on rank 0 is raised on every process.
 
     Args:
         run_dir: the run folder to create.
@@ -102,10 +107,24 @@ def start_run(
         vocab_size: BPE vocabulary size (default: the recipe's).
         overwrite: replace ``run_dir`` if it is a qkv run folder (or empty); anything else is refused.
         device: where the model trains (default: CUDA when present, else CPU).
+        dist: this process's place among several (default: alone).
 
     Raises:
         ValueError / FileNotFoundError: a bad option or input, before anything is written.
     """
+    if dist is not None and dist.enabled:
+        failure = None
+        if dist.is_main:
+            try:
+                start_run(run_dir, data=data, model_options=model_options, train_options=train_options,
+                          vocab_size=vocab_size, overwrite=overwrite, device="cpu")
+            except (ValueError, OSError) as err:
+                failure = (type(err).__name__, str(err))
+        failure = dist.broadcast(failure)
+        if failure is not None:
+            kind = FileNotFoundError if failure[0] == "FileNotFoundError" else ValueError
+            raise kind(failure[1])
+        return resume_run(run_dir, device=device, dist=dist)
     run_dir = Path(run_dir)
     check_spec(data)
     recipe = RECIPES[data["source"]]
@@ -135,8 +154,10 @@ def start_run(
         else:  # the recipe's choice, made for hardware with bf16 units
             logger.info("bf16 autocast off: this %s has no fast bfloat16 matrix products", device.type)
             train_config = replace(train_config, bf16=False)
-    model = Transformer(model_config).to(device)
-    trainer = Trainer(model, tokenizer, train_data, valid_data, train_config, run_dir)  # drops over-long pairs
+    task = TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len,
+                           pad_id=model_config.pad_id)  # drops over-long pairs
+    trainer = Trainer(Transformer(model_config).to(device), task, train_config, run_dir)
+    model = trainer.model
     config = {"model": asdict(model_config), "train": asdict(train_config), "data": data,
               "data_fingerprint": data_fingerprint(train_data)}
     ckpt.create_run(run_dir, config, tokenizer, overwrite=overwrite, write_initial=trainer.save,
@@ -146,7 +167,7 @@ def start_run(
 
 
 def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
-               device: str | torch.device | None = None) -> Trainer:
+               device: str | torch.device | None = None, dist: Distributed | None = None) -> Trainer:
     """Reopen a run folder where it stopped (weights, optimizer, data position, RNG).
 
     Args:
@@ -154,12 +175,16 @@ def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
         train_options: :class:`TrainConfig` fields to change, e.g. a longer ``max_minutes``
             (saved back into config.json once everything has been checked).
         device: where the model trains.
+        dist: this process's place among several (default: alone); the run may have been saved
+            by another number of processes.
 
     Raises:
         ValueError / FileNotFoundError: not a run, a damaged checkpoint, bad options, or training
             data that changed since the run started.
     """
     run_dir = Path(run_dir)
+    if dist is not None and dist.enabled:
+        device = dist.device
     config = ckpt.read_run_config(run_dir)
     if not (run_dir / ckpt.CHECKPOINT_FILE).is_file():
         raise FileNotFoundError(f"{run_dir / ckpt.CHECKPOINT_FILE}: no training state to resume from")
@@ -177,10 +202,11 @@ def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
                          f"{now['pairs']}{'' if saved_print['pairs'] != now['pairs'] else ', different text'}): "
                          "resuming would not continue the same run; restore the data or start a new --run-dir")
     tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
-    model = Transformer(model_config).to(device)
-    trainer = Trainer(model, tokenizer, train_data, valid_data, train_config, run_dir)
+    task = TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len,
+                           pad_id=model_config.pad_id)
+    trainer = Trainer(Transformer(model_config).to(device), task, train_config, run_dir, dist=dist)
     trainer.resume()
-    if train_options and asdict(train_config) != config.get("train"):
+    if train_options and asdict(train_config) != config.get("train") and trainer.dist.is_main:
         ckpt.write_config(run_dir, {**config, "train": asdict(train_config)})
     return trainer
 
@@ -193,7 +219,7 @@ def run_training(trainer: Trainer) -> Path:
     try:
         trainer.train()
     finally:
-        if trainer.metrics_path.is_file():
+        if trainer.dist.is_main and trainer.metrics_path.is_file():
             try:
                 plot_metrics(trainer.metrics_path, trainer.run_dir / "curves.png")
             except Exception as err:  # noqa: BLE001 - a plot must never hide the training's own outcome

@@ -1,0 +1,141 @@
+"""Training options, the learning-rate schedule and where a run stands.
+
+:class:`TrainConfig` declares every training option once: its default, its command-line help and
+flag, and its allowed range (``qkv train``'s flags are made from these fields, and the same checks
+run for the CLI and the Python API).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+
+def _option(default, help: str, *, flag: str | None = None, minimum: float | None = None,
+            below: float | None = None, maximum: float | None = None, choices: tuple | None = None,
+            cli: bool = True):
+    """A :class:`TrainConfig` field with everything the CLI and the checks need, declared once:
+    its help, its flag (default ``--field-name``) and its allowed range or choices."""
+    meta = {"help": help, "flag": flag, "minimum": minimum, "below": below, "maximum": maximum, "choices": choices,
+            "cli": cli}
+    if isinstance(default, tuple):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainConfig:
+    """Options of a training run (saved in the run's config.json). Each field's metadata holds its
+    command-line help and allowed range: ``qkv train``'s flags are made from these fields."""
+
+    max_tokens: int = _option(6000, "padded tokens per batch (sentences x longest source or target)", minimum=1)
+    accum_steps: int = _option(1, "batches whose gradients are summed into one optimizer step", minimum=1)
+    lr_factor: float = _option(1.0, "multiplies the paper's schedule d_model^-0.5 * min(step^-0.5, "
+                                    "step * warmup^-1.5)", minimum=0, below=math.inf)
+    warmup_steps: int = _option(800, "linear warmup steps of the inverse-sqrt schedule (the paper: 4000)",
+                                flag="--warmup", minimum=1)
+    adam_betas: tuple[float, float] = _option((0.9, 0.98), "Adam's beta1 and beta2 (section 5.3)", cli=False)
+    adam_eps: float = _option(1e-9, "Adam's epsilon", minimum=0, below=math.inf, cli=False)
+    label_smoothing: float = _option(0.1, "label smoothing epsilon (section 5.4)", minimum=0, below=1)
+    clip_norm: float = _option(1.0, "gradient clipping on the global norm (0 = off)", minimum=0, below=math.inf)
+    bf16: bool = _option(False, "bfloat16 autocast (weights and the optimizer stay float32); the Multi30k recipe "
+                                "turns it on where bf16 matrix products are fast (CUDA, CPUs with AVX512-BF16/AMX)")
+    compile: bool = _option(False, "torch.compile the encoder and decoder (the fused loss stays eager); on a "
+                                   "2-core CPU it made the step slower, see the README")
+    max_steps: int = _option(0, "stop after this many optimizer steps (0 = no limit)", minimum=0)
+    max_epochs: float = _option(0.0, "stop after this many passes over the data (0 = no limit)", flag="--epochs",
+                                minimum=0, below=math.inf)
+    max_minutes: float = _option(0.0, "stop after this much wall time over all sessions, validation included "
+                                      "(0 = no limit)", flag="--minutes", minimum=0, below=math.inf)
+    eval_every_steps: int = _option(0, "validate every N steps (0 = off)", minimum=0)
+    eval_every_minutes: float = _option(0.0, "validate every N minutes (0 = off)", minimum=0, below=math.inf)
+    eval_sentences: int = _option(300, "validation sentences decoded greedily for BLEU", minimum=1)
+    stop_at_exact_match: float = _option(0.0, "stop once validation exact match reaches this fraction (0 = off)",
+                                         minimum=0, maximum=1, cli=False)
+    checkpoint_every_steps: int = _option(0, "keep a checkpoint for averaging every N steps (0 = off)", minimum=0)
+    checkpoint_every_minutes: float = _option(0.0, "... or every N minutes (0 = off)", minimum=0, below=math.inf)
+    average_last: int = _option(5, "average this many kept checkpoints at the end (<= 1: no averaging)", minimum=0)
+    log_every_steps: int = _option(20, "write a training-loss line to metrics.jsonl every N steps", minimum=1)
+    seed: int = _option(0, "drives the initial weights and the batch order", minimum=0)
+    progress: bool = _option(True, "tqdm progress bar", cli=False)
+    strategy: str = _option("ddp", "how several processes (torchrun) share the work: ddp = a full replica each, "
+                                   "gradients averaged; fsdp = parameters, gradients and optimizer state sharded "
+                                   "(FSDP2), for models that do not fit one device", choices=("ddp", "fsdp"))
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            name = f"{f.name} ({meta['flag'] or '--' + f.name.replace('_', '-')})" if meta.get("cli") else f.name
+            if meta.get("choices"):
+                if value not in meta["choices"]:
+                    raise ValueError(f"{name} must be one of {', '.join(meta['choices'])}, got {value!r}")
+                continue
+            if f.type == "bool":
+                if not isinstance(value, bool):
+                    raise ValueError(f"{name} must be true or false, got {value!r}")
+                continue
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if f.type == "float":
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+                    raise ValueError(f"{name} must be a number, got {value!r}")
+                setattr(self, f.name, float(value))
+                value = float(value)
+            if f.type.startswith("tuple"):
+                if not (isinstance(value, (tuple, list)) and len(value) == 2
+                        and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in value)):
+                    raise ValueError(f"{name} must be two numbers in [0, 1), got {value!r}")
+                setattr(self, f.name, tuple(float(b) for b in value))
+                continue
+            low, below, high = meta.get("minimum"), meta.get("below"), meta.get("maximum")
+            if (low is not None and value < low) or (below is not None and value >= below) or (
+                    high is not None and value > high):
+                allowed = f">= {low}" if low is not None else ""
+                if below is not None and below != math.inf:
+                    allowed += f" and < {below}"
+                elif below == math.inf:
+                    allowed += " and finite"
+                if high is not None:
+                    allowed += f" and <= {high}"
+                raise ValueError(f"{name} must be {allowed.strip()}, got {value!r}")
+
+    def check_stops(self) -> None:
+        """A run needs a stop condition; raises ``ValueError`` naming the options otherwise."""
+        if not (self.max_steps or self.max_minutes or self.max_epochs):
+            raise ValueError("set at least one stop condition: max_steps (--max-steps), max_minutes (--minutes) "
+                             "or max_epochs (--epochs), each > 0")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrainConfig:
+        """Build from a dict (e.g. config.json's ``train``); unknown keys or bad values raise ``ValueError``."""
+        if not isinstance(data, dict):
+            raise ValueError(f"training options must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields: {unknown}")
+        return cls(**data)
+
+
+def inverse_sqrt_lr(step: int, d_model: int, warmup_steps: int, factor: float = 1.0) -> float:
+    """The paper's learning rate (section 5.3, eq. 3) at optimizer step ``step`` (1-based):
+    ``factor * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)``."""
+    step = max(step, 1)
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+
+@dataclass
+class TrainState:
+    """Where a run stands; saved in state.pt with the weights, the optimizer and the RNG states."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # current pass over the data
+    batch_in_epoch: int = 0  # batches of the current epoch already consumed
+    tokens: int = 0  # target tokens trained on
+    seconds: float = 0.0  # wall time spent in the training loop (over all sessions)
+    best_bleu: float = -1.0
+    last_eval_seconds: float = 0.0
+    last_checkpoint_seconds: float = 0.0
+    kept_checkpoints: list | None = None
+    stopped_early: bool = False  # a stop_at_exact_match target was reached
+    metrics_bytes: int = 0  # length of metrics.jsonl at this step (lines after it are cut on resume)

@@ -1,0 +1,382 @@
+"""The training engine: one :class:`Trainer` for every task, on one process or many.
+
+:meth:`Trainer.step` is the training step (forward, backward, clipping, schedule, optimizer) that
+the loop, ``qkv bench training`` and the tests call. :meth:`Trainer.train` is the loop: every
+process builds the same batches from the shared seed and takes its share of each step's group;
+rank 0 logs, validates and writes the run folder, the others wait for it. The loss is a sum over
+target tokens divided by the number of target tokens of the whole step over all processes, so N
+processes with batch B train like one process with batch N*B (section 5.3's optimiser, 5.4's label
+smoothing, 6.1's checkpoint averaging).
+
+Seeds and thread counts are the caller's business (the CLI sets them); the engine saves and
+restores every process's RNG state, so a resumed run continues exactly like an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from qkv import checkpoint as ckpt
+from qkv.data.batching import Batch
+from qkv.precision import autocast_context
+from qkv.training.config import TrainConfig, TrainState, inverse_sqrt_lr
+from qkv.training.distributed import Distributed, full_state, gradient_sync, load_full_state, plain_copy, wrap
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step did, over all processes."""
+
+    loss: float  # summed loss over the step's target tokens
+    tokens: int  # target tokens in the step
+    lr: float  # the learning rate used
+    grad_norm: float  # global gradient norm before clipping
+
+
+class TrainingCrashed(RuntimeError):
+    """A training step failed; the last whole step was saved. ``step`` is where to resume from."""
+
+    def __init__(self, step: int, cause: BaseException) -> None:
+        first_line = (str(cause).strip().splitlines() or [""])[0]
+        super().__init__(f"training failed after step {step} ({type(cause).__name__}: {first_line[:300]})")
+        self.step = step
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Trainer:
+    """Trains ``model`` on ``task`` and writes into ``run_dir``; building it writes nothing.
+
+    Args:
+        model: the model (its ``config.d_model`` sizes the schedule), on its device.
+        task: batches, loss and validation (e.g. :class:`~qkv.training.tasks.TranslationTask`).
+        config: a :class:`TrainConfig`.
+        run_dir: the run folder (holds config.json and tokenizer.json once the run is created).
+        dist: this process's place among several (:func:`~qkv.training.distributed.init_distributed`);
+            default: alone.
+    """
+
+    def __init__(self, model: torch.nn.Module, task, config: TrainConfig, run_dir: str | Path | None = None, *,
+                 dist: Distributed | None = None) -> None:
+        self.model, self.task, self.config = model, task, config
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.device = next(model.parameters()).device
+        self.dist = dist or Distributed(device=self.device)
+        self.sharded = self.dist.enabled and config.strategy == "fsdp"
+        self._shadow = plain_copy(model) if self.sharded and self.dist.is_main else None
+        self.module = wrap(model, task.loss_fn, self.dist, config.strategy)
+        self._call = torch.compile(self.module, dynamic=True) if config.compile else self.module
+        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=0.0, betas=config.adam_betas,
+                                          eps=config.adam_eps)
+        self.state = TrainState(kept_checkpoints=[])
+        self.metrics_path = self.run_dir / "metrics.jsonl" if self.run_dir is not None else None
+
+    # ----------------------------------------------------------------- the step
+    def step(self, batches: list[Batch]) -> StepStats:
+        """One optimizer step over this process's ``batches`` (micro-batches whose gradients are
+        summed). A batch with ``num_tgt_tokens == 0`` is a zero-weight stand-in: it runs forward and
+        backward (so every process joins the same collectives) but changes nothing."""
+        c, s = self.config, self.state
+        local_tokens = sum(b.num_tgt_tokens for b in batches)
+        (tokens,) = self.dist.all_reduce_sum([local_tokens])
+        if tokens <= 0:
+            raise ValueError("a training step needs at least one target token")
+        # DDP and FSDP average gradients over processes: divide by the tokens per process instead
+        per_process = tokens / self.dist.world_size
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for i, batch in enumerate(batches):
+            batch = batch.to(self.device)
+            with gradient_sync(self.module, enabled=i == len(batches) - 1):
+                with autocast_context(self.device, c.bf16):
+                    loss = self.task.loss(self._call, batch, c.label_smoothing)
+                (loss / per_process if batch.num_tgt_tokens else loss * 0.0).backward()
+            if batch.num_tgt_tokens:
+                loss_sum += float(loss.detach())
+        (loss_sum,) = self.dist.all_reduce_sum([loss_sum])
+        if not math.isfinite(loss_sum):
+            raise FloatingPointError(f"the loss is {loss_sum} at step {s.step + 1}; lower --lr-factor or check the data")
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip_norm if c.clip_norm > 0 else math.inf)
+        lr = inverse_sqrt_lr(s.step + 1, self.model.config.d_model, c.warmup_steps, c.lr_factor)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        s.step += 1
+        s.tokens += int(tokens)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+            grad_norm = grad_norm.full_tensor()
+        return StepStats(loss=loss_sum, tokens=int(tokens), lr=lr, grad_norm=float(grad_norm))
+
+    # ----------------------------------------------------------------- the loop
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        if getattr(self, "_batches_epoch", None) != epoch:
+            self._batches_cache = self.task.batches(epoch, self.config.max_tokens, self.config.seed)
+            self._batches_epoch = epoch
+        return self._batches_cache
+
+    def _next_group(self) -> list[Batch]:
+        """This process's share of the next step: the step takes ``accum_steps x world_size``
+        batches of the epoch (never crossing into the next), process r the r-th run of
+        ``accum_steps``. Where the epoch ends first, a process tops up with zero-weight batches."""
+        s, c, d = self.state, self.config, self.dist
+        batches = self._epoch_batches(s.epoch)
+        if s.batch_in_epoch >= len(batches):
+            s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+            batches = self._epoch_batches(s.epoch)
+        group = batches[s.batch_in_epoch: s.batch_in_epoch + c.accum_steps * d.world_size]
+        s.batch_in_epoch += len(group)
+        mine = [self.task.make_batch(ix) for ix in group[d.rank * c.accum_steps: (d.rank + 1) * c.accum_steps]]
+        if d.enabled:  # the same number of forward passes everywhere (FSDP gathers weights in each)
+            stand_in = mine[0] if mine else self.task.make_batch(group[0])
+            mine += [Batch(stand_in.src, stand_in.tgt_in, stand_in.tgt_out, 0)] * (c.accum_steps - len(mine))
+        return mine
+
+    def _done(self) -> bool:
+        c, s = self.config, self.state
+        epochs = s.epoch + s.batch_in_epoch / max(1, len(self._epoch_batches(s.epoch)))
+        done = bool(s.stopped_early or (c.max_steps and s.step >= c.max_steps)
+                    or (c.max_minutes and s.seconds >= c.max_minutes * 60) or (c.max_epochs and epochs >= c.max_epochs))
+        return self.dist.broadcast(done)  # rank 0's clock decides for everyone
+
+    def train(self) -> TrainState:
+        """Run until a stop condition (steps, epochs, minutes). Ctrl-C saves a checkpoint and
+        re-raises ``KeyboardInterrupt``; any other failure inside a step saves the last whole step
+        and raises :class:`TrainingCrashed`. Returns the final :class:`TrainState`."""
+        c, s = self.config, self.state
+        c.check_stops()
+        session_start, session_seconds0 = time.perf_counter(), s.seconds
+        window_tokens, window_loss, window_start = 0, 0.0, time.perf_counter()
+        bar = tqdm(total=c.max_steps or None, initial=s.step, desc="training", unit="step", dynamic_ncols=True,
+                   disable=not (c.progress and self.dist.is_main))
+        step_start = None
+        try:
+            while not self._done():
+                self.module.train()
+                step_start = (s.epoch, s.batch_in_epoch, _rng_state(), s.step)  # restored if the step fails
+                stats = self.step(self._next_group())
+                s.seconds = session_seconds0 + time.perf_counter() - session_start
+                window_tokens += stats.tokens
+                window_loss += stats.loss
+                bar.update(1)
+                if s.step % c.log_every_steps == 0:
+                    tps = window_tokens / max(time.perf_counter() - window_start, 1e-9)
+                    epoch = s.epoch + s.batch_in_epoch / len(self._epoch_batches(s.epoch))
+                    record = {"event": "train", "step": s.step, "epoch": round(epoch, 3),
+                              "minutes": round(s.seconds / 60, 3), "loss": round(window_loss / window_tokens, 4),
+                              "lr": stats.lr, "tokens_per_s": round(tps, 1)}
+                    self.log(record)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:.0f}", eta=self._eta())
+                    window_tokens, window_loss, window_start = 0, 0.0, time.perf_counter()
+                paused = time.perf_counter()
+                self._maybe_evaluate_and_keep()
+                window_start += time.perf_counter() - paused  # tokens/s counts training time only
+        except (KeyboardInterrupt, Exception) as err:
+            bar.close()
+            self._save_after_failure(step_start)
+            if isinstance(err, KeyboardInterrupt):
+                raise
+            raise TrainingCrashed(s.step, err) from err
+        bar.close()
+        self.save()
+        return s
+
+    def _eta(self) -> str:
+        c, s = self.config, self.state
+        remaining = [c.max_minutes * 60 - s.seconds] if c.max_minutes else []
+        if c.max_steps and s.step:
+            remaining.append(s.seconds / s.step * (c.max_steps - s.step))
+        if not remaining:
+            return "?"
+        secs = max(0, int(min(remaining)))
+        return f"{secs // 60}:{secs % 60:02d}"
+
+    def _maybe_evaluate_and_keep(self) -> None:
+        c, s = self.config, self.state
+        evaluate = bool((c.eval_every_steps and s.step % c.eval_every_steps == 0) or (
+            c.eval_every_minutes and s.seconds - s.last_eval_seconds >= c.eval_every_minutes * 60))
+        keep = bool((c.checkpoint_every_steps and s.step % c.checkpoint_every_steps == 0) or (
+            c.checkpoint_every_minutes and s.seconds - s.last_checkpoint_seconds >= c.checkpoint_every_minutes * 60))
+        evaluate, keep = self.dist.broadcast((evaluate, keep))
+        if evaluate:
+            s.last_eval_seconds = s.seconds
+            self.evaluate()
+        if keep:
+            s.last_checkpoint_seconds = s.seconds
+            self.keep_checkpoint()
+
+    # ----------------------------------------------------------------- weights and files (rank 0 writes)
+    def plain_model(self) -> torch.nn.Module | None:
+        """The whole model as one module, to validate and save with: the model itself, or under
+        FSDP2 rank 0's unsharded copy refreshed from the shards (a collective: every process calls
+        it; the others get None)."""
+        if not self.sharded:
+            return self.model
+        weights, _ = full_state(self.model, None, sharded=True)
+        if self.dist.is_main:
+            self._shadow.load_state_dict(weights)
+        return self._shadow
+
+    def log(self, record: dict) -> None:
+        """Append one JSON line to ``metrics.jsonl`` (rank 0)."""
+        if self.dist.is_main and self.metrics_path is not None:
+            with open(self.metrics_path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+    def save(self, folder: str | Path | None = None) -> None:
+        """Save the resumable checkpoint (one atomic file: weights, optimizer, position, every
+        process's RNG) and ``last.safetensors``, at a step boundary, into ``folder`` (default: the
+        run's). Every process calls it; rank 0 writes."""
+        folder = Path(folder) if folder is not None else self.run_dir
+        weights, optim = full_state(self.model, self.optimizer, self.sharded)
+        rng = self.dist.gather(_rng_state())
+        if self.dist.is_main:
+            metrics = folder / "metrics.jsonl"
+            self.state.metrics_bytes = metrics.stat().st_size if metrics.is_file() else 0
+            if self.sharded:
+                self._shadow.load_state_dict(weights)
+            ckpt.save_checkpoint(folder, self._shadow if self.sharded else self.model,
+                                 {"train_state": asdict(self.state), "optimizer": optim,
+                                  "rng": rng if self.dist.enabled else rng[0], "world_size": self.dist.world_size},
+                                 weights=weights)
+        self.dist.barrier()
+
+    def resume(self) -> None:
+        """Restore weights, optimizer, position and RNG from the run folder (saved by any number of
+        processes), cut ``metrics.jsonl`` back to that step and clear what a killed process left."""
+        saved = ckpt.load_checkpoint(self.run_dir, clean=self.dist.is_main)
+        weights = saved["model"] if "model" in saved else ckpt.read_weights(self.run_dir / "last.safetensors")
+        load_full_state(self.model, self.optimizer, weights, saved["optimizer"], self.sharded)
+        rng = saved.get("rng", {"cpu": saved.get("torch_rng")})  # the oldest runs: the CPU state only
+        per_process = rng if isinstance(rng, list) else [rng]
+        if len(per_process) == self.dist.world_size or self.dist.rank < len(per_process):
+            _set_rng_state(per_process[self.dist.rank])
+        else:  # more processes than saved: a fresh, reproducible stream for this one
+            torch.manual_seed(self.config.seed + 1_000_003 * self.dist.rank + saved["train_state"]["step"])
+        if self.dist.is_main and len(per_process) != self.dist.world_size:
+            logger.info("resuming %d-process training on %d processes: same weights, optimizer and data position; "
+                        "dropout masks differ from an uninterrupted run", len(per_process), self.dist.world_size)
+        self.state = TrainState(**saved["train_state"])
+        self.state.kept_checkpoints = self.state.kept_checkpoints or []
+        if self.dist.is_main:
+            if "metrics_bytes" in saved["train_state"] and self.metrics_path.is_file() and (
+                    self.metrics_path.stat().st_size > self.state.metrics_bytes):
+                with open(self.metrics_path, "r+b") as handle:  # lines logged after the saved step are replayed
+                    handle.truncate(self.state.metrics_bytes)
+            self._remove_unkept_checkpoints()
+            logger.info("resumed at step %d (epoch %d, %.1f minutes done)", self.state.step, self.state.epoch,
+                        self.state.seconds / 60)
+        self.dist.barrier()
+
+    def _save_after_failure(self, step_start: tuple | None) -> None:
+        """After Ctrl-C or a failure inside the loop, save the last whole step: a partly done step
+        is dropped (its batches and dropout masks are replayed on resume). With several processes
+        the others may be gone, so rank 0 saves alone, without collectives; under FSDP2 that is
+        impossible (the weights are sharded) and the last periodic checkpoint stands."""
+        s = self.state
+        if step_start is not None and s.step == step_start[3]:
+            s.epoch, s.batch_in_epoch = step_start[0], step_start[1]
+            _set_rng_state(step_start[2])
+        if not self.dist.is_main:
+            return
+        if self.sharded:
+            logger.warning("stopping: under FSDP the last periodic checkpoint is kept (step in state.pt)")
+            return
+        logger.warning("stopping: saving a checkpoint at step %d", s.step)
+        try:
+            if self.dist.enabled:
+                ckpt.save_checkpoint(self.run_dir, self.model, {"train_state": asdict(s), "rng": [_rng_state()],
+                                                                "optimizer": self.optimizer.state_dict(), "world_size": 1})
+            else:
+                self.save()
+        except Exception as save_err:  # e.g. a full disk: the previous checkpoint is still whole
+            logger.error("could not save the checkpoint (%s); the previous one is kept", save_err)
+
+    def keep_checkpoint(self) -> None:
+        """Save ``checkpoints/step_<N>.safetensors`` (for averaging) and the resumable state. The
+        new file is written, then the state that lists it, and only then are files the state no
+        longer lists removed, so a crash at any point leaves a consistent folder."""
+        model = self.plain_model()
+        name = f"step_{self.state.step}.safetensors"
+        if name not in self.state.kept_checkpoints:
+            self.state.kept_checkpoints.append(name)
+        del self.state.kept_checkpoints[: max(0, len(self.state.kept_checkpoints) - max(self.config.average_last, 1))]
+        if self.dist.is_main:
+            ckpt.save_weights(model, self.run_dir / "checkpoints" / name)
+        self.save()
+        if self.dist.is_main:
+            self._remove_unkept_checkpoints()
+
+    def _remove_unkept_checkpoints(self) -> None:
+        folder = self.run_dir / "checkpoints"
+        if folder.is_dir():
+            for path in folder.glob("step_*.safetensors"):
+                if path.name not in self.state.kept_checkpoints:
+                    path.unlink(missing_ok=True)
+
+    def evaluate(self) -> dict | None:
+        """Validate on rank 0 (the others wait); save ``best.safetensors`` when the task's score
+        improves; stop once ``stop_at_exact_match`` is reached."""
+        c, s = self.config, self.state
+        model = self.plain_model()
+        record = None
+        if self.dist.is_main:
+            start = time.perf_counter()
+            model.eval()
+            figures = self.task.validate(model, c.eval_sentences, c.bf16)
+            model.train()
+            if figures is not None:
+                score = figures.pop("score")
+                record = {"event": "valid", "step": s.step, "minutes": round(s.seconds / 60, 3), **figures,
+                          "eval_seconds": round(time.perf_counter() - start, 1)}
+                self.log(record)
+                logger.info("step %d (%.1f min): %s", s.step, s.seconds / 60,
+                            ", ".join(f"{k} {v}" for k, v in figures.items()))
+                accuracy = figures.get("val_exact_match", 0.0)
+                if c.stop_at_exact_match and accuracy >= c.stop_at_exact_match:
+                    logger.info("validation exact match %.2f%% >= %.2f%%: stopping", 100 * accuracy,
+                                100 * c.stop_at_exact_match)
+                    s.stopped_early = True
+                if score > s.best_bleu:
+                    s.best_bleu = score
+                    ckpt.save_weights(model, self.run_dir / "best.safetensors")
+        s.stopped_early, s.best_bleu = self.dist.broadcast((s.stopped_early, s.best_bleu))
+        return record
+
+    def finish(self) -> Path:
+        """Write ``model.safetensors``: the average of the kept checkpoints (the final weights are
+        added as one of them), or the final weights. Returns its path."""
+        c, out = self.config, self.run_dir / "model.safetensors"
+        if c.average_last > 1:
+            self.keep_checkpoint()
+            if self.dist.is_main:
+                names = self.state.kept_checkpoints[-c.average_last:]
+                ckpt.average_weight_files([self.run_dir / "checkpoints" / n for n in names], out)
+                logger.info("averaged %d checkpoints: %s", len(names), ", ".join(names))
+        else:
+            model = self.plain_model()
+            if self.dist.is_main:
+                ckpt.save_weights(model, out)
+        self.dist.barrier()
+        return out

@@ -1,0 +1,124 @@
+"""Tasks: what one kind of model trains on. The engine (:mod:`qkv.training.engine`) owns the loop,
+the optimizer, checkpoints and processes; a task supplies
+
+- ``num_examples`` and ``batches(epoch, max_tokens, seed)``: the epoch's batches as example
+  indices, the same on every process (each takes its share);
+- ``make_batch(indices)``: a padded :class:`~qkv.data.batching.Batch`;
+- ``loss(model, batch, label_smoothing)``: the summed loss over the batch's target tokens;
+- ``validate(model, sentences, bf16)``: a record of validation figures, with ``score`` (higher is
+  better; picks ``best.safetensors``) and ``exact_match``.
+
+:class:`TranslationTask` is the encoder-decoder one (BLEU/chrF, exact match for the date task); a
+language-model task plugs into the same engine with the same four methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import Tensor, nn
+
+from qkv.data.batching import Batch, make_batch, token_batches
+from qkv.data.parallel import ParallelText
+from qkv.data.tokenizer import Tokenizer
+from qkv.evaluation import exact_match, score_translations, translate_texts
+from qkv.precision import autocast_context
+
+logger = logging.getLogger(__name__)
+
+
+def encode_pairs(tokenizer: Tokenizer, data: ParallelText, max_len: int, *, what: str = "training"
+                 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Tokenise ``data`` and drop the pairs that do not fit a model of ``max_len`` positions
+    (source + EOS, or BOS + target, longer than ``max_len``), logging how many and the first
+    one's file and line, so an over-long line never surfaces as a crash in the middle of a run.
+
+    Returns:
+        ``(source ids, target ids, kept indices into data)``.
+    """
+    src_all, tgt_all = tokenizer.encode_batch(data.src), tokenizer.encode_batch(data.tgt)
+    fits = [len(s) + 1 <= max_len and len(t) + 1 <= max_len for s, t in zip(src_all, tgt_all)]
+    kept = [i for i, ok in enumerate(fits) if ok]
+    if len(kept) < len(fits):
+        first = fits.index(False)
+        where = f"{data.src_path or 'source'}:{first + 1} / {data.tgt_path or 'target'}:{first + 1}"
+        logger.warning("dropped %d of %d %s pairs longer than the model's %d positions (first: %s, %d and %d "
+                       "tokens); pass a larger --max-len to keep them", len(fits) - len(kept), len(fits), what,
+                       max_len, where, len(src_all[first]), len(tgt_all[first]))
+    return [src_all[i] for i in kept], [tgt_all[i] for i in kept], kept
+
+
+def translation_loss(model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *,
+                     label_smoothing: float = 0.0) -> Tensor:
+    """The summed label-smoothed loss of a batch (:meth:`qkv.models.Transformer.loss`)."""
+    return model.loss(src, tgt_in, tgt_out, label_smoothing=label_smoothing)
+
+
+class TranslationTask:
+    """Parallel text for an encoder-decoder :class:`~qkv.models.Transformer`.
+
+    Training pairs longer than ``max_len`` are dropped when the task is built (with a count and
+    the first file:line); validation pairs that do not fit are left out of validation.
+
+    Raises:
+        ValueError: no training pair fits the model.
+    """
+
+    loss_fn = staticmethod(translation_loss)
+
+    def __init__(self, tokenizer: Tokenizer, train_data: ParallelText, valid_data: ParallelText | None, *,
+                 max_len: int, pad_id: int) -> None:
+        self.tokenizer, self.valid, self.max_len, self.pad_id = tokenizer, valid_data, max_len, pad_id
+        self.src_ids, self.tgt_ids, _ = encode_pairs(tokenizer, train_data, max_len)
+        if not self.src_ids:
+            raise ValueError(f"none of the {len(train_data)} training pairs fits the model's {max_len} positions; "
+                             "pass a larger --max-len")
+        self.src_lengths = [len(s) + 1 for s in self.src_ids]
+        self.tgt_lengths = [len(t) + 1 for t in self.tgt_ids]
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.src_ids)
+
+    def batches(self, epoch: int, max_tokens: int, seed: int) -> list[list[int]]:
+        """The epoch's token-bucketed batches (example indices), shuffled by ``seed + epoch``."""
+        return token_batches(self.src_lengths, self.tgt_lengths, max_tokens, seed=seed + epoch)
+
+    def make_batch(self, indices: list[int]) -> Batch:
+        return make_batch([self.src_ids[i] for i in indices], [self.tgt_ids[i] for i in indices],
+                          pad_id=self.pad_id, bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
+
+    @staticmethod
+    def loss(module: nn.Module, batch: Batch, label_smoothing: float) -> Tensor:
+        """``module`` is the model, or the engine's wrapper that calls :func:`translation_loss`."""
+        return module(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing)
+
+    @torch.no_grad()
+    def validate(self, model: nn.Module, sentences: int, bf16: bool) -> dict | None:
+        """Validation loss and greedy BLEU/chrF/exact match on the first ``sentences`` pairs that fit."""
+        if self.valid is None:
+            return None
+        subset = ParallelText(self.valid.src[:sentences], self.valid.tgt[:sentences], self.valid.src_path,
+                              self.valid.tgt_path)
+        src_ids, tgt_ids, kept = encode_pairs(self.tokenizer, subset, self.max_len, what="validation")
+        if not kept:
+            logger.warning("no validation pair fits the model's %d positions: validation skipped", self.max_len)
+            return None
+        src, refs = [subset.src[i] for i in kept], [subset.tgt[i] for i in kept]
+        device = next(model.parameters()).device
+        total_loss, total_tokens = 0.0, 0
+        with autocast_context(device, bf16):
+            for index in token_batches([len(x) + 1 for x in src_ids], [len(x) + 1 for x in tgt_ids], 4000, seed=None):
+                batch = make_batch([src_ids[i] for i in index], [tgt_ids[i] for i in index], pad_id=self.pad_id,
+                                   bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id).to(device)
+                total_loss += float(translation_loss(model, batch.src, batch.tgt_in, batch.tgt_out))
+                total_tokens += batch.num_tgt_tokens
+        hyps = translate_texts(model, self.tokenizer, src, beam_size=1, bf16=bf16)
+        scores = score_translations(hyps, refs)
+        val_loss = total_loss / total_tokens
+        return {"val_loss": round(val_loss, 4), "val_ppl": round(math.exp(min(val_loss, 700)), 3),
+                "val_bleu_greedy": scores["bleu"], "val_chrf_greedy": scores["chrf"],
+                "val_exact_match": round(exact_match(hyps, refs), 4), "sentences": len(kept),
+                "score": scores["bleu"]}
