@@ -114,11 +114,14 @@ def data_spec(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
     from qkv.device import pick_device
     from qkv.runs import TrainingCrashed, resume_run, run_training, start_run
+    from qkv.training.distributed import init_distributed, shutdown
 
-    set_threads(args.threads)
-    device = pick_device(args.device)
+    set_threads(args.threads)  # under torchrun, OMP_NUM_THREADS (1 by default) sets each process's share
     train_options = {f.name: getattr(args, f.name) for f, _ in _train_fields() if getattr(args, f.name) is not None}
     if args.no_progress or not sys.stderr.isatty():
         train_options["progress"] = False
@@ -134,23 +137,41 @@ def run(args: argparse.Namespace) -> int:
                              "drop these options, or start a new --run-dir")
         if not Path(args.run_dir).is_dir():
             raise FileNotFoundError(f"{args.run_dir}: no run folder to resume")
-        trainer = resume_run(args.run_dir, train_options=train_options, device=device)
     else:
-        torch.manual_seed(args.seed or 0)
-        trainer = start_run(args.run_dir, data=data_spec(args), model_options=model_options,
-                            train_options=train_options, vocab_size=args.vocab_size, overwrite=args.overwrite,
-                            device=device)
+        spec = data_spec(args)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one process of several
+        dist = init_distributed(args.device)
+        if not dist.is_main:
+            logging.getLogger("qkv").setLevel(logging.WARNING)  # rank 0 reports for everyone
+    else:
+        dist = None
+        pick_device(args.device)
+    try:
+        if args.resume:
+            trainer = resume_run(args.run_dir, train_options=train_options, device=args.device, dist=dist)
+        else:
+            torch.manual_seed(args.seed or 0)
+            trainer = start_run(args.run_dir, data=spec, model_options=model_options, train_options=train_options,
+                                vocab_size=args.vocab_size, overwrite=args.overwrite, device=args.device, dist=dist)
+        return _train(trainer, args.run_dir, run_training, TrainingCrashed)
+    finally:
+        shutdown()
+
+
+def _train(trainer, run_dir: str, run_training, crashed) -> int:
     try:
         path = run_training(trainer)
     except KeyboardInterrupt:
-        print(f"interrupted: checkpoint saved at step {trainer.state.step}; continue with "
-              f"qkv train --run-dir {args.run_dir} --resume", file=sys.stderr)
+        if trainer.dist.is_main:
+            print(f"interrupted: checkpoint saved at step {trainer.state.step}; continue with "
+                  f"qkv train --run-dir {run_dir} --resume", file=sys.stderr)
         return 130
-    except TrainingCrashed as err:
+    except crashed as err:
         print(f"qkv train: error: {err}; the last whole step ({err.step}) is saved: after fixing the cause, "
-              f"continue with qkv train --run-dir {args.run_dir} --resume", file=sys.stderr)
+              f"continue with qkv train --run-dir {run_dir} --resume", file=sys.stderr)
         return 1
     s = trainer.state
-    print(f"trained {s.step} steps ({s.seconds / 60:.1f} min, {s.tokens / max(s.seconds, 1e-9):.0f} target tokens/s);"
-          f" wrote {path}", file=sys.stderr)
+    if trainer.dist.is_main:
+        print(f"trained {s.step} steps ({s.seconds / 60:.1f} min, {s.tokens / max(s.seconds, 1e-9):.0f} target "
+              f"tokens/s) on {trainer.dist.world_size} process(es); wrote {path}", file=sys.stderr)
     return 0

@@ -199,15 +199,20 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, sharde
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict,
                     optim: dict | None, sharded: bool) -> None:
     """Load what :func:`full_state` returned (on every process) into a plain or sharded model."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, strict=True)
-    if sharded:
-        set_model_state_dict(model, weights, options=options)
+    if sharded:  # each process keeps its shard of every tensor (tied weights are one parameter: set once)
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        with torch.no_grad():
+            persistent = [(n, b) for n, b in model.named_buffers() if n in weights]  # others are rebuilt
+            for name, tensor in [*model.named_parameters(), *persistent]:
+                full = weights[name].to(tensor.dtype)
+                if isinstance(tensor, DTensor):
+                    tensor.copy_(distribute_tensor(full.to(tensor.device), tensor.device_mesh, tensor.placements))
+                else:
+                    tensor.copy_(full)
     else:
         model.load_state_dict(weights, strict=True)
     if optimizer is not None and optim is not None:

@@ -1,0 +1,163 @@
+"""Training on two processes (gloo, CPU) against one process, the equivalences PyTorch's own DDP
+tests and fairseq assert: 2 ranks x batch B == 1 process x batch 2B; accumulation of 2
+micro-batches == one batch; an epoch that does not divide among the ranks finishes without a
+hang (and equals one process); a run saved by 2 processes resumes on 1 and the other way round;
+FSDP2 matches DDP. Float32, dropout 0, the same initial weights everywhere, Adam with a peak learning
+rate of 1.8e-3.
+
+The models have no biases: a key projection's bias has a zero gradient in exact arithmetic (softmax
+ignores a shift shared by a query's scores), so Adam turns its rounding noise into steps of +-lr
+that differ between ANY two numerically different but equal computations (one batch of 2B vs two
+of B on one process already differ by 0.05 there); every other weight agrees to 1e-7.
+
+All 2-process work runs in one spawned pair of processes (tests/dist_workers.py), started once.
+"""
+
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import dist_workers
+from qkv.data.dates import generate_dates
+from qkv.runs import resume_run, start_run
+
+MODEL = dict(d_model=32, num_heads=2, num_encoder_layers=2, num_decoder_layers=1, d_ff=64, dropout=0.0, max_len=64,
+             bias=False)
+TRAIN = dict(max_tokens=300, warmup_steps=4, lr_factor=0.02, max_steps=3, max_minutes=0.0, bf16=False, progress=False,
+             average_last=1, eval_every_minutes=0.0, checkpoint_every_minutes=0.0, log_every_steps=1,
+             label_smoothing=0.1)
+
+
+def weights(path):
+    return torch.load(path, weights_only=False, map_location="cpu")["model"]
+
+
+def assert_close(a, b, atol, what):
+    assert a.keys() == b.keys(), what
+    worst = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    assert worst <= atol, f"{what}: largest weight difference {worst:.3g} > {atol}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run folders from one start (same initial weights), the 2-process work done in one launch,
+    and the 1-process references."""
+    root = tmp_path_factory.mktemp("dist")
+    pairs = generate_dates(400, seed=21)
+    (root / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
+    (root / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
+    spec = {"source": "files", "train_src": str(root / "s.txt"), "train_tgt": str(root / "t.txt"),
+            "val_src": None, "val_tgt": None}
+    torch.manual_seed(0)
+    base = start_run(root / "base", data=spec, model_options=MODEL, vocab_size=300, train_options=TRAIN,
+                     device="cpu")
+    batches = base.task.batches(0, TRAIN["max_tokens"], 0)
+    uneven_tokens = next(t for t in range(200, 400, 10) if len(base.task.batches(0, t, 0)) % 2 == 1)
+    for name in ("ddp", "resumed_on_1", "resumed_on_2", "uneven", "uneven_1", "fsdp", "steps", "steps_fsdp"):
+        shutil.copytree(root / "base", root / name)
+    steps = [[batches[2 * k], batches[2 * k + 1]] for k in range(5)]
+    # 1 process, first half of "resumed_on_2" (accumulating the 2 batches that 2 processes share)
+    resume_run(root / "resumed_on_2", train_options={"accum_steps": 2, "max_steps": 3}).train()
+    plan = [
+        ("steps", str(root / "steps"), steps, "ddp", "ddp_steps"),
+        ("steps", str(root / "steps_fsdp"), steps, "fsdp", "fsdp_steps"),
+        ("train", str(root / "ddp"), {"max_steps": 6}),
+        ("train", str(root / "fsdp"), {"max_steps": 6, "strategy": "fsdp"}),
+        ("train", str(root / "resumed_on_1"), {"max_steps": 3}),
+        ("train", str(root / "resumed_on_2"), {"max_steps": 6, "accum_steps": 1}),
+        ("train", str(root / "uneven"), {"max_steps": 0, "max_epochs": 1.0, "max_tokens": uneven_tokens}),
+    ]
+    out = root / "out"
+    out.mkdir()
+    try:
+        dist_workers.launch(dist_workers.run_scenarios, (str(out), plan), timeout=300)
+    except Exception:
+        errors = "\n".join(p.read_text() for p in out.glob("error-*.txt"))
+        raise AssertionError(f"the 2-process run failed:\n{errors}") from None
+    # 1 process: the second half of "resumed_on_1", and the references
+    resume_run(root / "resumed_on_1", train_options={"max_steps": 6, "accum_steps": 2}).train()
+    resume_run(root / "uneven_1", train_options={"max_steps": 0, "max_epochs": 1.0, "accum_steps": 2,
+                                                  "max_tokens": uneven_tokens}).train()
+    return root, steps
+
+
+def one_process_steps(root, steps, *, split):
+    """5 steps on 1 process: each step's two batches as one batch of 2B (``split=False``) or as two
+    accumulated micro-batches (``split=True``)."""
+    trainer = resume_run(root / "base", train_options={"progress": False})
+    for first, second in steps:
+        task = trainer.task
+        trainer.step([task.make_batch(first), task.make_batch(second)] if split else [task.make_batch(first + second)])
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(runs):
+    root, steps = runs
+    ddp = torch.load(root / "out" / "ddp_steps.pt")
+    assert_close(ddp, one_process_steps(root, steps, split=False), 1e-6, "DDP 2 x B vs 1 x 2B")
+    initial = weights(root / "base" / "state.pt")
+    assert max(float((ddp[k] - initial[k]).abs().max()) for k in ddp) > 1e-3  # it did train
+
+
+def test_accumulating_two_micro_batches_equals_one_batch(runs):
+    root, steps = runs
+    assert_close(one_process_steps(root, steps, split=True), one_process_steps(root, steps, split=False), 1e-6,
+                 "2 micro-batches of B/2 vs one batch of B")
+
+
+def test_fsdp2_matches_ddp(runs):
+    root, _ = runs
+    assert_close(torch.load(root / "out" / "fsdp_steps.pt"), torch.load(root / "out" / "ddp_steps.pt"), 1e-5,
+                 "FSDP2 vs DDP, Trainer.step")
+    assert_close(weights(root / "fsdp" / "state.pt"), weights(root / "ddp" / "state.pt"), 1e-5,
+                 "FSDP2 vs DDP, the training loop with its checkpoint")
+
+
+def test_runs_resume_on_another_number_of_processes(runs):
+    root, _ = runs
+    reference = weights(root / "ddp" / "state.pt")  # 2 processes, 6 steps, uninterrupted
+    assert_close(weights(root / "resumed_on_1" / "state.pt"), reference, 1e-6, "2 processes, then 1")
+    assert_close(weights(root / "resumed_on_2" / "state.pt"), reference, 1e-6, "1 process, then 2")
+    for name in ("ddp", "resumed_on_1", "resumed_on_2"):
+        saved = torch.load(root / name / "state.pt", weights_only=False)
+        assert saved["train_state"]["step"] == 6 and saved["optimizer"]["state"]  # Adam moments travelled
+
+
+def test_an_epoch_that_does_not_divide_among_ranks_finishes_like_one_process(runs):
+    root, _ = runs
+    state = torch.load(root / "uneven" / "state.pt", weights_only=False)["train_state"]
+    assert state["epoch"] == 0 and state["step"] > 0  # one epoch, its last step half empty
+    assert_close(weights(root / "uneven" / "state.pt"), weights(root / "uneven_1" / "state.pt"), 1e-6,
+                 "uneven epoch on 2 processes vs 1 process accumulating 2")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="uses pgrep")
+def test_a_killed_rank_stops_the_launcher_quickly(tmp_path):
+    pairs = generate_dates(200, seed=1)
+    (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
+    (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "qkv",
+               "train", "--train-src", str(tmp_path / "s.txt"), "--train-tgt", str(tmp_path / "t.txt"),
+               "--run-dir", str(tmp_path / "run"), "--max-steps", "100000", "--minutes", "0", "--vocab-size", "300",
+               "--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--d-ff", "64",
+               "--no-bf16", "--no-progress", "--max-tokens", "300"]
+    launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "run" / "metrics.jsonl").exists():  # training under way on both ranks
+            assert launcher.poll() is None, launcher.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+        assert len(workers) == 2, workers
+        killed_at = time.monotonic()
+        subprocess.run(["kill", "-9", workers[-1]], check=True)
+        code = launcher.wait(timeout=60)
+        assert code != 0 and time.monotonic() - killed_at < 60
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
