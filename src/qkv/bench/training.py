@@ -1,12 +1,13 @@
 """Training throughput, side by side: qkv's Transformer, ``torch.nn.Transformer`` and Hugging
 Face's MarianMT with the same sizes, on the same batches, with the same loss and optimiser.
 
-One training step = zero the gradients, forward (under bfloat16 autocast for ``+bf16``
-contenders), label-smoothed cross-entropy summed over real target tokens divided by their count,
-backward, gradient clipping at 1.0, Adam. The loss is the same function for every contender: qkv
-computes it as its trainer does, with ``Transformer.loss`` (the output projection fused with the
-loss, :mod:`qkv.loss`; ``+compile`` compiles that call); the others from their logits with
-``F.cross_entropy`` (``+compile`` compiles forward and loss). Round ``r`` of the interleaved timing
+One training step is qkv's own, :meth:`qkv.training.Trainer.step`, for every contender: zero the
+gradients, forward (under bfloat16 autocast for ``+bf16`` contenders), label-smoothed
+cross-entropy summed over real target tokens divided by their count, backward, gradient clipping
+at 1.0, the paper's schedule and Adam. Only the loss call differs: qkv computes it as its trainer
+does, with ``Transformer.loss`` (the output projection fused with the loss, :mod:`qkv.loss`); the
+others from their logits with the same label-smoothed cross-entropy. ``+compile`` compiles the
+loss call (for qkv the encoder and decoder; for the others forward and loss). Round ``r`` of the interleaved timing
 gives every contender the same batch, so tokens/s are comparable; a contender's figure is target
 tokens trained divided by the seconds its timed steps took.
 
@@ -16,6 +17,7 @@ autocast and ``+compile`` for ``torch.compile`` (qkv only by default).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -27,7 +29,8 @@ from qkv.bench.data import BenchData
 from qkv.bench.timing import paired_ratio, ratio, time_interleaved
 from qkv.loss import label_smoothed_cross_entropy
 from qkv.models import Transformer, TransformerConfig
-from qkv.precision import autocast_context
+from qkv.training import Trainer, TrainConfig
+from qkv.training.tasks import TranslationTask, translation_loss
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +70,23 @@ def parse_contender(name: str) -> tuple[str, bool, bool]:
     return family, "bf16" in flags, "compile" in flags
 
 
+class _ContenderTask:
+    """The loss call of one contender, for :meth:`Trainer.step` (the rest of the step is shared)."""
+
+    loss = staticmethod(TranslationTask.loss)
+
+    def __init__(self, model: nn.Module, pad_id: int) -> None:
+        if isinstance(model, Transformer):
+            self.loss_fn = translation_loss
+        else:
+            self.loss_fn = functools.partial(_loss_from_logits, pad_id=pad_id)
+
+
+def _loss_from_logits(model: nn.Module, src, tgt_in, tgt_out, *, label_smoothing: float, pad_id: int):
+    logits = model(src, tgt_in)  # (b, s_tgt, V)
+    return label_smoothed_cross_entropy(logits, tgt_out, label_smoothing, pad_id)
+
+
 def make_train_step(
     model: nn.Module,
     data: BenchData,
@@ -75,34 +95,18 @@ def make_train_step(
     bf16: bool = False,
     compile_model: bool = False,
     label_smoothing: float = 0.1,
-    lr: float = 1e-4,
+    d_model: int = 256,
 ) -> Callable[[], int]:
-    """A zero-argument training step over ``data.batches`` in order (cycling). Returns the step's
-    target token count."""
-    model.to(device).train()
-    if isinstance(model, Transformer):  # qkv: Transformer.loss, as its trainer runs it
-        forward = model.loss
-    else:
-
-        def forward(src, tgt_in, tgt_out, *, label_smoothing):
-            logits = model(src, tgt_in)  # (b, s_tgt, V)
-            return label_smoothed_cross_entropy(logits, tgt_out, label_smoothing, data.pad_id)
-
-    if compile_model:
-        forward = torch.compile(forward, dynamic=True)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
+    """A zero-argument training step (:meth:`qkv.training.Trainer.step`) over ``data.batches`` in
+    order (cycling). Returns the step's target token count."""
+    config = TrainConfig(bf16=bf16, compile=compile_model, label_smoothing=label_smoothing, progress=False)
+    trainer = Trainer(model.to(device), _ContenderTask(model, data.pad_id), config, d_model=d_model)
     position = [0]
 
     def step() -> int:
         batch = data.batches[position[0] % len(data.batches)]
         position[0] += 1
-        optimizer.zero_grad(set_to_none=True)
-        with autocast_context(device, bf16):
-            loss = forward(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing)
-        (loss / batch.num_tgt_tokens).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        return batch.num_tgt_tokens
+        return trainer.step([batch]).tokens
 
     return step
 
@@ -142,7 +146,8 @@ def training_benchmark(
             logger.warning("%s left out: %s", name, err)
             continue
         parameters[name] = count_parameters(model)
-        steps[name] = make_train_step(model, data, device=device, bf16=bf16, compile_model=compile_model)
+        steps[name] = make_train_step(model, data, device=device, bf16=bf16, compile_model=compile_model,
+                                      d_model=config.d_model)
     timings = time_interleaved(steps, device=device, repeats=repeats, warmup=warmup, budget_s=budget_s)
     # every contender consumed the same batches: `warmup` untimed, then one per timed round
     tokens = [b.num_tgt_tokens for b in data.batches]

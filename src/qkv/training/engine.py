@@ -75,11 +75,13 @@ class Trainer:
         run_dir: the run folder (holds config.json and tokenizer.json once the run is created).
         dist: this process's place among several (:func:`~qkv.training.distributed.init_distributed`);
             default: alone.
+        d_model: the width the learning-rate schedule is scaled by (default ``model.config.d_model``).
     """
 
     def __init__(self, model: torch.nn.Module, task, config: TrainConfig, run_dir: str | Path | None = None, *,
-                 dist: Distributed | None = None) -> None:
+                 dist: Distributed | None = None, d_model: int | None = None) -> None:
         self.model, self.task, self.config = model, task, config
+        self.d_model = d_model or model.config.d_model
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.device = next(model.parameters()).device
         self.dist = dist or Distributed(device=self.device)
@@ -119,7 +121,7 @@ class Trainer:
             raise FloatingPointError(f"the loss is {loss_sum} at step {s.step + 1}; lower --lr-factor or check the data")
         params = [p for p in self.module.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip_norm if c.clip_norm > 0 else math.inf)
-        lr = inverse_sqrt_lr(s.step + 1, self.model.config.d_model, c.warmup_steps, c.lr_factor)
+        lr = inverse_sqrt_lr(s.step + 1, self.d_model, c.warmup_steps, c.lr_factor)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
