@@ -276,7 +276,7 @@ class Trainer:
             _set_rng_state(per_process[self.dist.rank])
         else:  # more processes than saved: a fresh, reproducible stream for this one
             torch.manual_seed(self.config.seed + 1_000_003 * self.dist.rank + saved["train_state"]["step"])
-        if self.dist.is_main and len(per_process) != self.dist.world_size:
+        if self.dist.is_main and len(per_process) != self.dist.world_size and saved["train_state"]["step"]:
             logger.info("resuming %d-process training on %d processes: same weights, optimizer and data position; "
                         "dropout masks differ from an uninterrupted run", len(per_process), self.dist.world_size)
         self.state = TrainState(**saved["train_state"])
@@ -287,8 +287,9 @@ class Trainer:
                 with open(self.metrics_path, "r+b") as handle:  # lines logged after the saved step are replayed
                     handle.truncate(self.state.metrics_bytes)
             self._remove_unkept_checkpoints()
-            logger.info("resumed at step %d (epoch %d, %.1f minutes done)", self.state.step, self.state.epoch,
-                        self.state.seconds / 60)
+            if self.state.step:
+                logger.info("resumed at step %d (epoch %d, %.1f minutes done)", self.state.step, self.state.epoch,
+                            self.state.seconds / 60)
         self.dist.barrier()
 
     def _save_after_failure(self, step_start: tuple | None) -> None:
