@@ -332,3 +332,26 @@ def test_bf16_probe_reports_its_figures():
     assert (reason is None) == bf16_is_fast("cpu")
     if reason is not None:
         assert f"{bf16 / fp32:.0f}x the float32 time" in reason
+
+
+def test_first_step_after_the_step0_checkpoint_equals_a_hand_written_adam_step(tmp_path):
+    """The step-0 checkpoint (written when a run is created) must not touch the optimizer: asking
+    torch for an optimizer state dict before the first step steps Adam with zero gradients, and
+    its first real step is then bias-corrected as a second one. Reference: one step by hand."""
+    import copy
+
+    pairs = generate_dates(64, seed=5)
+    train = TrainConfig(max_tokens=400, warmup_steps=4, max_steps=1, progress=False, average_last=1,
+                        label_smoothing=0.1)
+    trainer = tiny_run(tmp_path, pairs, train, dropout=0.0)
+    reference = copy.deepcopy(trainer.model)
+    trainer.save()  # what start_run does when it creates the run folder
+    batch = trainer.task.make_batch(trainer.task.batches(0, train.max_tokens, train.seed)[0])
+    trainer.step([batch])
+
+    optimizer = torch.optim.Adam(reference.parameters(), lr=inverse_sqrt_lr(1, 32, 4), betas=(0.9, 0.98), eps=1e-9)
+    loss = reference.loss(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=0.1)
+    (loss / batch.num_tgt_tokens).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    optimizer.step()
+    assert_same_weights(params(trainer.model), params(reference))

@@ -185,6 +185,11 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, sharde
     name, whatever the strategy. A collective under FSDP2: every process must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    if optimizer is not None and not optimizer.state:
+        # before the first step there is nothing to save, and get_optimizer_state_dict would create
+        # the state by stepping with zero gradients: Adam's step count 1, its first real step then
+        # bias-corrected as a second one
+        optimizer = None
     if not sharded:  # the live tensors: torch.save writes them at once, tied weights stored once
         optim = get_optimizer_state_dict(model, optimizer) if optimizer is not None else None
         return model.state_dict(), optim
