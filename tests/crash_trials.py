@@ -29,7 +29,7 @@ from safetensors import safe_open
 from qkv.cli import main
 from qkv.data.dates import generate_dates
 
-STEPS = 60
+STEPS = 150
 MODEL = ["--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--d-ff", "64",
          "--vocab-size", "300", "--max-len", "64"]
 TRAIN = ["--max-tokens", "400", "--checkpoint-every-steps", "1", "--average-last", "2", "--minutes", "0",
@@ -128,7 +128,7 @@ def check_after_kill(run_dir: Path, scratch: Path, expected: dict[str, torch.Ten
 
 
 def run_chain(root: Path, src: Path, tgt: Path, expected: dict[str, torch.Tensor], kills: int, *,
-              seed: int, window: float = 1.5, log=None) -> ChainReport:
+              seed: int, window: float = 1.0, log=None) -> ChainReport:
     """Kill one run ``kills`` times at random moments, checking after each kill; then let it finish."""
     rng = random.Random(seed)
     run_dir = root / "chain"
