@@ -277,8 +277,9 @@ class Trainer:
         else:  # more processes than saved: a fresh, reproducible stream for this one
             torch.manual_seed(self.config.seed + 1_000_003 * self.dist.rank + saved["train_state"]["step"])
         if self.dist.is_main and len(per_process) != self.dist.world_size and saved["train_state"]["step"]:
-            logger.info("resuming %d-process training on %d processes: same weights, optimizer and data position; "
-                        "dropout masks differ from an uninterrupted run", len(per_process), self.dist.world_size)
+            logger.info("the checkpoint holds the random state of %d process(es), resuming on %d: same weights, "
+                        "optimizer and data position; dropout masks differ from an uninterrupted run",
+                        len(per_process), self.dist.world_size)
         self.state = TrainState(**saved["train_state"])
         self.state.kept_checkpoints = self.state.kept_checkpoints or []
         if self.dist.is_main:
