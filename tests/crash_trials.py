@@ -71,9 +71,9 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "state.pt", weights_only=False, map_location="cpu")["model"]
 
 
-def uninterrupted(root: Path, src: Path, tgt: Path) -> dict[str, torch.Tensor]:
+def uninterrupted(root: Path, src: Path, tgt: Path, steps: int = STEPS) -> dict[str, torch.Tensor]:
     run_dir = root / "uninterrupted"
-    assert quiet_main(start_args(src, tgt, run_dir)) == 0
+    assert quiet_main(start_args(src, tgt, run_dir, steps)) == 0
     return final_weights(run_dir)
 
 
@@ -128,7 +128,7 @@ def check_after_kill(run_dir: Path, scratch: Path, expected: dict[str, torch.Ten
 
 
 def run_chain(root: Path, src: Path, tgt: Path, expected: dict[str, torch.Tensor], kills: int, *,
-              seed: int, window: float = 1.0, log=None) -> ChainReport:
+              seed: int, steps: int = STEPS, window: float = 1.0, log=None) -> ChainReport:
     """Kill one run ``kills`` times at random moments, checking after each kill; then let it finish."""
     rng = random.Random(seed)
     run_dir = root / "chain"
@@ -136,7 +136,7 @@ def run_chain(root: Path, src: Path, tgt: Path, expected: dict[str, torch.Tensor
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     startup = None
     for _ in range(kills):
-        argv = resume_args(run_dir) if run_dir.exists() else start_args(src, tgt, run_dir)
+        argv = resume_args(run_dir) if run_dir.exists() else start_args(src, tgt, run_dir, steps)
         began = time.monotonic()
         process = subprocess.Popen([sys.executable, "-m", "qkv", *argv], env=env, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.PIPE)
@@ -160,7 +160,7 @@ def run_chain(root: Path, src: Path, tgt: Path, expected: dict[str, torch.Tensor
         if log:
             log(kill)
     if not run_dir.exists():
-        assert quiet_main(start_args(src, tgt, run_dir)) == 0
+        assert quiet_main(start_args(src, tgt, run_dir, steps)) == 0
     else:
         assert quiet_main(resume_args(run_dir)) == 0
     weights = final_weights(run_dir)

@@ -7,14 +7,15 @@ import pytest
 import crash_trials
 
 
-def trials(tmp_path, chains, kills_per_chain):
+def trials(tmp_path, chains, kills_per_chain, steps=crash_trials.STEPS, window=1.0):
     src, tgt = crash_trials.write_data(tmp_path / "data")
-    expected = crash_trials.uninterrupted(tmp_path, src, tgt)
+    expected = crash_trials.uninterrupted(tmp_path, src, tgt, steps)
     kills = []
     for chain in range(chains):
         root = tmp_path / f"chain{chain}"
         root.mkdir()
-        report = crash_trials.run_chain(root, src, tgt, expected, kills_per_chain, seed=chain)
+        report = crash_trials.run_chain(root, src, tgt, expected, kills_per_chain, seed=chain, steps=steps,
+                                        window=window)
         assert report.chain_final_equal, f"chain {chain}: the run killed {kills_per_chain} times ended elsewhere"
         kills += report.kills
     failures = [k for k in kills if not (k.translate_ok and k.resumed_equal)]
@@ -23,7 +24,7 @@ def trials(tmp_path, chains, kills_per_chain):
 
 
 def test_ten_kills_lose_nothing(tmp_path):
-    kills = trials(tmp_path, chains=1, kills_per_chain=10)
+    kills = trials(tmp_path, chains=1, kills_per_chain=10, steps=80, window=0.6)  # shorter: the default suite
     assert len(kills) == 10
 
 
