@@ -355,3 +355,17 @@ def test_first_step_after_the_step0_checkpoint_equals_a_hand_written_adam_step(t
     torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
     optimizer.step()
     assert_same_weights(params(trainer.model), params(reference))
+
+
+def test_the_loop_returns_freed_heap_memory_and_logs_resident_memory(tmp_path, monkeypatch):
+    import qkv.memory
+
+    calls = []
+    monkeypatch.setattr(qkv.memory, "trim_heap", lambda: calls.append(1) or True)
+    pairs = generate_dates(64, seed=5)
+    train = TrainConfig(max_tokens=400, warmup_steps=4, max_steps=100, progress=False, average_last=1,
+                        log_every_steps=50)
+    tiny_run(tmp_path, pairs, train).train()
+    assert len(calls) == 2  # after steps 50 and 100
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rss_mb"] > 10 for r in logged)
