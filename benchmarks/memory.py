@@ -230,7 +230,17 @@ def flatness(samples: list[dict], warmup_minutes: float, tolerance: float, key: 
 
 
 def label(run: dict) -> str:
-    return run["precision"] + ("" if run["fix"] == "none" else f", {run['fix']}")
+    if run["fix"] == "none":
+        return f"{run['precision']}, no fix"
+    names = {"fix": f"trim every {run.get('trim_every_steps', '?')} steps + oneDNN cache 8",
+             "trim": f"trim every {run.get('trim_every_steps', '?')} steps", "onednn": "oneDNN cache 8",
+             "mmap": f"mmap >= {(run.get('settings') or {}).get('mmap_threshold') or 0:,} B"}
+    return f"{run['precision']}, " + " + ".join(names.get(part, part) for part in run["fix"].split("+"))
+
+
+def plot_title(machine: dict) -> str:
+    return (f"Resident memory, Multi30k en-de training (library recipe)\n{machine['cpu']} "
+            f"({machine['torch_cpu_capability']}), {machine['torch_threads']} threads, torch {machine['torch']}")
 
 
 def plot(runs: list[dict], path: Path, warmup_minutes: float, title: str) -> None:
@@ -241,7 +251,7 @@ def plot(runs: list[dict], path: Path, warmup_minutes: float, title: str) -> Non
 
     from qkv.fileio import atomic_path
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 6))
     for index, run in enumerate(runs):
         color = f"C{index}"
         between = [(s["between_steps_minutes"], s["rss_between_steps_mb"]) for s in run["samples"]
@@ -258,7 +268,7 @@ def plot(runs: list[dict], path: Path, warmup_minutes: float, title: str) -> Non
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), fontsize=8, ncol=1, frameon=False)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
@@ -282,6 +292,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "memory.json"))
     p.add_argument("--figure", default=str(REPO / "docs" / "figures" / "memory.png"))
+    p.add_argument("--replot", action="store_true", help="redraw --figure from the --out JSON; no training")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--precision", default="float32", help=argparse.SUPPRESS)
     p.add_argument("--fix", default="none", help=argparse.SUPPRESS)
@@ -290,6 +301,10 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.child:
         return child(args)
+    if args.replot:
+        report = json.loads(Path(args.out).read_text())
+        plot(report["runs"], Path(args.figure), report["warmup_minutes"], plot_title(report["machine"]))
+        return 0
 
     import torch
 
@@ -349,8 +364,7 @@ def main() -> int:
         "runs": runs,
     }
     write_json(args.out, report)
-    title = f"Multi30k training, {machine['cpu']}, {args.threads} threads, torch {machine['torch']}"
-    plot(runs, Path(args.figure), args.warmup_minutes, title)
+    plot(runs, Path(args.figure), args.warmup_minutes, plot_title(machine))
     for run in runs:
         f = run["flatness"]
         print(f"{label(run):24s} steps {run['steps']:5d}  RSS after warm-up {f.get('min_mb')}-{f.get('max_mb')} MB  "
