@@ -33,6 +33,7 @@ from qkv import checkpoint as ckpt
 from qkv.data.sources import load_split
 from qkv.evaluation import score_translations, translate_texts
 from qkv.runs import run_training, start_run
+from qkv.memory import limit_memory_growth
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -93,6 +94,7 @@ def main() -> int:
         train_options["bf16"] = False  # else the recipe's: bf16 where this machine runs it fast
     data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": args.src, "tgt_lang": args.tgt}
 
+    limit_memory_growth()  # as the CLI does, before the first oneDNN primitive (the bf16 probe is one)
     t0 = time.perf_counter()
     trainer = start_run(run_dir, data=data, model_options=model_options, train_options=train_options,
                         vocab_size=args.vocab, overwrite=True, device=device)

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from qkv import checkpoint as ckpt
 from qkv.data.batching import Batch
-from qkv.memory import HeapTrimmer, resident_memory_bytes
+from qkv.memory import HeapTrimmer, resident_memory_bytes, trim_heap
 from qkv.precision import autocast_context
 from qkv.training.config import TrainConfig, TrainState, inverse_sqrt_lr
 from qkv.training.distributed import Distributed, full_state, gradient_sync, load_full_state, plain_copy, wrap
@@ -232,6 +232,7 @@ class Trainer:
         if evaluate:
             s.last_eval_seconds = s.seconds
             self.evaluate()
+            trim_heap()  # decoding made tensors of many new shapes
         if keep:
             s.last_checkpoint_seconds = s.seconds
             self.keep_checkpoint()
