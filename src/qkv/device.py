@@ -22,7 +22,7 @@ def pick_device(requested: str | torch.device | None = None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(requested)
-    except (RuntimeError, TypeError) as err:
+    except (RuntimeError, TypeError):
         raise ValueError(f"unknown device {str(requested)!r}; use cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():

@@ -27,7 +27,6 @@ def _number(kind, minimum, what, maximum=None):
 
 positive_int = _number(int, 1, "an integer >= 1")
 non_negative_int = _number(int, 0, "an integer >= 0")
-non_negative_float = _number(float, 0.0, "a number >= 0")
 length_penalty = _number(float, 0.0, "a number from 0 to 10", maximum=10.0)
 
 

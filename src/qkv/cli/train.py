@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from qkv.device import pick_device
-    from qkv.runs import TrainingCrashed, resume_run, run_training, start_run
+    from qkv.runs import resume_run, start_run
     from qkv.training.distributed import init_distributed, shutdown
 
     set_threads(args.threads)  # under torchrun, OMP_NUM_THREADS (1 by default) sets each process's share
@@ -153,12 +153,15 @@ def run(args: argparse.Namespace) -> int:
             torch.manual_seed(args.seed or 0)
             trainer = start_run(args.run_dir, data=spec, model_options=model_options, train_options=train_options,
                                 vocab_size=args.vocab_size, overwrite=args.overwrite, device=args.device, dist=dist)
-        return _train(trainer, args.run_dir, run_training, TrainingCrashed)
+        return _train(trainer, args.run_dir)
     finally:
         shutdown()
 
 
-def _train(trainer, run_dir: str, run_training, crashed) -> int:
+def _train(trainer, run_dir: str) -> int:
+    """Run the loop; report Ctrl-C and a failed step in one line each (rank 0 speaks for all)."""
+    from qkv.runs import TrainingCrashed, run_training
+
     try:
         path = run_training(trainer)
     except KeyboardInterrupt:
@@ -166,7 +169,7 @@ def _train(trainer, run_dir: str, run_training, crashed) -> int:
             print(f"interrupted: checkpoint saved at step {trainer.state.step}; continue with "
                   f"qkv train --run-dir {run_dir} --resume", file=sys.stderr)
         return 130
-    except crashed as err:
+    except TrainingCrashed as err:
         print(f"qkv train: error: {err}; the last whole step ({err.step}) is saved: after fixing the cause, "
               f"continue with qkv train --run-dir {run_dir} --resume", file=sys.stderr)
         return 1

@@ -13,7 +13,7 @@ import datetime
 import logging
 import os
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -91,8 +91,8 @@ def init_distributed(device: str | torch.device | None = None, *, timeout_minute
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1 and not dist.is_initialized():
         return Distributed(device=pick_device(device))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and (device is None or str(device) in ("auto",) or
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # the rank itself comes from the process group
+    use_cuda = torch.cuda.is_available() and (device is None or str(device) == "auto" or
                                               str(device).startswith("cuda"))
     if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
         pick_device(device)  # raises the one-line error
@@ -171,13 +171,8 @@ def gradient_sync(module: nn.Module, enabled: bool):
             yield
         finally:
             module.set_requires_gradient_sync(True)
-    else:
-        with nullcontext():
-            yield
-
-
-def is_sharded(module: nn.Module) -> bool:
-    return hasattr(module, "set_requires_gradient_sync") and not hasattr(module, "no_sync")
+    else:  # one process: nothing to synchronise
+        yield
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, sharded: bool) -> tuple[dict, dict | None]:

@@ -93,6 +93,7 @@ class Trainer:
         self.optimizer = torch.optim.Adam(self.module.parameters(), lr=0.0, betas=config.adam_betas,
                                           eps=config.adam_eps)
         self.state = TrainState(kept_checkpoints=[])
+        self._batches_epoch, self._batches_cache = None, []  # the current epoch's batches, built once
         self.metrics_path = self.run_dir / "metrics.jsonl" if self.run_dir is not None else None
 
     # ----------------------------------------------------------------- the step
@@ -134,7 +135,7 @@ class Trainer:
 
     # ----------------------------------------------------------------- the loop
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
-        if getattr(self, "_batches_epoch", None) != epoch:
+        if self._batches_epoch != epoch:
             self._batches_cache = self.task.batches(epoch, self.config.max_tokens, self.config.seed)
             self._batches_epoch = epoch
         return self._batches_cache
