@@ -68,12 +68,18 @@ def step_scenario(ctx, out: str, run_dir: str, steps: list[list[list[int]]], str
 
 
 def run_scenarios(ctx, out: str, plan: list[tuple]) -> None:
-    """Each entry: ``("steps", run_dir, steps, strategy, name)`` or ``("train", run_dir, train_options)``."""
+    """Each entry: ``("steps", run_dir, steps, strategy, name)``, ``("train", run_dir, train_options)``
+    or ``("copy", run_dir, new_dir)`` (rank 0 copies the folder)."""
+    import shutil
+
     from qkv.runs import resume_run
 
     for entry in plan:
         if entry[0] == "steps":
             step_scenario(ctx, out, *entry[1:])
+        elif entry[0] == "copy":
+            if ctx.is_main:
+                shutil.copytree(entry[1], entry[2])
         else:
             _, run_dir, options = entry
             resume_run(run_dir, train_options={"progress": False, **options}, device="cpu", dist=ctx).train()

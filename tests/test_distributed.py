@@ -57,7 +57,8 @@ def runs(tmp_path_factory):
                      device="cpu")
     batches = base.task.batches(0, TRAIN["max_tokens"], 0)
     uneven_tokens = next(t for t in range(200, 400, 10) if len(base.task.batches(0, t, 0)) % 2 == 1)
-    for name in ("ddp", "resumed_on_1", "resumed_on_2", "uneven", "uneven_1", "fsdp", "steps", "steps_fsdp"):
+    for name in ("ddp", "resumed_on_1", "resumed_on_2", "uneven", "uneven_1", "fsdp", "steps", "steps_fsdp",
+                 "fsdp_resumed_on_2"):
         shutil.copytree(root / "base", root / name)
     steps = [[batches[2 * k], batches[2 * k + 1]] for k in range(5)]
     # 1 process, first half of "resumed_on_2" (accumulating the 2 batches that 2 processes share)
@@ -70,6 +71,10 @@ def runs(tmp_path_factory):
         ("train", str(root / "resumed_on_1"), {"max_steps": 3}),
         ("train", str(root / "resumed_on_2"), {"max_steps": 6, "accum_steps": 1}),
         ("train", str(root / "uneven"), {"max_steps": 0, "max_epochs": 1.0, "max_tokens": uneven_tokens}),
+        # FSDP2 saves its optimizer in shards: 3 steps, a copy resumed later on 1 process, 3 more on 2
+        ("train", str(root / "fsdp_resumed_on_2"), {"max_steps": 3, "strategy": "fsdp"}),
+        ("copy", str(root / "fsdp_resumed_on_2"), str(root / "fsdp_resumed_on_1")),
+        ("train", str(root / "fsdp_resumed_on_2"), {"max_steps": 6, "strategy": "fsdp"}),
     ]
     out = root / "out"
     out.mkdir()
@@ -80,6 +85,7 @@ def runs(tmp_path_factory):
         raise AssertionError(f"the 2-process run failed:\n{errors}") from None
     # 1 process: the second half of "resumed_on_1", and the references
     resume_run(root / "resumed_on_1", train_options={"max_steps": 6, "accum_steps": 2}).train()
+    resume_run(root / "fsdp_resumed_on_1", train_options={"max_steps": 6, "accum_steps": 2}).train()
     resume_run(root / "uneven_1", train_options={"max_steps": 0, "max_epochs": 1.0, "accum_steps": 2,
                                                   "max_tokens": uneven_tokens}).train()
     return root, steps
@@ -125,6 +131,21 @@ def test_runs_resume_on_another_number_of_processes(runs):
     for name in ("ddp", "resumed_on_1", "resumed_on_2"):
         saved = torch.load(root / name / "state.pt", weights_only=False)
         assert saved["train_state"]["step"] == 6 and saved["optimizer"]["state"]  # Adam moments travelled
+
+
+def test_fsdp2_saves_its_optimizer_in_shards_that_resume_on_any_number_of_processes(runs):
+    root, _ = runs
+    # resumed from the step-3 shards on one process, which saves its optimizer whole in state.pt
+    one = torch.load(root / "fsdp_resumed_on_1" / "state.pt", weights_only=False)
+    assert one["optimizer"]["state"] and not list((root / "fsdp_resumed_on_1").glob("optimizer-step*"))
+    saved = torch.load(root / "fsdp_resumed_on_2" / "state.pt", weights_only=False)
+    folder = root / "fsdp_resumed_on_2" / saved["optimizer"]["shards"]
+    assert saved["train_state"]["step"] == 6 and "state" not in saved["optimizer"]
+    assert len(list(folder.glob("*.distcp"))) == 2 and (folder / ".metadata").is_file()  # one shard per process
+    assert [p.name for p in folder.parent.glob("optimizer-step*")] == [folder.name]  # the step-3 shards are gone
+    reference = weights(root / "fsdp" / "state.pt")  # FSDP2, 6 steps, uninterrupted
+    assert_close(weights(root / "fsdp_resumed_on_2" / "state.pt"), reference, 1e-6, "FSDP2 resumed on 2")
+    assert_close(weights(root / "fsdp_resumed_on_1" / "state.pt"), reference, 1e-6, "FSDP2 resumed on 1")
 
 
 def test_an_epoch_that_does_not_divide_among_ranks_finishes_like_one_process(runs):

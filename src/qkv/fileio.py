@@ -18,7 +18,7 @@ from pathlib import Path
 TMP_SUFFIX = ".tmp"
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     """Make a rename in ``folder`` durable (no-op where directories cannot be opened, e.g. Windows)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
@@ -53,7 +53,7 @@ def atomic_path(path: str | Path, *, mode: int = 0o644) -> Iterator[Path]:
             os.fsync(handle.fileno())
         os.chmod(tmp, mode)  # mkstemp creates 0600; qkv's outputs are meant to be shared
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -12,15 +12,19 @@ import copy
 import datetime
 import logging
 import os
+import secrets
+import shutil
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from qkv.device import pick_device
+from qkv.fileio import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +224,54 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, w
             optimizer.load_state_dict(optim)
         else:
             set_optimizer_state_dict(model, optimizer, optim, options=options)
+
+
+SHARDS_PREFIX, SHARDS_SUFFIX = "optimizer-step", ".dcp"
+
+
+def save_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, step: int,
+                          ctx: Distributed) -> dict | None:
+    """Write the optimizer state with ``torch.distributed.checkpoint``: every process writes its
+    own shard (no process ever holds the whole state), plus the metadata that lets any number of
+    processes, sharded or not, read it back. The folder ``optimizer-step<N>-<tag>.dcp`` is made
+    under a temporary name and renamed when whole; the caller's ``state.pt`` then names it, and
+    only after that does :func:`remove_optimizer_shards` drop older ones. A collective.
+
+    Returns what ``state.pt`` stores (``{"shards": folder name}``), or None before the first step.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if not optimizer.state:
+        return None
+    name = ctx.broadcast(f"{SHARDS_PREFIX}{step}-{secrets.token_hex(4)}{SHARDS_SUFFIX}")
+    partial = Path(folder) / f".{name}.partial"
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(partial))
+    if ctx.is_main:
+        os.replace(partial, Path(folder) / name)
+        fsync_dir(Path(folder))
+    return {"shards": name}
+
+
+def remove_optimizer_shards(folder: Path, keep: str | None) -> None:
+    """Remove the optimizer-shard folders other than ``keep`` (older saves, and the partly
+    written ones of a killed run). Rank 0, after ``state.pt`` names ``keep``."""
+    for path in [*Path(folder).glob(f"{SHARDS_PREFIX}*{SHARDS_SUFFIX}"), *Path(folder).glob(f".{SHARDS_PREFIX}*.partial")]:
+        if path.name != keep and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def load_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Read the folder :func:`save_optimizer_shards` wrote into ``optimizer``, resharded to this
+    process's share (or whole, on one process). A collective when several processes run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    # the template: the optimizer's state laid out for this process (created here if still empty;
+    # every value in it is then overwritten by the saved one)
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(path), no_dist=not (dist.is_available() and dist.is_initialized()))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def plain_copy(model: nn.Module) -> nn.Module:

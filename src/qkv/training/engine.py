@@ -29,7 +29,8 @@ from qkv.data.batching import Batch
 from qkv.memory import HeapTrimmer, resident_memory_bytes, trim_heap
 from qkv.precision import autocast_context
 from qkv.training.config import TrainConfig, TrainState, inverse_sqrt_lr
-from qkv.training.distributed import Distributed, full_state, gradient_sync, load_full_state, plain_copy, wrap
+from qkv.training.distributed import (Distributed, full_state, gradient_sync, load_full_state, load_optimizer_shards,
+                                      plain_copy, remove_optimizer_shards, save_optimizer_shards, wrap)
 
 logger = logging.getLogger(__name__)
 
@@ -258,10 +259,15 @@ class Trainer:
 
     def save(self, folder: str | Path | None = None) -> None:
         """Save the resumable checkpoint (one atomic file: weights, optimizer, position, every
-        process's RNG) and ``last.safetensors``, at a step boundary, into ``folder`` (default: the
-        run's). Every process calls it; rank 0 writes."""
+        process's RNG; under FSDP2 the optimizer's shards go to a folder that file names) and
+        ``last.safetensors``, at a step boundary, into ``folder`` (default: the run's). Every
+        process calls it; rank 0 writes."""
         folder = Path(folder) if folder is not None else self.run_dir
-        weights, optim = full_state(self.model, self.optimizer, self.sharded)
+        if self.sharded:  # full weights on rank 0 (the run folder's format), the optimizer in shards
+            weights, _ = full_state(self.model, None, sharded=True)
+            optim = save_optimizer_shards(self.model, self.optimizer, folder, self.state.step, self.dist)
+        else:
+            weights, optim = full_state(self.model, self.optimizer, sharded=False)
         rng = self.dist.gather(_rng_state())
         if self.dist.is_main:
             metrics = folder / "metrics.jsonl"
@@ -272,6 +278,7 @@ class Trainer:
                                  {"train_state": asdict(self.state), "optimizer": optim,
                                   "rng": rng if self.dist.enabled else rng[0], "world_size": self.dist.world_size},
                                  weights=weights)
+            remove_optimizer_shards(folder, keep=optim["shards"] if self.sharded and optim else None)
         self.dist.barrier()
 
     def resume(self) -> None:
@@ -279,7 +286,11 @@ class Trainer:
         processes), cut ``metrics.jsonl`` back to that step and clear what a killed process left."""
         saved = ckpt.load_checkpoint(self.run_dir, clean=self.dist.is_main)
         weights = saved["model"] if "model" in saved else ckpt.read_weights(self.run_dir / "last.safetensors")
-        load_full_state(self.model, self.optimizer, weights, saved["optimizer"], self.sharded)
+        optim = saved["optimizer"]
+        shards = optim.get("shards") if isinstance(optim, dict) else None
+        load_full_state(self.model, self.optimizer, weights, None if shards else optim, self.sharded)
+        if shards:  # written by FSDP2: read back resharded for this run's processes and strategy
+            load_optimizer_shards(self.model, self.optimizer, self.run_dir / shards)
         rng = saved.get("rng", {"cpu": saved.get("torch_rng")})  # the oldest runs: the CPU state only
         per_process = rng if isinstance(rng, list) else [rng]
         if len(per_process) == self.dist.world_size or self.dist.rank < len(per_process):
@@ -298,6 +309,7 @@ class Trainer:
                 with open(self.metrics_path, "r+b") as handle:  # lines logged after the saved step are replayed
                     handle.truncate(self.state.metrics_bytes)
             self._remove_unkept_checkpoints()
+            remove_optimizer_shards(self.run_dir, keep=shards)
             if self.state.step:
                 logger.info("resumed at step %d (epoch %d, %.1f minutes done)", self.state.step, self.state.epoch,
                             self.state.seconds / 60)
