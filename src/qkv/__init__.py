@@ -14,8 +14,8 @@ from qkv.attention import (
 )
 from qkv.dropout import Dropout
 from qkv.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOutput
+from qkv.causal_lm import CausalLM, CausalLMConfig, CausalLMOutput
 from qkv.models import (
-    CausalLM,
     DecoderOutput,
     EncoderModel,
     EncoderOutput,
@@ -37,6 +37,8 @@ def load_pretrained(path, **kwargs):
 __all__ = [
     "AttentionOutput",
     "CausalLM",
+    "CausalLMConfig",
+    "CausalLMOutput",
     "DecoderLayer",
     "DecoderOutput",
     "Dropout",

@@ -1,5 +1,5 @@
-"""Models built from qkv's layers: the encoder-decoder Transformer, an encoder-only model and a
-decoder-only causal language model. Reads top to bottom.
+"""Models built from qkv's layers: the encoder-decoder Transformer and an encoder-only model (the
+decoder-only language model is :mod:`qkv.causal_lm`). Reads top to bottom.
 
 Shape legend: ``b`` batch, ``s_src`` source length, ``s_tgt`` target length, ``d`` d_model,
 ``V`` vocabulary size, ``h`` heads.
@@ -27,11 +27,11 @@ class TransformerConfig:
     """Sizes and options of a qkv model. Defaults are the paper's base model (Table 3)."""
 
     src_vocab_size: int = 32000  # source vocabulary (also the vocabulary of EncoderModel)
-    tgt_vocab_size: int = 32000  # target vocabulary (also the vocabulary of CausalLM)
+    tgt_vocab_size: int = 32000  # target vocabulary
     d_model: int = 512  # model width (d_model)
     num_heads: int = 8  # attention heads (h); d_model must be divisible by it
     num_encoder_layers: int = 6  # encoder layers (N)
-    num_decoder_layers: int = 6  # decoder layers (N); also CausalLM's layer count
+    num_decoder_layers: int = 6  # decoder layers (N)
     d_ff: int = 2048  # inner width of the feed-forward network (d_ff)
     dropout: float = 0.1  # residual and embedding dropout (P_drop, section 5.4)
     attention_dropout: float = 0.0  # dropout on attention weights (not used in the paper)
@@ -166,12 +166,35 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    """A stack of DecoderLayers (masked self-attention, cross-attention, feed-forward)."""
+    """A stack of DecoderLayers (masked self-attention, cross-attention, feed-forward); a final
+    LayerNorm when pre-LN."""
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.layers = nn.ModuleList(DecoderLayer(**config.layer_kwargs()) for _ in range(config.num_decoder_layers))
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
+
+    def forward(
+        self, x: Tensor, memory: EncoderOutput, *, key_padding_mask: Tensor | None = None,
+        need_weights: bool = False, cache: list[tuple[KVCache, KVCache]] | None = None,
+    ) -> tuple[Tensor, list[Tensor] | None, list[Tensor] | None, list[tuple[KVCache, KVCache]]]:
+        """Target states ``x (b, s_tgt, d)`` through every layer against the encoder ``memory``.
+        Returns the hidden states, per-layer self- and cross-attention weights (if asked) and the
+        new (self, cross) cache of every layer."""
+        self_attns, cross_attns, new_cache = ([] if need_weights else None), ([] if need_weights else None), []
+        for i, layer in enumerate(self.layers):
+            self_cache, cross_cache = (None, None) if cache is None else cache[i]
+            out = layer(x, memory.hidden, key_padding_mask=key_padding_mask,
+                        memory_key_padding_mask=memory.key_padding_mask, is_causal=True, need_weights=need_weights,
+                        self_cache=self_cache, cross_cache=cross_cache)
+            x = out.output
+            new_cache.append((out.self_cache, out.cross_cache))
+            if need_weights:
+                self_attns.append(out.self_weights)
+                cross_attns.append(out.cross_weights)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x, self_attns, cross_attns, new_cache
 
 
 def _init_weights(module: nn.Module, d_model: int, pad_id: int | None) -> None:
@@ -247,27 +270,9 @@ class Transformer(nn.Module):
             project: apply the output projection; False leaves ``logits`` None (see :meth:`loss`).
         """
         start = 0 if cache is None else len(cache[0][0])
-        x = self.tgt_embed(tgt, start)  # (b, s_tgt, d)
-        self_attns, cross_attns, new_cache = ([] if need_weights else None), ([] if need_weights else None), []
-        for i, layer in enumerate(self.decoder.layers):
-            self_cache, cross_cache = (None, None) if cache is None else cache[i]
-            out = layer(
-                x,
-                memory.hidden,
-                key_padding_mask=tgt_key_padding_mask,
-                memory_key_padding_mask=memory.key_padding_mask,
-                is_causal=True,
-                need_weights=need_weights,
-                self_cache=self_cache,
-                cross_cache=cross_cache,
-            )
-            x = out.output
-            new_cache.append((out.self_cache, out.cross_cache))
-            if need_weights:
-                self_attns.append(out.self_weights)
-                cross_attns.append(out.cross_weights)
-        if self.decoder.norm is not None:
-            x = self.decoder.norm(x)
+        x, self_attns, cross_attns, new_cache = self.decoder(
+            self.tgt_embed(tgt, start), memory, key_padding_mask=tgt_key_padding_mask, need_weights=need_weights,
+            cache=cache)
         return DecoderOutput(self.output_proj(x) if project else None, x, self_attns, cross_attns, new_cache)
 
     def forward(
@@ -340,25 +345,3 @@ class EncoderModel(nn.Module):
             self.embed(ids), key_padding_mask=key_padding_mask, need_weights=need_weights
         )
         return EncoderModelOutput(hidden, attentions)
-
-
-class CausalLM(nn.Module):
-    """Decoder-only language model: ``num_decoder_layers`` causal self-attention blocks over
-    ``tgt_vocab_size`` tokens, output tied to the embedding when ``tie_output``."""
-
-    def __init__(self, config: TransformerConfig) -> None:
-        super().__init__()
-        self.config = config
-        embedding = nn.Embedding(config.tgt_vocab_size, config.d_model)
-        positional = build_positional_encoding(config.positional, config.d_model, config.max_len)
-        self.embed = TokenEmbedding(embedding, positional, config.d_model, config.dropout)
-        self.blocks = Encoder(config, config.num_decoder_layers)
-        self.output_proj = nn.Linear(config.d_model, config.tgt_vocab_size, bias=False)
-        _init_weights(self, config.d_model, None)
-        if config.tie_output:
-            self.output_proj.weight = embedding.weight
-
-    def forward(self, ids: Tensor, *, need_weights: bool = False) -> tuple[Tensor, list[Tensor] | None]:
-        """Next-token logits ``(b, s, V)`` for ids ``(b, s)``, and per-layer weights if asked."""
-        hidden, attentions = self.blocks(self.embed(ids), is_causal=True, need_weights=need_weights)
-        return self.output_proj(hidden), attentions

@@ -1,0 +1,259 @@
+"""The decoder-only Transformer: a causal language model that predicts the next token.
+
+Embeddings and positions, a stack of masked self-attention blocks (each query sees itself and
+the tokens before it, through ``qkv.scaled_dot_product_attention(is_causal=True)``), a final
+LayerNorm when pre-LN, and the output projection tied to the embedding. GPT-2's layout is the
+default (pre-LN, learned positions, GELU, no embedding scaling), so GPT-2 checkpoints load into
+it (:mod:`qkv.pretrained.gpt2`); ``norm_first=False, scale_embedding=True,
+positional="sinusoidal"`` is the paper's decoder without cross-attention.
+
+Shape legend: ``b`` batch, ``s`` sequence, ``d`` d_model, ``V`` vocabulary, ``h`` heads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from qkv.attention.multihead import KVCache
+from qkv.layers import ACTIVATIONS, EncoderLayer
+from qkv.loss import fused_linear_cross_entropy
+from qkv.positional import POSITIONAL_KINDS, build_positional_encoding
+
+IGNORE = -100  # a target id that adds nothing to the loss
+
+
+@dataclass
+class CausalLMConfig:
+    """Sizes and options of a :class:`CausalLM`; every field means one thing. Defaults: GPT-2 small."""
+
+    vocab_size: int = 50257  # tokens the model reads and predicts
+    d_model: int = 768  # width
+    num_heads: int = 12  # attention heads; d_model must be divisible by it
+    num_layers: int = 12  # masked self-attention blocks
+    d_ff: int = 3072  # inner width of the feed-forward network
+    context: int = 1024  # longest sequence the model attends over (the positional table's size)
+    dropout: float = 0.1  # residual and embedding dropout
+    attention_dropout: float = 0.0  # dropout on attention weights
+    activation: str = "gelu_tanh"  # feed-forward activation: gelu_tanh (GPT-2), gelu or relu (the paper)
+    norm_first: bool = True  # pre-LN (GPT-2) or the paper's post-LN
+    layer_norm_eps: float = 1e-5
+    positional: str = "learned"  # learned (GPT-2) or sinusoidal (the paper) or none
+    scale_embedding: bool = False  # multiply the token embedding by sqrt(d_model) (the paper, section 3.4)
+    tie_output: bool = True  # the output projection is the token embedding (section 3.4)
+    bias: bool = True  # biases in attention and feed-forward projections
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:  # also rejects NaN
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if not self.layer_norm_eps > 0:
+            raise ValueError(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
+        if self.positional not in POSITIONAL_KINDS:
+            raise ValueError(f"unknown positional encoding {self.positional!r}; choose one of {POSITIONAL_KINDS}")
+        if self.positional == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"the sinusoidal encoding needs an even d_model, got {self.d_model}")
+
+    def layer_kwargs(self) -> dict:
+        return dict(d_model=self.d_model, num_heads=self.num_heads, d_ff=self.d_ff, dropout=self.dropout,
+                    attention_dropout=self.attention_dropout, activation=self.activation,
+                    norm_first=self.norm_first, layer_norm_eps=self.layer_norm_eps, bias=self.bias)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CausalLMConfig:
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown CausalLMConfig fields: {unknown}")
+        return cls(**data)
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+@dataclass
+class CausalLMOutput:
+    logits: Tensor | None  # (b, s, V); None with project=False
+    hidden: Tensor  # (b, s, d) the final hidden states
+    attentions: list[Tensor] | None = None  # per layer (b, h, s, s_k)
+    cache: list[KVCache] | None = field(default=None, repr=False)  # per layer, for the next step
+
+
+class CausalDecoder(nn.Module):
+    """The stack: ``num_layers`` blocks of masked self-attention and feed-forward (each an
+    :class:`~qkv.layers.EncoderLayer` run with ``is_causal=True``), then a LayerNorm when pre-LN."""
+
+    def __init__(self, config: CausalLMConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(**config.layer_kwargs()) for _ in range(config.num_layers))
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
+
+    def forward(self, x: Tensor, *, cache: list[KVCache] | None = None, need_weights: bool = False
+                ) -> tuple[Tensor, list[Tensor] | None, list[KVCache]]:
+        """``x (b, s, d)``; ``cache`` from the previous call (its keys come before ``x``).
+        Returns the hidden states, per-layer weights if asked, and the new cache."""
+        attentions, new_cache = ([] if need_weights else None), []
+        for i, layer in enumerate(self.layers):
+            out = layer(x, is_causal=True, need_weights=need_weights, cache=None if cache is None else cache[i])
+            x = out.output
+            new_cache.append(out.self_cache)
+            if need_weights:
+                attentions.append(out.self_weights)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x, attentions, new_cache
+
+
+class CausalLM(nn.Module):
+    """Decoder-only Transformer language model.
+
+    ``forward(ids)`` gives next-token logits at every position; :meth:`loss` is what training
+    minimises (the fused loss: the ``(b, s, V)`` logits are never stored); :meth:`generate` samples
+    continuations with a key/value cache.
+    """
+
+    def __init__(self, config: CausalLMConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        self.token_embedding = nn.Embedding(config.vocab_size, d)
+        self.positional = build_positional_encoding(config.positional, d, config.context)
+        self.embed_scale = math.sqrt(d) if config.scale_embedding else 1.0
+        self.dropout = nn.Dropout(config.dropout)
+        self.decoder = CausalDecoder(config)
+        self.output_proj = nn.Linear(d, config.vocab_size, bias=False)
+        self._init_weights()
+        if config.tie_output:
+            self.output_proj.weight = self.token_embedding.weight
+
+    def _init_weights(self) -> None:
+        """N(0, 0.02) matrices and embeddings (N(0, d^-0.5) when scaled by sqrt(d)), zero biases;
+        the projections that write into the residual stream scaled down by sqrt(2 * layers)
+        (GPT-2), so the residual's variance does not grow with depth."""
+        std = self.config.d_model ** -0.5 if self.config.scale_embedding else 0.02
+        residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(param)
+            elif param.dim() < 2:  # LayerNorm weights
+                continue
+            elif name == "token_embedding.weight":
+                nn.init.normal_(param, std=std)
+            elif name.endswith(("out_proj.weight", "linear2.weight")):
+                nn.init.normal_(param, std=residual_std)
+            elif not name.startswith("positional."):
+                nn.init.normal_(param, std=0.02)
+
+    def forward(self, ids: Tensor, *, cache: list[KVCache] | None = None, need_weights: bool = False,
+                project: bool = True) -> CausalLMOutput:
+        """Args:
+            ids: ``(b, s)`` token ids (with a ``cache``: only the new ones).
+            cache: the previous call's ``cache``; positions continue after it.
+            need_weights: return each layer's attention weights ``(b, h, s, s_k)``.
+            project: compute the logits (False: only ``hidden``, for :meth:`loss`).
+        """
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids must be integers of shape (batch, seq), got {ids.dtype} {tuple(ids.shape)}")
+        start = 0 if cache is None else len(cache[0])
+        if start + ids.size(1) > self.config.context:
+            raise ValueError(f"{start + ids.size(1)} tokens exceed the model's context of {self.config.context}")
+        x = self.dropout(self.positional(self.token_embedding(ids) * self.embed_scale, start))  # (b, s, d)
+        hidden, attentions, new_cache = self.decoder(x, cache=cache, need_weights=need_weights)
+        return CausalLMOutput(self.output_proj(hidden) if project else None, hidden, attentions, new_cache)
+
+    def loss(self, ids: Tensor, targets: Tensor, *, label_smoothing: float = 0.0) -> Tensor:
+        """Summed cross-entropy of predicting ``targets (b, s)`` (usually ``ids`` shifted left by
+        one; ``-100`` where nothing is predicted) from ``ids (b, s)``."""
+        hidden = self(ids, project=False).hidden
+        return fused_linear_cross_entropy(hidden, self.output_proj.weight, targets, label_smoothing, IGNORE)
+
+    @torch.no_grad()
+    def generate(self, ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, generator: torch.Generator | None = None, use_cache: bool = True,
+                 on_step: Callable[[Tensor], bool | None] | None = None) -> Tensor:
+        """Continue every row of ``ids (b, s)`` by up to ``max_new_tokens`` sampled tokens.
+
+        The model sees at most its last ``context`` tokens: a longer sequence is cropped from the
+        left. With ``use_cache`` each step runs only the new token through the model, reusing the
+        keys and values of the earlier ones, until the sequence fills the context; from there on
+        every step re-reads the last ``context`` tokens (their positions moved), which is what
+        ``use_cache=False`` does at every step, so both give the same tokens.
+
+        Args:
+            temperature: divides the logits; 0 picks the most likely token (greedy).
+            top_k: sample among the ``top_k`` most likely tokens only.
+            top_p: sample among the smallest set of most likely tokens whose probability reaches ``top_p``.
+            generator: the random stream (for reproducible samples).
+            on_step: called with the new tokens ``(b,)`` after each step; returning True stops.
+
+        Returns:
+            ``(b, s + n)``: the prompt and the ``n <= max_new_tokens`` new tokens.
+        """
+        check_sampling(max_new_tokens, temperature, top_k, top_p)
+        if ids.dim() != 2 or ids.size(1) < 1:
+            raise ValueError(f"ids must be (batch, seq) with at least one token, got shape {tuple(ids.shape)}")
+        was_training = self.training
+        self.eval()
+        context, cache, out = self.config.context, None, ids
+        try:
+            for _ in range(max_new_tokens):
+                if use_cache and cache is not None and len(cache[0]) < context:
+                    step = self(out[:, -1:], cache=cache)
+                else:  # the first step, no cache, or a full context: read the last `context` tokens
+                    step = self(out[:, -context:])
+                cache = step.cache if use_cache else None
+                new = sample_next(step.logits[:, -1].float(), temperature, top_k, top_p, generator)  # (b,)
+                out = torch.cat([out, new[:, None]], dim=1)
+                if on_step is not None and on_step(new):
+                    break
+        finally:
+            self.train(was_training)
+        return out
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """The sampling options' ranges (``ValueError`` naming the option)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens (--max-new-tokens) must be an integer >= 1, got {max_new_tokens!r}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature (--temperature) must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k (--top-k) must be an integer >= 1, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p (--top-p) must be in (0, 1], got {top_p!r}")
+
+
+def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                generator: torch.Generator | None = None) -> Tensor:
+    """One token per row of ``logits (b, V)``: the most likely one when ``temperature`` is 0, else a
+    sample from ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens
+    and then to the smallest most-likely set whose probability reaches ``top_p`` (the nucleus).
+    Returns ``(b,)`` int64."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (b, 1) the k-th largest
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above each
+        drop_sorted = before >= top_p  # the most likely token always stays (before = 0)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
