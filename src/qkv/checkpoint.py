@@ -4,8 +4,10 @@ checkpoint, each written atomically (:mod:`qkv.fileio`).
 A run folder holds::
 
     config.json          {"qkv_run": 2, "model": TransformerConfig fields, "train": TrainConfig fields,
-                          "data": {...}, "data_fingerprint": {...}}
-    tokenizer.json       the joint BPE tokenizer
+                          "data": {...}, "data_fingerprint": {...}}; a language model's also has
+                          "task": "lm", CausalLMConfig fields as "model", and "lm": {tokenizer, windows}
+    tokenizer.json       the joint BPE tokenizer (a language model's: character or BPE)
+    train.bin, val.bin   a language model's token arrays (qkv.data.text)
     state.pt             the resumable checkpoint, ONE file: weights, optimizer, step, epoch, position
                          in the epoch, RNG states (what --resume reads)
     last.safetensors     the weights at the last saved step (written after state.pt, from the same step)
@@ -185,33 +187,56 @@ def read_run_config(run_dir: str | Path) -> dict:
     return config
 
 
-def load_run(run_dir: str | Path, weights: str = "model") -> tuple[Transformer, Tokenizer, dict]:
-    """Load a trained run for translation.
+def run_task(config: dict) -> str:
+    """What a run's model does: ``"translation"`` (an encoder-decoder) or ``"lm"`` (a language model)."""
+    return config.get("task", "translation")
+
+
+def load_run(run_dir: str | Path, weights: str = "model", *, task: str | None = None):
+    """Load a trained run: a translation model or a language model.
 
     Args:
         run_dir: the run folder.
         weights: ``model`` (averaged/final; falls back to ``last``), ``best`` or ``last``.
+        task: the kind of run the caller can use (``"translation"`` or ``"lm"``); another kind
+            raises ``ValueError`` saying which command fits it. None accepts either.
 
     Returns:
-        ``(model in eval mode, tokenizer, config dict)``.
+        ``(model in eval mode, tokenizer, config dict)``: a :class:`~qkv.models.Transformer` and
+        its BPE tokenizer, or a :class:`~qkv.causal_lm.CausalLM` and its character or BPE tokenizer.
 
     Raises:
         FileNotFoundError / ValueError: a missing or damaged file, in one line naming it.
     """
+    from qkv.causal_lm import CausalLM, CausalLMConfig
+    from qkv.data.text import load_text_tokenizer
+
     run_dir = Path(run_dir)
     config = read_run_config(run_dir)
+    kind = run_task(config)
+    if task is not None and kind != task:
+        hint = "qkv generate / qkv evaluate" if kind == "lm" else "qkv translate / qkv evaluate"
+        what = "a language-model run" if kind == "lm" else "a translation run"
+        raise ValueError(f"{run_dir}: {what}; use {hint} with it")
     try:
-        model_config = TransformerConfig.from_dict(config["model"])
+        if kind == "lm":
+            model_config = CausalLMConfig.from_dict(config["model"])
+            model = CausalLM(model_config)
+            vocab = model_config.vocab_size
+        else:
+            model_config = TransformerConfig.from_dict(config["model"])
+            model = Transformer(model_config)
+            vocab = min(model_config.src_vocab_size, model_config.tgt_vocab_size)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{run_dir / 'config.json'}: bad model section ({err})") from None
-    model = Transformer(model_config)
     path = run_dir / f"{weights}.safetensors"
     if weights == "model" and not path.is_file():
         path = run_dir / "last.safetensors"
     load_weights(model, path)
     model.eval()
-    tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
-    if tokenizer.vocab_size > min(model_config.src_vocab_size, model_config.tgt_vocab_size):
+    tokenizer = load_text_tokenizer(run_dir / "tokenizer.json") if kind == "lm" else Tokenizer.load(
+        run_dir / "tokenizer.json")
+    if tokenizer.vocab_size > vocab:
         raise ValueError(f"{run_dir / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than the model's "
                          f"vocabulary in config.json; the files do not belong together")
     return model, tokenizer, config

@@ -13,16 +13,20 @@ import logging
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from qkv import checkpoint as ckpt
+from qkv.causal_lm import CausalLM, CausalLMConfig
 from qkv.data.parallel import ParallelText
 from qkv.data.sources import check_spec, describe, load_train_valid
+from qkv.data.text import (TEXT_SOURCES, TOKENIZER_KINDS, check_text_spec, load_text_splits, load_text_tokenizer,
+                           read_tokens, train_text_tokenizer, write_tokens)
 from qkv.data.tokenizer import Tokenizer
 from qkv.device import pick_device
 from qkv.models import Transformer, TransformerConfig
 from qkv.precision import bf16_is_fast
-from qkv.training import Distributed, TrainConfig, Trainer, TrainingCrashed, TranslationTask
+from qkv.training import Distributed, LanguageModelTask, TrainConfig, Trainer, TrainingCrashed, TranslationTask
 from qkv.viz.curves import plot_metrics
 
 logger = logging.getLogger(__name__)
@@ -55,6 +59,17 @@ RECIPES: dict[str, dict] = {
     },
 }
 RECIPES["files"] = RECIPES["multi30k"]
+# Language models (task "lm"): a character-level model sized for half an hour on a 2-core CPU (see
+# benchmarks/train_lm.py); any UTF-8 text ("text") gets the same recipe.
+RECIPES["tinyshakespeare"] = {
+    "task": "lm",
+    "lm": {"tokenizer": "char", "windows": "random"},
+    "vocab_size": 2000,  # with --tokenizer bpe
+    "model": dict(d_model=256, num_heads=4, num_layers=4, d_ff=1024, context=128, dropout=0.1),
+    "train": dict(max_tokens=8192, warmup_steps=200, lr_factor=0.5, label_smoothing=0.0, max_minutes=30.0,
+                  eval_every_minutes=2.0, eval_sentences=200, checkpoint_every_minutes=3.0, average_last=1),
+}
+RECIPES["text"] = RECIPES["tinyshakespeare"]
 
 
 def data_fingerprint(data: ParallelText) -> dict:
@@ -78,6 +93,25 @@ def _model_config(recipe: dict, model_options: dict | None, vocab_size: int, pad
                                 "tgt_vocab_size": vocab_size, "pad_id": pad_id})
 
 
+def _check_run_dir(run_dir: Path, overwrite: bool, inputs: list[str]) -> None:
+    if run_dir.exists():
+        if not overwrite:
+            raise ValueError(f"{run_dir}: run folder exists; pass --resume to continue it or --overwrite to replace it")
+        ckpt.check_replaceable(run_dir, inputs=inputs)
+
+
+def _bf16_where_fast(train_config: TrainConfig, train_options: dict | None, device: torch.device) -> TrainConfig:
+    """The recipe's bf16 only where bfloat16 matrix products are fast; asked for explicitly, kept with a warning."""
+    if train_config.bf16 and not bf16_is_fast(device):
+        if "bf16" in (train_options or {}):
+            logger.warning("bf16 autocast asked for, but bfloat16 matrix products are slower than float32 "
+                           "on this %s (no bf16 matrix instructions): expect slow steps", device.type)
+        else:  # the recipe's choice, made for hardware with bf16 units
+            logger.info("bf16 autocast off: this %s has no fast bfloat16 matrix products", device.type)
+            train_config = replace(train_config, bf16=False)
+    return train_config
+
+
 def start_run(
     run_dir: str | Path,
     *,
@@ -85,6 +119,7 @@ def start_run(
     model_options: dict | None = None,
     train_options: dict | None = None,
     vocab_size: int | None = None,
+    lm_options: dict | None = None,
     overwrite: bool = False,
     device: str | torch.device | None = None,
     dist: Distributed | None = None,
@@ -100,11 +135,15 @@ def start_run(
     Args:
         run_dir: the run folder to create.
         data: a data spec (:mod:`qkv.data.sources`), e.g. ``{"source": "multi30k", "src_lang": "en",
-            "tgt_lang": "de"}``.
-        model_options: :class:`TransformerConfig` fields over the source's recipe (vocabulary
+            "tgt_lang": "de"}``; or for a language model (:mod:`qkv.data.text`)
+            ``{"source": "tinyshakespeare"}`` or ``{"source": "text", "train_text": path}``.
+        model_options: :class:`TransformerConfig` fields (a language model's:
+            :class:`~qkv.causal_lm.CausalLMConfig` fields) over the source's recipe (vocabulary
             sizes and ``pad_id`` come from the tokenizer).
         train_options: :class:`TrainConfig` fields over the recipe.
         vocab_size: BPE vocabulary size (default: the recipe's).
+        lm_options: a language model's ``tokenizer`` (``char`` or ``bpe``) and ``windows``
+            (``random`` or ``strided``).
         overwrite: replace ``run_dir`` if it is a qkv run folder (or empty); anything else is refused.
         device: where the model trains (default: CUDA when present, else CPU).
         dist: this process's place among several (default: alone).
@@ -117,7 +156,7 @@ def start_run(
         if dist.is_main:
             try:
                 start_run(run_dir, data=data, model_options=model_options, train_options=train_options,
-                          vocab_size=vocab_size, overwrite=overwrite, device="cpu")
+                          vocab_size=vocab_size, lm_options=lm_options, overwrite=overwrite, device="cpu")
             except (ValueError, OSError) as err:
                 failure = (type(err).__name__, str(err))
         failure = dist.broadcast(failure)
@@ -126,13 +165,16 @@ def start_run(
             raise kind(failure[1])
         return resume_run(run_dir, device=device, dist=dist)
     run_dir = Path(run_dir)
+    if data.get("source") in TEXT_SOURCES:
+        return _start_lm_run(run_dir, data=data, model_options=model_options, train_options=train_options,
+                             vocab_size=vocab_size, lm_options=lm_options, overwrite=overwrite, device=device)
+    if lm_options:
+        raise ValueError(f"{', '.join(sorted(lm_options))}: options of a language model (--data tinyshakespeare or "
+                         "--train-text)")
     check_spec(data)
     recipe = RECIPES[data["source"]]
     device = pick_device(device)
-    if run_dir.exists():
-        if not overwrite:
-            raise ValueError(f"{run_dir}: run folder exists; pass --resume to continue it or --overwrite to replace it")
-        ckpt.check_replaceable(run_dir, inputs=_input_files(data))
+    _check_run_dir(run_dir, overwrite, _input_files(data))
     vocab_size = recipe["vocab_size"] if vocab_size is None else vocab_size
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 260:
         raise ValueError(f"vocab_size (--vocab-size) must be an integer >= 260 (256 bytes + 4 specials), "
@@ -147,13 +189,7 @@ def start_run(
     tokenizer = Tokenizer.train(train_data.src + train_data.tgt, vocab_size=vocab_size,
                                 split_digits=recipe["split_digits"])
     model_config = _model_config(recipe, model_options, tokenizer.vocab_size, tokenizer.pad_id)
-    if train_config.bf16 and not bf16_is_fast(device):
-        if "bf16" in (train_options or {}):
-            logger.warning("bf16 autocast asked for, but bfloat16 matrix products are slower than float32 "
-                           "on this %s (no bf16 matrix instructions): expect slow steps", device.type)
-        else:  # the recipe's choice, made for hardware with bf16 units
-            logger.info("bf16 autocast off: this %s has no fast bfloat16 matrix products", device.type)
-            train_config = replace(train_config, bf16=False)
+    train_config = _bf16_where_fast(train_config, train_options, device)
     task = TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len,
                            pad_id=model_config.pad_id)  # drops over-long pairs
     trainer = Trainer(Transformer(model_config).to(device), task, train_config, run_dir)
@@ -191,10 +227,17 @@ def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
     device = pick_device(device)
     try:
         train_config = TrainConfig.from_dict({**config.get("train", {}), **(train_options or {})})
-        model_config = TransformerConfig.from_dict(config["model"])
+        if ckpt.run_task(config) != "lm":
+            TransformerConfig.from_dict(config["model"])
+        else:
+            _open_lm_model(config)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{run_dir / 'config.json'}: {err}") from None
     train_config.check_stops()
+    if ckpt.run_task(config) == "lm":
+        trainer = Trainer(_open_lm_model(config).to(device), _open_lm_task(run_dir, config), train_config, run_dir,
+                          dist=dist)
+        return _resumed(trainer, run_dir, config, train_config, train_options)
     train_data, valid_data = load_train_valid(config["data"])
     saved_print, now = config.get("data_fingerprint"), data_fingerprint(train_data)
     if saved_print and saved_print != now:
@@ -202,12 +245,96 @@ def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
                          f"{now['pairs']}{'' if saved_print['pairs'] != now['pairs'] else ', different text'}): "
                          "resuming would not continue the same run; restore the data or start a new --run-dir")
     tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
+    model_config = TransformerConfig.from_dict(config["model"])
     task = TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len,
                            pad_id=model_config.pad_id)
     trainer = Trainer(Transformer(model_config).to(device), task, train_config, run_dir, dist=dist)
+    return _resumed(trainer, run_dir, config, train_config, train_options)
+
+
+def _resumed(trainer: Trainer, run_dir: Path, config: dict, train_config: TrainConfig,
+             train_options: dict | None) -> Trainer:
     trainer.resume()
     if train_options and asdict(train_config) != config.get("train") and trainer.dist.is_main:
         ckpt.write_config(run_dir, {**config, "train": asdict(train_config)})
+    return trainer
+
+
+# ------------------------------------------------------------------ language models
+def _lm_model_config(recipe: dict, model_options: dict | None, vocab_size: int) -> CausalLMConfig:
+    known = {f.name for f in fields(CausalLMConfig)}
+    unknown = sorted(set(model_options or {}) - known)
+    if unknown:
+        raise ValueError(f"unknown language-model options: {unknown}")
+    return CausalLMConfig(**{**recipe["model"], **(model_options or {}), "vocab_size": vocab_size})
+
+
+def _open_lm_model(config: dict) -> CausalLM:
+    return CausalLM(CausalLMConfig.from_dict(config["model"]))
+
+
+def _open_lm_task(run_dir: Path, config: dict) -> LanguageModelTask:
+    """The task of a language-model run, from the token arrays it keeps (memory-mapped)."""
+    vocab = config["model"]["vocab_size"]
+    lm = config.get("lm", {})
+    return LanguageModelTask(load_text_tokenizer(run_dir / "tokenizer.json"),
+                             read_tokens(run_dir / "train.bin", vocab), read_tokens(run_dir / "val.bin", vocab),
+                             context=config["model"]["context"], windows=lm.get("windows", "random"),
+                             chars_per_token=lm.get("chars_per_token", 1.0))
+
+
+def _start_lm_run(run_dir: Path, *, data: dict, model_options: dict | None, train_options: dict | None,
+                  vocab_size: int | None, lm_options: dict | None, overwrite: bool,
+                  device: str | torch.device | None) -> Trainer:
+    """:func:`start_run` for a language model: the text is tokenised once into ``train.bin`` and
+    ``val.bin`` in the run folder, which resuming and validation read (memory-mapped)."""
+    check_text_spec(data)
+    recipe = RECIPES[data["source"]]
+    device = pick_device(device)
+    inputs = [data.get(k) for k in ("train_text", "val_text") if data.get(k)]
+    _check_run_dir(run_dir, overwrite, inputs)
+    unknown = sorted(set(lm_options or {}) - set(recipe["lm"]))
+    if unknown:
+        raise ValueError(f"unknown language-model options: {unknown}")
+    lm = {**recipe["lm"], **{k: v for k, v in (lm_options or {}).items() if v is not None}}
+    if lm["tokenizer"] not in TOKENIZER_KINDS:
+        raise ValueError(f"--tokenizer must be one of {', '.join(TOKENIZER_KINDS)}, got {lm['tokenizer']!r}")
+    if lm["windows"] not in LanguageModelTask.WINDOWS:
+        raise ValueError(f"--windows must be one of {', '.join(LanguageModelTask.WINDOWS)}, got {lm['windows']!r}")
+    if lm["tokenizer"] == "bpe":
+        vocab_size = recipe["vocab_size"] if vocab_size is None else vocab_size
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 260:
+            raise ValueError(f"--vocab-size must be an integer >= 260 (256 bytes + 4 specials), got {vocab_size!r}")
+    elif vocab_size is not None:
+        raise ValueError("--vocab-size is for --tokenizer bpe (a character vocabulary is the text's characters)")
+    _lm_model_config(recipe, model_options, 1)  # the model options' own checks, before reading data
+    train_config = TrainConfig.from_dict({**recipe["train"], **(train_options or {})})
+    train_config.check_stops()
+
+    train_text, valid_text, where = load_text_splits(data)
+    # a character vocabulary covers the validation text too: a character seen only there is still predicted
+    tokenizer = train_text_tokenizer(lm["tokenizer"], train_text + valid_text if lm["tokenizer"] == "char"
+                                     else train_text, vocab_size)
+    train_ids = np.asarray(tokenizer.encode(train_text), dtype=np.int64)
+    valid_ids = np.asarray(tokenizer.encode(valid_text), dtype=np.int64)
+    model_config = _lm_model_config(recipe, model_options, tokenizer.vocab_size)
+    train_config = _bf16_where_fast(train_config, train_options, device)
+    lm["chars_per_token"] = round(len(valid_text) / max(1, len(valid_ids)), 6)
+    task = LanguageModelTask(tokenizer, train_ids, valid_ids, context=model_config.context, windows=lm["windows"],
+                             chars_per_token=lm["chars_per_token"])  # checks both splits hold a window
+    logger.info("data: %s, %d training and %d validation tokens (%s tokenizer, %d ids)", where, len(train_ids),
+                len(valid_ids), lm["tokenizer"], tokenizer.vocab_size)
+    trainer = Trainer(CausalLM(model_config).to(device), task, train_config, run_dir)
+    config = {"task": "lm", "model": asdict(model_config), "train": asdict(train_config), "data": data, "lm": lm}
+
+    def write_initial(folder: Path) -> None:
+        write_tokens(folder / "train.bin", train_ids, tokenizer.vocab_size)
+        write_tokens(folder / "val.bin", valid_ids, tokenizer.vocab_size)
+        trainer.save(folder)
+
+    ckpt.create_run(run_dir, config, tokenizer, overwrite=overwrite, write_initial=write_initial, inputs=inputs)
+    logger.info("model: %.2fM parameters; run folder %s", sum(p.numel() for p in trainer.model.parameters()) / 1e6,
+                run_dir)
     return trainer
 
 

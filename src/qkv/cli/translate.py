@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.output, "-o/--output")
     set_threads(args.threads)
     device = pick_device(args.device)
-    model, tokenizer, _ = load_run(args.run_dir, args.weights)
+    model, tokenizer, _ = load_run(args.run_dir, args.weights, task="translation")
     model.to(device)
     lines = read_lines(args.input) if args.input else decode_lines(sys.stdin.buffer.read())
     outputs = translate_texts(model, tokenizer, lines, beam_size=args.beam, alpha=args.alpha, bf16=args.bf16,

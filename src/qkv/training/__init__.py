@@ -2,7 +2,8 @@
 
 - :mod:`qkv.training.config`: :class:`TrainConfig` (every option declared once), the schedule,
   :class:`TrainState`;
-- :mod:`qkv.training.tasks`: what a kind of model trains on (:class:`TranslationTask`);
+- :mod:`qkv.training.tasks`: what a kind of model trains on (:class:`TranslationTask`,
+  :class:`LanguageModelTask`);
 - :mod:`qkv.training.engine`: :class:`Trainer` (``step`` and the loop, checkpoints);
 - :mod:`qkv.training.distributed`: torchrun's process group, DDP and FSDP2.
 
@@ -12,7 +13,7 @@ Run folders (creating, resuming, recipes) are in :mod:`qkv.runs`.
 from qkv.training.config import TrainConfig, TrainState, inverse_sqrt_lr
 from qkv.training.distributed import Distributed, init_distributed
 from qkv.training.engine import StepStats, Trainer, TrainingCrashed
-from qkv.training.tasks import TranslationTask, encode_pairs
+from qkv.training.tasks import LanguageModelTask, TranslationTask, encode_pairs
 
-__all__ = ["Distributed", "StepStats", "TrainConfig", "TrainState", "Trainer", "TrainingCrashed",
+__all__ = ["Distributed", "LanguageModelTask", "StepStats", "TrainConfig", "TrainState", "Trainer", "TrainingCrashed",
            "TranslationTask", "encode_pairs", "init_distributed", "inverse_sqrt_lr"]

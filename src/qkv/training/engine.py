@@ -18,7 +18,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -155,7 +155,7 @@ class Trainer:
         mine = [self.task.make_batch(ix) for ix in group[d.rank * c.accum_steps: (d.rank + 1) * c.accum_steps]]
         if d.enabled:  # the same number of forward passes everywhere (FSDP gathers weights in each)
             stand_in = mine[0] if mine else self.task.make_batch(group[0])
-            mine += [Batch(stand_in.src, stand_in.tgt_in, stand_in.tgt_out, 0)] * (c.accum_steps - len(mine))
+            mine += [replace(stand_in, num_tgt_tokens=0)] * (c.accum_steps - len(mine))
         return mine
 
     def _done(self) -> bool:

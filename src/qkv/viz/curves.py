@@ -25,7 +25,7 @@ def read_metrics(metrics_path: str | Path) -> list[dict]:
 
 
 def plot_metrics(metrics_path: str | Path, png_path: str | Path) -> None:
-    """Draw training loss and validation BLEU against minutes into a PNG (atomically)."""
+    """Draw training loss and validation loss and BLEU (or bits/char) against minutes into a PNG (atomically)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -41,12 +41,14 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path) -> None:
                      label="val loss")
     ax_loss.set_xlabel("minutes")
     ax_loss.set_ylabel("loss (nats/token)")
-    if valid:
-        ax_bleu = ax_loss.twinx()
-        ax_bleu.plot([r["minutes"] for r in valid], [r["val_bleu_greedy"] for r in valid], "s-", color="tab:red",
-                     label="val BLEU (greedy)")
-        ax_bleu.set_ylabel("BLEU")
-        ax_bleu.legend(loc="center right")
+    # the task's own validation figure on the right: BLEU for translation, bits/char for a language model
+    for key, label, axis in (("val_bleu_greedy", "val BLEU (greedy)", "BLEU"), ("val_bpc", "val bits/char", "bits/char")):
+        if valid and all(key in r for r in valid):
+            ax_right = ax_loss.twinx()
+            ax_right.plot([r["minutes"] for r in valid], [r[key] for r in valid], "s-", color="tab:red", label=label)
+            ax_right.set_ylabel(axis)
+            ax_right.legend(loc="center right")
+            break
     ax_loss.legend(loc="upper right")
     fig.tight_layout()
     try:

@@ -1,0 +1,189 @@
+"""Plain text for language models: reading it, its tokenizers, and its token arrays on disk.
+
+A language-model data spec is one of::
+
+    {"source": "tinyshakespeare", "folder": null}
+    {"source": "text", "train_text": "corpus.txt", "val_text": null}
+
+Without a validation file the last 10% of the training text is the validation split. The text
+is tokenised once, when a run starts, into ``train.bin`` / ``val.bin`` in the run folder: flat
+arrays of token ids (uint16, or uint32 for vocabularies over 65,536), memory-mapped while
+training, the layout of nanoGPT's ``.bin`` files.
+
+Tokenizers: :class:`CharTokenizer` (one id per character of the training text) and the byte-level
+BPE :class:`~qkv.data.tokenizer.Tokenizer` (``--tokenizer bpe --vocab-size N``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import urllib.request
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from qkv.data.parallel import default_cache_dir
+from qkv.data.tokenizer import Tokenizer
+from qkv.fileio import atomic_path, write_json
+
+logger = logging.getLogger(__name__)
+
+TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+TEXT_SOURCES = ("tinyshakespeare", "text")
+TOKENIZER_KINDS = ("char", "bpe")
+VALID_FRACTION = 0.1
+
+
+def read_text(path: str | Path) -> str:
+    """The UTF-8 text of ``path``. Raises ``FileNotFoundError``, or ``ValueError`` for a file
+    that is empty or not UTF-8 (naming the line of the first bad byte)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such text file")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {err.start}: {data[err.start:err.start + 1]!r})") from None
+    if not text.strip():
+        raise ValueError(f"{path}: the text is empty")
+    return text
+
+
+def resolve_tinyshakespeare(root: str | Path | None = None, *, download: bool = True) -> Path:
+    """The path of tiny Shakespeare's ``input.txt``: in ``root``, ``$QKV_DATA/tinyshakespeare`` or
+    ``<cache>/tinyshakespeare``, else downloaded into the cache (written atomically)."""
+    candidates = [Path(root)] if root is not None else []
+    if os.environ.get("QKV_DATA"):
+        candidates.append(Path(os.environ["QKV_DATA"]) / "tinyshakespeare")
+    cache = default_cache_dir() / "tinyshakespeare"
+    candidates.append(cache)
+    for folder in candidates:
+        if (folder / "input.txt").is_file():
+            return folder / "input.txt"
+    if not download:
+        raise FileNotFoundError(f"tiny Shakespeare (input.txt) not found in {', '.join(map(str, candidates))}; set "
+                                "QKV_DATA to a folder holding tinyshakespeare/input.txt")
+    target = cache / "input.txt"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("downloading %s", TINYSHAKESPEARE_URL)
+    try:
+        with atomic_path(target) as tmp, open(tmp, "wb") as out, \
+                urllib.request.urlopen(TINYSHAKESPEARE_URL, timeout=60) as response:
+            shutil.copyfileobj(response, out)
+    except OSError as err:
+        raise FileNotFoundError(f"could not download {TINYSHAKESPEARE_URL} ({err}); put input.txt in "
+                                "$QKV_DATA/tinyshakespeare or pass --data-dir") from err
+    return target
+
+
+def check_text_spec(spec: dict) -> dict:
+    if spec.get("source") not in TEXT_SOURCES:
+        raise ValueError(f"unknown text source {spec.get('source')!r}; choose one of {TEXT_SOURCES}")
+    if spec["source"] == "text" and not spec.get("train_text"):
+        raise ValueError("training a language model on a file needs --train-text FILE")
+    return spec
+
+
+def load_text_splits(spec: dict) -> tuple[str, str, str]:
+    """``(training text, validation text, where they came from)`` of a text data spec."""
+    check_text_spec(spec)
+    if spec["source"] == "tinyshakespeare":
+        train_path, val_path = resolve_tinyshakespeare(spec.get("folder")), None
+    else:
+        train_path, val_path = spec["train_text"], spec.get("val_text")
+    text = read_text(train_path)
+    if val_path:
+        return text, read_text(val_path), f"{train_path} (validation {val_path})"
+    cut = int(len(text) * (1 - VALID_FRACTION))
+    return text[:cut], text[cut:], f"{train_path} (its last {VALID_FRACTION:.0%} for validation)"
+
+
+class CharTokenizer:
+    """One id per distinct character of the training text (sorted), nothing else: no special
+    tokens, and a character it has not seen cannot be encoded."""
+
+    def __init__(self, chars: Iterable[str]) -> None:
+        self.chars = sorted(set(chars))
+        if not self.chars:
+            raise ValueError("a character vocabulary needs at least one character")
+        self._ids = {c: i for i, c in enumerate(self.chars)}
+
+    @classmethod
+    def train(cls, text: str) -> CharTokenizer:
+        return cls(text)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text``; ``ValueError`` listing the characters the vocabulary lacks."""
+        try:
+            return [self._ids[c] for c in text]
+        except KeyError:
+            missing = sorted({c for c in text if c not in self._ids})
+            shown = ", ".join(repr(c) for c in missing[:10]) + (" ..." if len(missing) > 10 else "")
+            raise ValueError(f"{len(missing)} character(s) not in the model's vocabulary of {self.vocab_size}: "
+                             f"{shown}") from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+    def tokens(self, text: str) -> list[str]:
+        return list(text)
+
+    def save(self, path: str | Path) -> None:
+        write_json(path, {"qkv_tokenizer": "char", "chars": "".join(self.chars)}, indent=None)
+
+
+def train_text_tokenizer(kind: str, text: str, vocab_size: int | None = None) -> CharTokenizer | Tokenizer:
+    """A ``char`` or byte-level ``bpe`` tokenizer learned on ``text``."""
+    if kind == "char":
+        return CharTokenizer.train(text)
+    if kind == "bpe":
+        if vocab_size is None:
+            raise ValueError("--tokenizer bpe needs --vocab-size")
+        return Tokenizer.train(text.splitlines(keepends=True), vocab_size=vocab_size)
+    raise ValueError(f"unknown tokenizer {kind!r}; choose one of {TOKENIZER_KINDS}")
+
+
+def load_text_tokenizer(path: str | Path) -> CharTokenizer | Tokenizer:
+    """Read the ``tokenizer.json`` of a language-model run (character or BPE)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        data = None
+    if isinstance(data, dict) and data.get("qkv_tokenizer") == "char":
+        if not isinstance(data.get("chars"), str):
+            raise ValueError(f"{path}: not a valid character tokenizer")
+        return CharTokenizer(data["chars"])
+    return Tokenizer.load(path)
+
+
+def token_dtype(vocab_size: int) -> type:
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def write_tokens(path: str | Path, ids: list[int] | np.ndarray, vocab_size: int) -> Path:
+    """Write token ids as a flat binary array (atomically)."""
+    array = np.asarray(ids, dtype=token_dtype(vocab_size))
+    with atomic_path(path) as tmp:
+        array.tofile(tmp)
+    return Path(path)
+
+
+def read_tokens(path: str | Path, vocab_size: int) -> np.ndarray:
+    """Memory-map a token array written by :func:`write_tokens` (read-only)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: token array not found")
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=token_dtype(vocab_size))
+    return np.memmap(path, dtype=token_dtype(vocab_size), mode="r")
