@@ -27,6 +27,7 @@ from qkv.runs import resume_run, start_run
 
 MODEL = dict(d_model=32, num_heads=2, num_encoder_layers=2, num_decoder_layers=1, d_ff=64, dropout=0.0, max_len=64,
              bias=False)
+LM_MODEL = dict(d_model=32, num_heads=2, num_layers=2, d_ff=64, context=32, dropout=0.0, bias=False)
 TRAIN = dict(max_tokens=300, warmup_steps=4, lr_factor=0.02, max_steps=3, max_minutes=0.0, bf16=False, progress=False,
              average_last=1, eval_every_minutes=0.0, checkpoint_every_minutes=0.0, log_every_steps=1,
              label_smoothing=0.1)
@@ -61,11 +62,20 @@ def runs(tmp_path_factory):
                  "fsdp_resumed_on_2"):
         shutil.copytree(root / "base", root / name)
     steps = [[batches[2 * k], batches[2 * k + 1]] for k in range(5)]
+    # the language model through the same engine
+    (root / "lm.txt").write_text("".join(f"{p} -> {q}\n" for p, q in zip(pairs.src, pairs.tgt)), encoding="utf-8")
+    torch.manual_seed(0)
+    lm = start_run(root / "lm_base", data={"source": "text", "train_text": str(root / "lm.txt")},
+                   model_options=LM_MODEL, train_options={**TRAIN, "max_tokens": 128}, device="cpu")
+    lm_batches = lm.task.batches(0, 128, 0)
+    lm_steps = [[lm_batches[2 * k], lm_batches[2 * k + 1]] for k in range(5)]
+    shutil.copytree(root / "lm_base", root / "lm_steps")
     # 1 process, first half of "resumed_on_2" (accumulating the 2 batches that 2 processes share)
     resume_run(root / "resumed_on_2", train_options={"accum_steps": 2, "max_steps": 3}).train()
     plan = [
         ("steps", str(root / "steps"), steps, "ddp", "ddp_steps"),
         ("steps", str(root / "steps_fsdp"), steps, "fsdp", "fsdp_steps"),
+        ("steps", str(root / "lm_steps"), lm_steps, "ddp", "lm_ddp_steps"),
         ("train", str(root / "ddp"), {"max_steps": 6}),
         ("train", str(root / "fsdp"), {"max_steps": 6, "strategy": "fsdp"}),
         ("train", str(root / "resumed_on_1"), {"max_steps": 3}),
@@ -88,13 +98,13 @@ def runs(tmp_path_factory):
     resume_run(root / "fsdp_resumed_on_1", train_options={"max_steps": 6, "accum_steps": 2}).train()
     resume_run(root / "uneven_1", train_options={"max_steps": 0, "max_epochs": 1.0, "accum_steps": 2,
                                                   "max_tokens": uneven_tokens}).train()
-    return root, steps
+    return root, steps, lm_steps
 
 
-def one_process_steps(root, steps, *, split):
+def one_process_steps(root, steps, *, split, run="base"):
     """5 steps on 1 process: each step's two batches as one batch of 2B (``split=False``) or as two
     accumulated micro-batches (``split=True``)."""
-    trainer = resume_run(root / "base", train_options={"progress": False})
+    trainer = resume_run(root / run, train_options={"progress": False})
     for first, second in steps:
         task = trainer.task
         trainer.step([task.make_batch(first), task.make_batch(second)] if split else [task.make_batch(first + second)])
@@ -102,21 +112,29 @@ def one_process_steps(root, steps, *, split):
 
 
 def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(runs):
-    root, steps = runs
+    root, steps, _ = runs
     ddp = torch.load(root / "out" / "ddp_steps.pt")
     assert_close(ddp, one_process_steps(root, steps, split=False), 1e-6, "DDP 2 x B vs 1 x 2B")
     initial = weights(root / "base" / "state.pt")
     assert max(float((ddp[k] - initial[k]).abs().max()) for k in ddp) > 1e-3  # it did train
 
 
+def test_a_language_model_on_two_ranks_equals_one_process_with_both_batches(runs):
+    root, _, lm_steps = runs
+    ddp = torch.load(root / "out" / "lm_ddp_steps.pt")
+    assert_close(ddp, one_process_steps(root, lm_steps, split=False, run="lm_base"), 1e-6, "LM: DDP 2 x B vs 1 x 2B")
+    initial = weights(root / "lm_base" / "state.pt")
+    assert max(float((ddp[k] - initial[k]).abs().max()) for k in ddp) > 1e-3  # it did train
+
+
 def test_accumulating_two_micro_batches_equals_one_batch(runs):
-    root, steps = runs
+    root, steps, _ = runs
     assert_close(one_process_steps(root, steps, split=True), one_process_steps(root, steps, split=False), 1e-6,
                  "2 micro-batches of B/2 vs one batch of B")
 
 
 def test_fsdp2_matches_ddp(runs):
-    root, _ = runs
+    root, _, _ = runs
     assert_close(torch.load(root / "out" / "fsdp_steps.pt"), torch.load(root / "out" / "ddp_steps.pt"), 1e-5,
                  "FSDP2 vs DDP, Trainer.step")
     assert_close(weights(root / "fsdp" / "state.pt"), weights(root / "ddp" / "state.pt"), 1e-5,
@@ -124,7 +142,7 @@ def test_fsdp2_matches_ddp(runs):
 
 
 def test_runs_resume_on_another_number_of_processes(runs):
-    root, _ = runs
+    root, _, _ = runs
     reference = weights(root / "ddp" / "state.pt")  # 2 processes, 6 steps, uninterrupted
     assert_close(weights(root / "resumed_on_1" / "state.pt"), reference, 1e-6, "2 processes, then 1")
     assert_close(weights(root / "resumed_on_2" / "state.pt"), reference, 1e-6, "1 process, then 2")
@@ -134,7 +152,7 @@ def test_runs_resume_on_another_number_of_processes(runs):
 
 
 def test_fsdp2_saves_its_optimizer_in_shards_that_resume_on_any_number_of_processes(runs):
-    root, _ = runs
+    root, _, _ = runs
     # resumed from the step-3 shards on one process, which saves its optimizer whole in state.pt
     one = torch.load(root / "fsdp_resumed_on_1" / "state.pt", weights_only=False)
     assert one["optimizer"]["state"] and not list((root / "fsdp_resumed_on_1").glob("optimizer-step*"))
@@ -149,7 +167,7 @@ def test_fsdp2_saves_its_optimizer_in_shards_that_resume_on_any_number_of_proces
 
 
 def test_an_epoch_that_does_not_divide_among_ranks_finishes_like_one_process(runs):
-    root, _ = runs
+    root, _, _ = runs
     state = torch.load(root / "uneven" / "state.pt", weights_only=False)["train_state"]
     assert state["epoch"] == 0 and state["step"] > 0  # one epoch, its last step half empty
     assert_close(weights(root / "uneven" / "state.pt"), weights(root / "uneven_1" / "state.pt"), 1e-6,

@@ -19,9 +19,12 @@ import traceback
 # name -> (module, one-line help). A module that does not exist yet is left out of the CLI.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("qkv.cli.demo", "train on the built-in date task, show accuracy, samples and attention"),
-    "train": ("qkv.cli.train", "train a translation model on parallel text (e.g. --data multi30k)"),
+    "train": ("qkv.cli.train", "train a translation model (e.g. --data multi30k) or a language model "
+                               "(--data tinyshakespeare)"),
     "translate": ("qkv.cli.translate", "translate lines from stdin or a file with a trained run"),
-    "evaluate": ("qkv.cli.evaluate", "score a trained run with sacreBLEU and chrF"),
+    "generate": ("qkv.cli.generate", "continue a prompt with a trained language model (or GPT-2)"),
+    "evaluate": ("qkv.cli.evaluate", "score a translation run (sacreBLEU, chrF) or a language model (loss, "
+                                     "perplexity, bits/char)"),
     "embed": ("qkv.cli.embed", "sentence embeddings from a pretrained encoder"),
     "attend": ("qkv.cli.attend", "write a self-contained HTML attention explorer"),
     "serve": ("qkv.cli.serve", "serve the attention explorer on localhost"),

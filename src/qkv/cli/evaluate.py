@@ -1,10 +1,14 @@
-"""``qkv evaluate``: translate a split (or files) with a run folder and score it with sacreBLEU.
+"""``qkv evaluate``: score a run folder.
 
     qkv evaluate runs/en-de --split test            # Multi30k test 2016, beam 5
     qkv evaluate runs/mine --src test.en --ref test.de --beam 5
     qkv evaluate runs/dates --split test            # also prints exact-match accuracy
+    qkv evaluate runs/shakespeare                   # a language model: its validation text
+    qkv evaluate runs/shakespeare --text other.txt  # ... or any UTF-8 text
 
-Scores are sacreBLEU BLEU (cased, detokenised, 13a) and chrF, printed with their signatures.
+Translation: sacreBLEU BLEU (cased, detokenised, 13a) and chrF, printed with their signatures.
+A language model: the loss in nats per token, perplexity and bits per character over the text's
+non-overlapping windows of the model's context.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from qkv.cli.options import length_penalty, non_negative_int, positive_int, set_threads
 
@@ -24,11 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "files val (default: test, or val for files)")
     parser.add_argument("--src", help="score this source file instead of a split (needs --ref)")
     parser.add_argument("--ref", help="reference translations of --src, line-aligned")
+    parser.add_argument("--text", help="a language model: score this UTF-8 text instead of the run's validation split")
     parser.add_argument("--beam", type=positive_int, default=5, help="beam size (1 = greedy; default 5)")
     parser.add_argument("--alpha", type=length_penalty, default=0.6,
                         help="length penalty exponent, 0 to 10 (default 0.6)")
     parser.add_argument("--weights", choices=["model", "best", "last"], default="model")
-    parser.add_argument("--limit", type=non_negative_int, default=0, help="score only the first N sentences (0 = all)")
+    parser.add_argument("--limit", type=non_negative_int, default=0,
+                        help="score only the first N sentences (a language model: windows) (0 = all)")
     parser.add_argument("--hyp-out", help="also write the translations to this file")
     parser.add_argument("--json", action="store_true", help="print the scores as one JSON object")
     parser.add_argument("--bf16", action="store_true", help="decode under bfloat16 autocast")
@@ -37,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qkv.checkpoint import load_run
+    from qkv.checkpoint import load_run, run_task
     from qkv.device import pick_device
     from qkv.fileio import check_output_file, write_text
     from qkv.data.parallel import read_parallel
@@ -54,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     model, tokenizer, config = load_run(args.run_dir, args.weights)
     model.to(device)
+    if run_task(config) == "lm":
+        return _evaluate_language_model(args, model, tokenizer, config)
+    if args.text:
+        raise ValueError("--text is for a language-model run; a translation run takes --src and --ref")
     if args.src:
         data, name = read_parallel(args.src, args.ref), f"{args.src} -> {args.ref}"
     else:
@@ -78,4 +90,35 @@ def run(args: argparse.Namespace) -> int:
     print(f"     {scores['bleu_details']}")
     print(f"chrF {scores['chrf']:.2f}  ({scores['chrf_signature']})")
     print(f"exact match {100 * scores['exact_match']:.2f}%")
+    return 0
+
+
+def _evaluate_language_model(args: argparse.Namespace, model, tokenizer, config: dict) -> int:
+    from qkv.data.text import read_text, read_tokens
+    from qkv.training.tasks import LanguageModelTask
+
+    if args.src or args.ref or args.split not in (None, "val"):
+        raise ValueError("a language-model run is scored on its validation text (the default) or on --text FILE")
+    context = model.config.context
+    if args.text:
+        text = read_text(args.text)
+        tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)  # unknown characters: one line
+        name, chars_per_token = args.text, len(text) / max(1, len(tokens))
+    else:
+        tokens = read_tokens(Path(args.run_dir) / "val.bin", model.config.vocab_size)
+        name, chars_per_token = "validation split", config.get("lm", {}).get("chars_per_token", 1.0)
+    task = LanguageModelTask(tokenizer, tokens, tokens, context=context, chars_per_token=chars_per_token)
+    windows = (len(tokens) - 1) // context
+    if args.limit:
+        windows = min(windows, args.limit)
+    figures = task.validate(model, windows, args.bf16)
+    scores = {"text": name, "tokens": windows * context, "windows": windows, "context": context,
+              "weights": args.weights, "loss": figures["val_loss"], "perplexity": figures["val_ppl"],
+              "bits_per_char": figures["val_bpc"]}
+    if args.json:
+        print(json.dumps(scores))
+        return 0
+    print(f"{name}: {scores['tokens']} tokens in {windows} windows of {context}, {args.weights} weights")
+    print(f"loss {scores['loss']:.4f} nats/token  perplexity {scores['perplexity']:.3f}  "
+          f"{scores['bits_per_char']:.4f} bits/char")
     return 0

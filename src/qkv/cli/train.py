@@ -1,8 +1,10 @@
-"""``qkv train``: train a translation model into a run folder.
+"""``qkv train``: train a translation model or a language model into a run folder.
 
     qkv train --data multi30k --src-lang en --tgt-lang de --run-dir runs/en-de --minutes 60
     qkv train --train-src train.en --train-tgt train.de --val-src val.en --val-tgt val.de --run-dir runs/mine
     qkv train --data dates --run-dir runs/dates
+    qkv train --data tinyshakespeare --run-dir runs/shakespeare          # a character-level language model
+    qkv train --train-text corpus.txt --tokenizer bpe --vocab-size 4000 --run-dir runs/lm
     qkv train --run-dir runs/en-de --resume --minutes 90      # continue (the budget counts all sessions)
 
 Every option and input is checked before the run folder is written. Ctrl-C saves a checkpoint
@@ -20,21 +22,26 @@ import torch
 
 from qkv.cli.options import positive_int, set_threads
 
-# command-line option -> TransformerConfig field, with its help (None = keep the recipe's value)
+# command-line option -> (TransformerConfig field, CausalLMConfig field, type, help); None where the
+# option does not apply to that kind of model (None everywhere = keep the recipe's value)
 MODEL_OPTIONS = {
-    "d_model": ("d_model", int, "model width"),
-    "heads": ("num_heads", int, "attention heads; must divide --d-model"),
-    "encoder_layers": ("num_encoder_layers", int, "encoder layers"),
-    "decoder_layers": ("num_decoder_layers", int, "decoder layers"),
-    "d_ff": ("d_ff", int, "inner width of the feed-forward layers"),
-    "dropout": ("dropout", float, "residual and embedding dropout, in [0, 1)"),
-    "activation": ("activation", str, "feed-forward activation: relu, gelu or gelu_tanh"),
-    "norm_first": ("norm_first", bool, "pre-LN instead of the paper's post-LN"),
-    "max_len": ("max_len", int, "longest sequence in tokens (longer training pairs are dropped, with a count)"),
-    "share_embeddings": ("share_embeddings", bool, "one embedding table for source and target"),
+    "d_model": ("d_model", "d_model", int, "model width"),
+    "heads": ("num_heads", "num_heads", int, "attention heads; must divide --d-model"),
+    "encoder_layers": ("num_encoder_layers", None, int, "encoder layers (translation)"),
+    "decoder_layers": ("num_decoder_layers", None, int, "decoder layers (translation)"),
+    "layers": (None, "num_layers", int, "layers of a language model"),
+    "d_ff": ("d_ff", "d_ff", int, "inner width of the feed-forward layers"),
+    "dropout": ("dropout", "dropout", float, "residual and embedding dropout, in [0, 1)"),
+    "activation": ("activation", "activation", str, "feed-forward activation: relu, gelu or gelu_tanh"),
+    "norm_first": ("norm_first", "norm_first", bool, "pre-LN instead of the paper's post-LN"),
+    "max_len": ("max_len", None, int, "longest sequence in tokens (translation; longer training pairs are "
+                                      "dropped, with a count)"),
+    "context": (None, "context", int, "tokens a language model attends over (its training windows)"),
+    "share_embeddings": ("share_embeddings", None, bool, "one embedding table for source and target"),
 }
+LM_OPTIONS = ("tokenizer", "windows")  # language-model options that are neither model nor TrainConfig fields
 DATA_OPTIONS = ("data", "data_dir", "src_lang", "tgt_lang", "train_src", "train_tgt", "val_src", "val_tgt",
-                "vocab_size")
+                "train_text", "val_text", "vocab_size", *LM_OPTIONS)
 
 
 def _train_fields():
@@ -47,16 +54,23 @@ def _train_fields():
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    data = parser.add_argument_group("data (one of --data or --train-src/--train-tgt)")
-    data.add_argument("--data", choices=["multi30k", "dates"], help="a known data set")
-    data.add_argument("--data-dir", help="folder with the Multi30k files (default: $QKV_DATA/multi30k, the cache, "
-                                         "or a download)")
+    data = parser.add_argument_group("data (one of --data, --train-src/--train-tgt or --train-text)")
+    data.add_argument("--data", choices=["multi30k", "dates", "tinyshakespeare"],
+                      help="a known data set (tinyshakespeare: a language model)")
+    data.add_argument("--data-dir", help="folder with the Multi30k files or tiny Shakespeare's input.txt (default: "
+                                         "$QKV_DATA/multi30k or $QKV_DATA/tinyshakespeare, the cache, or a download)")
     data.add_argument("--src-lang", choices=["en", "de", "fr"], help="Multi30k source language (default en)")
     data.add_argument("--tgt-lang", choices=["en", "de", "fr"], help="Multi30k target language (default de)")
     data.add_argument("--train-src", help="training source file, one sentence a line (.gz allowed)")
     data.add_argument("--train-tgt", help="training target file, line-aligned with --train-src")
     data.add_argument("--val-src", help="validation source file (optional)")
     data.add_argument("--val-tgt", help="validation target file")
+    data.add_argument("--train-text", help="UTF-8 text to train a language model on")
+    data.add_argument("--val-text", help="validation text (default: the last 10%% of --train-text)")
+    data.add_argument("--tokenizer", choices=["char", "bpe"], help="a language model's tokens: characters "
+                                                                  "(default) or byte-level BPE (--vocab-size)")
+    data.add_argument("--windows", choices=["random", "strided"],
+                      help="a language model's training windows: random offsets (default) or non-overlapping")
     run = parser.add_argument_group("run folder")
     run.add_argument("--run-dir", required=True, help="the run folder (created; it must not exist unless "
                                                       "--resume or --overwrite)")
@@ -64,8 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--overwrite", action="store_true",
                      help="replace --run-dir if it is a qkv run folder (or empty), once every check has passed")
     model = parser.add_argument_group("model (defaults: the data set's recipe; fixed once a run exists)")
-    model.add_argument("--vocab-size", type=int, help="joint BPE vocabulary (recipe: 8000; dates 600)")
-    for option, (_, kind, help_text) in MODEL_OPTIONS.items():
+    model.add_argument("--vocab-size", type=int, help="BPE vocabulary (recipe: 8000; dates 600; a language model "
+                                                      "with --tokenizer bpe 2000)")
+    for option, (_, _, kind, help_text) in MODEL_OPTIONS.items():
         flag = "--" + option.replace("_", "-")
         if kind is bool:
             model.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
@@ -86,29 +101,50 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
+def _data_dir(args: argparse.Namespace) -> str | None:
+    if not args.data_dir:
+        return None
+    folder = Path(args.data_dir).resolve()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{args.data_dir}: --data-dir is not a folder")
+    return str(folder)
+
+
 def data_spec(args: argparse.Namespace) -> dict:
-    """The data spec (:mod:`qkv.data.sources`) the options describe."""
+    """The data spec (:mod:`qkv.data.sources`, :mod:`qkv.data.text`) the options describe."""
     files = [args.train_src, args.train_tgt, args.val_src, args.val_tgt]
-    if args.data and any(files):
-        raise ValueError("give either --data or --train-src/--train-tgt files, not both")
+    texts = [args.train_text, args.val_text]
+    if sum(bool(x) for x in (args.data, any(files), any(texts))) > 1:
+        raise ValueError("give one of --data, --train-src/--train-tgt files or --train-text, not several")
+    is_lm = args.data == "tinyshakespeare" or any(texts)
+    if not is_lm:
+        for name in LM_OPTIONS:
+            if getattr(args, name) is not None:
+                raise ValueError(f"{_flag(name)} is for a language model (--data tinyshakespeare or --train-text)")
+    if args.data not in ("multi30k", "tinyshakespeare") and args.data_dir is not None:
+        raise ValueError("--data-dir is for --data multi30k or tinyshakespeare")
     if args.data != "multi30k":
-        for name in ("data_dir", "src_lang", "tgt_lang"):
+        for name in ("src_lang", "tgt_lang"):
             if getattr(args, name) is not None:
                 raise ValueError(f"{_flag(name)} is for --data multi30k only")
+    if args.data == "tinyshakespeare":
+        return {"source": "tinyshakespeare", "folder": _data_dir(args)}
+    if any(texts):
+        if not args.train_text:
+            raise ValueError("--val-text needs --train-text")
+        return {"source": "text", "train_text": str(Path(args.train_text).resolve()),
+                "val_text": str(Path(args.val_text).resolve()) if args.val_text else None}
     if args.data == "multi30k":
-        folder = None
-        if args.data_dir:
-            folder = Path(args.data_dir).resolve()
-            if not folder.is_dir():
-                raise FileNotFoundError(f"{args.data_dir}: --data-dir is not a folder")
+        folder = _data_dir(args)
         src, tgt = args.src_lang or "en", args.tgt_lang or "de"
         if src == tgt:
             raise ValueError(f"--src-lang and --tgt-lang are both {src!r}")
-        return {"source": "multi30k", "folder": str(folder) if folder else None, "src_lang": src, "tgt_lang": tgt}
+        return {"source": "multi30k", "folder": folder, "src_lang": src, "tgt_lang": tgt}
     if args.data == "dates":
         return {"source": "dates", "train_size": 20000, "valid_size": 500, "seed": args.seed or 0}
     if not (args.train_src and args.train_tgt):
-        raise ValueError("no training data: pass --data multi30k, --data dates, or --train-src and --train-tgt")
+        raise ValueError("no training data: pass --data multi30k/dates/tinyshakespeare, --train-src and --train-tgt, "
+                         "or --train-text")
     keys = ("train_src", "train_tgt", "val_src", "val_tgt")
     return {"source": "files", **{k: (str(Path(f).resolve()) if f else None) for k, f in zip(keys, files)}}
 
@@ -125,8 +161,6 @@ def run(args: argparse.Namespace) -> int:
     train_options = {f.name: getattr(args, f.name) for f, _ in _train_fields() if getattr(args, f.name) is not None}
     if args.no_progress or not sys.stderr.isatty():
         train_options["progress"] = False
-    model_options = {field: getattr(args, opt) for opt, (field, _, _) in MODEL_OPTIONS.items()
-                     if getattr(args, opt) is not None}
     if args.resume:
         fixed = [_flag(opt) for opt in MODEL_OPTIONS if getattr(args, opt) is not None]
         fixed += [_flag(opt) for opt in DATA_OPTIONS if getattr(args, opt) is not None]
@@ -139,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{args.run_dir}: no run folder to resume")
     else:
         spec = data_spec(args)
+        model_options = _model_options(args, is_lm=spec["source"] in ("tinyshakespeare", "text"))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one process of several
         dist = init_distributed(args.device)
         if not dist.is_main:
@@ -151,11 +186,28 @@ def run(args: argparse.Namespace) -> int:
             trainer = resume_run(args.run_dir, train_options=train_options, device=args.device, dist=dist)
         else:
             torch.manual_seed(args.seed or 0)
+            lm_options = {k: getattr(args, k) for k in LM_OPTIONS if getattr(args, k) is not None}
             trainer = start_run(args.run_dir, data=spec, model_options=model_options, train_options=train_options,
-                                vocab_size=args.vocab_size, overwrite=args.overwrite, device=args.device, dist=dist)
+                                vocab_size=args.vocab_size, lm_options=lm_options, overwrite=args.overwrite,
+                                device=args.device, dist=dist)
         return _train(trainer, args.run_dir)
     finally:
         shutdown()
+
+
+def _model_options(args: argparse.Namespace, *, is_lm: bool) -> dict:
+    """The model options given, as fields of the kind of model the data trains; an option of the
+    other kind is an error."""
+    options = {}
+    for opt, (translation_field, lm_field, _, _) in MODEL_OPTIONS.items():
+        if getattr(args, opt) is None:
+            continue
+        field = lm_field if is_lm else translation_field
+        if field is None:
+            kind = "a language model" if is_lm else "a translation model"
+            raise ValueError(f"{_flag(opt)} is not an option of {kind}")
+        options[field] = getattr(args, opt)
+    return options
 
 
 def _train(trainer, run_dir: str) -> int:

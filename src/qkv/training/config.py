@@ -28,7 +28,8 @@ class TrainConfig:
     """Options of a training run (saved in the run's config.json). Each field's metadata holds its
     command-line help and allowed range: ``qkv train``'s flags are made from these fields."""
 
-    max_tokens: int = _option(6000, "padded tokens per batch (sentences x longest source or target)", minimum=1)
+    max_tokens: int = _option(6000, "padded tokens per batch (sentences x longest source or target; a language "
+                                    "model: max_tokens // context windows)", minimum=1)
     accum_steps: int = _option(1, "batches whose gradients are summed into one optimizer step", minimum=1)
     lr_factor: float = _option(1.0, "multiplies the paper's schedule d_model^-0.5 * min(step^-0.5, "
                                     "step * warmup^-1.5)", minimum=0, below=math.inf)
@@ -49,7 +50,8 @@ class TrainConfig:
                                       "(0 = no limit)", flag="--minutes", minimum=0, below=math.inf)
     eval_every_steps: int = _option(0, "validate every N steps (0 = off)", minimum=0)
     eval_every_minutes: float = _option(0.0, "validate every N minutes (0 = off)", minimum=0, below=math.inf)
-    eval_sentences: int = _option(300, "validation sentences decoded greedily for BLEU", minimum=1)
+    eval_sentences: int = _option(300, "validation sentences decoded greedily for BLEU (a language model: "
+                                       "validation windows)", minimum=1)
     stop_at_exact_match: float = _option(0.0, "stop once validation exact match reaches this fraction (0 = off)",
                                          minimum=0, maximum=1, cli=False)
     checkpoint_every_steps: int = _option(0, "keep a checkpoint for averaging every N steps (0 = off)", minimum=0)

@@ -1,0 +1,134 @@
+"""``qkv generate``: continue a prompt with a trained language model, streaming the text.
+
+    qkv generate runs/shakespeare --prompt "ROMEO:" --max-new-tokens 500
+    qkv generate runs/shakespeare --prompt "ROMEO:" --temperature 0           # greedy
+    qkv generate runs/shakespeare --num-samples 3 --top-k 40 --seed 1 --stop $'\\n\\n'
+    qkv generate path/to/gpt2 --prompt "Attention is" --top-p 0.9              # a GPT-2 folder
+
+With one sample the text is written to stdout as it is produced; several samples are generated
+together (one batch) and printed one after another. A prompt longer than the model's context is
+cropped from the left (said on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from qkv.cli.options import positive_int, set_threads
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a language-model run folder made by qkv train, or a GPT-2 folder")
+    parser.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
+    parser.add_argument("--max-new-tokens", type=int, default=500, help="tokens to generate (default 500)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    parser.add_argument("--top-p", type=float, default=None, help="sample within the nucleus of probability p, (0, 1]")
+    parser.add_argument("--num-samples", type=positive_int, default=1, help="samples to generate (default 1)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one each time)")
+    parser.add_argument("--stop", action="append", default=[], help="stop a sample at this text (repeatable); "
+                                                                    "the stop text is not printed")
+    parser.add_argument("--weights", choices=["model", "best", "last"], default="model",
+                        help="which weights of a run folder (default: model)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def open_language_model(path: str | Path, weights: str = "model"):
+    """``(CausalLM in eval mode, tokenizer)`` from a qkv language-model run or a GPT-2 folder."""
+    folder = Path(path)
+    config_path = folder / "config.json"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: model folder not found")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{config_path}: not valid JSON ({err})") from None
+    if isinstance(config, dict) and config.get("model_type") is not None:
+        from qkv.pretrained import load_pretrained
+
+        model = load_pretrained(folder)
+        if not hasattr(model, "generate"):
+            raise ValueError(f"{folder}: a {config.get('model_type')} encoder, not a language model")
+        return model, model.tokenizer
+    from qkv.checkpoint import load_run
+
+    model, tokenizer, _ = load_run(folder, weights, task="lm")
+    return model, tokenizer
+
+
+class _Streamer:
+    """Collects each sample's new tokens, cuts a sample at its first stop text, and (one sample)
+    writes the text as it grows, holding back what could still turn into a stop text or is an
+    incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer, samples: int, stops: list[str], out) -> None:
+        self.tokenizer, self.stops, self.out = tokenizer, stops, out
+        self.ids: list[list[int]] = [[] for _ in range(samples)]
+        self.texts, self.done = [""] * samples, [False] * samples
+        self.stream, self.printed = samples == 1, 0
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def step(self, new) -> bool:
+        for row, token in enumerate(new.tolist()):
+            if self.done[row]:
+                continue
+            self.ids[row].append(token)
+            text = self.tokenizer.decode(self.ids[row])
+            cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+            if cuts:
+                text, self.done[row] = text[: min(cuts)], True
+            self.texts[row] = text
+        if self.stream:
+            shown = self.texts[0] if self.done[0] else self.texts[0][: max(0, len(self.texts[0]) - self.hold)]
+            shown = shown.rstrip("\ufffd") if not self.done[0] else shown
+            if len(shown) > self.printed:
+                self.out.write(shown[self.printed:])
+                self.out.flush()
+                self.printed = len(shown)
+        return all(self.done)
+
+    def finish(self, prompt: str) -> None:
+        if self.stream:
+            self.out.write(self.texts[0][self.printed:] + "\n")
+        else:
+            for i, text in enumerate(self.texts):
+                self.out.write(f"---------- sample {i + 1} ----------\n{prompt}{text}\n")
+        self.out.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from qkv.causal_lm import check_sampling
+    from qkv.device import pick_device
+
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    if any(not s for s in args.stop):
+        raise ValueError("--stop needs a non-empty text")
+    set_threads(args.threads)
+    device = pick_device(args.device)
+    model, tokenizer = open_language_model(args.model, args.weights)
+    model.to(device)
+    ids = tokenizer.encode(args.prompt)  # a character the vocabulary lacks: ValueError, one line
+    if not ids:
+        raise ValueError("the prompt gives no tokens: pass --prompt with at least one character")
+    context = model.config.context
+    if len(ids) > context:
+        print(f"the prompt is {len(ids)} tokens; the model reads the last {context} (its context)", file=sys.stderr)
+        ids = ids[-context:]
+    generator = None
+    if args.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+    batch = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
+    streamer = _Streamer(tokenizer, args.num_samples, args.stop, sys.stdout)
+    if streamer.stream:
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
+    model.generate(batch, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   generator=generator, on_step=streamer.step)
+    streamer.finish(args.prompt)
+    return 0
