@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 
 
 def load_pretrained(path, **kwargs):
-    """Load a BERT-family checkpoint folder into qkv's own encoder (see :mod:`qkv.pretrained`)."""
+    """Load a Hugging Face BERT-family or GPT-2 checkpoint folder into qkv's own model (see :mod:`qkv.pretrained`)."""
     from qkv.pretrained import load_pretrained as _load
 
     return _load(path, **kwargs)

