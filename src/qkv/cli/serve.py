@@ -2,6 +2,7 @@
 
     qkv serve                                       # all-MiniLM-L6-v2 on http://127.0.0.1:8000/
     qkv serve --model runs/multi30k --model path/to/bert --port 8080
+    qkv serve --model runs/shakespeare              # a language model's causal self-attention
     qkv serve --timeout 5 --max-concurrent 8        # tighter limits for slow or many clients
 """
 
@@ -11,17 +12,24 @@ import argparse
 import math
 import sys
 
+DEFAULT_TEXT = "time flies like an arrow"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", action="append",
-        help="a BERT checkpoint folder or qkv translation run folder; repeat for several "
+        help="a BERT or GPT-2 checkpoint folder, or a qkv translation or language-model run folder; "
+             "repeat for several "
              "(default: all-MiniLM-L6-v2). Only these can be used from the page.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     parser.add_argument("--max-chars", type=int, default=500, help="longest accepted input (default 500 characters)")
-    parser.add_argument("--text", default="time flies like an arrow", help="the sentence shown when the page opens")
+    parser.add_argument(
+        "--text",
+        help=f"the sentence shown when the page opens (default {DEFAULT_TEXT!r}, or for a character-level "
+             "language model whose vocabulary lacks its characters, the start of the run's own text)",
+    )
     parser.add_argument(
         "--timeout", type=float, default=10.0,
         help="seconds a client has to send a whole request (and to take the answer); a client that stalls "
@@ -59,7 +67,13 @@ def run(args: argparse.Namespace) -> int:
             name, suffix = f"{explorer.name}-{suffix}", suffix + 1
         explorer.name = name
         explorers[name] = explorer
-    app = ExplorerApp(explorers=explorers, max_chars=args.max_chars, initial_text=args.text)
+    text = args.text
+    if text is None:
+        text, first = DEFAULT_TEXT, next(iter(explorers.values()))
+        sample = getattr(first, "sample_text", None)
+        if sample and not first.encodes(text):
+            text = sample
+    app = ExplorerApp(explorers=explorers, max_chars=args.max_chars, initial_text=text)
     app.page()  # draw the first sentence now, so a broken model fails before serving
     try:
         server = make_server(app, host=args.host, port=args.port, timeout=args.timeout,

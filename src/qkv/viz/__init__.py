@@ -14,11 +14,13 @@ from qkv.viz.capture import AttentionRecorder
 from qkv.viz.explorers import EncoderExplorer, Seq2SeqExplorer, open_explorer, token_strings
 from qkv.viz.export import AttentionView, check_data, explorer_data, make_example, write_json
 from qkv.viz.html import render_html, write_html
+from qkv.viz.lm_explorer import CausalLMExplorer
 from qkv.viz.png import save_heatmaps
 
 __all__ = [
     "AttentionRecorder",
     "AttentionView",
+    "CausalLMExplorer",
     "EncoderExplorer",
     "Seq2SeqExplorer",
     "check_data",

