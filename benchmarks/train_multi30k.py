@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 
 from qkv import checkpoint as ckpt
+from qkv.bench.timing import environment
 from qkv.data.sources import load_split
 from qkv.evaluation import score_translations, translate_texts
-from qkv.runs import run_training, start_run
+from qkv.runs import resume_run, run_training, start_run
 from qkv.memory import limit_memory_growth
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,6 +43,13 @@ MODEL_OPTIONS = {"d_model": "d_model", "heads": "num_heads", "layers": None, "d_
 TRAIN_OPTIONS = {"max_tokens": "max_tokens", "warmup": "warmup_steps", "lr_factor": "lr_factor",
                  "eval_every_minutes": "eval_every_minutes", "checkpoint_every_minutes": "checkpoint_every_minutes",
                  "average_last": "average_last", "label_smoothing": "label_smoothing", "accum_steps": "accum_steps"}
+
+
+def _cpu_flags() -> str:
+    try:
+        return " " + Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def main() -> int:
@@ -72,6 +80,9 @@ def main() -> int:
     p.add_argument("--no-bf16", action="store_true", help="float32 even where bf16 is fast")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--note", default=None, help="a remark stored in the JSON (e.g. what else ran)")
+    p.add_argument("--score-only", action="store_true",
+                   help="score the finished run in --run-dir again and write the JSON, without training")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -96,19 +107,24 @@ def main() -> int:
 
     limit_memory_growth()  # as the CLI does, before the first oneDNN primitive (the bf16 probe is one)
     t0 = time.perf_counter()
-    trainer = start_run(run_dir, data=data, model_options=model_options, train_options=train_options,
-                        vocab_size=args.vocab, overwrite=True, device=device)
-    if args.train_limit:  # smoke tests: fewer pairs (the tokenizer was learned on all of them)
-        trainer.src_ids, trainer.tgt_ids = trainer.src_ids[: args.train_limit], trainer.tgt_ids[: args.train_limit]
-        trainer.src_lengths = trainer.src_lengths[: args.train_limit]
-        trainer.tgt_lengths = trainer.tgt_lengths[: args.train_limit]
-    if args.eval_limit and trainer.valid is not None:
-        limit = args.eval_limit
-        trainer.valid.src, trainer.valid.tgt = trainer.valid.src[:limit], trainer.valid.tgt[:limit]
-    prep_seconds = time.perf_counter() - t0
-    train_start = time.perf_counter()
-    run_training(trainer)
-    train_wall = time.perf_counter() - train_start
+    if args.score_only:  # the run folder of a finished run: score it again (decoding is deterministic)
+        trainer = resume_run(run_dir, device=device)
+        prep_seconds, train_wall = None, trainer.state.seconds
+    else:
+        trainer = start_run(run_dir, data=data, model_options=model_options, train_options=train_options,
+                            vocab_size=args.vocab, overwrite=True, device=device)
+        task = trainer.task
+        if args.train_limit:  # smoke tests: fewer pairs (the tokenizer was learned on all of them)
+            task.src_ids, task.tgt_ids = task.src_ids[: args.train_limit], task.tgt_ids[: args.train_limit]
+            task.src_lengths = task.src_lengths[: args.train_limit]
+            task.tgt_lengths = task.tgt_lengths[: args.train_limit]
+        if args.eval_limit and task.valid is not None:
+            limit = args.eval_limit
+            task.valid.src, task.valid.tgt = task.valid.src[:limit], task.valid.tgt[:limit]
+        prep_seconds = time.perf_counter() - t0
+        train_start = time.perf_counter()
+        run_training(trainer)
+        train_wall = time.perf_counter() - train_start
     state = trainer.state
 
     splits = {"val": load_split(data, "val"), "test_2016": load_split(data, "test")}
@@ -145,9 +161,9 @@ def main() -> int:
         "command": " ".join(["python"] + sys.argv),
         "train_wall_seconds": round(train_wall, 1),
         "train_minutes_budget": args.minutes,
-        "prep_seconds": round(prep_seconds, 1),
+        "prep_seconds": None if prep_seconds is None else round(prep_seconds, 1),
         "steps": state.step,
-        "epochs": round(state.epoch + state.batch_in_epoch / max(1, len(trainer._batches(state.epoch))), 2),
+        "epochs": round(state.epoch + state.batch_in_epoch / max(1, len(trainer._epoch_batches(state.epoch))), 2),
         "target_tokens": state.tokens,
         "target_tokens_per_s": round(state.tokens / max(state.seconds, 1e-9), 1),
         "bleu_vs_minutes": curve,
@@ -155,8 +171,10 @@ def main() -> int:
         "model": config["model"],
         "train": config["train"],
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
-        "machine": {"cpus": os.cpu_count(), "threads": args.threads, "device": device, "torch": torch.__version__,
-                    "python": platform.python_version(), "loadavg_end": os.getloadavg()},
+        "machine": {**environment(), "threads": args.threads, "device": device,
+                    "avx512_bf16": " avx512_bf16" in _cpu_flags(), "amx": " amx_tile" in _cpu_flags(),
+                    "loadavg_end": os.getloadavg()},
+        "note": args.note,
         "run_dir": str(run_dir),
     }
     ckpt.write_json(out, report)
