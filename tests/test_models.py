@@ -156,3 +156,19 @@ def test_config_round_trip_and_errors(tmp_path):
         model(ids(1, 9), ids(1, 3))
     with pytest.raises(ValueError, match=r"token ids must be \(batch, seq\)"):
         model(ids(1, 5)[0], ids(1, 3))
+
+
+@pytest.mark.parametrize("vocab", [40, 100])  # below d_model: plain product; above: the fused loss
+def test_causal_lm_loss_equals_cross_entropy_of_its_logits(vocab):
+    torch.manual_seed(0)
+    model = qkv.CausalLM(qkv.CausalLMConfig(vocab_size=vocab, d_model=64, num_heads=4, num_layers=2, d_ff=64,
+                                            context=16, dropout=0.0))
+    x, y = torch.randint(0, vocab, (3, 16)), torch.randint(0, vocab, (3, 16))
+    y[0, :5] = -100  # nothing predicted there
+    loss = model.loss(x, y, label_smoothing=0.1)
+    reference = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, vocab), y.reshape(-1),
+                                                  ignore_index=-100, label_smoothing=0.1, reduction="sum")
+    torch.testing.assert_close(loss, reference, atol=1e-4, rtol=1e-5)
+    grads = torch.autograd.grad(loss, model.token_embedding.weight)[0]
+    expected = torch.autograd.grad(reference, model.token_embedding.weight)[0]
+    torch.testing.assert_close(grads, expected, atol=1e-5, rtol=1e-4)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache
@@ -176,9 +177,18 @@ class CausalLM(nn.Module):
 
     def loss(self, ids: Tensor, targets: Tensor, *, label_smoothing: float = 0.0) -> Tensor:
         """Summed cross-entropy of predicting ``targets (b, s)`` (usually ``ids`` shifted left by
-        one; ``-100`` where nothing is predicted) from ``ids (b, s)``."""
+        one; ``-100`` where nothing is predicted) from ``ids (b, s)``.
+
+        With a vocabulary larger than ``d_model`` it is the fused loss
+        (:func:`qkv.loss.fused_linear_cross_entropy`: the ``(b, s, V)`` logits are never stored);
+        with a smaller one (e.g. characters) the logits are no larger than the hidden states and
+        one plain product and ``F.cross_entropy`` are faster (measured: 3% of a step at V = 65)."""
         hidden = self(ids, project=False).hidden
-        return fused_linear_cross_entropy(hidden, self.output_proj.weight, targets, label_smoothing, IGNORE)
+        if self.config.vocab_size > self.config.d_model:
+            return fused_linear_cross_entropy(hidden, self.output_proj.weight, targets, label_smoothing, IGNORE)
+        logits = self.output_proj(hidden).float()  # (b, s, V)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
+                               label_smoothing=label_smoothing, reduction="sum")
 
     @torch.no_grad()
     def generate(self, ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
