@@ -241,7 +241,7 @@ def compare(args: argparse.Namespace, out_dir: Path) -> dict:
                    "n_embd", "n_head", "n_layer", "n_inner", "n_positions", "vocab_size", "activation_function",
                    "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon", "tie_word_embeddings")}},
         "loss": "mean next-token cross-entropy over the step's tokens through qkv.training.Trainer.step (summed loss "
-                "/ tokens): qkv = model.loss(ids, targets) (fused linear cross-entropy); HF = F.cross_entropy("
+                "/ tokens): qkv = model.loss(ids, targets) (CausalLM.loss: plain product + F.cross_entropy when vocab <= d_model, else the fused loss); HF = F.cross_entropy("
                 "logits, targets, reduction='sum') computed from GPT2LMHeadModel(input_ids=ids).logits (no labels "
                 "passed); ids and targets are the same WindowBatch tensors for both",
         "optimizer": {"class": "torch.optim.Adam", "betas": train_config.adam_betas, "eps": train_config.adam_eps,
