@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache
-from qkv.layers import ACTIVATIONS, EncoderLayer
+from qkv.layers import EncoderLayer
 from qkv.loss import fused_linear_cross_entropy
-from qkv.positional import POSITIONAL_KINDS, build_positional_encoding
+from qkv.models import check_model_options
+from qkv.positional import build_positional_encoding
 
 IGNORE = -100  # a target id that adds nothing to the loss
 
@@ -51,23 +52,7 @@ class CausalLMConfig:
     bias: bool = True  # biases in attention and feed-forward projections
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "context"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
-        for name in ("dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:  # also rejects NaN
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
-        if not self.layer_norm_eps > 0:
-            raise ValueError(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
-        if self.positional not in POSITIONAL_KINDS:
-            raise ValueError(f"unknown positional encoding {self.positional!r}; choose one of {POSITIONAL_KINDS}")
-        if self.positional == "sinusoidal" and self.d_model % 2:
-            raise ValueError(f"the sinusoidal encoding needs an even d_model, got {self.d_model}")
+        check_model_options(self, ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "context"))
 
     def layer_kwargs(self) -> dict:
         return dict(d_model=self.d_model, num_heads=self.num_heads, d_ff=self.d_ff, dropout=self.dropout,

@@ -22,6 +22,33 @@ from qkv.loss import fused_linear_cross_entropy
 from qkv.positional import build_positional_encoding
 
 
+def check_model_options(config, positive: tuple[str, ...]) -> None:
+    """The checks every model config shares (``ValueError`` naming the field): the ``positive``
+    integer fields, heads dividing ``d_model``, dropouts in [0, 1), ``layer_norm_eps``, the
+    activation and the positional encoding."""
+    from qkv.layers import ACTIVATIONS
+    from qkv.positional import POSITIONAL_KINDS
+
+    for name in positive:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if config.d_model % config.num_heads != 0:
+        raise ValueError(f"d_model ({config.d_model}) must be divisible by num_heads ({config.num_heads})")
+    for name in ("dropout", "attention_dropout"):
+        value = getattr(config, name)
+        if not 0.0 <= value < 1.0:  # also rejects NaN
+            raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+    if not config.layer_norm_eps > 0:
+        raise ValueError(f"layer_norm_eps must be positive, got {config.layer_norm_eps!r}")
+    if config.activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {config.activation!r}; choose one of {sorted(ACTIVATIONS)}")
+    if config.positional not in POSITIONAL_KINDS:
+        raise ValueError(f"unknown positional encoding {config.positional!r}; choose one of {POSITIONAL_KINDS}")
+    if config.positional == "sinusoidal" and config.d_model % 2:
+        raise ValueError(f"the sinusoidal encoding needs an even d_model, got {config.d_model}")
+
+
 @dataclass
 class TransformerConfig:
     """Sizes and options of a qkv model. Defaults are the paper's base model (Table 3)."""
@@ -46,31 +73,8 @@ class TransformerConfig:
     bias: bool = True  # biases in attention and feed-forward projections
 
     def __post_init__(self) -> None:
-        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_encoder_layers", "num_decoder_layers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.d_model % self.num_heads != 0:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
-        for name in ("dropout", "attention_dropout"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:  # also rejects NaN
-                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-        if not self.layer_norm_eps > 0:
-            raise ValueError(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
-        from qkv.layers import ACTIVATIONS
-        from qkv.positional import POSITIONAL_KINDS
-
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
-        if self.positional not in POSITIONAL_KINDS:
-            raise ValueError(f"unknown positional encoding {self.positional!r}; choose one of {POSITIONAL_KINDS}")
-        if self.positional == "sinusoidal" and self.d_model % 2:
-            raise ValueError(f"the sinusoidal encoding needs an even d_model, got {self.d_model}")
+        check_model_options(self, ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "max_len",
+                                   "num_encoder_layers", "num_decoder_layers"))
         if not 0 <= self.pad_id < max(self.src_vocab_size, self.tgt_vocab_size):
             raise ValueError(f"pad_id {self.pad_id} is outside the vocabulary")
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:

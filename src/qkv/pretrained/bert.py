@@ -266,6 +266,20 @@ def normalize_checkpoint_keys(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+def check_key_sets(state: dict, key_map: dict, source: object, family: str) -> None:
+    """``ValueError`` in one line listing the checkpoint keys ``key_map`` lacks and the ones it
+    expects that ``state`` lacks (a pretrained loader's first check)."""
+    missing = sorted(set(key_map) - set(state))
+    unexpected = sorted(set(state) - set(key_map))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {_short_list(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {_short_list(unexpected)}")
+        raise ValueError(f"{source}: weights do not match the {family} config ({'; '.join(parts)})")
+
+
 def _short_list(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return f"{shown}, ... ({len(names)} in all)" if len(names) > limit else shown
@@ -286,15 +300,7 @@ def build_bert(config: BertConfig, state: Mapping[str, Tensor], *, source: str =
     state = normalize_checkpoint_keys(state)
     with_pooler = "pooler.dense.weight" in state or "pooler.dense.bias" in state
     key_map = bert_key_map(config, with_pooler=with_pooler)
-    missing = sorted(set(key_map) - set(state))
-    unexpected = sorted(set(state) - set(key_map))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {_short_list(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys: {_short_list(unexpected)}")
-        raise ValueError(f"{source}: weights do not match the BERT config ({'; '.join(parts)})")
+    check_key_sets(state, key_map, source, "BERT")
     model = BertEncoder(config=config, with_pooler=with_pooler)
     params = dict(model.named_parameters())
     if set(params) != set(key_map.values()):  # the map itself is the contract; guard it

@@ -30,7 +30,7 @@ from torch import Tensor
 from qkv.causal_lm import CausalLM, CausalLMConfig
 from qkv.device import pick_device
 from qkv.fileio import atomic_path
-from qkv.pretrained.bert import _short_list
+from qkv.pretrained.bert import _short_list, check_key_sets
 
 logger = logging.getLogger(__name__)
 
@@ -163,15 +163,7 @@ def build_gpt2(config: CausalLMConfig, state: Mapping[str, Tensor], *, source: s
     tied_head = state.get("lm_head.weight") if config.tie_output else None
     if tied_head is not None:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    missing = sorted(set(key_map) - set(state))
-    unexpected = sorted(set(state) - set(key_map))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {_short_list(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys: {_short_list(unexpected)}")
-        raise ValueError(f"{source}: weights do not match the GPT-2 config ({'; '.join(parts)})")
+    check_key_sets(state, key_map, source, "GPT-2")
     model = CausalLM(config)
     params = dict(model.named_parameters())  # a tied output_proj.weight is listed once, as token_embedding
     mapped = {t for entry in key_map.values() for t in entry.targets}
