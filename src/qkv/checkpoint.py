@@ -108,6 +108,21 @@ def average_weight_files(paths: list[Path], out_path: str | Path) -> None:
         save_file(averaged, str(tmp), metadata={"format": "pt"})
 
 
+def rng_state() -> dict:
+    """This process's random state (CPU, and every CUDA device), as the checkpoint keeps it."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def save_checkpoint(run_dir: str | Path, model: torch.nn.Module, state: dict, *, weights: dict | None = None) -> None:
     """Write the resumable checkpoint: ``state.pt`` (the weights, default ``model.state_dict()``,
     plus ``state``: optimizer, position, RNG) as one atomic file, then ``last.safetensors`` from

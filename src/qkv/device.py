@@ -32,3 +32,8 @@ def pick_device(requested: str | torch.device | None = None) -> torch.device:
     elif device.type != "cpu":
         raise ValueError(f"unsupported device {str(requested)!r}; use cpu, cuda or cuda:N")
     return device
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters are."""
+    return next(model.parameters()).device

@@ -54,19 +54,6 @@ class TrainingCrashed(RuntimeError):
         self.step = step
 
 
-def _rng_state() -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 class Trainer:
     """Trains ``model`` on ``task`` and writes into ``run_dir``; building it writes nothing.
 
@@ -182,7 +169,7 @@ class Trainer:
         try:
             while not self._done():
                 self.module.train()
-                step_start = (s.epoch, s.batch_in_epoch, _rng_state(), s.step)  # restored if the step fails
+                step_start = (s.epoch, s.batch_in_epoch, ckpt.rng_state(), s.step)  # restored if the step fails
                 stats = self.step(self._next_group())
                 s.seconds = session_seconds0 + time.perf_counter() - session_start
                 window_tokens += stats.tokens
@@ -268,7 +255,7 @@ class Trainer:
             optim = save_optimizer_shards(self.model, self.optimizer, folder, self.state.step, self.dist)
         else:
             weights, optim = full_state(self.model, self.optimizer, sharded=False)
-        rng = self.dist.gather(_rng_state())
+        rng = self.dist.gather(ckpt.rng_state())
         if self.dist.is_main:
             metrics = folder / "metrics.jsonl"
             self.state.metrics_bytes = metrics.stat().st_size if metrics.is_file() else 0
@@ -294,7 +281,7 @@ class Trainer:
         rng = saved.get("rng", {"cpu": saved.get("torch_rng")})  # the oldest runs: the CPU state only
         per_process = rng if isinstance(rng, list) else [rng]
         if len(per_process) == self.dist.world_size or self.dist.rank < len(per_process):
-            _set_rng_state(per_process[self.dist.rank])
+            ckpt.set_rng_state(per_process[self.dist.rank])
         else:  # more processes than saved: a fresh, reproducible stream for this one
             torch.manual_seed(self.config.seed + 1_000_003 * self.dist.rank + saved["train_state"]["step"])
         if self.dist.is_main and len(per_process) != self.dist.world_size and saved["train_state"]["step"]:
@@ -323,7 +310,7 @@ class Trainer:
         s = self.state
         if step_start is not None and s.step == step_start[3]:
             s.epoch, s.batch_in_epoch = step_start[0], step_start[1]
-            _set_rng_state(step_start[2])
+            ckpt.set_rng_state(step_start[2])
         if not self.dist.is_main:
             return
         if self.sharded:
@@ -332,7 +319,7 @@ class Trainer:
         logger.warning("stopping: saving a checkpoint at step %d", s.step)
         try:
             if self.dist.enabled:
-                ckpt.save_checkpoint(self.run_dir, self.model, {"train_state": asdict(s), "rng": [_rng_state()],
+                ckpt.save_checkpoint(self.run_dir, self.model, {"train_state": asdict(s), "rng": [ckpt.rng_state()],
                                                                 "optimizer": self.optimizer.state_dict(), "world_size": 1})
             else:
                 self.save()

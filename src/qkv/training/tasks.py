@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from qkv.data.batching import Batch, make_batch, token_batches
 from qkv.data.parallel import ParallelText
 from qkv.data.tokenizer import Tokenizer
+from qkv.device import model_device
 from qkv.evaluation import exact_match, score_translations, translate_texts
 from qkv.precision import autocast_context
 
@@ -110,7 +111,7 @@ class TranslationTask:
             logger.warning("no validation pair fits the model's %d positions: validation skipped", self.max_len)
             return None
         src, refs = [subset.src[i] for i in kept], [subset.tgt[i] for i in kept]
-        device = next(model.parameters()).device
+        device = model_device(model)
         total_loss, total_tokens = 0.0, 0
         with autocast_context(device, bf16):
             for index in token_batches([len(x) + 1 for x in src_ids], [len(x) + 1 for x in tgt_ids], 4000, seed=None):
@@ -206,7 +207,7 @@ class LanguageModelTask:
         if self.valid_tokens is None:
             return None
         starts = list(range(0, len(self.valid_tokens) - self.context, self.context))[:windows]
-        device = next(model.parameters()).device
+        device = model_device(model)
         total, tokens = 0.0, 0
         with autocast_context(device, bf16):
             for i in range(0, len(starts), 16):

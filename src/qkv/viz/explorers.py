@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from qkv.device import pick_device
+from qkv.device import model_device, pick_device
 from qkv.viz.capture import AttentionRecorder
-from qkv.viz.export import AttentionView, make_example
+from qkv.viz.export import AttentionView, check_text, make_example
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,8 @@ class EncoderExplorer:
     @torch.no_grad()
     def example(self, text: str) -> dict:
         """Tokenize ``text``, run the encoder once, and return an explorer example (see :mod:`qkv.viz.export`)."""
-        _check_text(text)
-        batch = self.model.tokenizer([text]).to(_device(self.model))
+        check_text(text)
+        batch = self.model.tokenizer([text]).to(model_device(self.model))
         modules = {str(i): layer.self_attn for i, layer in enumerate(self.model.layers)}
         with AttentionRecorder(modules) as recorder:
             self.model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
@@ -101,8 +101,8 @@ class Seq2SeqExplorer:
             text: the source sentence.
             target: a target sentence to teacher-force; by default the model's greedy translation.
         """
-        _check_text(text)
-        device = _device(self.model)
+        check_text(text)
+        device = model_device(self.model)
         src_ids = self.tokenizer.encode(text, add_eos=True)
         limit = self.model.config.max_len
         if len(src_ids) > limit:
@@ -192,13 +192,3 @@ def open_explorer(path: str | Path | None = None):
         model = load_pretrained(folder)
         return CausalLMExplorer(model=model, tokenizer=model.tokenizer, name=name)
     return EncoderExplorer(model=load_pretrained(folder), name=name)
-
-
-def _check_text(text: str) -> None:
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError("the text is empty")
-
-
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-

@@ -94,6 +94,12 @@ class AttentionView:
         }
 
 
+def check_text(text: str) -> None:
+    """An explorer's input text: ``ValueError`` when it is empty or not a string."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("the text is empty")
+
+
 def make_example(text: str, views: Sequence[AttentionView], *, model: str = "", output: str | None = None) -> dict:
     """One input of the explorer: its text, the model's name, an output text (e.g. a translation)
     and its views."""

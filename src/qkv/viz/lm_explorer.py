@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from qkv.viz.explorers import _check_text, _device
-from qkv.viz.export import AttentionView, make_example
+from qkv.device import model_device
+from qkv.viz.export import AttentionView, check_text, make_example
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class CausalLMExplorer:
         Raises:
             ValueError: the text is empty, or has characters the vocabulary lacks (one line).
         """
-        _check_text(text)
+        check_text(text)
         try:
             ids = list(self.tokenizer.encode(text))
         except ValueError as err:
@@ -143,7 +143,7 @@ class CausalLMExplorer:
             logger.info("%s: the text has %d tokens; showing the last %d (the model's context)",
                         self.name, len(ids), self.context)
             ids = ids[-self.context:]
-        x = torch.tensor([ids], dtype=torch.long, device=_device(self.model))  # (1, s)
+        x = torch.tensor([ids], dtype=torch.long, device=model_device(self.model))  # (1, s)
         out = self.model(x, need_weights=True)
         tokens = lm_token_labels(self.tokenizer, ids)
         view = AttentionView(VIEW_NAME, tokens, tokens, list(out.attentions))  # per layer (1, h, s, s)
