@@ -1,6 +1,6 @@
 """Resident memory over a long Multi30k training run: does it stay flat after warm-up?
 
-Trains the library's Multi30k recipe (qkv.runs.RECIPES["multi30k"], En->De) for ``--minutes``
+Trains the library's Multi30k recipe (qkv.recipes.RECIPES["multi30k"], En->De) for ``--minutes``
 in float32 and, where this machine runs bfloat16 fast (qkv.precision.bf16_is_fast), in bf16 autocast
 too (else the JSON says why it was skipped). Validation and checkpoints are off inside the window,
 so nothing but training steps runs. A thread samples the process's resident set size (VmRSS) and its

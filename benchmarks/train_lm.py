@@ -18,7 +18,7 @@ model training ``--steps`` timed steps a round after ``--warmup`` untimed ones. 
 tokens/s per model per round, the medians and the ratio qkv/HF, and the validation loss of each
 on the whole validation split before and after the same steps.
 
-``--minutes M``: qkv's recipe (``qkv.runs.RECIPES["tinyshakespeare"]``) through ``start_run`` +
+``--minutes M``: qkv's recipe (``qkv.recipes.RECIPES["tinyshakespeare"]``) through ``start_run`` +
 ``run_training`` for M minutes of wall time (``--minutes`` alone: the recipe's 30), then the
 validation loss against minutes (from the run's metrics.jsonl; the engine validates on the first
 ``eval_sentences`` windows), the final validation loss in nats/char and bits/char over the WHOLE
@@ -62,7 +62,8 @@ from qkv.causal_lm import IGNORE, CausalLM, CausalLMConfig
 from qkv.data.text import load_text_splits, train_text_tokenizer
 from qkv.fileio import write_json
 from qkv.precision import autocast_context
-from qkv.runs import RECIPES, run_training, start_run
+from qkv.recipes import RECIPES
+from qkv.runs import run_training, start_run
 from qkv.training import LanguageModelTask, TrainConfig, Trainer
 from qkv.training.tasks import language_model_loss
 from qkv.viz.curves import plot_metrics, read_metrics
@@ -314,7 +315,7 @@ def fixed_time_run(args: argparse.Namespace, out_dir: Path) -> dict:
           f"{nats_per_char / math.log(2):.4f} bits/char", flush=True)
     print(sample, flush=True)
     return {
-        "task": "tiny Shakespeare, character level, qkv's recipe (qkv.runs.RECIPES['tinyshakespeare'])",
+        "task": "tiny Shakespeare, character level, qkv's recipe (qkv.recipes.RECIPES['tinyshakespeare'])",
         "command": " ".join(["python", *sys.argv]),
         "train_minutes_budget": args.minutes,
         "train_wall_seconds": round(train_wall, 1),

@@ -7,7 +7,7 @@ with beam 5 for the last weights alone (what averaging adds).
     python benchmarks/train_multi30k.py --minutes 60 --src en --tgt de \\
         --run-dir runs/multi30k-en-de --out benchmarks/results/multi30k_en_de.json
 
-Defaults are the library's Multi30k recipe (qkv.runs.RECIPES["multi30k"]): d_model 256, 4 heads,
+Defaults are the library's Multi30k recipe (qkv.recipes.RECIPES["multi30k"]): d_model 256, 4 heads,
 3+3 layers, d_ff 1024, joint byte-level BPE 8k with shared embeddings, label smoothing 0.1, dropout
 0.1, bf16 autocast where the hardware runs it fast, ~4k padded tokens a batch, warmup 400 x factor
 0.7, checkpoints every 3 minutes with the last 5 averaged. Every option below overrides one field of it. Other processes
