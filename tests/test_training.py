@@ -86,6 +86,37 @@ def test_trainer_applies_schedule_and_adam_settings(tmp_path):
     assert group["lr"] == pytest.approx(logged[-1]["lr"])
 
 
+
+@pytest.mark.parametrize("decay", [1.0, 0.25])
+def test_budget_schedule_falls_to_zero_at_the_end_of_the_budget(tmp_path, decay):
+    """Step s of an 8-step budget is taken with s - 1 of 8 steps spent: the paper's rate times
+    min(1, (1 - spent) / decay), computed here by hand."""
+    pairs = generate_dates(64, seed=0)
+    train = TrainConfig(max_tokens=400, warmup_steps=2, lr_factor=2.0, max_steps=8, progress=False, average_last=1,
+                        log_every_steps=1, schedule="budget", decay_fraction=decay)
+    trainer = tiny_run(tmp_path, pairs, train)
+    trainer.train()
+    logged = [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == list(range(1, 9))
+    for r in logged:
+        s = r["step"]
+        paper = 2.0 * 32**-0.5 * min(s**-0.5, s * 2**-1.5)
+        assert r["lr"] == pytest.approx(paper * min(1.0, (1 - (s - 1) / 8) / decay))
+    assert logged[-1]["lr"] < logged[0]["lr"]  # ends low: 1/8 of the paper's rate (decay 1) or 1/2 (decay 0.25)
+
+
+def test_budget_progress_is_the_largest_share_spent():
+    from qkv.training.config import budget_progress, learning_rate
+
+    config = TrainConfig(max_minutes=10, max_steps=1000, max_epochs=4, schedule="budget", decay_fraction=0.5)
+    assert budget_progress(config, step=100, seconds=300, epochs=1) == pytest.approx(0.5)  # minutes lead
+    assert budget_progress(config, step=900, seconds=60, epochs=1) == pytest.approx(0.9)  # steps lead
+    assert budget_progress(config, step=0, seconds=0, epochs=5) == 1.0  # capped
+    assert learning_rate(config, 2000, 64, 0.75) == pytest.approx(inverse_sqrt_lr(2000, 64, 800) * 0.5)
+    assert learning_rate(config, 2000, 64, 0.4) == pytest.approx(inverse_sqrt_lr(2000, 64, 800))
+    with pytest.raises(ValueError, match="schedule"):
+        TrainConfig(schedule="cosine")
+
 # --------------------------------------------------------------------------- learning
 def test_tiny_model_overfits_64_pairs(tmp_path):
     pairs = generate_dates(64, seed=5)
@@ -369,3 +400,15 @@ def test_the_loop_returns_freed_heap_memory_and_logs_resident_memory(tmp_path, m
     assert len(calls) == 2  # after steps 50 and 100
     logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["rss_mb"] > 10 for r in logged)
+
+
+def test_options_with_choices_are_choices_on_the_command_line():
+    """``--strategy`` and ``--schedule`` take their names (not numbers) and refuse others."""
+    from qkv.cli import build_parser
+
+    parser = build_parser("train")
+    args = parser.parse_args(["train", "--run-dir", "r", "--strategy", "fsdp", "--schedule", "budget",
+                              "--decay-fraction", "0.3"])
+    assert (args.strategy, args.schedule, args.decay_fraction) == ("fsdp", "budget", 0.3)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--run-dir", "r", "--schedule", "cosine"])

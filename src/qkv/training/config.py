@@ -35,6 +35,12 @@ class TrainConfig:
                                     "step * warmup^-1.5)", minimum=0, below=math.inf)
     warmup_steps: int = _option(800, "linear warmup steps of the inverse-sqrt schedule (the paper: 4000)",
                                 flag="--warmup", minimum=1)
+    schedule: str = _option("inverse_sqrt", "learning-rate schedule: inverse_sqrt = the paper's (section 5.3); "
+                                            "budget = the paper's, brought down linearly to zero over the last "
+                                            "--decay-fraction of the run's budget (--minutes, --max-steps or "
+                                            "--epochs, whichever ends first)", choices=("inverse_sqrt", "budget"))
+    decay_fraction: float = _option(1.0, "with --schedule budget: the share of the budget, at its end, over which "
+                                         "the rate falls to zero", minimum=0.01, maximum=1)
     adam_betas: tuple[float, float] = _option((0.9, 0.98), "Adam's beta1 and beta2 (section 5.3)", cli=False)
     adam_eps: float = _option(1e-9, "Adam's epsilon", minimum=0, below=math.inf, cli=False)
     label_smoothing: float = _option(0.1, "label smoothing epsilon (section 5.4)", minimum=0, below=1)
@@ -124,6 +130,31 @@ def inverse_sqrt_lr(step: int, d_model: int, warmup_steps: int, factor: float = 
     ``factor * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)``."""
     step = max(step, 1)
     return factor * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+
+def budget_progress(config: TrainConfig, *, step: int, seconds: float, epochs: float) -> float:
+    """How much of the run's budget is spent, in [0, 1]: the largest of the fractions of
+    ``max_minutes``, ``max_steps`` and ``max_epochs`` used so far (those that are set)."""
+    spent = [0.0]
+    if config.max_minutes:
+        spent.append(seconds / (config.max_minutes * 60))
+    if config.max_steps:
+        spent.append(step / config.max_steps)
+    if config.max_epochs:
+        spent.append(epochs / config.max_epochs)
+    return min(1.0, max(spent))
+
+
+def learning_rate(config: TrainConfig, step: int, d_model: int, progress: float = 0.0) -> float:
+    """The rate of optimizer step ``step`` (1-based). ``inverse_sqrt``: :func:`inverse_sqrt_lr`.
+    ``budget``: the same, times a ramp that is 1 until ``1 - decay_fraction`` of the budget is spent
+    (``progress``, see :func:`budget_progress`) and then falls linearly to 0 at its end, so a run
+    with a fixed budget ends on a small rate (budget-aware decay, Li et al. 2020) instead of wherever
+    the inverse square root has reached."""
+    lr = inverse_sqrt_lr(step, d_model, config.warmup_steps, config.lr_factor)
+    if config.schedule == "budget":
+        lr *= min(1.0, max(0.0, (1.0 - progress) / config.decay_fraction))
+    return lr
 
 
 @dataclass

@@ -28,7 +28,7 @@ from qkv import checkpoint as ckpt
 from qkv.data.batching import Batch
 from qkv.memory import HeapTrimmer, resident_memory_bytes, trim_heap
 from qkv.precision import autocast_context
-from qkv.training.config import TrainConfig, TrainState, inverse_sqrt_lr
+from qkv.training.config import TrainConfig, TrainState, budget_progress, learning_rate
 from qkv.training.distributed import (Distributed, full_state, gradient_sync, load_full_state, load_optimizer_shards,
                                       plain_copy, remove_optimizer_shards, save_optimizer_shards, wrap)
 
@@ -81,6 +81,7 @@ class Trainer:
         self.optimizer = torch.optim.Adam(self.module.parameters(), lr=0.0, betas=config.adam_betas,
                                           eps=config.adam_eps)
         self.state = TrainState(kept_checkpoints=[])
+        self.progress = 0.0  # share of the budget spent, set before each step by the loop (see _done)
         self._batches_epoch, self._batches_cache = None, []  # the current epoch's batches, built once
         self.metrics_path = self.run_dir / "metrics.jsonl" if self.run_dir is not None else None
 
@@ -111,7 +112,7 @@ class Trainer:
             raise FloatingPointError(f"the loss is {loss_sum} at step {s.step + 1}; lower --lr-factor or check the data")
         params = [p for p in self.module.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip_norm if c.clip_norm > 0 else math.inf)
-        lr = inverse_sqrt_lr(s.step + 1, self.d_model, c.warmup_steps, c.lr_factor)
+        lr = learning_rate(c, s.step + 1, self.d_model, self.progress)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
@@ -150,7 +151,10 @@ class Trainer:
         epochs = s.epoch + s.batch_in_epoch / max(1, len(self._epoch_batches(s.epoch)))
         done = bool(s.stopped_early or (c.max_steps and s.step >= c.max_steps)
                     or (c.max_minutes and s.seconds >= c.max_minutes * 60) or (c.max_epochs and epochs >= c.max_epochs))
-        return self.dist.broadcast(done)  # rank 0's clock decides for everyone
+        progress = budget_progress(c, step=s.step, seconds=s.seconds, epochs=epochs)
+        # rank 0's clock decides for everyone: when to stop, and the budget schedule's rate (equal on every replica)
+        done, self.progress = self.dist.broadcast((done, progress))
+        return done
 
     def train(self) -> TrainState:
         """Run until a stop condition (steps, epochs, minutes). Ctrl-C saves a checkpoint and
