@@ -90,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f, flag in _train_fields():
         if f.type == "bool":
             train.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
+        elif f.metadata.get("choices"):
+            train.add_argument(flag, dest=f.name, choices=f.metadata["choices"], help=f.metadata["help"])
         else:
             train.add_argument(flag, dest=f.name, type=int if f.type == "int" else float, help=f.metadata["help"])
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
