@@ -1,0 +1,172 @@
+"""What buys the most BLEU in a fixed time: short Multi30k runs of candidate settings, scored on
+the VALIDATION split only (test sets are never used to choose anything).
+
+Each candidate is the library's Multi30k recipe (``qkv.recipes.RECIPES["multi30k"]``) with a few
+fields changed; each trains for ``--minutes`` of wall time from scratch (same seed, same data) and is
+scored with beam ``--beam`` on the averaged last checkpoints, sacreBLEU on the whole validation split.
+The JSON (and a bar chart beside it) lists, per candidate, the changes, the minutes it trained, its
+steps, target tokens/s and validation BLEU/chrF. Candidates run one after another: other processes on
+the machine change steps per minute and so the BLEU, so run it on an otherwise idle machine and read
+the load average recorded with each candidate.
+
+    python benchmarks/recipe_sweep.py --minutes 12                     # every candidate
+    python benchmarks/recipe_sweep.py --minutes 12 --only budget,narrow  # some of them
+    python benchmarks/recipe_sweep.py --list
+
+Results are merged into the JSON (``--out``, default benchmarks/results/recipe_sweep.json) by
+candidate name, so candidates can be run in several sessions. Smoke test (seconds):
+
+    python benchmarks/recipe_sweep.py --minutes 0.1 --only baseline --eval-limit 20 --out /tmp/sweep.json \\
+        --run-root /tmp/sweep-runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from qkv import checkpoint as ckpt
+from qkv.bench.timing import environment
+from qkv.data.sources import load_split
+from qkv.evaluation import score_translations, translate_texts
+from qkv.fileio import write_json
+from qkv.runs import run_training, start_run
+
+REPO = Path(__file__).resolve().parent.parent
+
+# name -> (what it tests, TransformerConfig overrides, TrainConfig overrides, joint BPE vocabulary or None)
+CANDIDATES: dict[str, tuple[str, dict, dict, int | None]] = {
+    "baseline": ("the recipe as it is", {}, {}, None),
+    "budget": ("rate decays linearly to zero over the whole budget", {}, {"schedule": "budget"}, None),
+    "budget-tail": ("rate decays to zero over the last 30% of the budget", {},
+                    {"schedule": "budget", "decay_fraction": 0.3}, None),
+    "budget-hot": ("budget decay with a 1.5x higher peak rate", {},
+                   {"schedule": "budget", "lr_factor": 1.05}, None),
+    "narrow": ("d_ff 512: more steps an hour", {"d_ff": 512}, {}, None),
+    "shallow": ("2+2 layers: more steps an hour", {"num_encoder_layers": 2, "num_decoder_layers": 2}, {}, None),
+    "dropout-0.2": ("more dropout", {"dropout": 0.2}, {}, None),
+    "batch-6k": ("6,000 padded tokens a batch", {}, {"max_tokens": 6000}, None),
+    "vocab-5k": ("a 5,000-token joint BPE", {}, {}, 5000),
+    "smoothing-0.2": ("label smoothing 0.2", {}, {"label_smoothing": 0.2}, None),
+}
+
+
+def machine(threads: int) -> dict:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return {**environment(), "threads": threads, "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_tile" in flags}
+
+
+def run_candidate(name: str, args: argparse.Namespace, data: dict, device: str) -> dict:
+    """Train one candidate for ``args.minutes`` and score it on the validation split."""
+    about, model_options, train_options, vocab = CANDIDATES[name]
+    run_dir = Path(args.run_root) / name
+    options = {"max_minutes": args.minutes, "seed": args.seed, "progress": sys.stderr.isatty(),
+               "eval_every_minutes": max(args.minutes / 4, 0.05), "checkpoint_every_minutes": max(args.minutes / 10, 0.01),
+               **train_options}
+    if args.no_bf16:
+        options["bf16"] = False
+    torch.manual_seed(args.seed)
+    load_start = os.getloadavg()
+    trainer = start_run(run_dir, data=data, model_options=model_options, train_options=options, vocab_size=vocab,
+                        overwrite=True, device=device)
+    start = time.perf_counter()
+    run_training(trainer)
+    wall = time.perf_counter() - start
+    model, tokenizer, _ = ckpt.load_run(run_dir, "model")  # the averaged last checkpoints
+    model.to(device)
+    val = load_split(data, "val")
+    src, refs = val.src, val.tgt
+    if args.eval_limit:
+        src, refs = src[: args.eval_limit], refs[: args.eval_limit]
+    hyps = translate_texts(model, tokenizer, src, beam_size=args.beam, bf16=trainer.config.bf16)
+    scores = score_translations(hyps, refs)
+    state = trainer.state
+    result = {"about": about, "model_options": model_options, "train_options": train_options, "vocab_size": vocab,
+              "minutes_trained": round(state.seconds / 60, 2), "wall_seconds": round(wall, 1), "steps": state.step,
+              "target_tokens_per_s": round(state.tokens / max(state.seconds, 1e-9), 1),
+              "parameters": sum(p.numel() for p in model.parameters()),
+              f"val_bleu_beam{args.beam}": scores["bleu"], f"val_chrf_beam{args.beam}": scores["chrf"],
+              "val_sentences": len(src), "bleu_signature": scores.get("signature"),
+              "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
+    logging.info("%s: %d steps, val BLEU %.2f", name, state.step, scores["bleu"])
+    return result
+
+
+def plot(report: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = f"val_bleu_beam{report['beam']}"
+    names = [n for n in CANDIDATES if n in report["candidates"]]
+    values = [report["candidates"][n][key] for n in names]
+    fig, ax = plt.subplots(figsize=(7, 0.4 * len(names) + 1.2))
+    ax.barh(names[::-1], values[::-1], color="#4c72b0")
+    for i, v in enumerate(values[::-1]):
+        ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
+    ax.set_xlabel(f"validation sacreBLEU (beam {report['beam']}) after {report['minutes']:g} minutes")
+    ax.set_xlim(min(values) - 2, max(values) + 2)
+    fig.tight_layout()
+    with ckpt.atomic_path(png) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "multi30k"), help="Multi30k folder")
+    p.add_argument("--src", default="en")
+    p.add_argument("--tgt", default="de")
+    p.add_argument("--minutes", type=float, default=12.0, help="training wall time of each candidate")
+    p.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
+    p.add_argument("--list", action="store_true", help="list the candidates and exit")
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-limit", type=int, default=0, help="score only the first N validation pairs (smoke tests)")
+    p.add_argument("--no-bf16", action="store_true", help="float32 even where bf16 is fast")
+    p.add_argument("--run-root", default=str(REPO / "runs" / "sweep"), help="one run folder per candidate under it")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "recipe_sweep.json"))
+    args = p.parse_args()
+    if args.list:
+        for name, (about, model, train, vocab) in CANDIDATES.items():
+            print(f"{name:14s} {about}  model={model} train={train} vocab={vocab}")
+        return 0
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(CANDIDATES)
+    unknown = [n for n in names if n not in CANDIDATES]
+    if unknown:
+        p.error(f"unknown candidates {unknown}; --list shows them")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": args.src, "tgt_lang": args.tgt}
+    out = Path(args.out)
+    report = json.loads(out.read_text()) if out.exists() else {}
+    if report and (report.get("minutes"), report.get("beam"), report.get("pair")) != (
+            args.minutes, args.beam, f"{args.src}-{args.tgt}"):
+        p.error(f"{out} holds a sweep with other settings (minutes {report.get('minutes')}, beam "
+                f"{report.get('beam')}, {report.get('pair')}); pass another --out")
+    report.update(task="Multi30k recipe sweep, scored on the validation split only", pair=f"{args.src}-{args.tgt}",
+                  minutes=args.minutes, beam=args.beam, machine=machine(args.threads),
+                  command=" ".join(["python"] + sys.argv))
+    report.setdefault("candidates", {})
+    for name in names:
+        report["candidates"][name] = run_candidate(name, args, data, device)
+        write_json(out, report)  # after every candidate: a crash loses at most the one running
+    plot(report, out.with_suffix(".png"))
+    key = f"val_bleu_beam{args.beam}"
+    for name, r in sorted(report["candidates"].items(), key=lambda kv: -kv[1][key]):
+        print(f"{name:14s} {r[key]:6.2f}  {r['steps']:5d} steps  {r['minutes_trained']:6.2f} min  {r['about']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
