@@ -1,7 +1,8 @@
 """Translate lists of sentences in length-sorted batches and score them with sacreBLEU.
 
 Scores are sacreBLEU's own (cased, on detokenised text, the default ``13a`` tokenizer) and chrF,
-reported with their signatures so a number can be reproduced.
+reported with their signatures so a number can be reproduced; given the target language, also BLEU
+in the forms papers publish (:mod:`qkv.bleu_forms`), each labelled with how it was made.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sacrebleu
 import torch
 from tqdm.auto import tqdm
 
+from qkv.bleu_forms import published_forms
 from qkv.data.batching import pad_sequences
 from qkv.data.tokenizer import Tokenizer
 from qkv.decoding import beam_search, greedy_decode
@@ -78,24 +80,35 @@ def translate_texts(
     return results
 
 
-def score_translations(hypotheses: list[str], references: list[str]) -> dict:
+def score_translations(hypotheses: list[str], references: list[str], *, target_lang: str | None = None) -> dict:
     """sacreBLEU BLEU and chrF of detokenised ``hypotheses`` against one reference each.
 
+    Args:
+        hypotheses: system output, one sentence each.
+        references: one reference each, line-aligned.
+        target_lang: the target language (e.g. ``de``): adds BLEU in the papers' form and, for
+            German, tokenized BLEU with compound splitting (:func:`qkv.bleu_forms.published_forms`).
+
     Returns:
-        ``{"bleu", "chrf", "bleu_signature", "chrf_signature", "bleu_details"}``.
+        ``{"bleu", "chrf", "bleu_signature", "chrf_signature", "bleu_details"}``; with
+        ``target_lang`` also ``"bleu_papers_form"`` (and ``"bleu_compound_split"``), each
+        ``{"bleu", "form", "details"}``.
     """
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     bleu_metric, chrf_metric = sacrebleu.BLEU(), sacrebleu.CHRF()
     bleu = bleu_metric.corpus_score(hypotheses, [references])
     chrf = chrf_metric.corpus_score(hypotheses, [references])
-    return {
+    scores = {
         "bleu": round(bleu.score, 2),
         "chrf": round(chrf.score, 2),
         "bleu_signature": str(bleu_metric.get_signature()),
         "chrf_signature": str(chrf_metric.get_signature()),
         "bleu_details": str(bleu),
     }
+    if target_lang is not None:
+        scores.update(published_forms(hypotheses, references, target_lang))
+    return scores
 
 
 def exact_match(hypotheses: list[str], references: list[str]) -> float:

@@ -2,11 +2,16 @@
 
     qkv evaluate runs/en-de --split test            # Multi30k test 2016, beam 5
     qkv evaluate runs/mine --src test.en --ref test.de --beam 5
+    qkv evaluate runs/wmt --src newstest2014.en --ref newstest2014.de --beam 4 --alpha 0.6   # the paper's
     qkv evaluate runs/dates --split test            # also prints exact-match accuracy
     qkv evaluate runs/shakespeare                   # a language model: its validation text
     qkv evaluate runs/shakespeare --text other.txt  # ... or any UTF-8 text
 
-Translation: sacreBLEU BLEU (cased, detokenised, 13a) and chrF, printed with their signatures.
+Translation: sacreBLEU BLEU (cased, detokenised, 13a) and chrF, printed with their signatures;
+then, labelled, BLEU in the papers' form (lowercased, Moses-normalised and Moses-tokenized, as
+Multi30k papers report) and for a German target tokenized BLEU with compound splitting (the
+Transformer paper's WMT En-De metric), see :mod:`qkv.bleu_forms`. The target language comes from
+--tgt-lang, else the run's Multi30k pair, else the reference file's name (``newstest2014.de``).
 A language model: the loss in nats per token, perplexity and bits per character over the text's
 non-overlapping windows of the model's context.
 """
@@ -30,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "files val (default: test, or val for files)")
     parser.add_argument("--src", help="score this source file instead of a split (needs --ref)")
     parser.add_argument("--ref", help="reference translations of --src, line-aligned")
+    parser.add_argument("--tgt-lang", help="the references' language, for the Moses rules of the papers' BLEU forms "
+                                           "(default: the run's Multi30k target, else the reference file's "
+                                           "extension, e.g. de for newstest2014.de)")
     parser.add_argument("--text", help="a language model: score this UTF-8 text instead of the run's validation split")
     parser.add_argument("--beam", type=positive_int, default=5, help="beam size (1 = greedy; default 5)")
     parser.add_argument("--alpha", type=length_penalty, default=0.6,
@@ -50,12 +58,15 @@ def run(args: argparse.Namespace) -> int:
     from qkv.fileio import check_output_file, write_text
     from qkv.data.parallel import read_parallel
     from qkv.data.sources import load_split
+    from qkv.bleu_forms import check_lang
     from qkv.evaluation import exact_match, score_translations, translate_texts
 
     if bool(args.src) != bool(args.ref):
         raise ValueError("give both --src and --ref, or a --split")
     if args.src and args.split:
         raise ValueError("give either --split or --src/--ref, not both")
+    if args.tgt_lang is not None:
+        check_lang(args.tgt_lang, "--tgt-lang")
     if args.hyp_out:
         check_output_file(args.hyp_out, "--hyp-out")
     set_threads(args.threads)
@@ -75,11 +86,12 @@ def run(args: argparse.Namespace) -> int:
     src, refs = data.src, data.tgt
     if args.limit:
         src, refs = src[: args.limit], refs[: args.limit]
+    target_lang = args.tgt_lang or target_language(config.get("data") or {}, args.ref)
     hyps = translate_texts(model, tokenizer, src, beam_size=args.beam, alpha=args.alpha, bf16=args.bf16,
                            progress=sys.stderr.isatty())
-    scores = score_translations(hyps, refs)
-    scores.update(split=name, sentences=len(src), beam=args.beam, weights=args.weights,
-                  exact_match=round(exact_match(hyps, refs), 4))
+    scores = score_translations(hyps, refs, target_lang=target_lang)
+    scores.update(split=name, sentences=len(src), beam=args.beam, alpha=args.alpha, weights=args.weights,
+                  target_lang=target_lang, exact_match=round(exact_match(hyps, refs), 4))
     if args.hyp_out:
         write_text(Path(args.hyp_out).resolve(), "".join(h + "\n" for h in hyps))
     if args.json:
@@ -89,8 +101,31 @@ def run(args: argparse.Namespace) -> int:
     print(f"BLEU {scores['bleu']:.2f}  ({scores['bleu_signature']})")
     print(f"     {scores['bleu_details']}")
     print(f"chrF {scores['chrf']:.2f}  ({scores['chrf_signature']})")
+    for key, label in (("bleu_papers_form", "BLEU, papers' form"),
+                       ("bleu_compound_split", "BLEU, tokenized with compound splitting")):
+        if key in scores:
+            print(f"{label}: {scores[key]['bleu']:.2f}  ({scores[key]['form']})")
+    if target_lang is None and (config.get("data") or {}).get("source") != "dates":
+        print("(the papers' BLEU forms need the references' language: pass --tgt-lang)")
     print(f"exact match {100 * scores['exact_match']:.2f}%")
     return 0
+
+
+def target_language(spec: dict, ref: str | None) -> str | None:
+    """The references' language: the run's Multi30k target for its own splits, else the extension
+    of the reference file (``--ref``, or a files run's validation target), ``.gz`` aside; None when
+    neither says (the date task, or a file named without a language)."""
+    import re
+
+    if ref is None and spec.get("source") == "multi30k":
+        return spec.get("tgt_lang", "de")
+    path = ref or (spec.get("val_tgt") if spec.get("source") == "files" else None)
+    if not path:
+        return None
+    name = Path(path).name
+    name = name[: -len(".gz")] if name.endswith(".gz") else name
+    suffix = name.rpartition(".")[2] if "." in name else ""
+    return suffix if re.fullmatch(r"[a-z]{2,3}", suffix) else None
 
 
 def _evaluate_language_model(args: argparse.Namespace, model, tokenizer, config: dict) -> int:
