@@ -29,7 +29,9 @@ class Hypothesis:
 
 
 def length_penalty(length: int, alpha: float) -> float:
-    """GNMT length penalty ``((5 + length) / 6) ** alpha`` (Wu et al. 2016; the paper's alpha is 0.6)."""
+    """GNMT length penalty ``((5 + length) / 6) ** alpha`` (Wu et al. 2016, eq. 14, without its coverage
+    term), which "Attention Is All You Need" used with alpha 0.6 and beam 4 (section 6.1). A finished
+    hypothesis's length counts its EOS, as tensor2tensor's beam search (the paper's) counts it."""
     return ((5.0 + length) / 6.0) ** alpha
 
 

@@ -1,5 +1,7 @@
 """Recipes: the defaults for a model and its training, per data source (what `qkv train --data X`
-uses unless an option overrides it). Each recipe is declared once, here."""
+uses unless an option overrides it), and the paper's base and big models, which `qkv train
+--recipe paper-base|paper-big` puts in place of the data's recipe (:func:`recipe_overrides`).
+Each recipe is declared once, here."""
 
 from __future__ import annotations
 
@@ -44,3 +46,119 @@ RECIPES["tinyshakespeare"] = {
                   eval_every_minutes=2.0, eval_sentences=200, checkpoint_every_minutes=3.0, average_last=1),
 }
 RECIPES["text"] = RECIPES["tinyshakespeare"]
+
+# The paper's WMT 2014 English-German models ("Attention Is All You Need": Table 3, section 5), for
+# `qkv train --recipe paper-base|paper-big` on a corpus the user brings. What each value follows:
+# - sizes: Table 3 (base: d_model 512, 8 heads, 6+6 layers, d_ff 2048, P_drop 0.1; big: 1024, 16
+#   heads, d_ff 4096, P_drop 0.3 for En-De), post-LN (section 3.1), sinusoidal positions (3.5), one
+#   embedding table for both languages and the output projection (3.4);
+# - one BPE vocabulary of about 37,000 tokens for both languages (5.1);
+# - Adam 0.9/0.98/1e-9, the inverse-square-root rate with 4,000 warmup steps and factor 1 (5.3),
+#   label smoothing 0.1 (5.4); no gradient clipping (the paper names none; fairseq's reproduction,
+#   "Scaling Neural Machine Translation", trains with --clip-norm 0 too);
+# - ~25,000 target tokens a step (5.1): "tokens_per_step" padded tokens, split into max_tokens x
+#   accum_steps x processes by step_batches();
+# - 100k steps (base) / 300k (big); checkpoints every 10 minutes on the paper's hardware, which is
+#   every ~1,400 of its steps for base (100k steps in 12 hours) and ~600 for big (300k in 3.5 days):
+#   kept here in steps, so the averaged stretch of training is the paper's on any hardware; the
+#   last 5 (base) / 20 (big) averaged (section 6.1);
+# - beam 4, length penalty alpha 0.6 at evaluation ("decode", section 6.1): GNMT's
+#   ((5 + length) / 6) ** alpha, the EOS token counted in the length (qkv.decoding.length_penalty);
+#   output up to the input length + 50 tokens (decoding's extra_len default);
+# - bf16 autocast where bf16 matrix products are fast (GPUs); training pairs longer than 256 tokens
+#   are dropped, with a count.
+PAPER_MODEL = dict(d_model=512, num_heads=8, num_encoder_layers=6, num_decoder_layers=6, d_ff=2048, dropout=0.1,
+                   max_len=256, norm_first=False, positional="sinusoidal", share_embeddings=True, tie_output=True)
+PAPER_TRAIN = dict(warmup_steps=4000, lr_factor=1.0, schedule="inverse_sqrt", adam_betas=(0.9, 0.98), adam_eps=1e-9,
+                   label_smoothing=0.1, clip_norm=0.0, bf16=True, max_steps=100_000, checkpoint_every_steps=1400,
+                   average_last=5, eval_every_steps=5000, eval_sentences=500)
+RECIPES["paper-base"] = {
+    "vocab_size": 37000,
+    "split_digits": False,
+    "tokens_per_step": 25000,
+    "decode": {"beam_size": 4, "alpha": 0.6},
+    "model": PAPER_MODEL,
+    "train": PAPER_TRAIN,
+}
+RECIPES["paper-big"] = {
+    **RECIPES["paper-base"],
+    "model": {**PAPER_MODEL, "d_model": 1024, "num_heads": 16, "d_ff": 4096, "dropout": 0.3},
+    "train": {**PAPER_TRAIN, "max_steps": 300_000, "checkpoint_every_steps": 600, "average_last": 20},
+}
+# the largest batch one process takes at once (padded tokens) before it accumulates several: about
+# 8 GB of activations for the base model under bf16, twice that for big, so it fits 24 GB and larger
+# GPUs; a smaller GPU takes --max-tokens N (and the step keeps its size through --accum-steps)
+MICRO_BATCH_TOKENS = 12_500
+
+
+def translation_recipes() -> list[str]:
+    """The names ``qkv train --recipe`` accepts: every recipe of a translation model."""
+    return sorted(name for name, recipe in RECIPES.items() if recipe.get("task", "translation") == "translation")
+
+
+def step_batches(tokens_per_step: int, world_size: int, *, max_tokens: int | None = None,
+                 accum_steps: int | None = None, micro_batch_tokens: int = MICRO_BATCH_TOKENS) -> tuple[int, int]:
+    """Split a step of ``tokens_per_step`` padded tokens among processes and micro-batches.
+
+    A step trains on ``accum_steps x world_size`` batches of up to ``max_tokens`` padded tokens
+    each (:class:`~qkv.training.TrainConfig`). Given neither, ``accum_steps`` is the fewest
+    micro-batches that keep a batch within ``micro_batch_tokens`` and ``max_tokens`` shares the
+    step evenly: 1 process -> 2 x 12,500; 2 -> 1 x 12,500; 8 -> 1 x 3,125 (the paper's 8 GPUs).
+    Given one, the other is chosen to come closest to ``tokens_per_step``; given both, both are kept.
+
+    Returns:
+        ``(max_tokens, accum_steps)``.
+    """
+    for name, value in (("tokens_per_step", tokens_per_step), ("world_size", world_size),
+                        ("max_tokens", max_tokens), ("accum_steps", accum_steps),
+                        ("micro_batch_tokens", micro_batch_tokens)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if max_tokens is not None and accum_steps is not None:
+        return max_tokens, accum_steps
+    if max_tokens is not None:
+        return max_tokens, max(1, round(tokens_per_step / (max_tokens * world_size)))
+    if accum_steps is None:
+        accum_steps = -(-tokens_per_step // (micro_batch_tokens * world_size))
+    return -(-tokens_per_step // (accum_steps * world_size)), accum_steps
+
+
+def recipe_overrides(name: str, source: str, *, world_size: int = 1, max_tokens: int | None = None,
+                     accum_steps: int | None = None) -> tuple[dict, dict, int]:
+    """What makes :func:`qkv.runs.start_run` train data of ``source`` with recipe ``name`` in place
+    of the data's own: the model and training fields where the two recipes differ (a field either
+    leaves out counts as the library default, so nothing of the data's recipe stays behind), and
+    the vocabulary size. A recipe with ``tokens_per_step`` gets ``max_tokens``/``accum_steps``
+    from :func:`step_batches` for ``world_size`` processes (the given ones kept). The tokenizer's
+    digit rule stays the data's (split only for the date task). bf16 is passed only where the
+    recipes disagree, so where both want it, start_run's rule applies: on where it is fast.
+
+    Returns:
+        ``(model_options, train_options, vocab_size)``; explicit options go over them.
+
+    Raises:
+        ValueError: an unknown recipe, or one of a language model.
+    """
+    from dataclasses import fields
+
+    from qkv.models import TransformerConfig
+    from qkv.training.config import TrainConfig
+
+    if name not in translation_recipes():
+        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(translation_recipes())}")
+    if source not in translation_recipes():
+        raise ValueError(f"--recipe {name} is a translation recipe; a language model ({source}) trains with its "
+                         "data's recipe")
+    recipe, own = RECIPES[name], RECIPES[source]
+
+    def differing(config_class, key: str, skip: tuple = ()) -> dict:
+        defaults = {f.name: getattr(config_class(), f.name) for f in fields(config_class) if f.name not in skip}
+        wanted, current = {**defaults, **recipe[key]}, {**defaults, **own[key]}
+        return {k: v for k, v in wanted.items() if k in defaults and v != current[k]}
+
+    model = differing(TransformerConfig, "model", skip=("src_vocab_size", "tgt_vocab_size", "pad_id"))
+    train = differing(TrainConfig, "train")
+    if "tokens_per_step" in recipe:
+        train["max_tokens"], train["accum_steps"] = step_batches(recipe["tokens_per_step"], world_size,
+                                                                 max_tokens=max_tokens, accum_steps=accum_steps)
+    return model, train, recipe["vocab_size"]

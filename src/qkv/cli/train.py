@@ -6,6 +6,7 @@
     qkv train --data tinyshakespeare --run-dir runs/shakespeare          # a character-level language model
     qkv train --train-text corpus.txt --tokenizer bpe --vocab-size 4000 --run-dir runs/lm
     qkv train --run-dir runs/en-de --resume --minutes 90      # continue (the budget counts all sessions)
+    torchrun --nproc_per_node 8 -m qkv train --train-src train.en --train-tgt train.de --recipe paper-base ...
 
 Every option and input is checked before the run folder is written. Ctrl-C saves a checkpoint
 first, and so does a failed step; ``--resume`` continues from it.
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from qkv.cli.options import positive_int, set_threads
+from qkv.recipes import translation_recipes
 
 # command-line option -> (TransformerConfig field, CausalLMConfig field, type, help); None where the
 # option does not apply to that kind of model (None everywhere = keep the recipe's value)
@@ -41,7 +43,7 @@ MODEL_OPTIONS = {
 }
 LM_OPTIONS = ("tokenizer", "windows")  # language-model options that are neither model nor TrainConfig fields
 DATA_OPTIONS = ("data", "data_dir", "src_lang", "tgt_lang", "train_src", "train_tgt", "val_src", "val_tgt",
-                "train_text", "val_text", "vocab_size", *LM_OPTIONS)
+                "train_text", "val_text", "vocab_size", "recipe", *LM_OPTIONS)
 
 
 def _train_fields():
@@ -78,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--overwrite", action="store_true",
                      help="replace --run-dir if it is a qkv run folder (or empty), once every check has passed")
     model = parser.add_argument_group("model (defaults: the data set's recipe; fixed once a run exists)")
+    model.add_argument("--recipe", choices=translation_recipes(),
+                       help="train with this recipe instead of the data set's: paper-base / paper-big are the "
+                            "paper's WMT 2014 models (Table 3; ~25k tokens a step over max_tokens x accum_steps x "
+                            "processes, set for the number of processes unless --max-tokens/--accum-steps say)")
     model.add_argument("--vocab-size", type=int, help="BPE vocabulary (recipe: 8000; dates 600; a language model "
                                                       "with --tokenizer bpe 2000)")
     for option, (_, _, kind, help_text) in MODEL_OPTIONS.items():
@@ -176,6 +182,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         spec = data_spec(args)
         model_options = _model_options(args, is_lm=spec["source"] in ("tinyshakespeare", "text"))
+        vocab_size, recipe_note = args.vocab_size, None
+        if args.recipe:  # the named recipe in place of the data's; explicit options still go over it
+            model_options, train_options, vocab_size, recipe_note = _with_recipe(args, spec, model_options,
+                                                                                 train_options)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one process of several
         dist = init_distributed(args.device)
         if not dist.is_main:
@@ -183,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         dist = None
         pick_device(args.device)
+    if not args.resume and recipe_note:
+        logging.getLogger("qkv.cli.train").info(recipe_note)
     try:
         if args.resume:
             trainer = resume_run(args.run_dir, train_options=train_options, device=args.device, dist=dist)
@@ -190,11 +202,32 @@ def run(args: argparse.Namespace) -> int:
             torch.manual_seed(args.seed or 0)
             lm_options = {k: getattr(args, k) for k in LM_OPTIONS if getattr(args, k) is not None}
             trainer = start_run(args.run_dir, data=spec, model_options=model_options, train_options=train_options,
-                                vocab_size=args.vocab_size, lm_options=lm_options, overwrite=args.overwrite,
+                                vocab_size=vocab_size, lm_options=lm_options, overwrite=args.overwrite,
                                 device=args.device, dist=dist)
         return _train(trainer, args.run_dir)
     finally:
         shutdown()
+
+
+def _with_recipe(args: argparse.Namespace, spec: dict, model_options: dict,
+                 train_options: dict) -> tuple[dict, dict, int, str]:
+    """Model options, training options and vocabulary size of ``--recipe`` (under the explicit
+    options), and a line saying how a step's tokens are split."""
+    import os
+
+    from qkv.recipes import RECIPES, recipe_overrides
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    recipe_model, recipe_train, recipe_vocab = recipe_overrides(
+        args.recipe, spec["source"], world_size=world, max_tokens=args.max_tokens, accum_steps=args.accum_steps)
+    train_options = {**recipe_train, **train_options}
+    note = f"recipe {args.recipe}"
+    if "tokens_per_step" in RECIPES[args.recipe]:
+        max_tokens, accum = train_options["max_tokens"], train_options["accum_steps"]
+        note += (f": a step is {world} process(es) x {accum} batch(es) x {max_tokens} padded tokens = "
+                 f"{world * accum * max_tokens} (the recipe's {RECIPES[args.recipe]['tokens_per_step']})")
+    vocab_size = recipe_vocab if args.vocab_size is None else args.vocab_size
+    return {**recipe_model, **model_options}, train_options, vocab_size, note
 
 
 def _model_options(args: argparse.Namespace, *, is_lm: bool) -> dict:
