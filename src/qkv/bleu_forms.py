@@ -32,11 +32,11 @@ from functools import lru_cache
 
 import sacrebleu
 
-PAPERS_FORM = ("papers' form: lowercased, Moses punctuation normalisation and tokenization ({lang} rules, "
-               "sacremoses), BLEU on the tokens as multi-bleu.perl computes it")
-COMPOUND_SPLIT_FORM = ("tokenized BLEU with compound splitting (the Transformer paper's WMT En-De metric, "
-                       "tensor2tensor's get_ende_bleu.sh): Moses tokenization ({lang} rules, sacremoses), case kept, "
-                       "a-b -> a ##AT##-##AT## b, BLEU on the tokens as multi-bleu.perl computes it")
+PAPERS_FORM = ("papers' form: lowercased, Moses punctuation normalisation and Moses tokenization ({lang} rules, "
+               "sacremoses), BLEU on the tokens as multi-bleu.perl computes it (how Multi30k papers report BLEU)")
+COMPOUND_SPLIT_FORM = ("tokenized with compound splitting: Moses tokenization ({lang} rules, sacremoses), case kept, "
+                       "a-b -> a ##AT##-##AT## b, BLEU on the tokens as multi-bleu.perl computes it (the Transformer "
+                       "paper's WMT En-De metric, tensor2tensor's get_ende_bleu.sh)")
 # the languages whose references are scored with compound splitting as well (the WMT En-De convention)
 COMPOUND_SPLIT_LANGS = ("de",)
 _COMPOUND = re.compile(r"(\S)-(\S)")

@@ -146,7 +146,9 @@ def recipe_overrides(name: str, source: str, *, world_size: int = 1, max_tokens:
 
     if name not in translation_recipes():
         raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(translation_recipes())}")
-    if source not in translation_recipes():
+    if source not in RECIPES:
+        raise ValueError(f"no recipe is declared for data source {source!r}")
+    if RECIPES[source].get("task", "translation") != "translation":
         raise ValueError(f"--recipe {name} is a translation recipe; a language model ({source}) trains with its "
                          "data's recipe")
     recipe, own = RECIPES[name], RECIPES[source]

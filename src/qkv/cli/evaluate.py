@@ -101,10 +101,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"BLEU {scores['bleu']:.2f}  ({scores['bleu_signature']})")
     print(f"     {scores['bleu_details']}")
     print(f"chrF {scores['chrf']:.2f}  ({scores['chrf_signature']})")
-    for key, label in (("bleu_papers_form", "BLEU, papers' form"),
-                       ("bleu_compound_split", "BLEU, tokenized with compound splitting")):
+    for key in ("bleu_papers_form", "bleu_compound_split"):  # each labelled by its form
         if key in scores:
-            print(f"{label}: {scores[key]['bleu']:.2f}  ({scores[key]['form']})")
+            print(f"BLEU {scores[key]['bleu']:.2f}  ({scores[key]['form']})")
     if target_lang is None and (config.get("data") or {}).get("source") != "dates":
         print("(the papers' BLEU forms need the references' language: pass --tgt-lang)")
     print(f"exact match {100 * scores['exact_match']:.2f}%")
