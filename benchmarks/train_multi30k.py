@@ -44,7 +44,9 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL_OPTIONS = {"d_model": "d_model", "heads": "num_heads", "layers": None, "d_ff": "d_ff", "dropout": "dropout"}
 TRAIN_OPTIONS = {"max_tokens": "max_tokens", "warmup": "warmup_steps", "lr_factor": "lr_factor",
                  "eval_every_minutes": "eval_every_minutes", "checkpoint_every_minutes": "checkpoint_every_minutes",
-                 "average_last": "average_last", "label_smoothing": "label_smoothing", "accum_steps": "accum_steps"}
+                 "average_last": "average_last", "label_smoothing": "label_smoothing", "accum_steps": "accum_steps",
+                 "schedule": "schedule", "decay_fraction": "decay_fraction", "max_steps": "max_steps",
+                 "checkpoint_every_steps": "checkpoint_every_steps"}
 
 
 def _cpu_flags() -> str:
@@ -75,6 +77,12 @@ def main() -> int:
     p.add_argument("--eval-every-minutes", type=float, default=None)
     p.add_argument("--checkpoint-every-minutes", type=float, default=None)
     p.add_argument("--average-last", type=int, default=None)
+    p.add_argument("--schedule", choices=["inverse_sqrt", "budget"], default=None, help="learning-rate schedule")
+    p.add_argument("--decay-fraction", type=float, default=None, help="with --schedule budget (see qkv train --help)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many steps as well (a budget in steps is independent of the machine's load)")
+    p.add_argument("--checkpoint-every-steps", type=int, default=None,
+                   help="keep a checkpoint every N steps (use with --checkpoint-every-minutes 0)")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N training pairs (smoke tests)")
