@@ -16,6 +16,11 @@ from pathlib import Path
 from qkv.fileio import write_text
 from qkv.viz.export import check_data
 
+# The page's JavaScript, inlined in this order into one <script> (core.js first: it makes the
+# shared object the others add to; main.js last: it starts the page).
+SCRIPTS = ("core.js", "figure.js", "lines.js", "attention.js", "summary.js", "rollout.js", "saliency.js",
+           "compare.js", "export.js", "main.js")
+
 _CSP_STATIC = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
 _CSP_LIVE = _CSP_STATIC + "; connect-src 'self'"
 
@@ -48,10 +53,12 @@ def render_html(data: dict, *, live: dict | None = None) -> str:
     check_data(data)
     if live is not None:
         data = dict(data, live=live)
-    css, js, body = static_text("explorer.css"), static_text("explorer.js"), static_text("explorer.html")
-    for name, text, closing in (("explorer.css", css, "</style"), ("explorer.js", js, "</script")):
+    css, body = static_text("explorer.css"), static_text("explorer.html")
+    scripts = [(name, static_text(name)) for name in SCRIPTS]
+    for name, text, closing in [("explorer.css", css, "</style")] + [(n, t, "</script") for n, t in scripts]:
         if closing in text.lower():
             raise ValueError(f"{name} contains {closing!r}, which would end its inline element")
+    js = "".join(text if text.endswith("\n") else text + "\n" for _, text in scripts)
     title = html.escape(data.get("title", "qkv attention explorer"))
     csp = _CSP_LIVE if live is not None else _CSP_STATIC
     return (

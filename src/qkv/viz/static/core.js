@@ -1,0 +1,117 @@
+/* qkv attention explorer: shared state and helpers (core.js).
+ * Plain browser JavaScript with no dependencies and no network access: the data is read from the
+ * <script id="qkv-data" type="application/json"> element of the page. html.py inlines the files
+ * core.js, figure.js, lines.js, attention.js, summary.js, rollout.js, saliency.js, compare.js,
+ * export.js and main.js, in that order, into one <script>; they share the object
+ * window.qkvExplorer (called Q in each file). Token text is only ever set with textContent. */
+(function () {
+  "use strict";
+
+  var Q = window.qkvExplorer = {};
+
+  Q.SVGNS = "http" + "://www.w3.org/2000/svg";
+  Q.data = JSON.parse(document.getElementById("qkv-data").textContent);
+  Q.live = Q.data.live || null;
+  /* tab: the panel shown; focus: the token the pointer is on in the head view */
+  Q.state = { example: 0, view: 0, layer: 0, heads: [], tab: "attention" };
+  /* Each panel registers { id, title, available(), draw(), figure() } (figure(): what Save PNG/SVG
+   * write, a Q.Figure). */
+  Q.tabs = [];
+  /* Milliseconds each panel last took to draw, and the first full draw since navigation start
+   * (read by benchmarks/explorer_draw.py). */
+  Q.timings = {};
+
+  Q.$ = function (id) { return document.getElementById(id); };
+
+  Q.range = function (n) { var out = []; for (var i = 0; i < n; i++) { out.push(i); } return out; };
+
+  /* An HTML element with attributes and (as textContent, never markup) a text. */
+  Q.html = function (tag, attrs, parent, text) {
+    var node = document.createElement(tag);
+    for (var name in attrs || {}) { node.setAttribute(name, attrs[name]); }
+    if (text !== undefined) { node.textContent = text; }
+    if (parent) { parent.appendChild(node); }
+    return node;
+  };
+
+  Q.headColor = function (h, n) { return "hsl(" + Math.round((h * 360) / Math.max(n, 1)) + ", 70%, 42%)"; };
+
+  Q.currentExample = function () { return Q.data.examples[Q.state.example]; };
+  Q.currentView = function () { return Q.currentExample().views[Q.state.view]; };
+
+  /* The view named `name` of example `e`, or null. */
+  Q.viewNamed = function (e, name) {
+    var views = Q.data.examples[e].views;
+    for (var i = 0; i < views.length; i++) { if (views[i].name === name) { return views[i]; } }
+    return null;
+  };
+
+  Q.showError = function (message) {
+    var box = Q.$("error");
+    box.textContent = message;
+    box.hidden = false;
+  };
+
+  Q.hideError = function () { Q.$("error").hidden = true; };
+
+  Q.setOptions = function (select, labels, selected) {
+    select.textContent = "";
+    labels.forEach(function (label, i) { Q.html("option", { value: String(i) }, select, label); });
+    select.value = String(selected);
+  };
+
+  Q.register = function (tab) { Q.tabs.push(tab); };
+
+  Q.tab = function (id) {
+    for (var i = 0; i < Q.tabs.length; i++) { if (Q.tabs[i].id === id) { return Q.tabs[i]; } }
+    return null;
+  };
+
+  /* A value in [0, 1] as the fill/stroke opacity attribute the views write (3 decimals). */
+  Q.opacity = function (v) { return Math.max(0, Math.min(1, v)).toFixed(3); };
+
+  /* Draw the panel of the current tab (the others are hidden and left as they are). Each draw
+   * adds one to <body data-renders>, which tests and the benchmark wait on. */
+  Q.render = function () {
+    var tab = Q.tab(Q.state.tab);
+    if (!tab || !tab.available()) { tab = Q.tab("attention"); Q.state.tab = "attention"; }
+    Q.syncTabs();
+    try {
+      var example = Q.currentExample();
+      Q.$("model-name").textContent = example.model ? "model: " + example.model : "";
+      Q.$("output").textContent = example.output ? "output: " + example.output : "";
+      var start = performance.now();
+      tab.draw();
+      var end = performance.now();
+      Q.timings[tab.id] = end - start;
+      if (Q.timings.first === undefined) { Q.timings.first = end; }
+      Q.renders = (Q.renders || 0) + 1;
+      document.body.dataset.renders = String(Q.renders);
+    } catch (err) {
+      Q.showError("cannot draw this attention: " + err.message);
+      throw err;
+    }
+  };
+
+  /* Tab buttons: shown when the data has what the panel draws; the current one pressed. */
+  Q.syncTabs = function () {
+    document.body.dataset.tab = Q.state.tab;
+    Q.tabs.forEach(function (tab) {
+      var button = document.querySelector("#tabs button[data-tab='" + tab.id + "']");
+      if (button) {
+        button.hidden = !tab.available();
+        button.setAttribute("aria-selected", tab.id === Q.state.tab ? "true" : "false");
+      }
+    });
+    Array.prototype.forEach.call(document.querySelectorAll("main > section"), function (section) {
+      section.hidden = section.dataset.tab !== Q.state.tab;
+    });
+    var shown = Q.tabs.filter(function (tab) { return tab.available(); }).length;
+    Q.$("tabs").hidden = shown < 2;
+  };
+
+  Q.setTab = function (id) {
+    Q.state.tab = id;
+    Q.render();
+  };
+})();

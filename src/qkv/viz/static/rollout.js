@@ -1,0 +1,30 @@
+/* qkv attention explorer: attention rollout (rollout.js). view.rollout[l] is how much each query
+ * token draws on each key token through layers 0..l (Abnar & Zuidema 2020: mean over heads, plus
+ * the identity for the residual, rows renormalised, multiplied across layers); drawn with the head
+ * view's token layout, for the layer chosen with the Layer selector. */
+(function (Q) {
+  "use strict";
+
+  var COLOR = "#2458b3";
+
+  function spec() {
+    var view = Q.currentView();
+    return { queries: view.queries, keys: view.keys,
+             matrices: [{ head: 0, color: COLOR, weights: view.rollout[Q.state.layer] }] };
+  }
+
+  function caption() {
+    var view = Q.currentView();
+    return view.name + ": rollout through layers 0 to " + Q.state.layer;
+  }
+
+  Q.register({
+    id: "rollout",
+    available: function () { return Boolean(Q.currentView().rollout); },
+    draw: function () {
+      Q.$("rollout-caption").textContent = caption();
+      Q.drawTokenLines(Q.$("rollout-svg"), spec());
+    },
+    figures: { rollout: function () { return Q.titled(Q.tokenLinesFigure(Q.$("rollout-svg")), caption()); } }
+  });
+})(window.qkvExplorer);
