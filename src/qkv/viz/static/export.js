@@ -42,8 +42,18 @@
       return;
     }
     var scale = Math.max(0.25, Math.min(2, MAX_SIDE / Math.max(fig.width, fig.height)));
-    fig.toCanvas(scale).toBlob(function (blob) { download(filename, blob); }, "image/png");
+    download(filename, pngBlob(fig.toCanvas(scale)));
   };
+
+  /* The canvas as a PNG blob, at once: canvas.toBlob waits for the browser to be idle, which after
+   * a click can take a second. */
+  function pngBlob(canvas) {
+    var base64 = canvas.toDataURL("image/png").split(",")[1];
+    var text = atob(base64);
+    var bytes = new Uint8Array(text.length);
+    for (var i = 0; i < text.length; i++) { bytes[i] = text.charCodeAt(i); }
+    return new Blob([bytes], { type: "image/png" });
+  }
 
   Q.wireSaveButtons = function () {
     Array.prototype.forEach.call(document.querySelectorAll(".save button"), function (button) {
