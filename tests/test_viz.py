@@ -167,7 +167,8 @@ def test_seq2seq_explorer_views(tiny_seq2seq):
     names = ["encoder self-attention", "decoder self-attention", "cross-attention"]
     assert [v["name"] for v in example["views"]] == names
     assert enc["queries"] == enc["keys"] == ["a", "dog", "runs", "</s>"]
-    assert dec["queries"][0] == "<s>" and cross["queries"] == dec["queries"] and cross["keys"] == enc["keys"]
+    assert dec["queries"][0] == "<s>" and cross["keys"] == enc["keys"]
+    assert cross["queries"] == dec["queries"][1:] + ["</s>"]  # rows: the token each position predicts
     assert (enc["layers"], dec["layers"], cross["layers"], cross["heads"]) == (2, 3, 3, 4)
     for view in example["views"]:
         rows = torch.tensor(view["attention"]).sum(-1)
@@ -181,6 +182,7 @@ def test_seq2seq_explorer_views(tiny_seq2seq):
     assert example["output"] == tokenizer.decode(greedy[:5])
     forced = explorer.example("a dog runs", target="ein hund")
     assert forced["views"][1]["queries"] == ["<s>", "ein", "hund"] and forced["output"] == "ein hund"
+    assert forced["views"][2]["queries"] == ["ein", "hund", "</s>"]
 
 
 def one_line(err: pytest.ExceptionInfo) -> str:

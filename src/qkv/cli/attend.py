@@ -3,6 +3,11 @@
     qkv attend "time flies like an arrow" "fruit flies like a banana" -o attention.html
     qkv attend "a dog runs on the beach" --model runs/multi30k -o translation.html --png heatmaps/
     qkv attend "To be, or not to be" --model runs/shakespeare -o causal.html   # a language model
+    qkv attend "time flies like an arrow" "fruit flies like a banana" --compare   # heads that differ most
+    qkv attend --corpus sentences.txt -o heads.html     # head statistics averaged over a file's lines
+
+Every example carries its heads' statistics and labels, the attention rollout and a saliency
+(see qkv.viz.export for the fields).
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "texts", nargs="+",
+        "texts", nargs="*",
         help="sentences (source sentences for a translation model; for a language model, texts longer than "
-             "its context keep their last tokens)",
+             "its context keep their last tokens); with --corpus and none given, the corpus's first line",
     )
     parser.add_argument(
         "--model",
@@ -31,27 +36,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "(default: the model's greedy translation)",
     )
     parser.add_argument("--max-chars", type=int, default=2000, help="refuse longer sentences (default 2000)")
+    parser.add_argument(
+        "--compare", action="store_true",
+        help="two sentences: list the heads whose attention of the shared tokens differs most (and, for a "
+             "sentence encoder, the saliency of the two sentences' cosine similarity)",
+    )
+    parser.add_argument(
+        "--corpus", metavar="FILE",
+        help="a UTF-8 text file, one sentence a line: also show each head's statistics averaged over its lines",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from qkv.viz import explorer_data, open_explorer, save_heatmaps, write_html, write_json
+    from qkv.viz.compare import compare_field
+    from qkv.viz.corpus import corpus_field, read_corpus
 
-    for text in args.texts:
+    texts = list(args.texts)
+    if not texts and not args.corpus:
+        raise ValueError("give at least one sentence (or --corpus FILE)")
+    if args.compare and len(texts) != 2:
+        raise ValueError(f"--compare takes exactly two sentences, got {len(texts)}")
+    for text in texts:
         if len(text) > args.max_chars:
             raise ValueError(f"a sentence has {len(text)} characters; the limit is --max-chars {args.max_chars}")
+    corpus = read_corpus(args.corpus, max_chars=args.max_chars) if args.corpus else None
+    if not texts:
+        texts = [corpus[0][1]]
     explorer = open_explorer(args.model)
     targets = args.target or []
     if targets and explorer.kind != "seq2seq":
         what = "a language model" if explorer.kind == "lm" else "an encoder"
         raise ValueError(f"--target is for translation run folders; this model is {what}")
-    if targets and len(targets) != len(args.texts):
-        raise ValueError(f"got {len(args.texts)} sentences but {len(targets)} --target values")
+    if targets and len(targets) != len(texts):
+        raise ValueError(f"got {len(texts)} sentences but {len(targets)} --target values")
     examples = []
-    for i, text in enumerate(args.texts):
-        examples.append(explorer.example(text, targets[i]) if targets else explorer.example(text))
+    for i, text in enumerate(texts):
+        if targets:
+            examples.append(explorer.example(text, targets[i]))
+        elif args.compare and explorer.kind == "encoder":  # the saliency of the pair's cosine similarity
+            examples.append(explorer.example(text, paired_with=texts[1 - i]))
+        else:
+            examples.append(explorer.example(text))
     data = explorer_data(examples, title=f"qkv attention explorer: {explorer.name}")
+    if args.compare:
+        data["compare"] = compare_field(examples, 0, 1)
+    if corpus is not None:
+        data["corpus"] = corpus_field(explorer, corpus, file=str(args.corpus), progress=True)
     path = write_html(data, args.output)
     print(f"wrote {path} ({len(examples)} sentences, {explorer.kind} model {explorer.name})", file=sys.stderr)
+    if args.compare:
+        top = ", ".join(f"layer {h['layer']} head {h['head']} ({h['difference']:.3f})" for h in data["compare"]["heads"][:3])
+        print(f"heads whose shared tokens attend most differently: {top}", file=sys.stderr)
+    if corpus is not None:
+        print(f"head statistics averaged over {len(corpus)} sentences of {args.corpus}", file=sys.stderr)
     if args.json:
         print(f"wrote {write_json(data, args.json)}", file=sys.stderr)
     if args.png:

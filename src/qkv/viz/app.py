@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from http import HTTPStatus
 
+from qkv.viz.compare import compare_field
 from qkv.viz.export import explorer_data
 from qkv.viz.html import render_html
 
@@ -52,20 +53,21 @@ class ExplorerApp:
         return list(self.explorers)
 
     def attend(self, payload: object) -> dict:
-        """Validate a request body and return ``{"example": ...}``; raise :class:`RequestError`."""
+        """Validate a request body and run the model; raise :class:`RequestError`.
+
+        Body ``{"text": str, "model": name}`` (``"target"``: a translation to teacher-force) ->
+        ``{"example": {...}}``. With ``"compare": str`` (a second sentence) ->
+        ``{"example": first, "examples": [first, second], "compare": {...}}``, the compare field's
+        ``"examples"`` being ``[0, 1]``, indices into this answer's ``"examples"`` (for a sentence
+        encoder, each example's saliency is that of the pair's cosine similarity).
+        """
         if not isinstance(payload, dict):
             raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object with 'text' (and 'model')")
-        unknown = sorted(set(payload) - {"text", "model", "target"})
+        unknown = sorted(set(payload) - {"text", "model", "target", "compare"})
         if unknown:
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"unknown fields {unknown}; expected 'text' and 'model'")
-        text = payload.get("text")
-        if not isinstance(text, str) or not text.strip():
-            raise RequestError(HTTPStatus.BAD_REQUEST, "'text' must be a non-empty string")
-        if len(text) > self.max_chars:
-            raise RequestError(
-                HTTPStatus.BAD_REQUEST, f"'text' has {len(text)} characters; the limit is {self.max_chars}"
-            )
-        _check_encodable("text", text)
+            raise RequestError(HTTPStatus.BAD_REQUEST,
+                               f"unknown fields {unknown}; expected 'text' and 'model' (and 'target' or 'compare')")
+        text = self._text(payload, "text")
         name = payload.get("model", self.model_names[0])
         if not isinstance(name, str):
             raise RequestError(
@@ -84,12 +86,32 @@ class ExplorerApp:
             raise RequestError(HTTPStatus.BAD_REQUEST, "'target' must be a string, for a translation model only")
         if target is not None:
             _check_encodable("target", target)
+        other = self._text(payload, "compare") if payload.get("compare") is not None else None
+        if other is not None and target is not None:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "'target' and 'compare' cannot be used together")
         try:
             with self._lock:
-                example = explorer.example(text) if target is None else explorer.example(text, target)
+                if other is None:
+                    return {"example": explorer.example(text) if target is None else explorer.example(text, target)}
+                if explorer.kind == "encoder":
+                    examples = [explorer.example(text, paired_with=other), explorer.example(other, paired_with=text)]
+                else:
+                    examples = [explorer.example(text), explorer.example(other)]
+            return {"example": examples[0], "examples": examples, "compare": compare_field(examples, 0, 1)}
         except ValueError as err:
             raise RequestError(HTTPStatus.BAD_REQUEST, str(err).splitlines()[0]) from err
-        return {"example": example}
+
+    def _text(self, payload: dict, field: str) -> str:
+        """A request's sentence: a non-empty string of at most ``max_chars`` characters."""
+        text = payload.get(field)
+        if not isinstance(text, str) or not text.strip():
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"'{field}' must be a non-empty string")
+        if len(text) > self.max_chars:
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST, f"'{field}' has {len(text)} characters; the limit is {self.max_chars}"
+            )
+        _check_encodable(field, text)
+        return text
 
     def page(self) -> str:
         """The live explorer page with the initial sentence drawn by the default model."""

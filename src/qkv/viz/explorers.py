@@ -7,9 +7,12 @@
 * :class:`~qkv.viz.lm_explorer.CausalLMExplorer`: a language model (a qkv LM run or a GPT-2
   folder): its causal self-attention.
 
-Both run the forward pass on the fast path and recompute the weights of the recorded layers with
-:class:`~qkv.viz.capture.AttentionRecorder`, so what is shown belongs to the forward pass that
-produced the output.
+The first two run the forward pass on the fast path and recompute the weights of the recorded
+layers with :class:`~qkv.viz.capture.AttentionRecorder`, so what is shown belongs to the forward
+pass that produced the output. Each explorer's ``example`` adds the analysis fields
+(:mod:`qkv.viz.analysis`: head statistics, labels, rollout; :mod:`qkv.viz.saliency`: gradient x
+input); ``views`` gives the bare :class:`~qkv.viz.export.AttentionView` objects (what
+``qkv attend --corpus`` averages).
 """
 
 from __future__ import annotations
@@ -20,9 +23,14 @@ from pathlib import Path
 
 import torch
 
+from tokenizers import decoders
+
 from qkv.device import model_device, pick_device
+from qkv.viz.analysis import rollout, view_fields
 from qkv.viz.capture import AttentionRecorder
 from qkv.viz.export import AttentionView, check_text, make_example
+from qkv.viz.lm_explorer import byte_level_text, lm_token_labels, visible
+from qkv.viz.saliency import cosine_saliency, saliency_field, translation_saliency
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +52,45 @@ class EncoderExplorer:
         self.name = name
 
     @torch.no_grad()
-    def example(self, text: str) -> dict:
-        """Tokenize ``text``, run the encoder once, and return an explorer example (see :mod:`qkv.viz.export`)."""
+    def _run(self, text: str):
         check_text(text)
         batch = self.model.tokenizer([text]).to(model_device(self.model))
         modules = {str(i): layer.self_attn for i, layer in enumerate(self.model.layers)}
         with AttentionRecorder(modules) as recorder:
             self.model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
         weights = recorder.weights()
-        tokens = batch.tokens[0]
+        tokens = encoder_token_labels(self.model.tokenizer, batch.tokens[0])
         view = AttentionView("self-attention", tokens, tokens, [weights[str(i)][0] for i in range(len(modules))])
-        return make_example(text, [view], model=self.name)
+        return batch, view
+
+    def views(self, text: str) -> list[AttentionView]:
+        """The attention views of ``text`` (one: the self-attention), without the analysis."""
+        return [self._run(text)[1]]
+
+    def example(self, text: str, *, paired_with: str | None = None) -> dict:
+        """Tokenize ``text``, run the encoder once, and return an explorer example (see
+        :mod:`qkv.viz.export`) with the head statistics, labels and rollout
+        (:mod:`qkv.viz.analysis`).
+
+        Args:
+            text: the sentence.
+            paired_with: a second sentence: adds the saliency of the cosine similarity of the two
+                sentences' mean-pooled embeddings over this sentence's tokens
+                (:func:`qkv.viz.saliency.cosine_saliency`).
+        """
+        batch, view = self._run(text)
+        example = make_example(text, [view], model=self.name)
+        example["views"][0].update(view_fields(view))
+        if paired_with is not None:
+            check_text(paired_with)
+            other = self.model.tokenizer([paired_with]).to(model_device(self.model))
+            scores, _, cosine = cosine_saliency(self.model, batch, other)
+            example["saliency"] = saliency_field(
+                about=f"cosine similarity with \u201c{paired_with}\u201d (mean-pooled embeddings)",
+                inputs=view.keys, outputs=[f"cosine similarity {cosine:.3f}"], scores=scores.cpu()[None],
+                attention=view.attentions[-1].mean(0)[:1],  # the first ([CLS]) row of the last layer
+            )
+        return example
 
 
 class Seq2SeqExplorer:
@@ -94,13 +130,7 @@ class Seq2SeqExplorer:
         return tgt[1:]
 
     @torch.no_grad()
-    def example(self, text: str, target: str | None = None) -> dict:
-        """One explorer example for a source sentence.
-
-        Args:
-            text: the source sentence.
-            target: a target sentence to teacher-force; by default the model's greedy translation.
-        """
+    def _run(self, text: str, target: str | None):
         check_text(text)
         device = model_device(self.model)
         src_ids = self.tokenizer.encode(text, add_eos=True)
@@ -110,6 +140,7 @@ class Seq2SeqExplorer:
         src = torch.tensor([src_ids], dtype=torch.long, device=device)  # (1, s_src)
         tgt_ids = self.tokenizer.encode(target) if target is not None else self.translate_ids(src)
         tgt_in = [self.tokenizer.bos_id] + tgt_ids[: limit - 1]
+        predicted = (tgt_ids + [self.tokenizer.eos_id])[: len(tgt_in)]  # what each decoder position predicts
         tgt = torch.tensor([tgt_in], dtype=torch.long, device=device)  # (1, s_tgt)
         enc, dec = self.model.encoder.layers, self.model.decoder.layers
         modules = {f"enc{i}": layer.self_attn for i, layer in enumerate(enc)}
@@ -121,16 +152,52 @@ class Seq2SeqExplorer:
         w = recorder.weights()
         src_tokens = token_strings(self.tokenizer, src_ids)
         tgt_tokens = token_strings(self.tokenizer, tgt_in)
+        predicted_tokens = token_strings(self.tokenizer, predicted)
         views = [
             AttentionView("encoder self-attention", src_tokens, src_tokens, [w[f"enc{i}"][0] for i in range(len(enc))]),
             AttentionView("decoder self-attention", tgt_tokens, tgt_tokens, [w[f"dec{i}"][0] for i in range(len(dec))]),
-            AttentionView("cross-attention", tgt_tokens, src_tokens, [w[f"cross{i}"][0] for i in range(len(dec))]),
+            # rows labelled by the token each position predicts (the decoder's input shifted by one)
+            AttentionView("cross-attention", predicted_tokens, src_tokens, [w[f"cross{i}"][0] for i in range(len(dec))],
+                          cross=True),
         ]
-        return make_example(text, views, model=self.name, output=self.tokenizer.decode(tgt_ids))
+        return src, tgt, predicted, tgt_ids, views
+
+    def views(self, text: str, target: str | None = None) -> list[AttentionView]:
+        """The attention views of ``text`` (encoder self-, decoder self- and cross-attention)
+        over its greedy translation or ``target``, without the analysis."""
+        return self._run(text, target)[4]
+
+    def example(self, text: str, target: str | None = None) -> dict:
+        """One explorer example for a source sentence, with the head statistics, labels and
+        rollout of each view (the cross-attention's rollout through the encoder's:
+        :func:`qkv.viz.analysis.cross_rollout`) and the saliency of each target token's
+        log-probability over the source tokens (:func:`qkv.viz.saliency.translation_saliency`).
+
+        Args:
+            text: the source sentence.
+            target: a target sentence to teacher-force; by default the model's greedy translation.
+        """
+        src, tgt, predicted, tgt_ids, views = self._run(text, target)
+        encoder, decoder, cross = views
+        example = make_example(text, views, model=self.name, output=self.tokenizer.decode(tgt_ids))
+        encoder_rollout = rollout(encoder.attentions)[-1]  # (s_src, s_src) through every encoder layer
+        example["views"][0].update(view_fields(encoder))
+        example["views"][1].update(view_fields(decoder))
+        example["views"][2].update(view_fields(cross, encoder_rollout=encoder_rollout))
+        scores = translation_saliency(self.model, src, tgt, predicted).cpu()  # (s_tgt, s_src)
+        what = "given target" if target is not None else "translation"
+        example["saliency"] = saliency_field(
+            about=f"log-probability of each token of the {what} (teacher-forced)", inputs=encoder.keys,
+            outputs=cross.queries, scores=scores,
+            attention=cross.attentions[-1].mean(0),  # the last decoder layer's cross-attention, mean over heads
+        )
+        return example
 
 
 def token_strings(tokenizer, ids: list[int]) -> list[str]:
-    """Readable strings for token ids: special tokens by name, sub-words as the text they decode to."""
+    """Readable strings for token ids: special tokens by name, sub-words as the text they stand for
+    with spaces and control characters made visible (:func:`qkv.viz.lm_explorer.lm_token_labels`:
+    a byte-level BPE token's leading space is ``␣``, never an empty label)."""
     backend = getattr(tokenizer, "backend", None)
     specials = {getattr(tokenizer, a): a for a in ("pad_id", "bos_id", "eos_id", "unk_id") if hasattr(tokenizer, a)}
     out = []
@@ -140,11 +207,22 @@ def token_strings(tokenizer, ids: list[int]) -> list[str]:
             out.append(backend.id_to_token(i))
         elif i in specials:
             out.append({"pad_id": "<pad>", "bos_id": "<s>", "eos_id": "</s>", "unk_id": "<unk>"}[specials[i]])
-        elif backend is not None:
-            out.append(backend.decode([i]))
         else:
-            out.append(tokenizer.decode([i]))
+            out.append(lm_token_labels(tokenizer, [i])[0])
     return out
+
+
+def encoder_token_labels(tokenizer, tokens: list[str]) -> list[str]:
+    """Readable labels for an encoder tokenizer's tokens: a byte-level BPE token (a tokenizer whose
+    decoder is byte-level) as the text it stands for, every token with spaces and control
+    characters made visible (:func:`qkv.viz.lm_explorer.visible`)."""
+    backend = getattr(tokenizer, "backend", None)
+    byte_level = backend is not None and isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
+    labels = []
+    for token in tokens:
+        text = byte_level_text(token) if byte_level else None
+        labels.append(visible(token if text is None else text))
+    return labels
 
 
 def open_explorer(path: str | Path | None = None):

@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 from qkv.device import model_device
+from qkv.viz.analysis import view_fields
 from qkv.viz.export import AttentionView, check_text, make_example
+from qkv.viz.saliency import next_token_saliency, saliency_field
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,14 @@ def visible(text: str) -> str:
     return "".join(out) or "\u2205"  # ∅ for a token that decodes to nothing
 
 
+def byte_level_text(raw: str) -> str | None:
+    """The text a byte-level BPE token stands for (``"Ġflies"`` -> ``" flies"``; bytes that are not
+    whole UTF-8 as ``\\xNN``), or None when ``raw`` has characters outside the byte alphabet."""
+    if not all(c in BYTE_ALPHABET for c in raw):
+        return None
+    return bytes(BYTE_ALPHABET[c] for c in raw).decode("utf-8", errors="backslashreplace")
+
+
 def lm_token_labels(tokenizer, ids: Iterable[int]) -> list[str]:
     """One readable label per token id of a language-model tokenizer (see :func:`visible`).
 
@@ -76,9 +86,8 @@ def lm_token_labels(tokenizer, ids: Iterable[int]) -> list[str]:
             text = chars[i]
         elif backend is not None:
             raw = backend.id_to_token(i)
-            if raw is not None and all(c in BYTE_ALPHABET for c in raw):
-                text = bytes(BYTE_ALPHABET[c] for c in raw).decode("utf-8", errors="backslashreplace")
-            else:  # an added token written with characters outside the byte alphabet
+            text = byte_level_text(raw) if raw is not None else None
+            if text is None:  # an added token written with characters outside the byte alphabet
                 text = raw if raw is not None else tokenizer.decode([i])
         else:
             text = tokenizer.decode([i])
@@ -121,15 +130,8 @@ class CausalLMExplorer:
         except ValueError:
             return False
 
-    @torch.no_grad()
-    def example(self, text: str) -> dict:
-        """Encode ``text``, keep its last ``context`` tokens, run the model once with
-        ``need_weights=True`` and return an explorer example (see :mod:`qkv.viz.export`): one
-        view with every layer and head, and the most likely next token as its output.
-
-        Raises:
-            ValueError: the text is empty, or has characters the vocabulary lacks (one line).
-        """
+    def _ids(self, text: str) -> tuple[list[int], str]:
+        """The text's ids, cropped from the left to the context, and a note saying so (or "")."""
         check_text(text)
         try:
             ids = list(self.tokenizer.encode(text))
@@ -143,15 +145,44 @@ class CausalLMExplorer:
             logger.info("%s: the text has %d tokens; showing the last %d (the model's context)",
                         self.name, len(ids), self.context)
             ids = ids[-self.context:]
+        return ids, note
+
+    @torch.no_grad()
+    def _run(self, ids: list[int]):
         x = torch.tensor([ids], dtype=torch.long, device=model_device(self.model))  # (1, s)
         out = self.model(x, need_weights=True)
         tokens = lm_token_labels(self.tokenizer, ids)
         view = AttentionView(VIEW_NAME, tokens, tokens, list(out.attentions))  # per layer (1, h, s, s)
+        return x, out, view
+
+    def views(self, text: str) -> list[AttentionView]:
+        """The attention views of ``text`` (one: the causal self-attention), without the analysis."""
+        return [self._run(self._ids(text)[0])[2]]
+
+    def example(self, text: str) -> dict:
+        """Encode ``text``, keep its last ``context`` tokens, run the model once with
+        ``need_weights=True`` and return an explorer example (see :mod:`qkv.viz.export`): one
+        view with every layer and head and its head statistics, labels and rollout
+        (:mod:`qkv.viz.analysis`), the most likely next token as its output, and the saliency of
+        that token's log-probability over the text's tokens (:mod:`qkv.viz.saliency`).
+
+        Raises:
+            ValueError: the text is empty, or has characters the vocabulary lacks (one line).
+        """
+        ids, note = self._ids(text)
+        x, out, view = self._run(ids)
         probs = torch.softmax(out.logits[0, -1].float(), dim=-1)  # (V,)
         best = int(probs.argmax())
         label = lm_token_labels(self.tokenizer, [best])[0] if best < _vocab_size(self.tokenizer) else f"#{best}"
         output = f"most likely next token: {label} (p = {float(probs[best]):.3f}){note}"
-        return make_example(text, [view], model=self.name, output=output)
+        example = make_example(text, [view], model=self.name, output=output)
+        example["views"][0].update(view_fields(view))
+        scores = next_token_saliency(self.model, x, best).cpu()  # (s,)
+        example["saliency"] = saliency_field(
+            about="log-probability of the most likely next token", inputs=view.keys, outputs=[label],
+            scores=scores[None], attention=view.attentions[-1].mean(0)[-1:],  # the last row predicts it
+        )
+        return example
 
 
 def _vocab_size(tokenizer) -> int:

@@ -3,7 +3,10 @@
 Routes:
     ``GET /``               the explorer page, in live mode, with one example already drawn
     ``GET /api/models``     ``{"models": [names], "max_chars": n}``
-    ``POST /api/attend``    body ``{"text": str, "model": name}`` -> ``{"example": {...}}``
+    ``POST /api/attend``    body ``{"text": str, "model": name}`` -> ``{"example": {...}}`` (with the
+                            head statistics, labels, rollout and saliency of :mod:`qkv.viz.export`);
+                            with ``"compare": str`` (a second sentence) -> ``{"example": first,
+                            "examples": [first, second], "compare": {...}}``
 
 Only models named at start-up can be used; inputs are capped; every error, whatever the method,
 path or malformation, gets a 4xx/5xx status and ``{"error": "<one line>"}`` (never a traceback).
