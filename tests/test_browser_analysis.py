@@ -338,6 +338,7 @@ def canvas_alpha_at_keys(page, svg: str, query: int) -> list[int]:
     return page.evaluate("""([svg, q]) => {
         const s = document.getElementById(svg), c = s.parentNode.querySelector('canvas.lines-canvas');
         const ratio = c.width / parseFloat(c.style.width), gap = parseFloat(c.style.width);
+        const top = parseFloat(c.style.top);
         const yq = +s.querySelector(`text.query[data-index='${q}']`).getAttribute('y');
         const data = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
         const x = gap - 3;
@@ -345,7 +346,8 @@ def canvas_alpha_at_keys(page, svg: str, query: int) -> list[int]:
             const yk = +t.getAttribute('y'), y = yk + (yq - yk) * (gap - x) / gap;
             let best = 0;
             for (let dx = -1; dx <= 1; dx++) for (let dy = -1; dy <= 1; dy++) {
-                const px = Math.round((x + dx) * ratio), py = Math.round((y + dy) * ratio);
+                const px = Math.round((x + dx) * ratio), py = Math.round((y - top + dy) * ratio);
+                if (py < 0 || py >= c.height) { continue; }
                 best = Math.max(best, data[4 * (py * c.width + px) + 3]);
             }
             return best;
@@ -368,7 +370,12 @@ def test_512_tokens_draw_on_canvas_and_answer_clicks(browser, tmp_path):
     assert int(page.get_attribute("#head-svg", "data-lines")) == len(expected)
     # focus query 300: near its own row (where the lines are not so steep that neighbours overlap), a
     # line reaches key k exactly where some head gives it at least 0.01 (head 0 is a previous-token head)
+    page.evaluate("""() => { const host = document.getElementById('head-svg').parentNode;
+        const y = +document.querySelector("#head-svg text.query[data-index='300']").getAttribute('y');
+        host.scrollTop = y - host.clientHeight / 2; }""")
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)))")  # repainted
     page.hover("#head-svg text.query[data-index='300']")
+    assert page.evaluate("() => parseFloat(document.querySelector('#head-svg ~ canvas').style.top)") > 3000
     alpha = canvas_alpha_at_keys(page, "head-svg", 300)[288:313]
     reached = [any(view["attention"][0][h][300][k] >= 0.01 for h in range(2)) for k in range(288, 313)]
     assert [a > 0 for a in alpha] == reached and reached[299 - 288]

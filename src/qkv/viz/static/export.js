@@ -5,6 +5,7 @@
   "use strict";
 
   var MAX_SIDE = 16000; // device pixels: PNGs of very long inputs are drawn at a smaller scale
+  var DOUBLE_UP_TO = 4e6; // CSS pixels: larger drawings (a long input's head view) are saved at scale 1
 
   /* `fig` under a one-line title. */
   Q.titled = function (fig, title) {
@@ -41,7 +42,8 @@
       download(filename, new Blob([fig.toSVGText()], { type: "image/svg+xml" }));
       return;
     }
-    var scale = Math.max(0.25, Math.min(2, MAX_SIDE / Math.max(fig.width, fig.height)));
+    var scale = Math.max(0.25, Math.min(fig.width * fig.height > DOUBLE_UP_TO ? 1 : 2,
+                                        MAX_SIDE / Math.max(fig.width, fig.height)));
     download(filename, pngBlob(fig.toCanvas(scale)));
   };
 

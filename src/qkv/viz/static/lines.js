@@ -5,8 +5,9 @@
  * emphasis: { query: [bool], key: [bool] } (optional: bold tokens, the others muted),
  * onFocus(side, index) (optional: called when the pointer focuses a token) }.
  * Up to MAX_SVG_LINES lines are SVG <line> elements; more (long inputs: a 512-token sentence
- * draws tens of thousands) are painted on a canvas under the token labels, grouped by colour and
- * opacity so one stroke paints many lines. Hovering a token keeps only its lines and shades the
+ * draws tens of thousands) are painted on a canvas between the token labels, grouped by colour and
+ * opacity so one stroke paints many lines, and only where they cross the part of the (scrolling)
+ * drawing in view, repainted as it scrolls. Hovering a token keeps only its lines and shades the
  * tokens on the other side by its mean weight over the matrices. */
 (function (Q) {
   "use strict";
@@ -113,25 +114,40 @@
     });
   }
 
+  /* The part of the drawing in view: a long input's .lines-host scrolls, and only the lines that
+   * cross its visible height are painted (on a canvas of that height, moved with the scroll). */
+  function visibleRows(host, L) {
+    if (host.scrollHeight > host.clientHeight + 1) {
+      return { top: host.scrollTop, height: Math.min(host.clientHeight, L.height - host.scrollTop) };
+    }
+    return { top: 0, height: L.height };
+  }
+
   function paintLines(canvas, spec, L, focus) {
     var ratio = window.devicePixelRatio || 1;
+    var shown = visibleRows(canvas.parentNode, L);
+    var top = shown.top, bottom = shown.top + shown.height;
     canvas.width = Math.ceil(GAP * ratio);
-    canvas.height = Math.ceil(L.height * ratio);
+    canvas.height = Math.ceil(shown.height * ratio);
     canvas.style.width = GAP + "px";
-    canvas.style.height = L.height + "px";
+    canvas.style.height = shown.height + "px";
     canvas.style.left = L.left + "px";
+    canvas.style.top = top + "px";
     var ctx = canvas.getContext("2d");
     ctx.scale(ratio, ratio);
-    ctx.lineWidth = 2;
+    ctx.translate(0, -top);
+    ctx.lineWidth = L.row < 22 ? 1.5 : 2;
     ctx.lineCap = "round";
     spec.matrices.forEach(function (m) {
       var paths = [];
       var add = function (q, k, w) {
         if (w < MIN_WEIGHT) { return; }
+        var yq = L.y(q), yk = L.y(k);
+        if ((yq < top && yk < top) || (yq > bottom && yk > bottom)) { return; }
         var level = Math.min(OPACITY_LEVELS - 1, Math.floor(w * OPACITY_LEVELS));
         var path = paths[level] || (paths[level] = new Path2D());
-        path.moveTo(0, L.y(q));
-        path.lineTo(GAP, L.y(k));
+        path.moveTo(0, yq);
+        path.lineTo(GAP, yk);
       };
       if (focus && focus.side === "query") {
         m.weights[focus.index].forEach(function (w, k) { add(focus.index, k, w); });
@@ -166,6 +182,16 @@
     } else if (canvas) {
       host.removeChild(canvas);
     }
+    var pending = false;
+    host.onscroll = function () {
+      if (pending || svg.dataset.mode !== "canvas") { return; }
+      pending = true;
+      requestAnimationFrame(function () {
+        pending = false;
+        var c = host.querySelector("canvas.lines-canvas");
+        if (c && svg.qkvLines) { paintLines(c, svg.qkvLines.spec, svg.qkvLines.layout, svg.qkvLines.focus); }
+      });
+    };
     svg.onmouseover = function (event) {
       var index = event.target.dataset ? event.target.dataset.index : undefined;
       if (index === undefined) { Q.focusTokenLines(svg, null, -1, true); return; }

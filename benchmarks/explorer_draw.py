@@ -1,0 +1,202 @@
+"""How long the attention explorer takes to draw a 512-token input, in a real browser.
+
+    python benchmarks/explorer_draw.py                    # all-MiniLM-L6-v2, 512 tokens, via qkv attend
+    python benchmarks/explorer_draw.py --tokens 128       # a shorter input
+    python benchmarks/explorer_draw.py --synthetic        # a document of the same size without the model
+
+The page is made by ``qkv attend`` (two sentences of ``--tokens`` wordpieces each, ``--compare``
+when the command has it) and opened from disk in Debian's headless Chromium (Playwright, offline).
+Measured inside the page with ``performance.now()``, each ``--repeats`` times (medians reported):
+
+* load: navigation start to the end of the first draw (parsing the page and its JSON included) and
+  to the next animation frame after it (drawn on screen);
+* each view: a click on its tab to the next animation frame (the view drawn); the page's own
+  timer of the draw alone (``qkvExplorer.timings``);
+* clicks: a model-view cell (the head view redrawn for that head), another layer, hovering a token
+  (its lines and the shading), a saliency output, a compare entry.
+
+Writes ``benchmarks/results/explorer_draw.json`` with the machine. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from qkv.fileio import write_json
+
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+WORDS = ("time flies like an arrow fruit a banana the cat sat on mat dog runs beach she gave book to her "
+         "brother because he asked for it quick brown fox jumps over lazy attention is all you need").split()
+
+# A click (or an event) dispatched in the page, then the time to the next animation frame.
+CLICK_TO_FRAME = """async ([selector, kind]) => {
+    const node = document.querySelector(selector);
+    if (!node) { return null; }
+    const t0 = performance.now();
+    if (kind === "click") { node.click(); }
+    else if (kind === "hover") { node.dispatchEvent(new MouseEvent("mouseover", {bubbles: true})); }
+    else { node.value = kind; node.dispatchEvent(new Event("change", {bubbles: true})); }
+    await new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)));
+    return performance.now() - t0;
+}"""
+
+LOADED = """() => new Promise(r => requestAnimationFrame(() => setTimeout(() =>
+    r([window.qkvExplorer.timings.first, performance.now()]), 0)))"""
+
+
+def sentence(tokens: int, offset: int, tokenizer) -> str:
+    """About ``tokens`` wordpieces ([CLS] and [SEP] included) of plain words."""
+    words = [WORDS[(i * 7 + offset) % len(WORDS)] for i in range(tokens)]
+    while len(tokenizer([" ".join(words)]).tokens[0]) > tokens:
+        words.pop()
+    return " ".join(words)
+
+
+def make_page(args, folder: Path) -> tuple[Path, str]:
+    """The page to draw, and how it was made."""
+    if args.synthetic:
+        sys.path.insert(0, str(REPO / "tests"))
+        from explorer_documents import long_document
+
+        from qkv.viz import write_html
+
+        data = long_document(tokens=args.tokens, layers=6, heads=12)
+        return write_html(data, folder / "page.html"), "tests/explorer_documents.long_document (6 layers x 12 heads)"
+    import qkv
+    from qkv.cli import main
+    from qkv.pretrained import default_model_path
+
+    tokenizer = qkv.load_pretrained(default_model_path(), device="cpu").tokenizer
+    texts = [sentence(args.tokens, 0, tokenizer), sentence(args.tokens, 3, tokenizer)]
+    page = folder / "page.html"
+    command = ["attend", *texts, "-o", str(page), "--max-chars", "100000"]
+    if "--compare" in subprocess.run([sys.executable, "-m", "qkv.cli", "attend", "--help"], capture_output=True,
+                                     text=True).stdout:
+        command.append("--compare")
+    code = main(command)
+    if code != 0:
+        raise SystemExit(f"qkv attend failed with exit code {code}")
+    return page, "qkv " + " ".join(a if not a.startswith(("time", "/")) else "<...>" for a in command)
+
+
+def median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 1) if values else None
+
+
+def measure(page_path: Path, repeats: int) -> dict:
+    from playwright.sync_api import sync_playwright
+
+    out: dict = {"load": {}, "views": {}, "clicks": {}}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        context = browser.new_context(viewport={"width": 1320, "height": 900})
+        context.set_offline(True)
+        first, painted, wall = [], [], []
+        for _ in range(repeats):
+            page = context.new_page()
+            start = time.perf_counter()
+            page.goto(page_path.as_uri())
+            page.wait_for_function("() => Number(document.body.dataset.renders || 0) > 0", timeout=120_000)
+            wall.append(1000 * (time.perf_counter() - start))
+            drawn, frame = page.evaluate(LOADED)
+            first.append(drawn)
+            painted.append(frame)
+            page.close()
+        out["load"] = {"first_draw_ms": median(first), "first_frame_ms": median(painted),
+                       "python_goto_to_drawn_ms": median(wall), "runs_first_draw_ms": [round(v, 1) for v in first]}
+        page = context.new_page()
+        page.goto(page_path.as_uri())
+        page.wait_for_function("() => Number(document.body.dataset.renders || 0) > 0", timeout=120_000)
+        out["tokens"] = page.locator("#head-svg text.query").count()
+        out["head_view_lines"] = int(page.get_attribute("#head-svg", "data-lines"))
+        out["head_view_mode"] = page.get_attribute("#head-svg", "data-mode")
+        tabs = page.eval_on_selector_all("#tabs button:not([hidden])", "bs => bs.map(b => b.dataset.tab)")
+        for tab in tabs:
+            runs, own = [], []
+            for _ in range(repeats):
+                other = "summary" if tab == "attention" and "summary" in tabs else "attention"
+                page.evaluate(CLICK_TO_FRAME, [f"#tabs button[data-tab='{other}']", "click"])
+                runs.append(page.evaluate(CLICK_TO_FRAME, [f"#tabs button[data-tab='{tab}']", "click"]))
+                own.append(page.evaluate(f"() => window.qkvExplorer.timings['{tab}']"))
+            out["views"][tab] = {"click_to_frame_ms": median(runs), "draw_ms": median(own),
+                                 "runs_click_to_frame_ms": [round(v, 1) for v in runs]}
+        page.evaluate(CLICK_TO_FRAME, ["#tabs button[data-tab='attention']", "click"])
+        clicks = {
+            "model_view_cell": [("#model-grid canvas[data-layer='3'][data-head='5']", "click"),
+                                ("#model-grid canvas[data-layer='1'][data-head='2']", "click")],
+            "layer_select": [("#layer-select", "4"), ("#layer-select", "2")],
+            "hover_token": [("#head-svg text.query[data-index='3']", "hover"),
+                            ("#head-svg text.query[data-index='5']", "hover")],
+            "all_heads_button": [("#heads-all", "click"), ("#heads-none", "click")],
+        }
+        if "saliency" in tabs:
+            clicks["saliency_output"] = [("#tabs button[data-tab='saliency']", "click"),
+                                         ("#saliency-outputs .output-chip", "click")]
+        if "compare" in tabs:
+            clicks["compare_entry"] = [("#tabs button[data-tab='compare']", "click"),
+                                       ("#compare-heads .compare-head[data-index='1']", "click"),
+                                       ("#compare-heads .compare-head[data-index='0']", "click")]
+        for name, steps in clicks.items():
+            runs = []
+            for _ in range(repeats):
+                for selector, kind in steps:
+                    runs.append((selector, page.evaluate(CLICK_TO_FRAME, [selector, kind])))
+            measured = [ms for selector, ms in runs if "tabs" not in selector]
+            out["clicks"][name] = {"click_to_frame_ms": median(measured), "max_ms": round(max(measured), 1)}
+            page.evaluate(CLICK_TO_FRAME, ["#tabs button[data-tab='attention']", "click"])
+        context.close()
+        browser.close()
+    return out
+
+
+def machine() -> dict:
+    from qkv.bench.timing import environment
+
+    info = environment()
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    info["avx512_bf16"] = "avx512_bf16" in flags
+    info["amx_bf16"] = "amx_bf16" in flags
+    info["threads"] = os.cpu_count()
+    info["chromium"] = subprocess.run([CHROMIUM, "--version"], capture_output=True, text=True).stdout.strip()
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=512, help="wordpieces per sentence (default 512)")
+    parser.add_argument("--repeats", type=int, default=5, help="measurements of each figure (default 5)")
+    parser.add_argument("--synthetic", action="store_true", help="a document of the same size, without the model")
+    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "explorer_draw.json"))
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as folder:
+        page_path, made_by = make_page(args, Path(folder))
+        size_mb = page_path.stat().st_size / 1e6
+        figures = measure(page_path, args.repeats)
+    result = {
+        "benchmark": "the attention explorer drawing a long input in headless Chromium (benchmarks/explorer_draw.py)",
+        "command": "python benchmarks/explorer_draw.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "page": made_by,
+        "page_mb": round(size_mb, 1),
+        "repeats": args.repeats,
+        **figures,
+        "machine": machine(),
+    }
+    write_json(args.output, result)
+    print(f"wrote {args.output}: {figures['tokens']} tokens, {size_mb:.1f} MB page, first draw "
+          f"{figures['load']['first_draw_ms']} ms", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
