@@ -189,11 +189,13 @@ def test_static_seq2seq_views(browser, seq2seq_explorer, tmp_path):
     page.select_option("#view-select", "1")
     renders = wait_renders(page, renders)
     decoder = lines(page)
-    assert texts(page, "query")[0] == "<s>"
+    decoder_inputs = texts(page, "query")
+    assert decoder_inputs[0] == "<s>"
     assert all(int(k) <= int(q) for _, q, k, _ in (e.split(":") for e in decoder))  # causal
     page.select_option("#view-select", "2")
     wait_renders(page, renders)
-    assert texts(page, "key") == source and texts(page, "query")[0] == "<s>"
+    # cross-attention rows are labelled by the token each decoder position predicts (its input shifted by one)
+    assert texts(page, "key") == source and texts(page, "query") == decoder_inputs[1:] + ["</s>"]
     assert lines(page) != decoder
     page.screenshot(path=str(tmp_path / "seq2seq.png"), full_page=True)
     assert watch.errors == [] and blocked == []
