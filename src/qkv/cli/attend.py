@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     path = write_html(data, args.output)
     print(f"wrote {path} ({len(examples)} sentences, {explorer.kind} model {explorer.name})", file=sys.stderr)
     if args.compare:
-        top = ", ".join(f"layer {h['layer']} head {h['head']} ({h['difference']:.3f})" for h in data["compare"]["heads"][:3])
+        heads = data["compare"]["heads"][:3]
+        top = ", ".join(f"layer {h['layer']} head {h['head']} ({h['difference']:.3f})" for h in heads)
         print(f"heads whose shared tokens attend most differently: {top}", file=sys.stderr)
     if corpus is not None:
         print(f"head statistics averaged over {len(corpus)} sentences of {args.corpus}", file=sys.stderr)
