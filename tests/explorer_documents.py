@@ -120,8 +120,8 @@ def shared_pairs(a: list[str], b: list[str]) -> list[list[int]]:
 
 
 def head_differences(view_a: dict, view_b: dict, pairs: list[list[int]]) -> list[dict]:
-    """Every layer/head: mean over shared tokens of the total-variation distance between their
-    attention over the shared tokens (each renormalised); largest first."""
+    """Every layer/head: the total-variation distance between each shared token's attention over the
+    shared tokens (each renormalised), per token and its mean; largest mean first."""
     rows = []
     for l in range(view_a["layers"]):
         for h in range(view_a["heads"]):
@@ -129,7 +129,9 @@ def head_differences(view_a: dict, view_b: dict, pairs: list[list[int]]) -> list
             b = np.asarray(view_b["attention"][l][h])[np.ix_([p[1] for p in pairs], [p[1] for p in pairs])]
             a = a / np.maximum(a.sum(axis=1, keepdims=True), 1e-12)
             b = b / np.maximum(b.sum(axis=1, keepdims=True), 1e-12)
-            rows.append({"layer": l, "head": h, "difference": round(float(0.5 * np.abs(a - b).sum(axis=1).mean()), 4)})
+            per_token = 0.5 * np.abs(a - b).sum(axis=1)
+            rows.append({"layer": l, "head": h, "difference": round(float(per_token.mean()), 4),
+                         "per_token": [round(float(v), 4) for v in per_token]})
     return sorted(rows, key=lambda r: -r["difference"])
 
 

@@ -232,6 +232,24 @@ def test_compare_side_by_side_and_heads_by_difference(seed_page, seed_doc):
     shades = page.eval_on_selector_all("#compare-right g.keys rect.weight", "rs => rs.map(r => +r.getAttribute('fill-opacity'))")
     assert shades == pytest.approx(vb["attention"][l][h][b_index], abs=1e-3)
     page.mouse.move(1300, 5)
+    # sorted by one shared token's own difference ("flies"): that token focused on both sides
+    flies = next(i for i, p in enumerate(compare["shared"]) if va["queries"][p[0]] == "flies")
+    before = renders(page)
+    page.select_option("#compare-sort", str(flies))
+    wait_renders(page, before)
+    listed = page.eval_on_selector_all("#compare-heads .compare-head", """bs => bs.map(b => [+b.dataset.layer,
+        +b.dataset.head, +b.querySelector('.value').textContent])""")
+    by_flies = sorted(compare["heads"], key=lambda e: -e["per_token"][flies])
+    assert [x[2] for x in listed] == pytest.approx([e["per_token"][flies] for e in by_flies], abs=1e-4)
+    assert [x[2] for x in listed] == sorted((x[2] for x in listed), reverse=True)
+    top = by_flies[0]
+    assert page.get_attribute("#compare-heads .compare-head[aria-pressed='true']", "data-layer") == str(top["layer"])
+    assert f"layer {top['layer']}, head {top['head']}" in page.text_content("#compare-caption")
+    for svg, index in (("compare-left", a_index), ("compare-right", b_index)):
+        assert set(page.eval_on_selector_all(f"#{svg} line:not(.hidden)", "ls => ls.map(l => +l.dataset.q)")) == {index}
+    before = renders(page)
+    page.select_option("#compare-sort", "-1")
+    wait_renders(page, before)
 
 
 # ---- Save PNG / Save SVG ---------------------------------------------------------------------

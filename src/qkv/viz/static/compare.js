@@ -2,13 +2,35 @@
  * a view, the pairs of tokens they share and every layer/head with how much the attention of the
  * shared tokens differs, largest first. The page draws both sentences' view for one layer and head
  * (shared tokens in bold; hovering one focuses it on both sides) and lists the heads by difference;
- * clicking an entry shows that head. */
+ * clicking an entry shows that head. With each head's per-token differences ("per_token"), the
+ * list can be sorted by one shared token's difference instead (that token is then focused). */
 (function (Q) {
   "use strict";
 
   var TOP_IN_FIGURE = 10; // heads listed under an exported figure
+  var COLOR = "#2458b3";
 
   Q.state.compareEntry = 0;
+  Q.state.compareSort = -1; // -1: the difference over all shared tokens; i: shared pair i's own
+
+  /* The number the list is sorted by, for a heads entry. */
+  function measureOf(e) { return Q.state.compareSort < 0 ? e.difference : e.per_token[Q.state.compareSort]; }
+
+  /* Indices into compare.heads, largest measure first (ties keep the document's order). */
+  function order() {
+    var heads = compare().heads;
+    return Q.range(heads.length).sort(function (a, b) { return measureOf(heads[b]) - measureOf(heads[a]) || a - b; });
+  }
+
+  function hasPerToken() {
+    var c = compare();
+    return c.heads.every(function (e) { return Array.isArray(e.per_token) && e.per_token.length === (c.shared || []).length; });
+  }
+
+  function sharedLabel(i) {
+    var pair = compare().shared[i];
+    return views()[0].queries[pair[0]] + " (" + pair[0] + ", " + pair[1] + ")";
+  }
 
   function compare() { return Q.data.compare || null; }
 
@@ -48,8 +70,7 @@
     return {
       queries: view.queries,
       keys: view.keys,
-      matrices: [{ head: entry.head, color: Q.headColor(entry.head, view.heads),
-                   weights: view.attention[entry.layer][entry.head] }],
+      matrices: [{ head: entry.head, color: COLOR, weights: view.attention[entry.layer][entry.head] }],
       emphasis: { query: flags, key: selfAttention ? flags : view.keys.map(function () { return true; }) },
       onFocus: function (tokenSide, index) {
         var other = Q.$(side === 0 ? "compare-right" : "compare-left");
@@ -63,26 +84,48 @@
 
   function caption() {
     var c = compare(), e = entry();
-    return c.view + ", layer " + e.layer + ", head " + e.head + ": difference " + e.difference.toFixed(4);
+    var text = c.view + ", layer " + e.layer + ", head " + e.head + ": difference " + e.difference.toFixed(4);
+    if (Q.state.compareSort >= 0) {
+      text += "; " + views()[0].queries[c.shared[Q.state.compareSort][0]] + " alone " + measureOf(e).toFixed(4);
+    }
+    return text;
+  }
+
+  function drawSortOptions() {
+    var select = Q.$("compare-sort");
+    var perToken = hasPerToken();
+    Q.$("compare-sort-label").hidden = !perToken;
+    if (!perToken) { Q.state.compareSort = -1; return; }
+    var key = compare().shared.length + ":" + Q.data.examples.length;
+    if (select.dataset.key !== key) {
+      select.textContent = "";
+      Q.html("option", { value: "-1" }, select, "all shared tokens");
+      compare().shared.forEach(function (_, i) { Q.html("option", { value: String(i) }, select, sharedLabel(i)); });
+      select.dataset.key = key;
+    }
+    select.value = String(Q.state.compareSort);
   }
 
   function drawList() {
     var c = compare();
     var list = Q.$("compare-heads");
-    if (list.dataset.count !== String(c.heads.length)) {
+    var key = c.heads.length + ":" + Q.state.compareSort;
+    if (list.dataset.key !== key) {
       list.textContent = "";
-      var top = c.heads[0].difference || 1;
-      c.heads.forEach(function (e, i) {
+      var sorted = order();
+      var top = measureOf(c.heads[sorted[0]]) || 1;
+      sorted.forEach(function (i) {
+        var e = c.heads[i];
         var item = Q.html("li", {}, list);
         var button = Q.html("button", { type: "button", "class": "compare-head", "data-index": String(i),
                                         "data-layer": String(e.layer), "data-head": String(e.head) }, item);
         Q.html("span", { "class": "name" }, button, "layer " + e.layer + " head " + e.head);
-        Q.html("span", { "class": "value" }, button, e.difference.toFixed(4));
+        Q.html("span", { "class": "value" }, button, measureOf(e).toFixed(4));
         var bar = Q.html("span", { "class": "bar" }, button);
-        bar.style.width = Math.round(60 * Math.max(0, e.difference) / top) + "px";
+        bar.style.width = Math.round(60 * Math.max(0, measureOf(e)) / top) + "px";
         button.addEventListener("click", function () { Q.state.compareEntry = i; Q.render(); });
       });
-      list.dataset.count = String(c.heads.length);
+      list.dataset.key = key;
     }
     Array.prototype.forEach.call(list.querySelectorAll(".compare-head"), function (b) {
       b.setAttribute("aria-pressed", Number(b.dataset.index) === Q.state.compareEntry ? "true" : "false");
@@ -94,24 +137,36 @@
     if (Q.state.compareEntry >= c.heads.length) { Q.state.compareEntry = 0; }
     Q.$("compare-about").textContent = "\u201c" + Q.data.examples[c.examples[0]].text + "\u201d vs \u201c" +
       Q.data.examples[c.examples[1]].text + "\u201d; shared tokens in bold, hover one to focus it on both sides";
-    Q.$("compare-caption").textContent = caption();
     Q.$("compare-measure").textContent = c.measure || "";
+    drawSortOptions();
+    Q.$("compare-caption").textContent = caption();
     Q.drawTokenLines(Q.$("compare-left"), spec(0, entry()));
     Q.drawTokenLines(Q.$("compare-right"), spec(1, entry()));
     drawList();
+    if (Q.state.compareSort >= 0) {  // the token the list is sorted by, focused on both sides
+      Q.focusTokenLines(Q.$("compare-left"), "query", c.shared[Q.state.compareSort][0], true);
+    }
   }
+
+  /* Sort the list by shared pair `i` (-1: all shared tokens) and show its first head. */
+  Q.sortCompare = function (i) {
+    Q.state.compareSort = i;
+    Q.state.compareEntry = order()[0];
+    Q.render();
+  };
 
   function compareFigure() {
     var left = Q.tokenLinesFigure(Q.$("compare-left")), right = Q.tokenLinesFigure(Q.$("compare-right"));
-    var heads = compare().heads.slice(0, TOP_IN_FIGURE);
+    var heads = order().slice(0, TOP_IN_FIGURE).map(function (i) { return compare().heads[i]; });
     var listTop = Math.max(left.height, right.height) + 12;
     var fig = new Q.Figure(Math.max(left.width + 40 + right.width, 420), listTop + 20 + 16 * heads.length);
     fig.group({ dx: 0, dy: 0 }).items = left.items;
     fig.group({ dx: left.width + 40, dy: 0 }).items = right.items;
-    fig.text({ x: 0, y: listTop + 8, text: "heads where the shared tokens' attention differs most: " +
-               (compare().measure || ""), "font-size": 12, "font-weight": "bold", "dominant-baseline": "middle" });
+    var which = Q.state.compareSort < 0 ? "the shared tokens'" : "\u201c" + views()[0].queries[compare().shared[Q.state.compareSort][0]] + "\u201d's";
+    fig.text({ x: 0, y: listTop + 8, text: "heads where " + which + " attention differs most (" +
+               (compare().measure || "") + ")", "font-size": 12, "font-weight": "bold", "dominant-baseline": "middle" });
     heads.forEach(function (e, i) {
-      fig.text({ x: 0, y: listTop + 28 + 16 * i, text: "layer " + e.layer + " head " + e.head + ": " + e.difference.toFixed(4),
+      fig.text({ x: 0, y: listTop + 28 + 16 * i, text: "layer " + e.layer + " head " + e.head + ": " + measureOf(e).toFixed(4),
                  "font-size": 12, "dominant-baseline": "middle" });
     });
     return Q.titled(fig, caption());

@@ -77,6 +77,7 @@
     $("heads-all").addEventListener("click", function () { setHeads(function () { return true; }); });
     $("heads-none").addEventListener("click", function () { setHeads(function () { return false; }); });
     $("summary-corpus").addEventListener("change", function () { Q.render(); });
+    $("compare-sort").addEventListener("change", function (e) { Q.sortCompare(Number(e.target.value)); });
     Array.prototype.forEach.call(document.querySelectorAll("#tabs button"), function (button) {
       button.addEventListener("click", function () { Q.setTab(button.dataset.tab); });
     });
