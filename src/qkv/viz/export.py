@@ -123,7 +123,7 @@ class AttentionView:
             "keys": self.keys,
             "layers": self.num_layers,
             "heads": self.num_heads,
-            "attention": [a.round(decimals=decimals).tolist() for a in self.attentions],
+            "attention": [a.double().round(decimals=decimals).tolist() for a in self.attentions],  # float64: short JSON
         }
 
 
