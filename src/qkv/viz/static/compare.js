@@ -12,6 +12,15 @@
 
   Q.state.compareEntry = 0;
   Q.state.compareSort = -1; // -1: the difference over all shared tokens; i: shared pair i's own
+  var version = 0; // counts the compare fields shown, so the list is rebuilt for a new one
+
+  /* Show a new compare field (qkv serve: an answer with two sentences). */
+  Q.setCompare = function (field) {
+    Q.data.compare = field;
+    Q.state.compareEntry = 0;
+    Q.state.compareSort = -1;
+    version += 1;
+  };
 
   /* The number the list is sorted by, for a heads entry. */
   function measureOf(e) { return Q.state.compareSort < 0 ? e.difference : e.per_token[Q.state.compareSort]; }
@@ -96,7 +105,7 @@
     var perToken = hasPerToken();
     Q.$("compare-sort-label").hidden = !perToken;
     if (!perToken) { Q.state.compareSort = -1; return; }
-    var key = compare().shared.length + ":" + Q.data.examples.length;
+    var key = version + ":" + compare().shared.length;
     if (select.dataset.key !== key) {
       select.textContent = "";
       Q.html("option", { value: "-1" }, select, "all shared tokens");
@@ -109,7 +118,7 @@
   function drawList() {
     var c = compare();
     var list = Q.$("compare-heads");
-    var key = c.heads.length + ":" + Q.state.compareSort;
+    var key = version + ":" + c.heads.length + ":" + Q.state.compareSort;
     if (list.dataset.key !== key) {
       list.textContent = "";
       var sorted = order();

@@ -89,13 +89,17 @@
     var form = $("live-form");
     form.hidden = false;
     var input = $("live-text");
+    var second = $("live-compare");
     input.maxLength = live.max_chars;
+    second.maxLength = live.max_chars;
     Q.setOptions($("live-model"), live.models, 0);
     form.addEventListener("submit", function (event) {
       event.preventDefault();
       $("live-status").textContent = "running...";
       $("live-submit").disabled = true;
-      var body = JSON.stringify({ text: input.value, model: live.models[Number($("live-model").value)] });
+      var request = { text: input.value, model: live.models[Number($("live-model").value)] };
+      if (second.value.trim()) { request.compare = second.value; }
+      var body = JSON.stringify(request);
       fetch(live.endpoint, { method: "POST", headers: { "Content-Type": "application/json" }, body: body })
         .then(function (response) {
           return response.text().then(function (text) {
@@ -107,9 +111,16 @@
         })
         .then(function (payload) {
           Q.hideError();
-          Q.data.examples.push(payload.example);
+          var first = Q.data.examples.length;
+          (payload.examples || [payload.example]).forEach(function (e) { Q.data.examples.push(e); });
+          if (payload.compare) {  // its example indices count from this answer's first example
+            Q.setCompare(Object.assign({}, payload.compare, {
+              examples: payload.compare.examples.map(function (i) { return first + i; })
+            }));
+            Q.state.tab = "compare";
+          }
           $("controls").hidden = false;
-          Q.setExample(Q.data.examples.length - 1);
+          Q.setExample(first);
         })
         .catch(function (err) { Q.showError(err.message); })
         .then(function () {
