@@ -105,6 +105,11 @@ def test_http_routes_and_errors(server):
     assert status == 200 and payload["example"]["views"][0]["keys"][1:4] == ["a", "dog", "runs"]
     status, payload = post_json(server, {"text": "x" * 100})
     assert status == 400 and "limit is 40" in payload["error"]
+    status, payload = post_json(server, {"text": "a dog runs", "compare": "the dog sleeps"})  # two sentences
+    assert status == 200 and [e["text"] for e in payload["examples"]] == ["a dog runs", "the dog sleeps"]
+    assert payload["compare"]["shared"] == [[0, 0], [2, 2], [4, 4]] and "stats" in payload["example"]["views"][0]
+    status, payload = post_json(server, {"text": "a dog", "compare": "x" * 41})
+    assert status == 400 and "'compare' has 41 characters" in payload["error"]
     status, _, body = request(server, "POST", "/api/attend", b"{not json", {"Content-Type": "application/json"})
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]
     status, _, body = request(server, "POST", "/api/attend", b"x" * (MAX_BODY_BYTES + 1))

@@ -95,7 +95,8 @@ def translation_saliency(model, src: Tensor, tgt_in: Tensor, predicted: Sequence
             memory = model.encode(src)
         (embeddings,) = tap.leaves  # (1, s_src, d)
         log_probs = _log_probs(model.decode(tgt_in, memory).logits[0])  # (s_t, V)
-        picked = log_probs[torch.arange(len(predicted)), torch.tensor(list(predicted), device=log_probs.device)]
+        positions = torch.arange(len(predicted), device=log_probs.device)
+        picked = log_probs[positions, torch.tensor(list(predicted), device=log_probs.device)]  # (s_t,)
         rows = [gradient_x_input(picked[t], embeddings, retain_graph=t + 1 < len(predicted))[0]
                 for t in range(len(predicted))]
     return torch.stack(rows)  # (s_t, s_src)
