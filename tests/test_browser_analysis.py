@@ -456,7 +456,9 @@ def screenshot(page, name: str) -> None:
     folder = os.environ.get("QKV_SCREENSHOT_DIR")
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(Path(folder) / name), full_page=True)
+        bottom = page.evaluate("() => document.querySelector('main').getBoundingClientRect().bottom + window.scrollY")
+        page.screenshot(path=str(Path(folder) / name), full_page=True,
+                        clip={"x": 0, "y": 0, "width": 1320, "height": math.ceil(bottom) + 16})
 
 
 def check_summary(page, view: dict) -> None:
@@ -523,9 +525,11 @@ def test_new_views_from_qkv_attend(browser, tmp_path):
     page.select_option("#layer-select", str(last))
     wait_renders(page, before)
     assert_same_lines(drawn_lines(page, "rollout-svg"), expected_lines({0: view["rollout"][last]}))
-    page.hover("#rollout-svg text.query[data-index='0']")  # what [CLS] draws on
+    before = renders(page)
+    page.select_option("#layer-select", "2")
+    wait_renders(page, before)
+    assert_same_lines(drawn_lines(page, "rollout-svg"), expected_lines({0: view["rollout"][2]}))
     screenshot(page, "explorer_rollout.png")
-    page.mouse.move(1300, 5)
     # saliency of the pair's cosine similarity
     open_tab(page, "saliency")
     check_saliency(page, data["examples"][0]["saliency"], 0)

@@ -9,17 +9,18 @@
 
   var Q = window.qkvExplorer = {};
 
+  /* Milliseconds each panel last took to draw; when the script started, when its data was parsed
+   * and when the first draw ended, since navigation start (read by benchmarks/explorer_draw.py). */
+  Q.timings = { script: performance.now() };
   Q.SVGNS = "http" + "://www.w3.org/2000/svg";
   Q.data = JSON.parse(document.getElementById("qkv-data").textContent);
+  Q.timings.parsed = performance.now();
   Q.live = Q.data.live || null;
   /* tab: the panel shown; focus: the token the pointer is on in the head view */
   Q.state = { example: 0, view: 0, layer: 0, heads: [], tab: "attention" };
   /* Each panel registers { id, title, available(), draw(), figure() } (figure(): what Save PNG/SVG
    * write, a Q.Figure). */
   Q.tabs = [];
-  /* Milliseconds each panel last took to draw, and the first full draw since navigation start
-   * (read by benchmarks/explorer_draw.py). */
-  Q.timings = {};
 
   Q.$ = function (id) { return document.getElementById(id); };
 

@@ -34,7 +34,7 @@
     var left = labelWidth(spec.queries);
     var right = labelWidth(spec.keys);
     return {
-      font: font, row: row, left: left, right: right, width: left + GAP + right, height: row * rows + 16,
+      font: font, row: row, line: dense ? 1 : 2, left: left, right: right, width: left + GAP + right, height: row * rows + 16,
       y: function (i) { return 8 + row * i + row / 2; }
     };
   }
@@ -84,7 +84,7 @@
             var w = row[k];
             if (w < MIN_WEIGHT || !visible(focus, q, k)) { continue; }
             lines.line({
-              x1: L.left, y1: L.y(q), x2: L.left + GAP, y2: L.y(k), stroke: m.color, "stroke-width": 2,
+              x1: L.left, y1: L.y(q), x2: L.left + GAP, y2: L.y(k), stroke: m.color, "stroke-width": L.line,
               "stroke-opacity": w.toFixed(4), "stroke-linecap": "round", "data-head": m.head, "data-q": q, "data-k": k
             });
           }
@@ -136,7 +136,7 @@
     var ctx = canvas.getContext("2d");
     ctx.scale(ratio, ratio);
     ctx.translate(0, -top);
-    ctx.lineWidth = L.row < 22 ? 1.5 : 2;
+    ctx.lineWidth = L.line;
     ctx.lineCap = "round";
     spec.matrices.forEach(function (m) {
       var paths = [];
