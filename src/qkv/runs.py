@@ -4,6 +4,12 @@ The order in :func:`start_run` is the promise to the user: every option and ever
 checked, the data is read and tokenised and the model is built before the first file is written;
 then the run folder appears whole (config, tokenizer and the step-0 checkpoint) or not at all, and
 ``--overwrite`` replaces an existing run folder only at that moment, and only a qkv run folder.
+
+A translation run reads its pairs from a prepared folder (:mod:`qkv.data.prepared`): the one it was
+started on (``--prepared DIR``, recorded with its fingerprint), or, for text files, Multi30k or the
+date task, its own copy in ``data/`` inside the run folder, written with it. The first session
+trains from the pairs it has just tokenised; resuming, and every process of a multi-process run,
+reads the prepared folder a batch at a time, so a process holds O(batch) token data.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import torch
 from qkv import checkpoint as ckpt
 from qkv.causal_lm import CausalLM, CausalLMConfig
 from qkv.data.parallel import ParallelText
-from qkv.data.sources import check_spec, describe, load_train_valid
+from qkv.data.prepared import PreparedCorpus, write_token_lists
+from qkv.data.sources import check_spec, describe, load_train_valid, recipe_source
 from qkv.data.text import (TEXT_SOURCES, TOKENIZER_KINDS, check_text_spec, load_text_splits, load_text_tokenizer,
                            read_tokens, train_text_tokenizer, write_tokens)
 from qkv.data.tokenizer import Tokenizer
@@ -28,6 +35,7 @@ from qkv.models import Transformer, TransformerConfig
 from qkv.precision import bf16_is_fast
 from qkv.recipes import RECIPES
 from qkv.training import Distributed, LanguageModelTask, TrainConfig, Trainer, TrainingCrashed, TranslationTask
+from qkv.training.tasks import TokenLists
 from qkv.viz.curves import plot_metrics
 
 logger = logging.getLogger(__name__)
@@ -42,7 +50,7 @@ def data_fingerprint(data: ParallelText) -> dict:
 
 
 def _input_files(spec: dict) -> list[str]:
-    return [spec[k] for k in ("train_src", "train_tgt", "val_src", "val_tgt") if spec.get(k)]
+    return [spec[k] for k in ("train_src", "train_tgt", "val_src", "val_tgt", "folder") if spec.get(k)]
 
 
 def _model_config(recipe: dict, model_options: dict | None, vocab_size: int, pad_id: int) -> TransformerConfig:
@@ -96,13 +104,14 @@ def start_run(
     Args:
         run_dir: the run folder to create.
         data: a data spec (:mod:`qkv.data.sources`), e.g. ``{"source": "multi30k", "src_lang": "en",
-            "tgt_lang": "de"}``; or for a language model (:mod:`qkv.data.text`)
+            "tgt_lang": "de"}`` or ``{"source": "prepared", "folder": path}``; or for a language model (:mod:`qkv.data.text`)
             ``{"source": "tinyshakespeare"}`` or ``{"source": "text", "train_text": path}``.
         model_options: :class:`TransformerConfig` fields (a language model's:
             :class:`~qkv.causal_lm.CausalLMConfig` fields) over the source's recipe (vocabulary
             sizes and ``pad_id`` come from the tokenizer).
         train_options: :class:`TrainConfig` fields over the recipe.
-        vocab_size: BPE vocabulary size (default: the recipe's).
+        vocab_size: BPE vocabulary size (default: the recipe's); a prepared folder's tokenizer is
+            its own (a different ``vocab_size`` is reported, not applied).
         lm_options: a language model's ``tokenizer`` (``char`` or ``bpe``) and ``windows``
             (``random`` or ``strided``).
         overwrite: replace ``run_dir`` if it is a qkv run folder (or empty); anything else is refused.
@@ -133,34 +142,97 @@ def start_run(
         raise ValueError(f"{', '.join(sorted(lm_options))}: options of a language model (--data tinyshakespeare or "
                          "--train-text)")
     check_spec(data)
-    recipe = RECIPES[data["source"]]
+    recipe = RECIPES[recipe_source(data["source"])]
     device = pick_device(device)
     _check_run_dir(run_dir, overwrite, _input_files(data))
-    vocab_size = recipe["vocab_size"] if vocab_size is None else vocab_size
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 260:
+    if data["source"] == "prepared":
+        corpus = PreparedCorpus(data["folder"])  # the manifest, read before anything else
+    else:
+        vocab_size = recipe["vocab_size"] if vocab_size is None else vocab_size
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 260):
         raise ValueError(f"vocab_size (--vocab-size) must be an integer >= 260 (256 bytes + 4 specials), "
                          f"got {vocab_size!r}")
-    _model_config(recipe, model_options, vocab_size, 0)  # the model options' own checks, before reading data
+    _model_config(recipe, model_options, vocab_size or 260, 0)  # the model options' own checks, before reading data
     train_config = TrainConfig.from_dict({**recipe["train"], **(train_options or {})})
     train_config.check_stops()
 
-    train_data, valid_data = load_train_valid(data)
+    if data["source"] == "prepared":
+        tokenizer = corpus.tokenizer()
+        if vocab_size is not None and vocab_size != tokenizer.vocab_size:
+            logger.warning("a %d-token vocabulary asked for, but the prepared folder's tokenizer has %d ids: training "
+                           "with those (prepare with --vocab-size %d to match)", vocab_size, tokenizer.vocab_size,
+                           vocab_size)
+        train_data = corpus.split("train")
+        valid_data = corpus.text("valid", tokenizer) if corpus.has("valid") else None
+        fingerprint = {"pairs": len(train_data), "sha256": corpus.fingerprint}
+        prepared = {"folder": str(corpus.folder.resolve()), "fingerprint": corpus.fingerprint}
+    else:
+        train_data, valid_data = load_train_valid(data)
+        tokenizer = Tokenizer.train(train_data.src + train_data.tgt, vocab_size=vocab_size,
+                                    split_digits=recipe["split_digits"])
+        fingerprint = data_fingerprint(train_data)
+        prepared = {"folder": RUN_DATA_FOLDER}  # written below, with the run folder
     logger.info("data: %s, %d training pairs, %s validation pairs", describe(data), len(train_data),
                 len(valid_data) if valid_data is not None else "no")
-    tokenizer = Tokenizer.train(train_data.src + train_data.tgt, vocab_size=vocab_size,
-                                split_digits=recipe["split_digits"])
     model_config = _model_config(recipe, model_options, tokenizer.vocab_size, tokenizer.pad_id)
     train_config = _bf16_where_fast(train_config, train_options, device)
     task = TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len,
-                           pad_id=model_config.pad_id)  # drops over-long pairs
+                           pad_id=model_config.pad_id)  # leaves out over-long pairs
     trainer = Trainer(Transformer(model_config).to(device), task, train_config, run_dir)
     model = trainer.model
     config = {"model": asdict(model_config), "train": asdict(train_config), "data": data,
-              "data_fingerprint": data_fingerprint(train_data)}
-    ckpt.create_run(run_dir, config, tokenizer, overwrite=overwrite, write_initial=trainer.save,
+              "data_fingerprint": fingerprint, "prepared": prepared}
+
+    def write_initial(folder: Path) -> None:
+        if data["source"] != "prepared":  # the run's own prepared copy: resuming and other processes read it
+            _write_run_data(folder / RUN_DATA_FOLDER, tokenizer, task.pairs, valid_data, data)
+        trainer.save(folder)
+
+    ckpt.create_run(run_dir, config, tokenizer, overwrite=overwrite, write_initial=write_initial,
                     inputs=_input_files(data))
     logger.info("model: %.1fM parameters; run folder %s", sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
     return trainer
+
+
+RUN_DATA_FOLDER = "data"
+
+
+def _write_run_data(folder: Path, tokenizer: Tokenizer, pairs: TokenLists, valid: ParallelText | None,
+                    data: dict) -> None:
+    """The training pairs a run starts with (already tokenised, over-long ones left out) and its
+    validation pairs, as a prepared folder inside the run folder."""
+    folder.mkdir()
+    splits = {"train": (pairs.src_ids, pairs.tgt_ids, pairs.lines)}
+    sources = {"train": pairs.source}
+    if valid is not None:
+        splits["valid"] = (tokenizer.encode_batch(valid.src), tokenizer.encode_batch(valid.tgt),
+                           list(range(1, len(valid) + 1)))
+        sources["valid"] = {"src": valid.src_path, "tgt": valid.tgt_path}
+    write_token_lists(folder, tokenizer, splits, sources=sources, data=data)
+
+
+def _open_translation_task(run_dir: Path, config: dict, tokenizer: Tokenizer,
+                           model_config: TransformerConfig) -> TranslationTask:
+    """The task of a translation run: from its prepared folder (its own copy, or the one it was
+    started with, refused if it changed since), or for runs older than prepared folders from its
+    text, refused if that changed."""
+    prepared = config.get("prepared")
+    if prepared:
+        corpus = PreparedCorpus(run_dir / prepared["folder"])  # an absolute folder stays itself
+        if prepared.get("fingerprint") and corpus.fingerprint != prepared["fingerprint"]:
+            raise ValueError(f"the prepared folder {corpus.folder} changed since this run started (fingerprint "
+                             f"{corpus.fingerprint[:12]}, the run's {prepared['fingerprint'][:12]}): resuming would not "
+                             "continue the same run; restore it or start a new --run-dir")
+        valid = corpus.text("valid", tokenizer) if corpus.has("valid") else None
+        return TranslationTask(tokenizer, corpus.split("train"), valid, max_len=model_config.max_len,
+                               pad_id=model_config.pad_id)
+    train_data, valid_data = load_train_valid(config["data"])
+    saved_print, now = config.get("data_fingerprint"), data_fingerprint(train_data)
+    if saved_print and saved_print != now:
+        raise ValueError(f"the training data changed since this run started ({saved_print['pairs']} pairs, now "
+                         f"{now['pairs']}{'' if saved_print['pairs'] != now['pairs'] else ', different text'}): "
+                         "resuming would not continue the same run; restore the data or start a new --run-dir")
+    return TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len, pad_id=model_config.pad_id)
 
 
 def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
@@ -199,16 +271,9 @@ def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
         trainer = Trainer(_open_lm_model(config).to(device), _open_lm_task(run_dir, config), train_config, run_dir,
                           dist=dist)
         return _resumed(trainer, run_dir, config, train_config, train_options)
-    train_data, valid_data = load_train_valid(config["data"])
-    saved_print, now = config.get("data_fingerprint"), data_fingerprint(train_data)
-    if saved_print and saved_print != now:
-        raise ValueError(f"the training data changed since this run started ({saved_print['pairs']} pairs, now "
-                         f"{now['pairs']}{'' if saved_print['pairs'] != now['pairs'] else ', different text'}): "
-                         "resuming would not continue the same run; restore the data or start a new --run-dir")
     tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
     model_config = TransformerConfig.from_dict(config["model"])
-    task = TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len,
-                           pad_id=model_config.pad_id)
+    task = _open_translation_task(run_dir, config, tokenizer, model_config)
     trainer = Trainer(Transformer(model_config).to(device), task, train_config, run_dir, dist=dist)
     return _resumed(trainer, run_dir, config, train_config, train_options)
 

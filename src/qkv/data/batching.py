@@ -4,15 +4,18 @@ Sentences of similar length go together so little compute is spent on padding: t
 sorted by length inside large random pools ("buckets"), cut into batches whose *padded* size
 (``batch * longest``, source or target, whichever is larger) stays under ``max_tokens``, and the
 batches are shuffled. Everything is driven by an explicit seed so a run can be resumed exactly.
+The plan is numpy arrays (:class:`BatchPlan`), so that a corpus of millions of pairs costs a few
+bytes a pair, not a Python object each.
 
 Shape legend: ``b`` batch, ``s_src`` / ``s_tgt`` padded lengths.
 """
 
 from __future__ import annotations
 
-import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -59,53 +62,114 @@ def make_batch(src: list[list[int]], tgt: list[list[int]], *, pad_id: int, bos_i
     )
 
 
-def token_batches(
-    src_lengths: list[int],
-    tgt_lengths: list[int],
+class BatchPlan(Sequence):
+    """An epoch's batches as example indices: ``plan[k]`` is batch ``k``'s list of indices.
+
+    Kept as three numpy arrays (the examples in bucketed order, where each batch starts in it,
+    and the batches' shuffled order), so a plan over millions of examples costs 4-8 bytes an
+    example instead of a Python object each. Compares equal to a plan or list with the same batches.
+    """
+
+    def __init__(self, order: np.ndarray, bounds: np.ndarray, batch_order: np.ndarray) -> None:
+        self.order, self.bounds, self.batch_order = order, bounds, batch_order
+
+    def __len__(self) -> int:
+        return len(self.batch_order)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        b = int(self.batch_order[k])
+        return self.order[self.bounds[b]: self.bounds[b + 1]].tolist()
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, (BatchPlan, list, tuple)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == list(b) for a, b in zip(self, other))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"BatchPlan({len(self)} batches of {len(self.order)} examples)"
+
+
+def bucket_batches(
+    lengths: np.ndarray,
     max_tokens: int,
     *,
     seed: int | None = 0,
     bucket_size: int = 100,
-) -> list[list[int]]:
-    """Group example indices into batches of at most ``max_tokens`` padded tokens.
+    indices: np.ndarray | None = None,
+) -> BatchPlan:
+    """Group examples into batches of at most ``max_tokens`` padded tokens.
 
     Args:
-        src_lengths, tgt_lengths: token counts of each example (framing tokens included).
-        max_tokens: bound on ``len(batch) * max(longest source, longest target)``; an example
-            longer than ``max_tokens`` gets a batch of its own.
-        seed: shuffles examples into pools and batches into an order; None keeps a deterministic
-            length-sorted order (for evaluation).
+        lengths: each example's padded length (the longer of its framed source and target).
+        max_tokens: bound on ``len(batch) * longest``; an example longer than ``max_tokens`` gets
+            a batch of its own.
+        seed: shuffles the examples into pools and the batches into an order (numpy's PCG64);
+            None keeps a deterministic length-sorted order (for evaluation).
         bucket_size: pools of ``bucket_size`` batches' worth of examples are sorted by length.
+        indices: the examples to use (default: all); the same seed shuffles any ``indices`` of a
+            given size the same way, so a subset renumbered 0..K-1 gets the same batches.
 
     Returns:
-        lists of example indices, one per batch.
+        a :class:`BatchPlan`.
     """
-    if len(src_lengths) != len(tgt_lengths):
-        raise ValueError(f"{len(src_lengths)} source lengths but {len(tgt_lengths)} target lengths")
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-    order = list(range(len(src_lengths)))
-    rng = random.Random(seed)
-    if seed is not None:
+    lengths = np.asarray(lengths)
+    index_type = np.int32 if len(lengths) < 2**31 else np.int64
+    order = (np.arange(len(lengths), dtype=index_type) if indices is None
+             else np.array(indices, dtype=index_type))  # a copy: shuffled and sorted in place
+    rng = np.random.default_rng(seed) if seed is not None else None
+    if rng is not None:
         rng.shuffle(order)
-    length = [max(s, t) for s, t in zip(src_lengths, tgt_lengths)]
-    mean_len = max(1, sum(length) // max(1, len(length)))
-    pool = max(1, bucket_size * max_tokens // mean_len) if seed is not None else len(order)
-    batches: list[list[int]] = []
-    for start in range(0, len(order), pool):
-        # a stable sort keeps the shuffled order among equal lengths, so batches differ by epoch
-        chunk = sorted(order[start : start + pool], key=lambda i: length[i])
-        current: list[int] = []
-        longest = 0
-        for i in chunk:
-            new_longest = max(longest, length[i])
-            if current and new_longest * (len(current) + 1) > max_tokens:
-                batches.append(current)
-                current, new_longest = [], length[i]
-            current.append(i)
-            longest = new_longest
-        if current:
-            batches.append(current)
-    if seed is not None:
-        rng.shuffle(batches)
-    return batches
+    n = len(order)
+    mean_len = max(1, int(lengths[order].sum(dtype=np.int64)) // max(1, n)) if n else 1
+    pool = max(1, bucket_size * max_tokens // mean_len) if rng is not None else max(1, n)
+    starts: list[np.ndarray] = []
+    for first in range(0, n, pool):
+        chunk = order[first: first + pool]
+        keys = lengths[chunk].astype(np.int64)
+        by_length = np.argsort(keys, kind="stable")  # stable: equal lengths keep the shuffled order
+        chunk[:] = chunk[by_length]
+        starts.append(first + _greedy_cuts(keys[by_length], max_tokens))
+    bounds = np.concatenate([*starts, np.array([n], dtype=np.int64)]).astype(np.int64)
+    count = len(bounds) - 1
+    batch_order = rng.permutation(count) if rng is not None else np.arange(count)
+    return BatchPlan(order, bounds, batch_order)
+
+
+def _greedy_cuts(sorted_lengths: np.ndarray, max_tokens: int) -> np.ndarray:
+    """Where each batch starts in ascending ``sorted_lengths``, filling each batch while
+    ``(size + 1) * next length <= max_tokens``. Lengths ascend, so that product ascends too and
+    each batch's end is found with one vectorised comparison over at most ``max_tokens // first
+    length`` examples."""
+    cuts, start, total = [], 0, len(sorted_lengths)
+    while start < total:
+        cuts.append(start)
+        room = min(max_tokens // max(1, int(sorted_lengths[start])), total - start)
+        if room <= 1:
+            start += 1
+            continue
+        fits = sorted_lengths[start + 1: start + room] * np.arange(2, room + 1) <= max_tokens
+        start += 1 + (len(fits) if fits.all() else int(np.argmin(fits)))
+    return np.array(cuts, dtype=np.int64)
+
+
+def token_batches(
+    src_lengths,
+    tgt_lengths,
+    max_tokens: int,
+    *,
+    seed: int | None = 0,
+    bucket_size: int = 100,
+) -> BatchPlan:
+    """:func:`bucket_batches` over examples with the given source and target token counts
+    (framing tokens included): a batch's padded size is its size times its longest source or
+    target, whichever is larger."""
+    if len(src_lengths) != len(tgt_lengths):
+        raise ValueError(f"{len(src_lengths)} source lengths but {len(tgt_lengths)} target lengths")
+    return bucket_batches(np.maximum(np.asarray(src_lengths), np.asarray(tgt_lengths)), max_tokens, seed=seed,
+                          bucket_size=bucket_size)

@@ -5,6 +5,7 @@ A *data spec* is one of::
     {"source": "multi30k", "folder": null, "src_lang": "en", "tgt_lang": "de"}
     {"source": "files", "train_src": "a.en", "train_tgt": "a.de", "val_src": "v.en", "val_tgt": "v.de"}
     {"source": "dates", "train_size": 20000, "valid_size": 500, "seed": 0}
+    {"source": "prepared", "folder": "/data/wmt14/prepared"}       (made by qkv prepare)
 
 so that ``qkv train --resume`` and ``qkv evaluate`` read exactly the data the run was made from.
 """
@@ -16,7 +17,12 @@ from pathlib import Path
 from qkv.data.dates import generate_dates
 from qkv.data.parallel import MULTI30K_SPLITS, ParallelText, load_multi30k, read_parallel, resolve_multi30k
 
-SOURCES = ("multi30k", "files", "dates")
+SOURCES = ("multi30k", "files", "dates", "prepared")
+
+
+def recipe_source(source: str) -> str:
+    """The data source whose recipe a source trains with (a prepared folder: the files' recipe)."""
+    return "files" if source == "prepared" else source
 
 
 def check_spec(spec: dict) -> dict:
@@ -30,6 +36,8 @@ def check_spec(spec: dict) -> dict:
                 raise ValueError(f"training on files needs {key.replace('_', '-')} (--{key.replace('_', '-')})")
         if bool(spec.get("val_src")) != bool(spec.get("val_tgt")):
             raise ValueError("give both --val-src and --val-tgt, or neither")
+    if source == "prepared" and not spec.get("folder"):
+        raise ValueError("training on a prepared folder needs its path (--prepared DIR)")
     return spec
 
 
@@ -40,6 +48,8 @@ def load_train_valid(spec: dict) -> tuple[ParallelText, ParallelText | None]:
         FileNotFoundError / ValueError: a missing or bad file, naming the file and line.
     """
     check_spec(spec)
+    if spec["source"] == "prepared":
+        raise ValueError("a prepared folder is read a batch at a time (qkv.data.prepared), not loaded whole")
     if spec["source"] == "multi30k":
         folder = resolve_multi30k(spec.get("folder"))
         src, tgt = spec.get("src_lang", "en"), spec.get("tgt_lang", "de")
@@ -58,10 +68,18 @@ def load_train_valid(spec: dict) -> tuple[ParallelText, ParallelText | None]:
 def load_split(spec: dict, split: str) -> ParallelText:
     """One evaluation split of a run's data: for Multi30k ``train``, ``val`` or ``test``
     (test 2016); for the date task ``val`` or ``test`` (fresh held-out dates, 2,000); for files
-    ``train`` or ``val``.
+    ``train`` or ``val``; for a prepared folder ``val`` or ``train`` (decoded from its ids).
     """
     check_spec(spec)
     source = spec["source"]
+    if source == "prepared":
+        from qkv.data.prepared import PreparedCorpus
+
+        names = {"val": "valid", "valid": "valid", "train": "train"}
+        corpus = PreparedCorpus(spec["folder"])
+        if split not in names or not corpus.has(names[split]):
+            raise ValueError(f"this run's prepared folder has no {split!r} split; pass --src and --ref files to score")
+        return corpus.text(names[split])
     if source == "multi30k":
         if split not in MULTI30K_SPLITS:
             raise ValueError(f"unknown Multi30k split {split!r}; choose one of {sorted(MULTI30K_SPLITS)}")
@@ -87,4 +105,6 @@ def describe(spec: dict) -> str:
         return f"Multi30k {spec.get('src_lang', 'en')}->{spec.get('tgt_lang', 'de')}"
     if spec["source"] == "dates":
         return "the built-in date task"
+    if spec["source"] == "prepared":
+        return f"the prepared folder {spec['folder']}"
     return f"{Path(spec['train_src']).name} -> {Path(spec['train_tgt']).name}"

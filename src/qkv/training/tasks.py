@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from qkv.data.batching import Batch, make_batch, token_batches
+from qkv.data.batching import Batch, BatchPlan, bucket_batches, make_batch, token_batches
 from qkv.data.parallel import ParallelText
 from qkv.data.tokenizer import Tokenizer
 from qkv.device import model_device
@@ -60,11 +60,38 @@ def translation_loss(model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Ten
     return model.loss(src, tgt_in, tgt_out, label_smoothing=label_smoothing)
 
 
+class TokenLists:
+    """Tokenized pairs in memory: the counterpart of :class:`~qkv.data.prepared.PreparedSplit`
+    (``lengths()``, ``read(indices)``, ``where(index)``) for corpora that fit in memory."""
+
+    def __init__(self, src_ids: list[list[int]], tgt_ids: list[list[int]], lines: list[int] | None = None,
+                 source: dict | None = None) -> None:
+        self.src_ids, self.tgt_ids = src_ids, tgt_ids
+        self.lines = lines if lines is not None else list(range(1, len(src_ids) + 1))
+        self.source = source or {}
+
+    def __len__(self) -> int:
+        return len(self.src_ids)
+
+    def lengths(self) -> np.ndarray:
+        return np.array([[len(s), len(t)] for s, t in zip(self.src_ids, self.tgt_ids)], dtype=np.int64).reshape(-1, 2)
+
+    def read(self, indices) -> tuple[list[list[int]], list[list[int]]]:
+        return [self.src_ids[i] for i in indices], [self.tgt_ids[i] for i in indices]
+
+    def where(self, index: int) -> str:
+        line = self.lines[index]
+        return f"{self.source.get('src') or 'source'}:{line} / {self.source.get('tgt') or 'target'}:{line}"
+
+
 class TranslationTask:
     """Parallel text for an encoder-decoder :class:`~qkv.models.Transformer`.
 
-    Training pairs longer than ``max_len`` are dropped when the task is built (with a count and
-    the first file:line); validation pairs that do not fit are left out of validation.
+    The training pairs are text (tokenised when the task is built, held in memory) or a split of a
+    prepared folder (:class:`~qkv.data.prepared.PreparedSplit`: read a batch at a time, so a
+    process holds O(batch) token data). Both give the same batches for the same ids and seed.
+    Training pairs longer than ``max_len`` are left out (with a count and the first file:line);
+    validation pairs that do not fit are left out of validation.
 
     Raises:
         ValueError: no training pair fits the model.
@@ -72,27 +99,56 @@ class TranslationTask:
 
     loss_fn = staticmethod(translation_loss)
 
-    def __init__(self, tokenizer: Tokenizer, train_data: ParallelText, valid_data: ParallelText | None, *,
+    def __init__(self, tokenizer: Tokenizer, train_data, valid_data: ParallelText | None, *,
                  max_len: int, pad_id: int) -> None:
         self.tokenizer, self.valid, self.max_len, self.pad_id = tokenizer, valid_data, max_len, pad_id
-        self.src_ids, self.tgt_ids, _ = encode_pairs(tokenizer, train_data, max_len)
-        if not self.src_ids:
-            raise ValueError(f"none of the {len(train_data)} training pairs fits the model's {max_len} positions; "
+        if isinstance(train_data, ParallelText):
+            src_ids, tgt_ids, kept = encode_pairs(tokenizer, train_data, max_len)
+            self.pairs = TokenLists(src_ids, tgt_ids, [i + 1 for i in kept],
+                                    {"src": train_data.src_path, "tgt": train_data.tgt_path})
+        else:
+            self.pairs = train_data
+        lengths = self.pairs.lengths()
+        # the padded length bucketing sorts by: the longer of source + EOS and BOS + target (kept in the
+        # table's own small type: 2 bytes a pair; a sentence at the type's limit fits no model anyway)
+        longest = np.maximum(lengths[:, 0], lengths[:, 1])
+        del lengths
+        if longest.dtype.kind == "u":
+            np.minimum(longest, np.iinfo(longest.dtype).max - 1, out=longest)
+        self.padded_lengths = longest + 1
+        del longest
+        fits = self.padded_lengths <= max_len
+        kept = int(fits.sum())
+        if not kept:
+            raise ValueError(f"none of the {len(self.pairs)} training pairs fits the model's {max_len} positions; "
                              "pass a larger --max-len")
-        self.src_lengths = [len(s) + 1 for s in self.src_ids]
-        self.tgt_lengths = [len(t) + 1 for t in self.tgt_ids]
+        self.kept = None if kept == len(fits) else np.flatnonzero(fits)
+        if self.kept is not None:
+            first = int(np.argmin(fits))
+            logger.warning("left out %d of %d training pairs longer than the model's %d positions (first: %s, %d "
+                           "tokens); pass a larger --max-len to keep them", len(fits) - kept, len(fits), max_len,
+                           self.pairs.where(first), int(self.padded_lengths[first]) - 1)
 
     @property
     def num_examples(self) -> int:
-        return len(self.src_ids)
+        return len(self.pairs) if self.kept is None else len(self.kept)
 
-    def batches(self, epoch: int, max_tokens: int, seed: int) -> list[list[int]]:
+    @property
+    def src_ids(self) -> list[list[int]]:
+        """The source ids of pairs held in memory (text given to the task)."""
+        return self.pairs.src_ids
+
+    @property
+    def tgt_ids(self) -> list[list[int]]:
+        return self.pairs.tgt_ids
+
+    def batches(self, epoch: int, max_tokens: int, seed: int) -> BatchPlan:
         """The epoch's token-bucketed batches (example indices), shuffled by ``seed + epoch``."""
-        return token_batches(self.src_lengths, self.tgt_lengths, max_tokens, seed=seed + epoch)
+        return bucket_batches(self.padded_lengths, max_tokens, seed=seed + epoch, indices=self.kept)
 
     def make_batch(self, indices: list[int]) -> Batch:
-        return make_batch([self.src_ids[i] for i in indices], [self.tgt_ids[i] for i in indices],
-                          pad_id=self.pad_id, bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
+        src, tgt = self.pairs.read(indices)
+        return make_batch(src, tgt, pad_id=self.pad_id, bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
 
     @staticmethod
     def loss(module: nn.Module, batch: Batch, label_smoothing: float) -> Tensor:

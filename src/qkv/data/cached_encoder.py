@@ -1,0 +1,94 @@
+"""Token ids for many sentences at once, equal to :meth:`Tokenizer.encode`, several times faster on
+ASCII text: what ``qkv prepare`` tokenizes a corpus of millions of sentences with.
+
+Byte-level BPE splits a text into pieces with GPT-2's pattern and applies BPE to each piece on its
+own, so a text's ids are its pieces' ids end to end. The ``tokenizers`` library spends most of its
+time in that split (an Oniguruma regex); for ASCII text this module splits with Python's ``re``
+and the same pattern (spelled with ASCII classes, which is exact on ASCII input: ``\\p{L}`` is
+``[A-Za-z]``, ``\\p{N}`` is ``[0-9]``, ``\\s`` is tab, newline, vertical tab, form feed, carriage
+return and space), then looks each piece up in a cache of pieces already encoded; the pieces not
+yet seen are encoded by the tokenizer itself, all of a batch in one call. Zipf's law does the rest:
+a few hundred thousand pieces cover nearly every word of a corpus.
+
+Everything else goes to the tokenizer as it is: a text with a non-ASCII character, one holding a
+special token's text (``</s>``), and every text when the tokenizer is not plain byte-level BPE
+(a normalizer, digits split apart, BPE dropout).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+
+from qkv.data.tokenizer import Tokenizer
+
+_SPACE = r"\t\n\x0b\x0c\r "
+# GPT-2's pattern ('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+) for ASCII text
+ASCII_PIECES = re.compile(rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_SPACE}A-Za-z0-9]+"
+                          rf"|[{_SPACE}]+(?![^{_SPACE}])|[{_SPACE}]+")
+
+
+def is_plain_byte_level(tokenizer: Tokenizer) -> bool:
+    """Whether ``tokenizer`` is byte-level BPE with GPT-2's split and nothing around it (no
+    normalizer, no post-processor, no dropout): what :class:`CachedEncoder` reproduces."""
+    config = json.loads(tokenizer.backend.to_str())
+    pre = config.get("pre_tokenizer") or {}
+    model = config.get("model") or {}
+    return (config.get("normalizer") is None and config.get("post_processor") is None
+            and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
+            and model.get("type") == "BPE" and model.get("dropout") is None
+            and not model.get("continuing_subword_prefix") and not model.get("end_of_word_suffix"))
+
+
+class CachedEncoder:
+    """Encodes lists of texts into one flat id array and the texts' lengths.
+
+    Args:
+        tokenizer: the tokenizer whose ids to produce.
+        dtype: the id array's type (``uint16`` where the vocabulary fits, else ``uint32``).
+        cache_size: pieces kept; when full the cache starts again (a bound on memory: about
+            150 bytes a piece).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, dtype=np.uint16, cache_size: int = 500_000) -> None:
+        self.backend = tokenizer.backend
+        self.dtype = np.dtype(dtype)
+        if tokenizer.vocab_size > np.iinfo(self.dtype).max + 1:
+            raise ValueError(f"a vocabulary of {tokenizer.vocab_size} does not fit {self.dtype}")
+        self.fast = is_plain_byte_level(tokenizer)
+        self.added = [token["content"] for token in json.loads(self.backend.to_str()).get("added_tokens", [])]
+        self.cache: dict[str, bytes] = {}
+        self.cache_size = cache_size
+
+    def _fast(self, text: str) -> bool:
+        return self.fast and text.isascii() and not any(token in text for token in self.added)
+
+    def _ids_bytes(self, ids: list[int]) -> bytes:
+        return np.asarray(ids, dtype=self.dtype).tobytes()
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of ``texts`` (no BOS/EOS), exactly ``[tokenizer.encode(t) for t in texts]``.
+
+        Returns:
+            ``(flat ids, lengths)``: the texts' ids end to end (``dtype``) and each text's count
+            (int64), so text ``i`` is ``flat[sum(lengths[:i]) : sum(lengths[:i + 1])]``.
+        """
+        fast = [self._fast(t) for t in texts]
+        pieces = [ASCII_PIECES.findall(t) if f else None for t, f in zip(texts, fast)]
+        cache = self.cache
+        unseen = {p for ps in pieces if ps is not None for p in ps if p not in cache}
+        if len(cache) + len(unseen) > self.cache_size:  # start again, with this batch's pieces
+            cache.clear()
+            unseen = {p for ps in pieces if ps is not None for p in ps}
+        if unseen:
+            unseen = list(unseen)
+            encoded = self.backend.encode_batch(unseen, add_special_tokens=False)
+            cache.update(zip(unseen, (self._ids_bytes(e.ids) for e in encoded)))
+        slow = [t for t, f in zip(texts, fast) if not f]
+        slow_ids = iter(self.backend.encode_batch(slow, add_special_tokens=False) if slow else [])
+        parts = [b"".join([cache[p] for p in ps]) if ps is not None else self._ids_bytes(next(slow_ids).ids)
+                 for ps in pieces]
+        lengths = np.fromiter((len(b) for b in parts), dtype=np.int64, count=len(parts)) // self.dtype.itemsize
+        return np.frombuffer(b"".join(parts), dtype=self.dtype), lengths
