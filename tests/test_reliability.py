@@ -275,6 +275,17 @@ def test_resume_on_changed_training_data_is_refused(tmp_path, capsys):
     assert snapshot(run) == before
 
 
+def test_resume_after_the_training_text_is_gone_reads_the_runs_own_copy(tmp_path, capsys):
+    src, tgt = write_pairs(tmp_path / "data", n=60)
+    run = tmp_path / "run"
+    assert main(train_args(src, tgt, run)) == 0
+    src.unlink()
+    tgt.unlink()
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(run), "--resume", "--max-steps", "4", "--no-progress"]) == 0
+    assert "trained 4 steps" in capsys.readouterr().err
+
+
 def test_a_missing_data_dir_is_an_error_not_a_download(tmp_path, capsys, monkeypatch):
     import urllib.request
 

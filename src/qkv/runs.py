@@ -217,6 +217,8 @@ def _open_translation_task(run_dir: Path, config: dict, tokenizer: Tokenizer,
     started with, refused if it changed since), or for runs older than prepared folders from its
     text, refused if that changed."""
     prepared = config.get("prepared")
+    if prepared and config["data"]["source"] != "prepared":
+        _check_source_unchanged(config)
     if prepared:
         corpus = PreparedCorpus(run_dir / prepared["folder"])  # an absolute folder stays itself
         if prepared.get("fingerprint") and corpus.fingerprint != prepared["fingerprint"]:
@@ -227,12 +229,28 @@ def _open_translation_task(run_dir: Path, config: dict, tokenizer: Tokenizer,
         return TranslationTask(tokenizer, corpus.split("train"), valid, max_len=model_config.max_len,
                                pad_id=model_config.pad_id)
     train_data, valid_data = load_train_valid(config["data"])
+    _compare_fingerprint(config, train_data)
+    return TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len, pad_id=model_config.pad_id)
+
+
+def _check_source_unchanged(config: dict) -> None:
+    """A run that keeps its own copy of its pairs still refuses to resume when the text it was
+    started from changed (the user most likely meant to train on the new text); when that text is
+    gone, the copy is all the run needs."""
+    try:
+        train_data, _ = load_train_valid(config["data"])
+    except FileNotFoundError as error:
+        logger.info("%s; resuming from the run's own copy of its training pairs", error)
+        return
+    _compare_fingerprint(config, train_data)
+
+
+def _compare_fingerprint(config: dict, train_data: ParallelText) -> None:
     saved_print, now = config.get("data_fingerprint"), data_fingerprint(train_data)
     if saved_print and saved_print != now:
         raise ValueError(f"the training data changed since this run started ({saved_print['pairs']} pairs, now "
                          f"{now['pairs']}{'' if saved_print['pairs'] != now['pairs'] else ', different text'}): "
                          "resuming would not continue the same run; restore the data or start a new --run-dir")
-    return TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len, pad_id=model_config.pad_id)
 
 
 def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
