@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("qkv.cli.demo", "train on the built-in date task, show accuracy, samples and attention"),
     "train": ("qkv.cli.train", "train a translation model (e.g. --data multi30k) or a language model "
                                "(--data tinyshakespeare)"),
+    "prepare": ("qkv.cli.prepare", "tokenize a parallel corpus of any size once into a prepared folder "
+                                   "(for qkv train --prepared)"),
     "translate": ("qkv.cli.translate", "translate lines from stdin or a file with a trained run"),
     "generate": ("qkv.cli.generate", "continue a prompt with a trained language model (or GPT-2)"),
     "evaluate": ("qkv.cli.evaluate", "score a translation run (sacreBLEU, chrF) or a language model (loss, "
