@@ -37,6 +37,7 @@ from qkv.data.sources import load_split
 from qkv.evaluation import score_translations, translate_texts
 from qkv.runs import resume_run, run_training, start_run
 from qkv.memory import limit_memory_growth
+from qkv.recipes import decode_settings
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,7 +84,7 @@ def main() -> int:
                    help="stop after this many steps as well (a budget in steps is independent of the machine's load)")
     p.add_argument("--checkpoint-every-steps", type=int, default=None,
                    help="keep a checkpoint every N steps (use with --checkpoint-every-minutes 0)")
-    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--beam", type=int, default=None, help="beam size (default: the recipe's, qkv.recipes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N training pairs (smoke tests)")
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N val/test pairs (smoke tests)")
@@ -140,6 +141,7 @@ def main() -> int:
     splits = {"val": load_split(data, "val"), "test_2016": load_split(data, "test")}
     results: dict = {}
     bf16 = trainer.config.bf16
+    decode = decode_settings(ckpt.read_run_config(run_dir), beam_size=args.beam)  # the recipe's, as qkv evaluate
     for weights in ("model", "last"):
         model, tokenizer, _ = ckpt.load_run(run_dir, weights)
         model.to(device)
@@ -150,15 +152,15 @@ def main() -> int:
             src, refs = split.src, split.tgt
             if args.eval_limit:
                 src, refs = src[: args.eval_limit], refs[: args.eval_limit]
-            for beam in ((args.beam, 1) if weights == "model" else (args.beam,)):
+            for beam in ((decode["beam_size"], 1) if weights == "model" else (decode["beam_size"],)):
                 start = time.perf_counter()
-                hyps = translate_texts(model, tokenizer, src, beam_size=beam, bf16=bf16)
+                hyps = translate_texts(model, tokenizer, src, beam_size=beam, alpha=decode["alpha"], bf16=bf16)
                 scores = score_translations(hyps, refs, target_lang=args.tgt)  # + the papers' BLEU forms
                 scores["decode_seconds"] = round(time.perf_counter() - start, 1)
                 entry[f"{name}_beam{beam}"] = scores
                 logging.info("%s %s beam %d: BLEU %.2f chrF %.2f, papers' form BLEU %.2f", weights, name, beam,
                              scores["bleu"], scores["chrf"], scores["bleu_papers_form"]["bleu"])
-                if weights == "model" and beam == args.beam:
+                if weights == "model" and beam == decode["beam_size"]:
                     with ckpt.atomic_path(run_dir / f"{name}.hyp.{args.tgt}") as tmp:
                         tmp.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
         results["averaged" if weights == "model" else "last"] = entry
@@ -178,6 +180,7 @@ def main() -> int:
         "target_tokens": state.tokens,
         "target_tokens_per_s": round(state.tokens / max(state.seconds, 1e-9), 1),
         "bleu_vs_minutes": curve,
+        "decode": decode,
         "scores": results,
         "model": config["model"],
         "train": config["train"],

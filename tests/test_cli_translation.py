@@ -68,6 +68,39 @@ def test_evaluate_split_and_files(dates_run, tmp_path, capsys):
     assert len(hyp.read_text().splitlines()) == 10
 
 
+def test_evaluate_and_translate_decode_as_the_run_says(dates_run, tmp_path, capsys):
+    """A run keeps its recipe's beam and length penalty in config.json; evaluate and translate use
+    them unless --beam/--alpha say otherwise (checked against translate_texts called directly)."""
+    from qkv.checkpoint import load_run
+    from qkv.evaluation import translate_texts
+    from qkv.recipes import DEFAULT_DECODE, RECIPES
+
+    config = json.loads((dates_run / "config.json").read_text())
+    assert config["decode"] == {**DEFAULT_DECODE, **RECIPES["dates"].get("decode", {})}
+    run = tmp_path / "run"
+    run.mkdir()
+    for item in dates_run.iterdir():
+        if item.is_file():
+            (run / item.name).write_bytes(item.read_bytes())
+    config["decode"] = {"beam_size": 3, "alpha": 2.5}
+    (run / "config.json").write_text(json.dumps(config))
+    pairs = generate_dates(12, seed=5, split="test")
+    src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
+    src.write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
+    ref.write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
+    model, tokenizer, _ = load_run(run, "model")
+    for options, beam, alpha in (([], 3, 2.5), (["--beam", "1"], 1, 2.5), (["--alpha", "0"], 3, 0.0)):
+        hyp = tmp_path / "hyp.txt"
+        assert main(["evaluate", str(run), "--src", str(src), "--ref", str(ref), "--json", "--hyp-out", str(hyp),
+                     *options]) == 0
+        scores = json.loads(capsys.readouterr().out)
+        assert (scores["beam"], scores["alpha"]) == (beam, alpha)
+        expected = translate_texts(model, tokenizer, pairs.src, beam_size=beam, alpha=alpha)
+        assert hyp.read_text(encoding="utf-8").splitlines() == expected
+        assert main(["translate", str(run), str(src), *options]) == 0
+        assert capsys.readouterr().out.splitlines() == expected
+
+
 def test_resume_continues_the_run(tmp_path, capsys):
     run_dir = tmp_path / "run"
     args = ["train", "--data", "dates", "--run-dir", str(run_dir), "--minutes", "0", *TINY]

@@ -47,6 +47,21 @@ RECIPES["tinyshakespeare"] = {
 }
 RECIPES["text"] = RECIPES["tinyshakespeare"]
 
+# How a translation run decodes when qkv evaluate / translate get no --beam / --alpha: a recipe's
+# "decode" (stored in the run's config.json when it starts), else this.
+DEFAULT_DECODE = {"beam_size": 5, "alpha": 0.6}
+
+
+def decode_settings(config: dict, *, beam_size: int | None = None, alpha: float | None = None) -> dict:
+    """Beam size and length penalty for a run: the ones given, else the run's own (its recipe's),
+    else :data:`DEFAULT_DECODE`."""
+    settings = {**DEFAULT_DECODE, **(config.get("decode") or {})}
+    if beam_size is not None:
+        settings["beam_size"] = beam_size
+    if alpha is not None:
+        settings["alpha"] = alpha
+    return settings
+
 # The paper's WMT 2014 English-German models ("Attention Is All You Need": Table 3, section 5), for
 # `qkv train --recipe paper-base|paper-big` on a corpus the user brings. What each value follows:
 # - sizes: Table 3 (base: d_model 512, 8 heads, 6+6 layers, d_ff 2048, P_drop 0.1; big: 1024, 16

@@ -33,7 +33,7 @@ from qkv.data.tokenizer import Tokenizer
 from qkv.device import pick_device
 from qkv.models import Transformer, TransformerConfig
 from qkv.precision import bf16_is_fast
-from qkv.recipes import RECIPES
+from qkv.recipes import RECIPES, decode_settings
 from qkv.training import Distributed, LanguageModelTask, TrainConfig, Trainer, TrainingCrashed, TranslationTask
 from qkv.training.tasks import TokenLists
 from qkv.viz.curves import plot_metrics
@@ -92,6 +92,7 @@ def start_run(
     overwrite: bool = False,
     device: str | torch.device | None = None,
     dist: Distributed | None = None,
+    decode: dict | None = None,
 ) -> Trainer:
     """Check everything, read the data, learn the tokenizer, build the model, and only then create
     the run folder (with its step-0 checkpoint, so it can be resumed from the first moment).
@@ -117,6 +118,8 @@ def start_run(
         overwrite: replace ``run_dir`` if it is a qkv run folder (or empty); anything else is refused.
         device: where the model trains (default: CUDA when present, else CPU).
         dist: this process's place among several (default: alone).
+        decode: a translation run's ``beam_size`` and ``alpha`` for evaluation (default: the
+            recipe's ``decode``, else :data:`qkv.recipes.DEFAULT_DECODE`), kept in config.json.
 
     Raises:
         ValueError / FileNotFoundError: a bad option or input, before anything is written.
@@ -126,7 +129,8 @@ def start_run(
         if dist.is_main:
             try:
                 start_run(run_dir, data=data, model_options=model_options, train_options=train_options,
-                          vocab_size=vocab_size, lm_options=lm_options, overwrite=overwrite, device="cpu")
+                          vocab_size=vocab_size, lm_options=lm_options, overwrite=overwrite, device="cpu",
+                          decode=decode)
             except (ValueError, OSError) as err:
                 failure = (type(err).__name__, str(err))
         failure = dist.broadcast(failure)
@@ -181,7 +185,8 @@ def start_run(
     trainer = Trainer(Transformer(model_config).to(device), task, train_config, run_dir)
     model = trainer.model
     config = {"model": asdict(model_config), "train": asdict(train_config), "data": data,
-              "data_fingerprint": fingerprint, "prepared": prepared}
+              "data_fingerprint": fingerprint, "prepared": prepared,
+              "decode": decode_settings({"decode": recipe.get("decode")}) | (decode or {})}
 
     def write_initial(folder: Path) -> None:
         if data["source"] != "prepared":  # the run's own prepared copy: resuming and other processes read it

@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                    "(for qkv train --prepared)"),
     "translate": ("qkv.cli.translate", "translate lines from stdin or a file with a trained run"),
     "generate": ("qkv.cli.generate", "continue a prompt with a trained language model (or GPT-2)"),
-    "evaluate": ("qkv.cli.evaluate", "score a translation run (sacreBLEU, chrF) or a language model (loss, "
+    "evaluate": ("qkv.cli.evaluate", "score a translation run (sacreBLEU, chrF, the papers' BLEU) or a language model (loss, "
                                      "perplexity, bits/char)"),
     "embed": ("qkv.cli.embed", "sentence embeddings from a pretrained encoder"),
     "attend": ("qkv.cli.attend", "write a self-contained HTML attention explorer"),

@@ -1,8 +1,8 @@
 """``qkv evaluate``: score a run folder.
 
-    qkv evaluate runs/en-de --split test            # Multi30k test 2016, beam 5
+    qkv evaluate runs/en-de --split test            # Multi30k test 2016, the recipe's beam and alpha
     qkv evaluate runs/mine --src test.en --ref test.de --beam 5
-    qkv evaluate runs/wmt --src newstest2014.en --ref newstest2014.de --beam 4 --alpha 0.6   # the paper's
+    qkv evaluate runs/wmt --src newstest2014.en --ref newstest2014.de   # --recipe paper-base: beam 4, alpha 0.6
     qkv evaluate runs/dates --split test            # also prints exact-match accuracy
     qkv evaluate runs/shakespeare                   # a language model: its validation text
     qkv evaluate runs/shakespeare --text other.txt  # ... or any UTF-8 text
@@ -39,9 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                            "(default: the run's Multi30k target, else the reference file's "
                                            "extension, e.g. de for newstest2014.de)")
     parser.add_argument("--text", help="a language model: score this UTF-8 text instead of the run's validation split")
-    parser.add_argument("--beam", type=positive_int, default=5, help="beam size (1 = greedy; default 5)")
-    parser.add_argument("--alpha", type=length_penalty, default=0.6,
-                        help="length penalty exponent, 0 to 10 (default 0.6)")
+    parser.add_argument("--beam", type=positive_int, default=None,
+                        help="beam size (1 = greedy; default: the run's recipe's, else 5)")
+    parser.add_argument("--alpha", type=length_penalty, default=None,
+                        help="length penalty exponent, 0 to 10 (default: the run's recipe's, else 0.6)")
     parser.add_argument("--weights", choices=["model", "best", "last"], default="model")
     parser.add_argument("--limit", type=non_negative_int, default=0,
                         help="score only the first N sentences (a language model: windows) (0 = all)")
@@ -60,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from qkv.data.sources import load_split
     from qkv.bleu_forms import check_lang
     from qkv.evaluation import exact_match, score_translations, translate_texts
+    from qkv.recipes import decode_settings
 
     if bool(args.src) != bool(args.ref):
         raise ValueError("give both --src and --ref, or a --split")
@@ -87,17 +89,18 @@ def run(args: argparse.Namespace) -> int:
     if args.limit:
         src, refs = src[: args.limit], refs[: args.limit]
     target_lang = args.tgt_lang or target_language(config.get("data") or {}, args.ref)
-    hyps = translate_texts(model, tokenizer, src, beam_size=args.beam, alpha=args.alpha, bf16=args.bf16,
+    decode = decode_settings(config, beam_size=args.beam, alpha=args.alpha)
+    hyps = translate_texts(model, tokenizer, src, **decode, bf16=args.bf16,
                            progress=sys.stderr.isatty())
     scores = score_translations(hyps, refs, target_lang=target_lang)
-    scores.update(split=name, sentences=len(src), beam=args.beam, alpha=args.alpha, weights=args.weights,
+    scores.update(split=name, sentences=len(src), beam=decode["beam_size"], alpha=decode["alpha"], weights=args.weights,
                   target_lang=target_lang, exact_match=round(exact_match(hyps, refs), 4))
     if args.hyp_out:
         write_text(Path(args.hyp_out).resolve(), "".join(h + "\n" for h in hyps))
     if args.json:
         print(json.dumps(scores))
         return 0
-    print(f"{name}: {len(src)} sentences, beam {args.beam}, {args.weights} weights")
+    print(f"{name}: {len(src)} sentences, beam {decode['beam_size']}, alpha {decode['alpha']}, {args.weights} weights")
     print(f"BLEU {scores['bleu']:.2f}  ({scores['bleu_signature']})")
     print(f"     {scores['bleu_details']}")
     print(f"chrF {scores['chrf']:.2f}  ({scores['chrf_signature']})")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from qkv.cli.options import positive_int, set_threads
-from qkv.recipes import translation_recipes
+from qkv.recipes import RECIPES, translation_recipes
 
 # command-line option -> (TransformerConfig field, CausalLMConfig field, type, help); None where the
 # option does not apply to that kind of model (None everywhere = keep the recipe's value)
@@ -182,10 +182,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         spec = data_spec(args)
         model_options = _model_options(args, is_lm=spec["source"] in ("tinyshakespeare", "text"))
-        vocab_size, recipe_note = args.vocab_size, None
+        vocab_size, recipe_note, decode = args.vocab_size, None, None
         if args.recipe:  # the named recipe in place of the data's; explicit options still go over it
             model_options, train_options, vocab_size, recipe_note = _with_recipe(args, spec, model_options,
                                                                                  train_options)
+            decode = RECIPES[args.recipe].get("decode")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one process of several
         dist = init_distributed(args.device)
         if not dist.is_main:
@@ -203,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
             lm_options = {k: getattr(args, k) for k in LM_OPTIONS if getattr(args, k) is not None}
             trainer = start_run(args.run_dir, data=spec, model_options=model_options, train_options=train_options,
                                 vocab_size=vocab_size, lm_options=lm_options, overwrite=args.overwrite,
-                                device=args.device, dist=dist)
+                                device=args.device, dist=dist, decode=decode)
         return _train(trainer, args.run_dir)
     finally:
         shutdown()
@@ -215,7 +216,7 @@ def _with_recipe(args: argparse.Namespace, spec: dict, model_options: dict,
     options), and a line saying how a step's tokens are split."""
     import os
 
-    from qkv.recipes import RECIPES, recipe_overrides
+    from qkv.recipes import recipe_overrides
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     recipe_model, recipe_train, recipe_vocab = recipe_overrides(

@@ -17,9 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run folder made by qkv train")
     parser.add_argument("input", nargs="?", help="file with one sentence a line (.gz allowed; default: stdin)")
     parser.add_argument("-o", "--output", help="write the translations here (default: stdout)")
-    parser.add_argument("--beam", type=positive_int, default=5, help="beam size (1 = greedy; default 5)")
-    parser.add_argument("--alpha", type=length_penalty, default=0.6,
-                        help="length penalty exponent, 0 to 10 (default 0.6)")
+    parser.add_argument("--beam", type=positive_int, default=None,
+                        help="beam size (1 = greedy; default: the run's recipe's, else 5)")
+    parser.add_argument("--alpha", type=length_penalty, default=None,
+                        help="length penalty exponent, 0 to 10 (default: the run's recipe's, else 0.6)")
     parser.add_argument("--weights", choices=["model", "best", "last"], default="model",
                         help="model = averaged final weights (default), best = best validation BLEU, last")
     parser.add_argument("--bf16", action="store_true", help="decode under bfloat16 autocast")
@@ -33,15 +34,17 @@ def run(args: argparse.Namespace) -> int:
     from qkv.device import pick_device
     from qkv.evaluation import translate_texts
     from qkv.fileio import check_output_file, write_text
+    from qkv.recipes import decode_settings
 
     if args.output:  # checked before translating: a bad path must not cost the work
         check_output_file(args.output, "-o/--output")
     set_threads(args.threads)
     device = pick_device(args.device)
-    model, tokenizer, _ = load_run(args.run_dir, args.weights, task="translation")
+    model, tokenizer, config = load_run(args.run_dir, args.weights, task="translation")
+    decode = decode_settings(config, beam_size=args.beam, alpha=args.alpha)
     model.to(device)
     lines = read_lines(args.input) if args.input else decode_lines(sys.stdin.buffer.read())
-    outputs = translate_texts(model, tokenizer, lines, beam_size=args.beam, alpha=args.alpha, bf16=args.bf16,
+    outputs = translate_texts(model, tokenizer, lines, **decode, bf16=args.bf16,
                               progress=len(lines) > 100 and sys.stderr.isatty())
     text = "".join(line + "\n" for line in outputs)
     if args.output:
