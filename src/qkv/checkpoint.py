@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -36,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file, save_model
 
 from qkv.data.tokenizer import Tokenizer
-from qkv.fileio import atomic_path, remove_stale_temporaries, write_json
+from qkv.fileio import atomic_folder, atomic_path, remove_stale_temporaries, write_json
 from qkv.models import Transformer, TransformerConfig
 
 logger = logging.getLogger(__name__)
@@ -296,27 +293,12 @@ def create_run(run_dir: str | Path, config: dict, tokenizer: Tokenizer, *, overw
         if not overwrite:
             raise ValueError(f"{run_dir}: run folder exists; pass --resume to continue it or --overwrite to replace it")
         check_replaceable(run_dir, inputs=inputs)
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in run_dir.parent.glob(f".{run_dir.name}.new-*"):  # a creation killed half-way
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(dir=run_dir.parent, prefix=f".{run_dir.name}.new-"))
-    try:
+    with atomic_folder(run_dir, tag="new") as tmp:
         write_json(tmp / "config.json", {RUN_MARKER: RUN_FORMAT, **config})
         tokenizer.save(tmp / "tokenizer.json")
         (tmp / "checkpoints").mkdir()
         if write_initial is not None:
             write_initial(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp creates 0700
-        if run_dir.exists():  # --overwrite, checked above: move the old run aside, then swap
-            old = Path(tempfile.mkdtemp(dir=run_dir.parent, prefix=f".{run_dir.name}.old-"))
-            os.replace(run_dir, old / run_dir.name)
-            os.replace(tmp, run_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, run_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return run_dir
 
 

@@ -3,13 +3,15 @@ renamed over the target (``os.replace`` is atomic on POSIX and Windows), so a re
 sees the old file or the new one, never half of one.
 
 Temporary files are named ``.<name>.<random>.tmp``; :func:`remove_stale_temporaries` clears the
-ones a killed process left behind.
+ones a killed process left behind. A whole folder (a run folder, a prepared corpus) is built the
+same way by :func:`atomic_folder`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -107,3 +109,34 @@ def remove_stale_temporaries(folder: str | Path, *, recursive: bool = True) -> l
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
+
+
+@contextmanager
+def atomic_folder(out: str | Path, *, tag: str = "new") -> Iterator[Path]:
+    """Yield an empty temporary folder next to ``out`` (``.<name>.<tag>-<random>``); when the
+    block succeeds, put it in place of ``out``: an existing ``out`` is moved aside first and
+    removed only once the new folder is there. On an exception (the block may raise to refuse an
+    incomplete folder) the temporary folder is removed and ``out`` is left as it was; temporary
+    folders a killed build left are removed by the next build of ``out``.
+
+    The caller checks beforehand that ``out`` may be replaced.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.{tag}-*"):  # a build killed half-way
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.{tag}-"))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp creates 0700
+        if out.exists():
+            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -30,8 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,7 +38,7 @@ import numpy as np
 
 from qkv.data.parallel import ParallelText
 from qkv.data.tokenizer import Tokenizer
-from qkv.fileio import fsync_dir, write_json
+from qkv.fileio import atomic_folder, write_json
 
 MARKER, FORMAT = "qkv_prepared", 1
 SIDES = ("src", "tgt")
@@ -130,26 +128,10 @@ def building_folder(out: str | Path, *, overwrite: bool = False) -> Iterator[Pat
     """
     out = Path(out)
     check_output_folder(out, overwrite=overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out.parent.glob(f".{out.name}.partial-*"):  # a build killed half-way
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
-    try:
+    with atomic_folder(out, tag="partial") as tmp:
         yield tmp
         if not is_prepared_folder(tmp):
             raise RuntimeError(f"{tmp}: no manifest written; the folder is not complete")
-        os.chmod(tmp, 0o755)  # mkdtemp creates 0700
-        if out.exists():
-            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def check_output_folder(out: Path, *, overwrite: bool) -> None:
