@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from qkv.bench.timing import environment
-from qkv.checkpoint import average_weight_files, load_run, read_run_config
+from qkv.checkpoint import average_weight_files, load_run, load_weights as load_weight_file, read_run_config
 from qkv.data.sources import load_split
 from qkv.evaluation import score_translations, translate_texts
 from qkv.fileio import write_json
@@ -48,7 +47,7 @@ def load_weights(run_dir: Path, weights: str, scratch: Path):
         raise SystemExit(f"{run_dir}: {len(kept)} checkpoints kept, {weights} needs {k}")
     average_weight_files(kept[-k:], scratch)
     model, tokenizer, _ = load_run(run_dir, "last")
-    model.load_state_dict(load_file(str(scratch)))
+    load_weight_file(model, scratch)
     return model, tokenizer
 
 
