@@ -9,12 +9,76 @@
 
   var Q = window.qkvExplorer = {};
 
+  /* The page's copy of the document has each view's "attention" and "rollout" packed by html.py
+   * (pack_weights) as { packed: "qkv-weights/1", shape, scale, data }: base64 of the zlib-compressed
+   * uint16 weights in units of 1/scale, all high bytes first, then all low bytes. Unpacked, they are
+   * the same nested arrays as in the JSON, with Float32Array rows (views into one buffer per
+   * array): a 512-token view is 6 x 12 x 512 x 512 numbers. Lists that are not packed (qkv serve's
+   * answers) are left as they are. */
+  var PACKED = "qkv-weights/1";
+
+  function base64Bytes(text) {
+    if (Uint8Array.fromBase64) { return Uint8Array.fromBase64(text); }
+    var raw = atob(text), bytes = new Uint8Array(raw.length);
+    for (var i = 0; i < raw.length; i++) { bytes[i] = raw.charCodeAt(i); }
+    return bytes;
+  }
+
+  function nest(values, shape) {
+    var rowLength = shape[shape.length - 1];
+    function build(depth, offset) {
+      if (depth === shape.length - 1) { return values.subarray(offset, offset + rowLength); }
+      var out = [], stride = values.length;
+      for (var d = 0; d <= depth; d++) { stride /= shape[d]; }
+      for (var i = 0; i < shape[depth]; i++) { out.push(build(depth + 1, offset + i * stride)); }
+      return out;
+    }
+    return build(0, 0);
+  }
+
+  function unpack(packed) {
+    if (typeof DecompressionStream === "undefined") {
+      return Promise.reject(new Error("this browser cannot unpack the page's data (it has no DecompressionStream)"));
+    }
+    var n = packed.shape.reduce(function (a, b) { return a * b; }, 1);
+    var stream = new Blob([base64Bytes(packed.data)]).stream().pipeThrough(new DecompressionStream("deflate"));
+    return new Response(stream).arrayBuffer().then(function (buffer) {
+      if (buffer.byteLength !== 2 * n) {
+        throw new Error("packed weights of shape " + packed.shape.join("x") + " hold " + buffer.byteLength + " bytes");
+      }
+      var high = new Uint8Array(buffer, 0, n), low = new Uint8Array(buffer, n, n);
+      var values = new Float32Array(n), scale = packed.scale;
+      for (var i = 0; i < n; i++) { values[i] = (high[i] * 256 + low[i]) / scale; }
+      return nest(values, packed.shape);
+    });
+  }
+
+  /* Unpack, in place, the packed arrays of these examples' views; a promise of when it is done. */
+  Q.unpackExamples = function (examples) {
+    var jobs = [];
+    (examples || []).forEach(function (example) {
+      (example.views || []).forEach(function (view) {
+        ["attention", "rollout"].forEach(function (key) {
+          var value = view[key];
+          if (value && value.packed === PACKED) {
+            jobs.push(unpack(value).then(function (nested) { view[key] = nested; }));
+          } else if (value && value.packed) {
+            jobs.push(Promise.reject(new Error("unknown packing " + value.packed)));
+          }
+        });
+      });
+    });
+    return Promise.all(jobs);
+  };
+
   /* Milliseconds each panel last took to draw; when the script started, when its data was parsed
    * and when the first draw ended, since navigation start (read by benchmarks/explorer_draw.py). */
   Q.timings = { script: performance.now() };
   Q.SVGNS = "http" + "://www.w3.org/2000/svg";
   Q.data = JSON.parse(document.getElementById("qkv-data").textContent);
   Q.timings.parsed = performance.now();
+  /* Resolved when the packed weights are unpacked (see Q.unpackExamples); main.js draws then. */
+  Q.ready = Q.unpackExamples(Q.data.examples).then(function () { Q.timings.unpacked = performance.now(); });
   Q.live = Q.data.live || null;
   /* tab: the panel shown; focus: the token the pointer is on in the head view */
   Q.state = { example: 0, view: 0, layer: 0, heads: [], tab: "attention" };

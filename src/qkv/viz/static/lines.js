@@ -12,7 +12,9 @@
 (function (Q) {
   "use strict";
 
-  var MIN_WEIGHT = 0.01; // lines lighter than this are not drawn
+  /* lines lighter than 0.01 are not drawn; as a float32 (the page's unpacked weights, core.js) so a
+   * weight of exactly 0.01 in the JSON, 0.00999999977648 in a Float32Array, is drawn too */
+  var MIN_WEIGHT = Math.fround(0.01);
   var GAP = 260; // horizontal span of the lines
   var MAX_SVG_LINES = 4000;
   var OPACITY_LEVELS = 64; // canvas lines: weights rounded to this many opacities

@@ -110,6 +110,9 @@
           });
         })
         .then(function (payload) {
+          return Q.unpackExamples(payload.examples || [payload.example]).then(function () { return payload; });
+        })
+        .then(function (payload) {
           Q.hideError();
           var first = Q.data.examples.length;
           (payload.examples || [payload.example]).forEach(function (e) { Q.data.examples.push(e); });
@@ -134,11 +137,13 @@
   $("title").textContent = Q.data.title || "qkv attention explorer";
   wireControls();
   if (Q.live) { wireLive(); }
-  if (Q.data.examples.length) {
-    Q.setExample(0);
-  } else {
-    $("controls").hidden = true;
-    $("tabs").hidden = true;
-    document.body.dataset.renders = "0";
-  }
+  Q.ready.then(function () {
+    if (Q.data.examples.length) {
+      Q.setExample(0);
+    } else {
+      $("controls").hidden = true;
+      $("tabs").hidden = true;
+      document.body.dataset.renders = "0";
+    }
+  }).catch(function (err) { Q.showError("cannot read the page's data: " + err.message); });
 })(window.qkvExplorer);
