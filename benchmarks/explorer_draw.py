@@ -7,10 +7,14 @@
 The page is what ``qkv attend TEXT1 TEXT2 --compare`` writes for two sentences of ``--tokens``
 wordpieces each (all-MiniLM-L6-v2, its tokenizer allowed 512 tokens instead of its 256: the model's
 position table has 512), opened from disk in Debian's headless Chromium (Playwright, offline).
-Measured inside the page with ``performance.now()``, each ``--repeats`` times (medians reported):
+Two pages of the same document, one after the other: "packed" (as qkv attend writes it, the
+weights packed by qkv.viz.html.pack_weights) and "plain" (the weights as JSON lists, as pages held
+them before; skipped with ``--packed-only``). Measured inside the page with ``performance.now()``,
+each ``--repeats`` times (medians reported):
 
 * load: from navigation start, to the page's script starting (the HTML read), to its JSON parsed,
-  to the end of the first draw, and to the next animation frame after it (drawn on screen);
+  to the weights unpacked, to the end of the first draw, and to the next animation frame after it
+  (drawn on screen); the JavaScript heap then (Chromium's ``performance.memory``);
 * each view: a click on its tab to the next animation frame (the view drawn); the page's own
   timer of the draw alone (``qkvExplorer.timings``);
 * clicks: a model-view cell (the head view redrawn for that head), another layer, hovering a token
@@ -57,7 +61,8 @@ SAVE = """([figure, format]) => { const t0 = performance.now(); window.qkvExplor
 
 LOADED = """() => new Promise(r => requestAnimationFrame(() => setTimeout(() => {
     const t = window.qkvExplorer.timings;
-    r([t.script, t.parsed, t.first, performance.now()]);
+    r([t.script, t.parsed, t.unpacked === undefined ? null : t.unpacked, t.first, performance.now(),
+       performance.memory ? performance.memory.usedJSHeapSize : null]);
 }, 0)))"""
 
 
@@ -70,16 +75,14 @@ def sentence(tokens: int, offset: int, tokenizer) -> str:
     return text
 
 
-def make_page(args, folder: Path) -> tuple[Path, str]:
-    """The page to draw, and how it was made."""
-    from qkv.viz import write_html
-
+def make_document(args) -> tuple[dict, str]:
+    """The document to draw, and how it was made."""
     if args.synthetic:
         sys.path.insert(0, str(REPO / "tests"))
         from explorer_documents import long_document
 
         data = long_document(tokens=args.tokens, layers=6, heads=12)
-        return write_html(data, folder / "page.html"), "tests/explorer_documents.long_document (6 layers x 12 heads)"
+        return data, "tests/explorer_documents.long_document (6 layers x 12 heads)"
     import qkv
     from qkv.pretrained import default_model_path
     from qkv.pretrained.tokenizer import WordPieceTokenizer
@@ -98,7 +101,22 @@ def make_page(args, folder: Path) -> tuple[Path, str]:
     data["compare"] = compare_field(examples, 0, 1)
     how = (f"EncoderExplorer(all-MiniLM-L6-v2, tokenizer max_length {args.tokens}).example(text, paired_with=other) "
            f"for two {args.tokens}-wordpiece sentences + compare_field, as qkv attend --compare")
-    return write_html(data, folder / "page.html"), how
+    return data, how
+
+
+def write_pages(data: dict, folder: Path, *, plain: bool) -> dict[str, Path]:
+    """The page as qkv attend writes it ("packed": the weights packed, qkv.viz.html.pack_weights) and,
+    to measure the difference side by side, the same page with the weights as JSON lists ("plain":
+    what the page held before they were packed; core.js still reads lists, as in qkv serve's answers)."""
+    from unittest import mock
+
+    from qkv.viz import html as page_html
+
+    pages = {"packed": page_html.write_html(data, folder / "packed.html")}
+    if plain:
+        with mock.patch.object(page_html, "packed_for_page", lambda document: document):
+            pages["plain"] = page_html.write_html(data, folder / "plain.html")
+    return pages
 
 
 def median(values: list[float]) -> float | None:
@@ -114,22 +132,26 @@ def measure(page_path: Path, repeats: int) -> dict:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         context = browser.new_context(viewport={"width": 1320, "height": 900})
         context.set_offline(True)
-        script, parsed, first, painted, wall = [], [], [], [], []
+        script, parsed, unpacked, first, painted, wall, heap = [], [], [], [], [], [], []
         for _ in range(repeats):
             page = context.new_page()
             start = time.perf_counter()
             page.goto(page_path.as_uri())
             page.wait_for_function("() => Number(document.body.dataset.renders || 0) > 0", timeout=120_000)
             wall.append(1000 * (time.perf_counter() - start))
-            started, data, drawn, frame = page.evaluate(LOADED)
+            started, data, ready, drawn, frame, used = page.evaluate(LOADED)
             script.append(started)
             parsed.append(data)
+            unpacked.append(ready)
             first.append(drawn)
             painted.append(frame)
+            heap.append(used)
             page.close()
         out["load"] = {"script_start_ms": median(script), "data_parsed_ms": median(parsed),
-                       "first_draw_ms": median(first), "first_frame_ms": median(painted),
-                       "python_goto_to_drawn_ms": median(wall), "runs_first_draw_ms": [round(v, 1) for v in first]}
+                       "weights_unpacked_ms": median(unpacked), "first_draw_ms": median(first),
+                       "first_frame_ms": median(painted), "python_goto_to_drawn_ms": median(wall),
+                       "runs_first_draw_ms": [round(v, 1) for v in first],
+                       "js_heap_mb": round(statistics.median(heap) / 1e6, 1) if None not in heap else None}
         page = context.new_page()
         page.goto(page_path.as_uri())
         page.wait_for_function("() => Number(document.body.dataset.renders || 0) > 0", timeout=120_000)
@@ -199,24 +221,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=512, help="wordpieces per sentence (default 512)")
     parser.add_argument("--repeats", type=int, default=5, help="measurements of each figure (default 5)")
     parser.add_argument("--synthetic", action="store_true", help="a document of the same size, without the model")
+    parser.add_argument("--packed-only", action="store_true", help="skip the page with the weights as JSON lists")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "explorer_draw.json"))
     args = parser.parse_args(argv)
+    data, made_by = make_document(args)
+    pages: dict = {}
     with tempfile.TemporaryDirectory() as folder:
-        page_path, made_by = make_page(args, Path(folder))
-        size_mb = page_path.stat().st_size / 1e6
-        figures = measure(page_path, args.repeats)
+        for name, page_path in write_pages(data, Path(folder), plain=not args.packed_only).items():
+            size_mb = page_path.stat().st_size / 1e6
+            load_before = [round(v, 2) for v in os.getloadavg()]
+            pages[name] = {"page_mb": round(size_mb, 1), "load_average_before": load_before,
+                           **measure(page_path, args.repeats)}
+            print(f"{name}: {pages[name]['tokens']} tokens, {size_mb:.1f} MB page, first draw "
+                  f"{pages[name]['load']['first_draw_ms']} ms", file=sys.stderr)
     result = {
         "benchmark": "the attention explorer drawing a long input in headless Chromium (benchmarks/explorer_draw.py)",
         "command": "python benchmarks/explorer_draw.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "page": made_by,
-        "page_mb": round(size_mb, 1),
+        "pages": {
+            "packed": "as qkv attend writes it: each view's attention and rollout packed (qkv.viz.html.pack_weights)",
+            "plain": "the same document with the weights as JSON lists, as pages were before packing",
+        },
         "repeats": args.repeats,
-        **figures,
+        **pages,
         "machine": machine(),
     }
     write_json(args.output, result)
-    print(f"wrote {args.output}: {figures['tokens']} tokens, {size_mb:.1f} MB page, first draw "
-          f"{figures['load']['first_draw_ms']} ms", file=sys.stderr)
+    print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
 
