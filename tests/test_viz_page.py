@@ -113,3 +113,60 @@ def test_the_browser_unpacks_what_python_packed(tmp_path):
             context.close()
         finally:
             browser.close()
+
+
+def test_a_long_head_view_saved_as_png_has_its_lines(tmp_path):
+    """Over 4,000 lines the PNG strokes them batched by colour and opacity level (figure.js): the
+    focused query's lines reach the keys the JSON gives 0.05 or more and none it gives under 0.01
+    (lighter lines are a few levels from white, too faint to tell from the edges of others)."""
+    from PIL import Image
+    from test_browser import ARGS, CHROMIUM, Watch, offline_page, sync_api, wait_renders
+
+    from explorer_documents import long_document
+
+    data = long_document(tokens=300, layers=1, heads=2, seed=3)  # head 1: 4,209 lines
+    weights = np.array(data["examples"][0]["views"][0]["attention"][0])  # (heads, s, s)
+    html = write_html(data, tmp_path / "long.html")
+    query = 237  # near its row: 0.073 and 0.215 (and three lines of 0.018-0.027)
+    with sync_api.sync_playwright() as p:
+        args = [*ARGS, "--safebrowsing-disable-download-protection"]  # no wait on a check that cannot reach out
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=args)
+        try:
+            blocked: list[str] = []
+            context, page = offline_page(browser, blocked)
+            watch = Watch(page)
+            page.goto(html.as_uri())
+            wait_renders(page, 0)
+            assert page.get_attribute("#head-svg", "data-mode") == "canvas"  # over 4,000 lines
+            page.click("#head-toggles .head-toggle[data-head='0']")  # head 1 alone
+            page.hover(f"#head-svg text.query[data-index='{query}']")
+            geometry = page.evaluate("""(q) => {
+                const s = document.getElementById('head-svg');
+                const y = t => +t.getAttribute('y');
+                return { width: window.qkvExplorer.tab('attention').figures['head-view']().width,
+                         end: +s.querySelector('text.key').getAttribute('x') - 6,
+                         start: +s.querySelector('text.query').getAttribute('x') + 6,
+                         yq: y(s.querySelector(`text.query[data-index='${q}']`)),
+                         yk: Array.from(s.querySelectorAll('text.key'), y) }; }""", query)
+            with page.expect_download() as info:
+                page.evaluate("() => window.qkvExplorer.save('head-view', 'png')")
+            image = Image.open(info.value.path()).convert("RGB")
+            assert watch.errors == [] and blocked == []
+            context.close()
+        finally:
+            browser.close()
+    scale = image.width / geometry["width"]
+    x, gap = geometry["end"] - 3, geometry["end"] - geometry["start"]
+
+    def inked(yk: float) -> bool:  # any pixel near where the line to this key passes x is not white
+        y = 34 + yk + (geometry["yq"] - yk) * 3 / gap  # 34: the title above the drawing
+        pixels = [image.getpixel((round((x + dx) * scale), round((y + dy) * scale)))
+                  for dx in (-1, 0, 1) for dy in (-1, 0, 1)]
+        return any(min(px) < 250 for px in pixels)
+
+    near = range(query - 12, query + 13)  # where the lines are not so steep that neighbours overlap
+    strong = [k for k in near if weights[1, query, k] >= 0.05]
+    absent = [k for k in near if weights[1, query, k] < 0.01]
+    assert len(strong) == 2 and len(absent) == 20
+    assert all(inked(geometry["yk"][k]) for k in strong)
+    assert not any(inked(geometry["yk"][k]) for k in absent)

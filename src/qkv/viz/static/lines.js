@@ -79,7 +79,7 @@
     var L = layout(spec);
     var fig = new Q.Figure(L.width, L.height);
     if (withLines) {
-      var lines = fig.group({ "class": "lines" });
+      var lines = fig.group({ "class": "lines", batched: countLines(spec) > MAX_SVG_LINES });
       spec.matrices.forEach(function (m) {
         m.weights.forEach(function (row, q) {
           for (var k = 0; k < row.length; k++) {
