@@ -39,6 +39,22 @@ def assert_packed_close(got: np.ndarray, exact: np.ndarray, slack: float = 0.0) 
     assert (got[~big] < 0.01).all()
 
 
+def assert_page_holds(page: dict, data: dict) -> None:
+    """`page` (qkv.viz.html.page_document of a page) is the document `data`, its attention and rollout
+    weights of 0.01 and more equal and smaller ones within 0.0002 (and still under 0.01)."""
+    page, data = copy.deepcopy(page), copy.deepcopy(data)
+    assert len(page.get("examples", [])) == len(data.get("examples", []))
+    for example, shown in zip(data.get("examples", []), page.get("examples", [])):
+        assert len(example["views"]) == len(shown["views"])
+        for view, drawn in zip(example["views"], shown["views"]):
+            for key in ("attention", "rollout"):
+                assert (key in view) == (key in drawn), key
+                if key in view:
+                    assert_packed_close(np.array(drawn.pop(key), dtype=np.float64),
+                                        np.array(view.pop(key), dtype=np.float64))
+    assert page == data
+
+
 def test_pack_weights_keeps_every_line_and_rounds_only_small_weights():
     rng = np.random.default_rng(0)
     grid = rng.dirichlet(np.full(40, 0.3), size=(2, 3, 40)).round(4)  # (L, H, s_q, s_k), 4 decimals
