@@ -2,11 +2,12 @@
 
     qkv train --data multi30k --src-lang en --tgt-lang de --run-dir runs/en-de --minutes 60
     qkv train --train-src train.en --train-tgt train.de --val-src val.en --val-tgt val.de --run-dir runs/mine
+    qkv train --prepared wmt14/prepared --recipe paper-base --run-dir runs/base   # a folder made by qkv prepare
     qkv train --data dates --run-dir runs/dates
     qkv train --data tinyshakespeare --run-dir runs/shakespeare          # a character-level language model
     qkv train --train-text corpus.txt --tokenizer bpe --vocab-size 4000 --run-dir runs/lm
     qkv train --run-dir runs/en-de --resume --minutes 90      # continue (the budget counts all sessions)
-    torchrun --nproc_per_node 8 -m qkv train --train-src train.en --train-tgt train.de --recipe paper-base ...
+    torchrun --nproc_per_node 8 -m qkv train --prepared wmt14/prepared --recipe paper-base --run-dir runs/base
 
 Every option and input is checked before the run folder is written. Ctrl-C saves a checkpoint
 first, and so does a failed step; ``--resume`` continues from it.
@@ -42,7 +43,7 @@ MODEL_OPTIONS = {
     "share_embeddings": ("share_embeddings", None, bool, "one embedding table for source and target"),
 }
 LM_OPTIONS = ("tokenizer", "windows")  # language-model options that are neither model nor TrainConfig fields
-DATA_OPTIONS = ("data", "data_dir", "src_lang", "tgt_lang", "train_src", "train_tgt", "val_src", "val_tgt",
+DATA_OPTIONS = ("data", "prepared", "data_dir", "src_lang", "tgt_lang", "train_src", "train_tgt", "val_src", "val_tgt",
                 "train_text", "val_text", "vocab_size", "recipe", *LM_OPTIONS)
 
 
@@ -56,9 +57,12 @@ def _train_fields():
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    data = parser.add_argument_group("data (one of --data, --train-src/--train-tgt or --train-text)")
+    data = parser.add_argument_group("data (one of --data, --prepared, --train-src/--train-tgt or --train-text)")
     data.add_argument("--data", choices=["multi30k", "dates", "tinyshakespeare"],
                       help="a known data set (tinyshakespeare: a language model)")
+    data.add_argument("--prepared", metavar="DIR",
+                      help="a prepared folder made by qkv prepare (its tokenizer, training and validation pairs; "
+                           "every process reads it a batch at a time)")
     data.add_argument("--data-dir", help="folder with the Multi30k files or tiny Shakespeare's input.txt (default: "
                                          "$QKV_DATA/multi30k or $QKV_DATA/tinyshakespeare, the cache, or a download)")
     data.add_argument("--src-lang", choices=["en", "de", "fr"], help="Multi30k source language (default en)")
@@ -118,12 +122,20 @@ def _data_dir(args: argparse.Namespace) -> str | None:
     return str(folder)
 
 
+def _prepared_folder(folder: str) -> str:
+    """``--prepared``'s folder, resolved; a missing folder or one ``qkv prepare`` did not finish is an error."""
+    from qkv.data.prepared import PreparedCorpus
+
+    PreparedCorpus(folder)  # raises, naming the folder, when there is no complete manifest
+    return str(Path(folder).resolve())
+
+
 def data_spec(args: argparse.Namespace) -> dict:
     """The data spec (:mod:`qkv.data.sources`, :mod:`qkv.data.text`) the options describe."""
     files = [args.train_src, args.train_tgt, args.val_src, args.val_tgt]
     texts = [args.train_text, args.val_text]
-    if sum(bool(x) for x in (args.data, any(files), any(texts))) > 1:
-        raise ValueError("give one of --data, --train-src/--train-tgt files or --train-text, not several")
+    if sum(bool(x) for x in (args.data, args.prepared, any(files), any(texts))) > 1:
+        raise ValueError("give one of --data, --prepared, --train-src/--train-tgt files or --train-text, not several")
     is_lm = args.data == "tinyshakespeare" or any(texts)
     if not is_lm:
         for name in LM_OPTIONS:
@@ -137,6 +149,8 @@ def data_spec(args: argparse.Namespace) -> dict:
                 raise ValueError(f"{_flag(name)} is for --data multi30k only")
     if args.data == "tinyshakespeare":
         return {"source": "tinyshakespeare", "folder": _data_dir(args)}
+    if args.prepared:
+        return {"source": "prepared", "folder": _prepared_folder(args.prepared)}
     if any(texts):
         if not args.train_text:
             raise ValueError("--val-text needs --train-text")
@@ -151,8 +165,8 @@ def data_spec(args: argparse.Namespace) -> dict:
     if args.data == "dates":
         return {"source": "dates", "train_size": 20000, "valid_size": 500, "seed": args.seed or 0}
     if not (args.train_src and args.train_tgt):
-        raise ValueError("no training data: pass --data multi30k/dates/tinyshakespeare, --train-src and --train-tgt, "
-                         "or --train-text")
+        raise ValueError("no training data: pass --data multi30k/dates/tinyshakespeare, --prepared DIR, --train-src "
+                         "and --train-tgt, or --train-text")
     keys = ("train_src", "train_tgt", "val_src", "val_tgt")
     return {"source": "files", **{k: (str(Path(f).resolve()) if f else None) for k, f in zip(keys, files)}}
 
@@ -216,11 +230,13 @@ def _with_recipe(args: argparse.Namespace, spec: dict, model_options: dict,
     options), and a line saying how a step's tokens are split."""
     import os
 
+    from qkv.data.sources import recipe_source
     from qkv.recipes import recipe_overrides
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     recipe_model, recipe_train, recipe_vocab = recipe_overrides(
-        args.recipe, spec["source"], world_size=world, max_tokens=args.max_tokens, accum_steps=args.accum_steps)
+        args.recipe, recipe_source(spec["source"]), world_size=world, max_tokens=args.max_tokens,
+        accum_steps=args.accum_steps)
     train_options = {**recipe_train, **train_options}
     note = f"recipe {args.recipe}"
     if "tokens_per_step" in RECIPES[args.recipe]:

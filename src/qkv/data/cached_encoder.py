@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import re
+from itertools import chain
+from operator import itemgetter
 
 import numpy as np
 
@@ -75,20 +77,50 @@ class CachedEncoder:
             ``(flat ids, lengths)``: the texts' ids end to end (``dtype``) and each text's count
             (int64), so text ``i`` is ``flat[sum(lengths[:i]) : sum(lengths[:i + 1])]``.
         """
+        if self.fast and self._all_fast(texts):  # the usual case, checked once for the whole list
+            pieces = list(map(ASCII_PIECES.findall, texts))
+            self._cache_pieces(set().union(*pieces))
+            return self._join_cached(pieces)
         fast = [self._fast(t) for t in texts]
         pieces = [ASCII_PIECES.findall(t) if f else None for t, f in zip(texts, fast)]
+        self._cache_pieces(set().union(*(ps for ps in pieces if ps is not None)))
         cache = self.cache
-        unseen = {p for ps in pieces if ps is not None for p in ps if p not in cache}
-        if len(cache) + len(unseen) > self.cache_size:  # start again, with this batch's pieces
-            cache.clear()
-            unseen = {p for ps in pieces if ps is not None for p in ps}
-        if unseen:
-            unseen = list(unseen)
-            encoded = self.backend.encode_batch(unseen, add_special_tokens=False)
-            cache.update(zip(unseen, (self._ids_bytes(e.ids) for e in encoded)))
         slow = [t for t, f in zip(texts, fast) if not f]
         slow_ids = iter(self.backend.encode_batch(slow, add_special_tokens=False) if slow else [])
         parts = [b"".join([cache[p] for p in ps]) if ps is not None else self._ids_bytes(next(slow_ids).ids)
                  for ps in pieces]
-        lengths = np.fromiter((len(b) for b in parts), dtype=np.int64, count=len(parts)) // self.dtype.itemsize
+        lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)) // self.dtype.itemsize
         return np.frombuffer(b"".join(parts), dtype=self.dtype), lengths
+
+    def _cache_pieces(self, distinct: set[str]) -> None:
+        """Encode the pieces of ``distinct`` not yet cached, all in one call (set operations in C:
+        ``set.difference`` of a dict looks each element up in it)."""
+        unseen = distinct.difference(self.cache)
+        if len(self.cache) + len(unseen) > self.cache_size:  # start again, with this batch's pieces
+            self.cache.clear()
+            unseen = distinct
+        if unseen:
+            unseen = list(unseen)
+            encoded = self.backend.encode_batch(unseen, add_special_tokens=False)
+            self.cache.update(zip(unseen, (self._ids_bytes(e.ids) for e in encoded)))
+
+    def _join_cached(self, pieces: list[list[str]]) -> tuple[np.ndarray, np.ndarray]:
+        """Every text's cached pieces end to end, looked up in one ``itemgetter`` call, and each
+        text's id count (its pieces' counts summed)."""
+        flat = list(chain.from_iterable(pieces))
+        if not flat:
+            return np.zeros(0, dtype=self.dtype), np.zeros(len(pieces), dtype=np.int64)
+        found = itemgetter(*flat)(self.cache)
+        if len(flat) == 1:  # itemgetter of one key gives the value, not a tuple
+            found = (found,)
+        piece_ids = np.fromiter(map(len, found), dtype=np.int64, count=len(flat)) // self.dtype.itemsize
+        ends = np.cumsum(np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces)))
+        total = np.concatenate([[0], np.cumsum(piece_ids)])
+        lengths = total[ends] - total[np.concatenate([[0], ends[:-1]])]
+        return np.frombuffer(b"".join(found), dtype=self.dtype), lengths
+
+    def _all_fast(self, texts: list[str]) -> bool:
+        """Whether every text is ASCII without a special token's text (one check over all of them;
+        the separator is ASCII and cannot complete a special token's text)."""
+        joined = "\n".join(texts)
+        return joined.isascii() and not any(token in joined for token in self.added)
