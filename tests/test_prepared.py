@@ -260,8 +260,9 @@ def test_a_changed_prepared_folder_refuses_resume(corpus, tmp_path, capsys):
     shutil.copytree(corpus["prep"], tmp_path / "prep")
     start_run(tmp_path / "run", data={"source": "prepared", "folder": str(tmp_path / "prep")}, model_options=MODEL,
               train_options={**TRAIN, "max_steps": 1}, device="cpu")
+    # prepared again with a shorter --max-len: fewer pairs
     prepare_corpus(corpus["train"][0], corpus["train"][1], tmp_path / "prep",
-                   tokenizer=corpus["root"] / "tokenizer.json", max_len=40, overwrite=True, progress=False)  # fewer pairs
+                   tokenizer=corpus["root"] / "tokenizer.json", max_len=40, overwrite=True, progress=False)
     with pytest.raises(ValueError, match="changed since this run started"):
         resume_run(tmp_path / "run")
     state = (tmp_path / "run" / "state.pt").read_bytes()
