@@ -17,7 +17,9 @@ from qkv.cli import main
 from qkv.data.text import CharTokenizer
 from qkv.runs import run_training, start_run
 from qkv.viz import CausalLMExplorer, check_data, explorer_data, open_explorer
+from qkv.viz.html import page_document
 from qkv.viz.lm_explorer import BYTE_ALPHABET, lm_token_labels, visible
+from test_viz_page import assert_page_holds
 
 MODEL = dict(d_model=32, num_heads=4, num_layers=2, d_ff=64, context=24, dropout=0.0)
 TRAIN = dict(max_steps=3, max_minutes=0, progress=False, max_tokens=128, warmup_steps=2)
@@ -167,8 +169,7 @@ def test_attend_cli_on_a_language_model_run(lm_run, tmp_path, capsys):
     data = json.loads(data_path.read_text())
     check_data(data)
     assert [e["text"] for e in data["examples"]] == ["to be or not", "that is"]
-    blob = html.read_text(encoding="utf-8").split('type="application/json">', 1)[1].split("</script>", 1)[0]
-    assert json.loads(blob)["examples"] == data["examples"]  # the page carries the data
+    assert_page_holds(page_document(html.read_text(encoding="utf-8")), data)  # the page carries the data
     model, _, _ = load_run(lm_run)
     check_causal_view(data["examples"][0], model, [TEXT_CHARS.index(c) for c in "to be or not"])
     assert "lm model run" in capsys.readouterr().err
