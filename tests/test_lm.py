@@ -158,7 +158,9 @@ def test_bad_text_is_refused_before_anything_is_written(tmp_path):
                             "fewer than one window"),
                            (["--train-text", str(good), "--encoder-layers", "2"], "not an option of a language model"),
                            (["--train-text", str(good), "--vocab-size", "300"], "--tokenizer bpe"),
-                           (["--data", "dates", "--tokenizer", "char"], "for a language model")]:
+                           (["--data", "dates", "--tokenizer", "char"], "for a language model"),
+                           (["--task", "lm", "--data", "dates"], "--task lm does not fit --data dates"),
+                           (["--task", "translation", "--train-text", str(good)], "use --task lm")]:
         run_dir = tmp_path / "run"
         result = qkv_cli("train", *extra, "--run-dir", str(run_dir), "--max-steps", "1", "--context", "32")
         assert result.returncode == 2, (extra, result.stderr)
@@ -169,7 +171,8 @@ def test_bad_text_is_refused_before_anything_is_written(tmp_path):
 
 
 def test_a_bpe_language_model_trains_and_generates(corpus, tmp_path):
-    result = qkv_cli("train", "--train-text", str(corpus / "train.txt"), "--tokenizer", "bpe", "--vocab-size", "300",
+    result = qkv_cli("train", "--task", "lm", "--train-text", str(corpus / "train.txt"), "--tokenizer", "bpe",
+                     "--vocab-size", "300",
                      "--run-dir", str(tmp_path / "bpe"), "--max-steps", "2", "--d-model", "32", "--heads", "2",
                      "--layers", "1", "--d-ff", "32", "--context", "16", "--threads", "1")
     assert result.returncode == 0, result.stderr

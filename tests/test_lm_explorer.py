@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from test_viz_page import assert_page_holds
 
 from qkv.checkpoint import load_run
 from qkv.cli import main
@@ -19,7 +20,6 @@ from qkv.runs import run_training, start_run
 from qkv.viz import CausalLMExplorer, check_data, explorer_data, open_explorer
 from qkv.viz.html import page_document
 from qkv.viz.lm_explorer import BYTE_ALPHABET, lm_token_labels, visible
-from test_viz_page import assert_page_holds
 
 MODEL = dict(d_model=32, num_heads=4, num_layers=2, d_ff=64, context=24, dropout=0.0)
 TRAIN = dict(max_steps=3, max_minutes=0, progress=False, max_tokens=128, warmup_steps=2)

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def autocast_context(device: torch.device | str, bf16: bool):
@@ -61,6 +64,20 @@ def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
         return False
     fp32, bf16 = cpu_bf16_probe()
     return bf16 <= fp32
+
+
+def bf16_where_fast(bf16: bool, device: torch.device | str, *, asked: bool) -> bool:
+    """Whether a run uses bf16 autocast: ``bf16`` where bfloat16 products are fast on ``device``.
+    Where they are slow, a recipe's bf16 is turned off (logged); one the user ``asked`` for is kept,
+    with a warning."""
+    if not bf16 or bf16_is_fast(device):
+        return bf16
+    if asked:
+        logger.warning("bf16 autocast asked for, but bfloat16 matrix products are slower than float32 on this %s "
+                       "(no bf16 matrix instructions): expect slow steps", torch.device(device).type)
+        return True
+    logger.info("bf16 autocast off: this %s has no fast bfloat16 matrix products", torch.device(device).type)
+    return False
 
 
 def slow_bf16_reason(device: torch.device | str = "cpu") -> str | None:

@@ -1,4 +1,4 @@
-"""Run folders for training: recipes, starting a run (after every check passed) and resuming one.
+"""Run folders for training: starting a run (after every check passed) and resuming one.
 
 The order in :func:`start_run` is the promise to the user: every option and every input is
 checked, the data is read and tokenised and the model is built before the first file is written;
@@ -27,12 +27,20 @@ from qkv.causal_lm import CausalLM, CausalLMConfig
 from qkv.data.parallel import ParallelText
 from qkv.data.prepared import PreparedCorpus, write_token_lists
 from qkv.data.sources import check_spec, describe, load_train_valid, recipe_source
-from qkv.data.text import (TEXT_SOURCES, TOKENIZER_KINDS, check_text_spec, load_text_splits, load_text_tokenizer,
-                           read_tokens, train_text_tokenizer, write_tokens)
+from qkv.data.text import (
+    TEXT_SOURCES,
+    TOKENIZER_KINDS,
+    check_text_spec,
+    load_text_splits,
+    load_text_tokenizer,
+    read_tokens,
+    train_text_tokenizer,
+    write_tokens,
+)
 from qkv.data.tokenizer import Tokenizer
 from qkv.device import pick_device
 from qkv.models import Transformer, TransformerConfig
-from qkv.precision import bf16_is_fast
+from qkv.precision import bf16_where_fast
 from qkv.recipes import RECIPES, decode_settings
 from qkv.training import Distributed, LanguageModelTask, TrainConfig, Trainer, TrainingCrashed, TranslationTask
 from qkv.training.tasks import TokenLists
@@ -67,18 +75,6 @@ def _check_run_dir(run_dir: Path, overwrite: bool, inputs: list[str]) -> None:
         if not overwrite:
             raise ValueError(f"{run_dir}: run folder exists; pass --resume to continue it or --overwrite to replace it")
         ckpt.check_replaceable(run_dir, inputs=inputs)
-
-
-def _bf16_where_fast(train_config: TrainConfig, train_options: dict | None, device: torch.device) -> TrainConfig:
-    """The recipe's bf16 only where bfloat16 matrix products are fast; asked for explicitly, kept with a warning."""
-    if train_config.bf16 and not bf16_is_fast(device):
-        if "bf16" in (train_options or {}):
-            logger.warning("bf16 autocast asked for, but bfloat16 matrix products are slower than float32 "
-                           "on this %s (no bf16 matrix instructions): expect slow steps", device.type)
-        else:  # the recipe's choice, made for hardware with bf16 units
-            logger.info("bf16 autocast off: this %s has no fast bfloat16 matrix products", device.type)
-            train_config = replace(train_config, bf16=False)
-    return train_config
 
 
 def start_run(
@@ -179,7 +175,8 @@ def start_run(
     logger.info("data: %s, %d training pairs, %s validation pairs", describe(data), len(train_data),
                 len(valid_data) if valid_data is not None else "no")
     model_config = _model_config(recipe, model_options, tokenizer.vocab_size, tokenizer.pad_id)
-    train_config = _bf16_where_fast(train_config, train_options, device)
+    asked_bf16 = "bf16" in (train_options or {})
+    train_config = replace(train_config, bf16=bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
     task = TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len,
                            pad_id=model_config.pad_id)  # leaves out over-long pairs
     trainer = Trainer(Transformer(model_config).to(device), task, train_config, run_dir)
@@ -367,7 +364,8 @@ def _start_lm_run(run_dir: Path, *, data: dict, model_options: dict | None, trai
     train_ids = np.asarray(tokenizer.encode(train_text), dtype=np.int64)
     valid_ids = np.asarray(tokenizer.encode(valid_text), dtype=np.int64)
     model_config = _lm_model_config(recipe, model_options, tokenizer.vocab_size)
-    train_config = _bf16_where_fast(train_config, train_options, device)
+    asked_bf16 = "bf16" in (train_options or {})
+    train_config = replace(train_config, bf16=bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
     lm["chars_per_token"] = round(len(valid_text) / max(1, len(valid_ids)), 6)
     task = LanguageModelTask(tokenizer, train_ids, valid_ids, context=model_config.context, windows=lm["windows"],
                              chars_per_token=lm["chars_per_token"])  # checks both splits hold a window

@@ -4,7 +4,7 @@
     qkv train --train-src train.en --train-tgt train.de --val-src val.en --val-tgt val.de --run-dir runs/mine
     qkv train --prepared wmt14/prepared --recipe paper-base --run-dir runs/base   # a folder made by qkv prepare
     qkv train --data dates --run-dir runs/dates
-    qkv train --data tinyshakespeare --run-dir runs/shakespeare          # a character-level language model
+    qkv train --task lm --data tinyshakespeare --run-dir runs/shakespeare  # a character-level language model
     qkv train --train-text corpus.txt --tokenizer bpe --vocab-size 4000 --run-dir runs/lm
     qkv train --run-dir runs/en-de --resume --minutes 90      # continue (the budget counts all sessions)
     torchrun --nproc_per_node 8 -m qkv train --prepared wmt14/prepared --recipe paper-base --run-dir runs/base
@@ -43,8 +43,9 @@ MODEL_OPTIONS = {
     "share_embeddings": ("share_embeddings", None, bool, "one embedding table for source and target"),
 }
 LM_OPTIONS = ("tokenizer", "windows")  # language-model options that are neither model nor TrainConfig fields
-DATA_OPTIONS = ("data", "prepared", "data_dir", "src_lang", "tgt_lang", "train_src", "train_tgt", "val_src", "val_tgt",
-                "train_text", "val_text", "vocab_size", "recipe", *LM_OPTIONS)
+TASKS = ("translation", "lm")
+DATA_OPTIONS = ("task", "data", "prepared", "data_dir", "src_lang", "tgt_lang", "train_src", "train_tgt", "val_src",
+                "val_tgt", "train_text", "val_text", "vocab_size", "recipe", *LM_OPTIONS)
 
 
 def _train_fields():
@@ -58,6 +59,9 @@ def _train_fields():
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("data (one of --data, --prepared, --train-src/--train-tgt or --train-text)")
+    data.add_argument("--task", choices=TASKS, help="what to train (default: what the data is for: a language "
+                                                    "model for tinyshakespeare and --train-text, else translation); "
+                                                    "given, it must agree with the data")
     data.add_argument("--data", choices=["multi30k", "dates", "tinyshakespeare"],
                       help="a known data set (tinyshakespeare: a language model)")
     data.add_argument("--prepared", metavar="DIR",
@@ -131,7 +135,20 @@ def _prepared_folder(folder: str) -> str:
 
 
 def data_spec(args: argparse.Namespace) -> dict:
-    """The data spec (:mod:`qkv.data.sources`, :mod:`qkv.data.text`) the options describe."""
+    """The data spec (:mod:`qkv.data.sources`, :mod:`qkv.data.text`) the options describe; ``--task``,
+    when given, must name what that data trains."""
+    spec = _data_spec(args)
+    task = "lm" if spec["source"] in ("tinyshakespeare", "text") else "translation"
+    if args.task is not None and args.task != task:
+        given = {"tinyshakespeare": "--data tinyshakespeare", "text": "--train-text", "prepared": "--prepared (a "
+                 "parallel corpus)", "files": "--train-src/--train-tgt"}.get(spec["source"], f"--data {args.data}")
+        raise ValueError(f"--task {args.task} does not fit {given}, which trains "
+                         f"{'a language model' if task == 'lm' else 'a translation model'}: use --task {task}, or "
+                         f"{'--train-text FILE / --data tinyshakespeare' if args.task == 'lm' else 'parallel data'}")
+    return spec
+
+
+def _data_spec(args: argparse.Namespace) -> dict:
     files = [args.train_src, args.train_tgt, args.val_src, args.val_tgt]
     texts = [args.train_text, args.val_text]
     if sum(bool(x) for x in (args.data, args.prepared, any(files), any(texts))) > 1:
