@@ -43,6 +43,7 @@ Smoke tests (seconds; results into /tmp, never into benchmarks/results):
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -59,7 +60,7 @@ import torch.nn.functional as F
 
 from qkv.bench.timing import environment
 from qkv.causal_lm import IGNORE, CausalLM, CausalLMConfig
-from qkv.data.text import load_text_splits, train_text_tokenizer
+from qkv.data.text import load_text_splits, read_tokens, train_text_tokenizer
 from qkv.fileio import write_json
 from qkv.precision import autocast_context
 from qkv.recipes import RECIPES
@@ -125,6 +126,27 @@ def whole_split_loss(model: torch.nn.Module, loss_fn, tokens: np.ndarray, contex
         raise AssertionError(f"scored {count} targets of {n - 1}")
     loss = total / count
     return {"loss_nats_per_token": loss, "tokens": count, "windows": full + (covered < n - 1)}
+
+
+def best_weights_validation(run_dir: Path, valid_tokens: np.ndarray, chars_per_token: float, bf16: bool,
+                            sample: dict) -> dict:
+    """The whole validation split scored with the run's ``best.safetensors`` (the weights of the
+    engine's best validation during training, on its first ``eval_sentences`` windows; the recipe's
+    ``model.safetensors``, what ``qkv generate/evaluate`` use), and a sample from them with the
+    ``sample`` settings (prompt, new_chars, temperature, top_k, seed)."""
+    from qkv.checkpoint import load_run
+
+    model, tokenizer, _ = load_run(run_dir, "best", task="lm")
+    whole = whole_split_loss(model, language_model_loss, valid_tokens, model.config.context, bf16=bf16)
+    nats = whole["loss_nats_per_token"] / chars_per_token
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(sample["seed"])
+    ids = model.generate(torch.tensor([tokenizer.encode(sample["prompt"])], device=device), sample["new_chars"],
+                         temperature=sample["temperature"], top_k=sample["top_k"], generator=generator)
+    return {"weights": "best.safetensors", "whole_split": {**whole, "nats_per_char": nats,
+                                                            "bits_per_char": nats / math.log(2)},
+            "sample": {**{k: sample[k] for k in ("prompt", "new_chars", "temperature", "top_k", "seed")},
+                       "text": tokenizer.decode(ids[0].tolist())}}
 
 
 # ------------------------------------------------------------------ the comparison
@@ -335,7 +357,10 @@ def fixed_time_run(args: argparse.Namespace, out_dir: Path) -> dict:
             f"first_{config.eval_sentences}_windows": engine_view,
             "eval_seconds": round(eval_seconds, 1),
         },
-        "sample": {"prompt": args.prompt, "new_chars": args.sample_chars, "temperature": args.temperature,
+        "best_validation": best_weights_validation(run_dir, task.valid_tokens, task.chars_per_token, config.bf16, {
+            "prompt": args.prompt, "new_chars": args.sample_chars, "temperature": args.temperature,
+            "top_k": args.top_k, "seed": args.sample_seed}),
+        "sample": {"weights": "final", "prompt": args.prompt, "new_chars": args.sample_chars, "temperature": args.temperature,
                    "top_k": args.top_k, "seed": args.sample_seed, "seconds": round(gen_seconds, 2), "text": sample},
         "curve_png": str(png),
         "model": asdict(model.config),
@@ -390,12 +415,26 @@ def main() -> int:
     c.add_argument("--warmup", type=int, default=3, help="untimed steps per model before the first round")
     g = p.add_argument_group("--minutes")
     g.add_argument("--run-dir", default=None, help="run folder (default runs/lm-tinyshakespeare; replaced)")
+    g.add_argument("--rescore-best", metavar="JSON", default=None,
+                   help="add the best weights' whole-split validation to a finished --minutes run's JSON (its run "
+                        "folder must still exist) and exit")
     g.add_argument("--prompt", default="ROMEO:")
     g.add_argument("--sample-chars", type=int, default=500)
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=200)
     g.add_argument("--sample-seed", type=int, default=0)
     args = p.parse_args()
+    if args.rescore_best:
+        report = json.loads(Path(args.rescore_best).read_text())
+        run_dir = Path(report["run_dir"])
+        tokens = read_tokens(run_dir / "val.bin", report["model"]["vocab_size"])
+        chars_per_token = report["final_validation"]["whole_split"]["chars_per_token"]
+        report["best_validation"] = best_weights_validation(run_dir, tokens, chars_per_token, report["train"]["bf16"],
+                                                            report["sample"])
+        report["best_validation"]["command"] = " ".join(["python", *sys.argv])
+        write_json(Path(args.rescore_best), report)
+        print(f"best weights, whole split: {report['best_validation']['whole_split']['nats_per_char']:.4f} nats/char")
+        return 0
     if not args.compare and args.minutes is None:
         p.error("choose --compare and/or --minutes [M]")
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:

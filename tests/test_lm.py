@@ -2,6 +2,7 @@
 folders that start, resume exactly and are scored; ``qkv train/generate/evaluate`` on them, with
 bad input refused before anything is written."""
 
+import json
 import math
 import subprocess
 import sys
@@ -10,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
+from qkv.causal_lm import CausalLM, CausalLMConfig
 from qkv.checkpoint import load_run
 from qkv.data.text import CharTokenizer, load_text_splits, load_text_tokenizer, read_text, read_tokens
 from qkv.runs import resume_run, run_training, start_run
@@ -80,11 +83,47 @@ def test_a_resumed_language_model_run_equals_an_uninterrupted_one(corpus, tmp_pa
         assert torch.equal(a["model"][name], b["model"][name]), name
 
 
+def test_the_runs_model_is_its_best_validation(lm_run):
+    """The recipe's final_weights="best": model.safetensors is best.safetensors, the weights of the
+    lowest validation loss logged, and those weights score that loss again."""
+    config = json.loads((lm_run / "config.json").read_text())
+    assert config["train"]["final_weights"] == "best"
+    assert (lm_run / "model.safetensors").read_bytes() == (lm_run / "best.safetensors").read_bytes()
+    logged = [json.loads(x) for x in (lm_run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["val_loss"] for r in logged if r.get("event") == "valid"]
+    assert len(losses) == 2  # steps 3 and 6
+    trainer = resume_run(lm_run)
+    model, _, _ = load_run(lm_run)
+    validated = trainer.task.validate(model, 8, config["train"]["bf16"])["val_loss"]  # as the run validated
+    assert validated == pytest.approx(min(losses), abs=1e-4)
+
+
+@pytest.mark.parametrize("final_weights", ["best", "average"])
+def test_finish_writes_the_best_weights_only_when_asked(tmp_path, final_weights):
+    """Trainer.finish with a best.safetensors that differs from the final weights (here: zeros)."""
+    from qkv.checkpoint import save_weights
+    from qkv.training import LanguageModelTask, TrainConfig, Trainer
+
+    tokenizer = CharTokenizer(sorted(set(TEXT)))
+    ids = np.asarray(tokenizer.encode(TEXT), dtype=np.int64)
+    task = LanguageModelTask(tokenizer, ids[:4000], ids[4000:], context=32, windows="random")
+    model = CausalLM(CausalLMConfig(vocab_size=tokenizer.vocab_size, **MODEL))
+    trainer = Trainer(model, task, TrainConfig(**{**TRAIN, "final_weights": final_weights}), tmp_path)
+    zeros = CausalLM(CausalLMConfig(vocab_size=tokenizer.vocab_size, **MODEL))
+    for p in zeros.parameters():
+        torch.nn.init.zeros_(p)
+    save_weights(zeros, tmp_path / "best.safetensors")
+    trainer.finish()
+    written = load_file(str(tmp_path / "model.safetensors"))
+    expected = zeros if final_weights == "best" else model
+    assert all(torch.equal(written[k], v) for k, v in expected.state_dict().items() if k in written)
+    assert set(written) and not all(torch.equal(written[k], v) for k, v in
+                                    (model if final_weights == "best" else zeros).state_dict().items() if k in written)
+
+
 def test_evaluate_reports_the_loss_an_independent_loop_computes(lm_run):
     result = qkv_cli("evaluate", str(lm_run), "--json", "--threads", "1")
     assert result.returncode == 0, result.stderr
-    import json
-
     scores = json.loads(result.stdout)
     model, tokenizer, config = load_run(lm_run)
     tokens = torch.from_numpy(np.asarray(read_tokens(lm_run / "val.bin", tokenizer.vocab_size), dtype=np.int64))

@@ -338,9 +338,9 @@ def test_start_and_resume_run_from_files(tmp_path):
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_recipe_bf16_only_where_it_is_fast(tmp_path, monkeypatch, fast):
-    import qkv.runs
+    import qkv.precision
 
-    monkeypatch.setattr(qkv.runs, "bf16_is_fast", lambda device: fast)
+    monkeypatch.setattr(qkv.precision, "bf16_is_fast", lambda device: fast)
     pairs = generate_dates(60, seed=3)
     (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")

@@ -63,6 +63,10 @@ class TrainConfig:
     checkpoint_every_steps: int = _option(0, "keep a checkpoint for averaging every N steps (0 = off)", minimum=0)
     checkpoint_every_minutes: float = _option(0.0, "... or every N minutes (0 = off)", minimum=0, below=math.inf)
     average_last: int = _option(5, "average this many kept checkpoints at the end (<= 1: no averaging)", minimum=0)
+    final_weights: str = _option("average", "what model.safetensors holds at the end: average = the last "
+                                            "--average-last kept checkpoints averaged (or the final weights); best = "
+                                            "the weights of the best validation (best.safetensors; a run that "
+                                            "overfits late keeps its best)", choices=("average", "best"))
     log_every_steps: int = _option(20, "write a training-loss line to metrics.jsonl every N steps", minimum=1)
     seed: int = _option(0, "drives the initial weights and the batch order", minimum=0)
     progress: bool = _option(True, "tqdm progress bar", cli=False)

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from qkv import checkpoint as ckpt
 from qkv.data.batching import Batch
+from qkv.fileio import write_bytes
 from qkv.memory import HeapTrimmer, resident_memory_bytes, trim_heap
 from qkv.precision import autocast_context
 from qkv.training.config import TrainConfig, TrainState, budget_progress, learning_rate
@@ -62,8 +63,7 @@ class Trainer:
         task: batches, loss and validation (e.g. :class:`~qkv.training.tasks.TranslationTask`).
         config: a :class:`TrainConfig`.
         run_dir: the run folder (holds config.json and tokenizer.json once the run is created).
-        dist: this process's place among several (:func:`~qkv.training.distributed.init_distributed`);
-            default: alone.
+        dist: this process's place among several (:func:`~qkv.training.distributed.init_distributed`; alone).
         d_model: the width the learning-rate schedule is scaled by (default ``model.config.d_model``).
     """
 
@@ -116,17 +116,15 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        s.step += 1
-        s.tokens += int(tokens)
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-            grad_norm = grad_norm.full_tensor()
+        s.step, s.tokens = s.step + 1, s.tokens + int(tokens)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
         return StepStats(loss=loss_sum, tokens=int(tokens), lr=lr, grad_norm=float(grad_norm))
 
     # ----------------------------------------------------------------- the loop
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
         if self._batches_epoch != epoch:
-            self._batches_cache = self.task.batches(epoch, self.config.max_tokens, self.config.seed)
-            self._batches_epoch = epoch
+            self._batches_epoch, self._batches_cache = epoch, self.task.batches(epoch, self.config.max_tokens,
+                                                                                  self.config.seed)
         return self._batches_cache
 
     def _next_group(self) -> list[Batch]:
@@ -382,10 +380,13 @@ class Trainer:
         return record
 
     def finish(self) -> Path:
-        """Write ``model.safetensors``: the average of the kept checkpoints (the final weights are
-        added as one of them), or the final weights. Returns its path."""
-        c, out = self.config, self.run_dir / "model.safetensors"
-        if c.average_last > 1:
+        """Write ``model.safetensors`` and return its path: with ``final_weights="best"`` the best validation's
+        weights (once one ran), else the kept checkpoints averaged (the final weights among them), or the final ones."""
+        c, out, best = self.config, self.run_dir / "model.safetensors", self.run_dir / "best.safetensors"
+        if c.final_weights == "best" and best.is_file():
+            if self.dist.is_main:
+                write_bytes(out, best.read_bytes())
+        elif c.average_last > 1:
             self.keep_checkpoint()
             if self.dist.is_main:
                 names = self.state.kept_checkpoints[-c.average_last:]
