@@ -329,3 +329,28 @@ def test_an_absurd_length_penalty_is_refused_not_an_overflow(capsys, trained):
         main(["translate", str(trained[0]), "--alpha", "1e9"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "--alpha" in err and len(err.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------- damaged JSON, one reader
+@pytest.mark.parametrize("damage", [b'{"model": {"d_model": 3', '{"model": "caf\u00e9"}'.encode("latin-1"), b"\xff\xfe"])
+def test_every_json_reader_names_a_damaged_file_in_one_line(tmp_path, damage):
+    """Run configs, prepared manifests and checkpoint configs are read by qkv.fileio.read_json: a
+    file cut short or not UTF-8 is a ValueError naming it, on one line."""
+    from qkv.checkpoint import read_run_config
+    from qkv.cli.generate import open_language_model
+    from qkv.data.prepared import PreparedCorpus
+    from qkv.fileio import read_json
+    from qkv.pretrained import load_pretrained, read_config_dict
+    from qkv.viz.explorers import open_explorer
+
+    (tmp_path / "config.json").write_bytes(damage)
+    (tmp_path / "manifest.json").write_bytes(damage)
+    readers = {"config.json": [read_run_config, read_config_dict, load_pretrained, open_explorer, open_language_model,
+                               lambda folder: read_json(folder / "config.json")],
+               "manifest.json": [PreparedCorpus]}
+    for name, calls in readers.items():
+        for read in calls:
+            with pytest.raises(ValueError) as err:
+                read(tmp_path)
+            message = str(err.value)
+            assert message.startswith(f"{tmp_path / name}: not valid JSON (") and "\n" not in message, message

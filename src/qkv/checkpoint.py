@@ -33,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file, save_model
 
 from qkv.data.tokenizer import Tokenizer
-from qkv.fileio import atomic_folder, atomic_path, remove_stale_temporaries, write_json
+from qkv.fileio import atomic_folder, atomic_path, read_json, remove_stale_temporaries, write_json
 from qkv.models import Transformer, TransformerConfig
 
 logger = logging.getLogger(__name__)
@@ -190,10 +190,7 @@ def read_run_config(run_dir: str | Path) -> dict:
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not a qkv run folder (config.json missing)")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from err
+    config = read_json(path)
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise ValueError(f"{path}: not a qkv run config (no 'model' section)")
     return config

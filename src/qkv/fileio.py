@@ -90,6 +90,15 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
     return Path(path)
 
 
+def read_json(path: str | Path):
+    """The JSON value in the UTF-8 file ``path``. Raises ``ValueError`` naming the file in one line
+    when it is not valid JSON or not UTF-8 (a missing file is the caller's message to give)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({(str(err).splitlines() or [''])[0][:200]})") from None
+
+
 def write_json(path: str | Path, data: object, *, indent: int | None = 2) -> Path:
     """Write ``data`` as JSON (strict: no NaN/Infinity) atomically. Returns ``path``."""
     return write_text(path, json.dumps(data, indent=indent, allow_nan=False) + "\n")

@@ -27,16 +27,8 @@ from qkv.causal_lm import CausalLM, CausalLMConfig
 from qkv.data.parallel import ParallelText
 from qkv.data.prepared import PreparedCorpus, write_token_lists
 from qkv.data.sources import check_spec, describe, load_train_valid, recipe_source
-from qkv.data.text import (
-    TEXT_SOURCES,
-    TOKENIZER_KINDS,
-    check_text_spec,
-    load_text_splits,
-    load_text_tokenizer,
-    read_tokens,
-    train_text_tokenizer,
-    write_tokens,
-)
+from qkv.data.text import (TEXT_SOURCES, TOKENIZER_KINDS, check_text_spec, load_text_splits, load_text_tokenizer,
+                           read_tokens, train_text_tokenizer, write_tokens)
 from qkv.data.tokenizer import Tokenizer
 from qkv.device import pick_device
 from qkv.models import Transformer, TransformerConfig

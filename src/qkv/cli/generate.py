@@ -13,11 +13,11 @@ cropped from the left (said on stderr).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from qkv.cli.options import positive_int, set_threads
+from qkv.fileio import read_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,10 +43,7 @@ def open_language_model(path: str | Path, weights: str = "model"):
     config_path = folder / "config.json"
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: model folder not found")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{config_path}: not valid JSON ({err})") from None
+    config = read_json(config_path) if config_path.is_file() else {}
     if isinstance(config, dict) and config.get("model_type") is not None:
         from qkv.pretrained import load_pretrained
 

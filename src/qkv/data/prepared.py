@@ -38,7 +38,7 @@ import numpy as np
 
 from qkv.data.parallel import ParallelText
 from qkv.data.tokenizer import Tokenizer
-from qkv.fileio import atomic_folder, write_json
+from qkv.fileio import atomic_folder, read_json, write_json
 
 MARKER, FORMAT = "qkv_prepared", 1
 SIDES = ("src", "tgt")
@@ -277,10 +277,7 @@ class PreparedCorpus:
         if not path.is_file():
             what = "no such folder" if not self.folder.exists() else "not a prepared folder (no manifest.json)"
             raise FileNotFoundError(f"{self.folder}: {what}; make one with qkv prepare")
-        try:
-            self.manifest = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from None
+        self.manifest = read_json(path)
         if not isinstance(self.manifest, dict) or self.manifest.get(MARKER) != FORMAT:
             raise ValueError(f"{path}: not a qkv prepared-folder manifest (format {FORMAT})")
         self.fingerprint: str = self.manifest["fingerprint"]

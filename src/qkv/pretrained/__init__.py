@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from qkv.causal_lm import CausalLM
 from qkv.device import pick_device
+from qkv.fileio import read_json
 from qkv.pretrained.bert import BertConfig, BertEncoder, BertOutput, bert_key_map, build_bert
 from qkv.pretrained.gpt2 import GPT2Tokenizer, build_gpt2, gpt2_config, gpt2_key_map, load_gpt2
 from qkv.pretrained.tokenizer import EncodedBatch, WordPieceTokenizer
@@ -61,10 +62,7 @@ def read_config_dict(folder: str | Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: config.json not found (is {folder} a checkpoint folder?)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({_first_line(err)})") from err
+    data = read_json(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

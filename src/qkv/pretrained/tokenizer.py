@@ -6,7 +6,6 @@ padding is done here, to the longest sequence of a batch, with an attention mask
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer as _RustTokenizer
 from torch import Tensor
+
+from qkv.fileio import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +129,7 @@ class WordPieceTokenizer:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from err
+    return read_json(path)
 
 
 def _first_line(err: BaseException) -> str:

@@ -17,15 +17,14 @@ input); ``views`` gives the bare :class:`~qkv.viz.export.AttentionView` objects 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
-
 from tokenizers import decoders
 
 from qkv.device import model_device, pick_device
+from qkv.fileio import read_json
 from qkv.viz.analysis import rollout, view_fields
 from qkv.viz.capture import AttentionRecorder
 from qkv.viz.export import AttentionView, check_text, make_example
@@ -249,10 +248,7 @@ def open_explorer(path: str | Path | None = None):
         raise FileNotFoundError(f"{folder}: model folder not found")
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path}: not found; pass a BERT checkpoint folder or a qkv run folder")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{config_path}: not valid JSON ({err})") from err
+    config = read_json(config_path)
     if isinstance(config, dict) and isinstance(config.get("model"), dict) and "d_model" in config["model"]:
         from qkv.checkpoint import load_run, run_task
 
