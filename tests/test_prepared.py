@@ -18,7 +18,7 @@ import torch
 
 import dist_workers
 from qkv.cli import main as qkv_main
-from qkv.data.cached_encoder import CachedEncoder
+from qkv.data.cached_encoder import LATIN_RANGES, CachedEncoder, split_pieces
 from qkv.data.parallel import read_parallel
 from qkv.data.prepared import PreparedCorpus
 from qkv.data.preparing import prepare_corpus
@@ -85,6 +85,45 @@ def test_cached_encoder_equals_the_tokenizer_on_awkward_text(corpus):
         assert len(lengths) == len(batch) and lengths.sum() == len(ids)
         pieces = np.split(ids, np.cumsum(lengths)[:-1]) if len(batch) > 1 else [ids]
         assert [p.tolist() for p in pieces] == [tokenizer.encode(t) for t in batch]
+
+
+def latin_characters() -> list[str]:
+    """Every character of qkv.data.cached_encoder.LATIN_RANGES."""
+    bounds = [ord(c) for c in LATIN_RANGES if c != "-"]
+    return [chr(c) for lo, hi in zip(bounds[::2], bounds[1::2]) for c in range(lo, hi + 1)]
+
+
+def test_the_python_split_is_the_tokenizers_on_every_latin_character():
+    """CachedEncoder's own split (re on ASCII, the regex module on the other characters of its Latin
+    ranges) gives the tokenizer's pre-tokenizer pieces, every character in several contexts."""
+    from tokenizers import pre_tokenizers
+
+    from qkv.viz.lm_explorer import BYTE_ALPHABET
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    chars = latin_characters()
+    assert len(chars) > 1000 and "\u00e4" in chars and "\u2019" in chars and "\u20ac" in chars
+    checked = 0
+    for c in chars:
+        for text in (c, f"a{c}b", f" {c}{c}x", f"1{c} 2", f"x {c} ", f"{c}  y", f"'{c}s", f"{c}\u00e9t\u00e9 {c}",
+                     f"{c}'ll"):
+            theirs = [bytes(BYTE_ALPHABET[ch] for ch in piece).decode("utf-8")
+                      for piece, _ in byte_level.pre_tokenize_str(text)]
+            assert split_pieces(text) == theirs, (hex(ord(c)), text)
+            checked += 1
+    assert checked == 9 * len(chars)
+
+
+def test_cached_encoder_equals_the_tokenizer_on_german_and_french(shared_data):
+    texts = []
+    for lang in ("de", "fr"):
+        with gzip.open(shared_data / "multi30k" / f"train.{lang}.gz", "rt", encoding="utf-8") as lines:
+            texts += lines.read().splitlines()[:1500]
+    assert sum(not t.isascii() for t in texts) > 1500  # most take the Latin path, not the ASCII one
+    tokenizer = Tokenizer.train(texts, vocab_size=1000)
+    encoder = CachedEncoder(tokenizer, cache_size=2000)
+    ids, lengths = encoder.encode(texts)
+    assert [p.tolist() for p in np.split(ids, np.cumsum(lengths)[:-1])] == [tokenizer.encode(t) for t in texts]
 
 
 def test_a_gzipped_corpus_prepares_to_the_same_folder(corpus, tmp_path):

@@ -1,18 +1,26 @@
-"""Token ids for many sentences at once, equal to :meth:`Tokenizer.encode`, several times faster on
-ASCII text: what ``qkv prepare`` tokenizes a corpus of millions of sentences with.
+"""Token ids for many sentences at once, equal to :meth:`Tokenizer.encode`, several times faster:
+what ``qkv prepare`` tokenizes a corpus of millions of sentences with.
 
 Byte-level BPE splits a text into pieces with GPT-2's pattern and applies BPE to each piece on its
 own, so a text's ids are its pieces' ids end to end. The ``tokenizers`` library spends most of its
-time in that split (an Oniguruma regex); for ASCII text this module splits with Python's ``re``
-and the same pattern (spelled with ASCII classes, which is exact on ASCII input: ``\\p{L}`` is
-``[A-Za-z]``, ``\\p{N}`` is ``[0-9]``, ``\\s`` is tab, newline, vertical tab, form feed, carriage
-return and space), then looks each piece up in a cache of pieces already encoded; the pieces not
-yet seen are encoded by the tokenizer itself, all of a batch in one call. Zipf's law does the rest:
-a few hundred thousand pieces cover nearly every word of a corpus.
+time in that split (an Oniguruma regex); this module splits in Python instead, then looks each
+piece up in a cache of pieces already encoded; the pieces not yet seen are encoded by the tokenizer
+itself, all of a batch in one call. Zipf's law does the rest: a few hundred thousand pieces cover
+nearly every word of a corpus.
 
-Everything else goes to the tokenizer as it is: a text with a non-ASCII character, one holding a
-special token's text (``</s>``), and every text when the tokenizer is not plain byte-level BPE
-(a normalizer, digits split apart, BPE dropout).
+- ASCII text: Python's ``re`` with the pattern spelled in ASCII classes, exact on ASCII input
+  (``\\p{L}`` is ``[A-Za-z]``, ``\\p{N}`` is ``[0-9]``, ``\\s`` is tab, newline, vertical tab, form
+  feed, carriage return and space).
+- Text in Latin scripts (every character in :data:`LATIN_TEXT`: Latin-1, Latin Extended-A/B, IPA,
+  combining diacritics, general punctuation such as curly quotes and dashes, currency signs): the
+  ``regex`` module with GPT-2's own pattern; the tests check that it splits every one of those
+  characters, in several contexts, as the tokenizer does (German, French and the like: 69% of
+  Multi30k's German sentences are not ASCII).
+
+Everything else goes to the tokenizer as it is: a text with another character (where the two
+regex engines' Unicode tables might differ), one holding a special token's text (``</s>``), and
+every text when the tokenizer is not plain byte-level BPE (a normalizer, digits split apart, BPE
+dropout).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from itertools import chain
 from operator import itemgetter
 
 import numpy as np
+import regex
 
 from qkv.data.tokenizer import Tokenizer
 
@@ -30,6 +39,11 @@ _SPACE = r"\t\n\x0b\x0c\r "
 # GPT-2's pattern ('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+) for ASCII text
 ASCII_PIECES = re.compile(rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_SPACE}A-Za-z0-9]+"
                           rf"|[{_SPACE}]+(?![^{_SPACE}])|[{_SPACE}]+")
+# GPT-2's pattern as the tokenizer spells it, for the regex module (which knows \p{L} and \p{N})
+UNICODE_PIECES = regex.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+# the characters whose split the tests check against the tokenizer's (see the module docstring)
+LATIN_RANGES = "\x00-\u036f\u1e00-\u1eff\u2000-\u206f\u20a0-\u20c0"
+LATIN_TEXT = re.compile(f"[{LATIN_RANGES}]*")
 
 
 def is_plain_byte_level(tokenizer: Tokenizer) -> bool:
@@ -42,6 +56,11 @@ def is_plain_byte_level(tokenizer: Tokenizer) -> bool:
             and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
             and model.get("type") == "BPE" and model.get("dropout") is None
             and not model.get("continuing_subword_prefix") and not model.get("end_of_word_suffix"))
+
+
+def split_pieces(text: str) -> list[str]:
+    """GPT-2's pieces of an ASCII or :data:`LATIN_TEXT` text."""
+    return (ASCII_PIECES if text.isascii() else UNICODE_PIECES).findall(text)
 
 
 class CachedEncoder:
@@ -65,7 +84,8 @@ class CachedEncoder:
         self.cache_size = cache_size
 
     def _fast(self, text: str) -> bool:
-        return self.fast and text.isascii() and not any(token in text for token in self.added)
+        return (self.fast and LATIN_TEXT.fullmatch(text) is not None
+                and not any(token in text for token in self.added))
 
     def _ids_bytes(self, ids: list[int]) -> bytes:
         return np.asarray(ids, dtype=self.dtype).tobytes()
@@ -82,7 +102,7 @@ class CachedEncoder:
             self._cache_pieces(set().union(*pieces))
             return self._join_cached(pieces)
         fast = [self._fast(t) for t in texts]
-        pieces = [ASCII_PIECES.findall(t) if f else None for t, f in zip(texts, fast)]
+        pieces = [split_pieces(t) if f else None for t, f in zip(texts, fast)]
         self._cache_pieces(set().union(*(ps for ps in pieces if ps is not None)))
         cache = self.cache
         slow = [t for t, f in zip(texts, fast) if not f]
