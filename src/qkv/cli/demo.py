@@ -67,9 +67,9 @@ def run(args: argparse.Namespace) -> int:
                "progress": not args.no_progress and sys.stderr.isatty()}
     trainer = start_run(out / "run", data=data, train_options=options, overwrite=True, device=device)
     print(f"training a {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M-parameter Transformer on "
-          f"{len(trainer.src_ids):,} generated dates (held-out dates are never trained on)", file=sys.stderr)
+          f"{trainer.task.num_examples:,} generated dates (held-out dates are never trained on)", file=sys.stderr)
     run_training(trainer)
-    model, tokenizer = trainer.model.eval(), trainer.tokenizer
+    model, tokenizer = trainer.model.eval(), trainer.task.tokenizer
     train_seconds = trainer.state.seconds
 
     test = load_split(data, "test")
