@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from qkv.cli.options import positive_int, set_threads
+from qkv.data.text import TEXT_SOURCES
 from qkv.recipes import RECIPES, translation_recipes
 
 # command-line option -> (TransformerConfig field, CausalLMConfig field, type, help); None where the
@@ -138,7 +139,7 @@ def data_spec(args: argparse.Namespace) -> dict:
     """The data spec (:mod:`qkv.data.sources`, :mod:`qkv.data.text`) the options describe; ``--task``,
     when given, must name what that data trains."""
     spec = _data_spec(args)
-    task = "lm" if spec["source"] in ("tinyshakespeare", "text") else "translation"
+    task = "lm" if spec["source"] in TEXT_SOURCES else "translation"
     if args.task is not None and args.task != task:
         given = {"tinyshakespeare": "--data tinyshakespeare", "text": "--train-text", "prepared": "--prepared (a "
                  "parallel corpus)", "files": "--train-src/--train-tgt"}.get(spec["source"], f"--data {args.data}")
@@ -212,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{args.run_dir}: no run folder to resume")
     else:
         spec = data_spec(args)
-        model_options = _model_options(args, is_lm=spec["source"] in ("tinyshakespeare", "text"))
+        model_options = _model_options(args, is_lm=spec["source"] in TEXT_SOURCES)
         vocab_size, recipe_note, decode = args.vocab_size, None, None
         if args.recipe:  # the named recipe in place of the data's; explicit options still go over it
             model_options, train_options, vocab_size, recipe_note = _with_recipe(args, spec, model_options,
