@@ -43,7 +43,6 @@ Smoke tests (seconds; results into /tmp, never into benchmarks/results):
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -61,7 +60,7 @@ import torch.nn.functional as F
 from qkv.bench.timing import environment
 from qkv.causal_lm import IGNORE, CausalLM, CausalLMConfig
 from qkv.data.text import load_text_splits, read_tokens, train_text_tokenizer
-from qkv.fileio import write_json
+from qkv.fileio import read_json, write_json
 from qkv.precision import autocast_context
 from qkv.recipes import RECIPES
 from qkv.runs import run_training, start_run
@@ -128,6 +127,21 @@ def whole_split_loss(model: torch.nn.Module, loss_fn, tokens: np.ndarray, contex
     return {"loss_nats_per_token": loss, "tokens": count, "windows": full + (covered < n - 1)}
 
 
+SAMPLE_SETTINGS = ("prompt", "new_chars", "temperature", "top_k", "seed")
+
+
+def write_sample(model: CausalLM, tokenizer, settings: dict) -> dict:
+    """``settings`` (:data:`SAMPLE_SETTINGS`) with the text ``model.generate`` writes from them and its seconds."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(settings["seed"])
+    prompt = torch.tensor([tokenizer.encode(settings["prompt"])], device=device)
+    start = time.perf_counter()
+    ids = model.generate(prompt, settings["new_chars"], temperature=settings["temperature"], top_k=settings["top_k"],
+                         generator=generator)
+    return {**{k: settings[k] for k in SAMPLE_SETTINGS}, "seconds": round(time.perf_counter() - start, 2),
+            "text": tokenizer.decode(ids[0].tolist())}
+
+
 def best_weights_validation(run_dir: Path, valid_tokens: np.ndarray, chars_per_token: float, bf16: bool,
                             sample: dict) -> dict:
     """The whole validation split scored with the run's ``best.safetensors`` (the weights of the
@@ -139,14 +153,9 @@ def best_weights_validation(run_dir: Path, valid_tokens: np.ndarray, chars_per_t
     model, tokenizer, _ = load_run(run_dir, "best", task="lm")
     whole = whole_split_loss(model, language_model_loss, valid_tokens, model.config.context, bf16=bf16)
     nats = whole["loss_nats_per_token"] / chars_per_token
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(sample["seed"])
-    ids = model.generate(torch.tensor([tokenizer.encode(sample["prompt"])], device=device), sample["new_chars"],
-                         temperature=sample["temperature"], top_k=sample["top_k"], generator=generator)
     return {"weights": "best.safetensors", "whole_split": {**whole, "nats_per_char": nats,
                                                             "bits_per_char": nats / math.log(2)},
-            "sample": {**{k: sample[k] for k in ("prompt", "new_chars", "temperature", "top_k", "seed")},
-                       "text": tokenizer.decode(ids[0].tolist())}}
+            "sample": write_sample(model, tokenizer, sample)}
 
 
 # ------------------------------------------------------------------ the comparison
@@ -318,13 +327,9 @@ def fixed_time_run(args: argparse.Namespace, out_dir: Path) -> dict:
     engine_view.pop("score", None)
     eval_seconds = time.perf_counter() - eval_start
 
-    generator = torch.Generator(device=device).manual_seed(args.sample_seed)
-    prompt = torch.tensor([task.tokenizer.encode(args.prompt)], device=device)
-    gen_start = time.perf_counter()
-    ids = model.generate(prompt, args.sample_chars, temperature=args.temperature, top_k=args.top_k,
-                         generator=generator)
-    gen_seconds = time.perf_counter() - gen_start
-    sample = task.tokenizer.decode(ids[0].tolist())
+    settings = {"prompt": args.prompt, "new_chars": args.sample_chars, "temperature": args.temperature,
+                "top_k": args.top_k, "seed": args.sample_seed}
+    sample = write_sample(model, task.tokenizer, settings)
 
     records = read_metrics(trainer.metrics_path)
     curve = [{k: r[k] for k in ("minutes", "step", "val_loss", "val_bpc", "windows") if k in r}
@@ -335,7 +340,7 @@ def fixed_time_run(args: argparse.Namespace, out_dir: Path) -> dict:
     plot_metrics(trainer.metrics_path, png)
     print(f"final validation (whole split, {whole['tokens']} chars): {nats_per_char:.4f} nats/char, "
           f"{nats_per_char / math.log(2):.4f} bits/char", flush=True)
-    print(sample, flush=True)
+    print(sample["text"], flush=True)
     return {
         "task": "tiny Shakespeare, character level, qkv's recipe (qkv.recipes.RECIPES['tinyshakespeare'])",
         "command": " ".join(["python", *sys.argv]),
@@ -357,11 +362,9 @@ def fixed_time_run(args: argparse.Namespace, out_dir: Path) -> dict:
             f"first_{config.eval_sentences}_windows": engine_view,
             "eval_seconds": round(eval_seconds, 1),
         },
-        "best_validation": best_weights_validation(run_dir, task.valid_tokens, task.chars_per_token, config.bf16, {
-            "prompt": args.prompt, "new_chars": args.sample_chars, "temperature": args.temperature,
-            "top_k": args.top_k, "seed": args.sample_seed}),
-        "sample": {"weights": "final", "prompt": args.prompt, "new_chars": args.sample_chars, "temperature": args.temperature,
-                   "top_k": args.top_k, "seed": args.sample_seed, "seconds": round(gen_seconds, 2), "text": sample},
+        "best_validation": best_weights_validation(run_dir, task.valid_tokens, task.chars_per_token, config.bf16,
+                                                   settings),
+        "sample": {"weights": "final", **sample},
         "curve_png": str(png),
         "model": asdict(model.config),
         "train": asdict(config),
@@ -425,7 +428,7 @@ def main() -> int:
     g.add_argument("--sample-seed", type=int, default=0)
     args = p.parse_args()
     if args.rescore_best:
-        report = json.loads(Path(args.rescore_best).read_text())
+        report = read_json(args.rescore_best)
         run_dir = Path(report["run_dir"])
         tokens = read_tokens(run_dir / "val.bin", report["model"]["vocab_size"])
         chars_per_token = report["final_validation"]["whole_split"]["chars_per_token"]
