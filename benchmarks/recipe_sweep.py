@@ -13,6 +13,15 @@ the load average recorded with each candidate.
     python benchmarks/recipe_sweep.py --minutes 12 --only budget,narrow  # some of them
     python benchmarks/recipe_sweep.py --list
 
+Short runs end before the hour's regime shows (on a machine where bf16 is fast, the recipe stops gaining
+after about 30 epochs, which a 12-minute run never reaches), so hour-long candidates are trained with
+``benchmarks/train_multi30k.py`` (one option changed each) and gathered here, validation only, into one
+table and one plot of their validation curves; the first JSON is the reference the others' changes are
+named against:
+
+    python benchmarks/recipe_sweep.py --collect benchmarks/results/multi30k_en_de_xeon_bf16.json \
+        benchmarks/results/multi30k_en_de_xeon_bf16_dropout03.json --out benchmarks/results/recipe_sweep_hour.json
+
 Results are merged into the JSON (``--out``, default benchmarks/results/recipe_sweep.json) by
 candidate name, so candidates can be run in several sessions. Smoke test (seconds):
 
@@ -52,6 +61,7 @@ CANDIDATES: dict[str, tuple[str, dict, dict, int | None]] = {
     "narrow": ("d_ff 512: more steps an hour", {"d_ff": 512}, {}, None),
     "shallow": ("2+2 layers: more steps an hour", {"num_encoder_layers": 2, "num_decoder_layers": 2}, {}, None),
     "dropout-0.2": ("more dropout", {"dropout": 0.2}, {}, None),
+    "dropout-0.3": ("the dropout Multi30k papers use", {"dropout": 0.3}, {}, None),
     "batch-6k": ("6,000 padded tokens a batch", {}, {"max_tokens": 6000}, None),
     "vocab-5k": ("a 5,000-token joint BPE", {}, {}, 5000),
     "smoothing-0.2": ("label smoothing 0.2", {}, {"label_smoothing": 0.2}, None),
@@ -120,6 +130,68 @@ def plot(report: dict, png: Path) -> None:
     plt.close(fig)
 
 
+def plot_curves(rows: dict, png: Path) -> None:
+    """Validation BLEU against minutes, one line per hour-long candidate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, r in rows.items():
+        points = r["val_bleu_greedy_300_vs_minutes"]
+        ax.plot([m for m, _ in points], [b for _, b in points], marker="o", label=f"{name} ({r['steps']:,} steps)")
+    ax.set_xlabel("minutes of training")
+    ax.set_ylabel("validation sacreBLEU (greedy, 300 sentences)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    with ckpt.atomic_path(png) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def _changes(reference: dict, run: dict) -> dict:
+    """The model and training fields in which ``run`` differs from ``reference`` (budgets aside)."""
+    skip = {"max_minutes", "progress", "seed"}
+    return {f"{part}.{k}": v for part in ("model", "train") for k, v in run[part].items()
+            if k not in skip and reference[part].get(k) != v}
+
+
+def collect(paths: list[Path], out: Path) -> dict:
+    """Gather hour-long runs of benchmarks/train_multi30k.py into one sweep report (validation only:
+    test scores stay in the runs' own JSONs) and plot their validation curves beside it."""
+    from qkv.fileio import read_json
+
+    runs = [(path, read_json(path)) for path in paths]
+    reference = runs[0][1]
+    rows = {}
+    for path, run in runs:
+        changes = _changes(reference, run)
+        name = ", ".join(f"{k.split('.', 1)[1]} {v}" for k, v in changes.items()) or "reference"
+        scores = run["scores"]["averaged"]
+        beam = run.get("decode", {}).get("beam_size", 5)  # reports older than the decode field used beam 5
+        rows[name] = {"json": path.name, "changes": changes, "pair": run["task"],
+                      "minutes_trained": round(run["train_wall_seconds"] / 60, 1), "steps": run["steps"],
+                      "epochs": run["epochs"], "target_tokens_per_s": run["target_tokens_per_s"],
+                      "parameters": run["parameters"], f"val_bleu_beam{beam}": scores[f"val_beam{beam}"]["bleu"],
+                      f"val_bleu_beam{beam}_papers_form": scores[f"val_beam{beam}"]["bleu_papers_form"]["bleu"],
+                      "val_bleu_greedy_300_vs_minutes": [[round(c["minutes"], 1), c["val_bleu_greedy_300"]]
+                                                         for c in run["bleu_vs_minutes"]],
+                      "val_loss_vs_minutes": [[round(c["minutes"], 1), c["val_loss"]] for c in run["bleu_vs_minutes"]],
+                      "beam": beam, "machine": {k: run["machine"].get(k) for k in ("cpu_model", "avx512_bf16", "amx",
+                                                                                   "threads", "loadavg_end")},
+                      "bf16": run["train"]["bf16"]}
+    report = {"task": "Multi30k recipe sweep of hour-long runs, validation only (the first is the reference)",
+              "command": " ".join(["python"] + sys.argv), "candidates": rows}
+    write_json(out, report)
+    plot_curves(rows, out.with_suffix(".png"))
+    for name, r in rows.items():
+        bleu = r[f"val_bleu_beam{r['beam']}"]
+        print(f"{r['minutes_trained']:5.1f} min {r['steps']:6d} steps  val beam {r['beam']}: {bleu:6.2f}  {name}")
+    return report
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "multi30k"), help="Multi30k folder")
@@ -135,7 +207,12 @@ def main() -> int:
     p.add_argument("--no-bf16", action="store_true", help="float32 even where bf16 is fast")
     p.add_argument("--run-root", default=str(REPO / "runs" / "sweep"), help="one run folder per candidate under it")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "recipe_sweep.json"))
+    p.add_argument("--collect", nargs="+", type=Path, metavar="JSON",
+                   help="gather benchmarks/train_multi30k.py reports into one table and plot instead of training")
     args = p.parse_args()
+    if args.collect:
+        collect(args.collect, Path(args.out))
+        return 0
     if args.list:
         for name, (about, model, train, vocab) in CANDIDATES.items():
             print(f"{name:14s} {about}  model={model} train={train} vocab={vocab}")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qkv.models import Transformer, TransformerConfig
-from qkv.recipes import RECIPES, recipe_overrides, step_batches, translation_recipes
+from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, recipe_overrides, step_batches, translation_recipes
 from qkv.training import TrainConfig
 
 
@@ -83,6 +83,10 @@ def test_a_recipe_replaces_the_data_recipe_whole(source):
     merged_model = TransformerConfig(**{**own["model"], **model}, src_vocab_size=vocab, tgt_vocab_size=vocab)
     assert merged_model == TransformerConfig(**RECIPES["paper-base"]["model"], src_vocab_size=vocab,
                                              tgt_vocab_size=vocab)
+    # also where the data's recipe changes its model for fast bf16 (start_run puts those under the options)
+    fast_model = TransformerConfig(**{**own["model"], **own.get(MODEL_WHERE_BF16_IS_FAST, {}), **model},
+                                   src_vocab_size=vocab, tgt_vocab_size=vocab)
+    assert fast_model == merged_model
     merged_train = TrainConfig(**{**own["train"], **train})
     assert merged_train == TrainConfig(**{**RECIPES["paper-base"]["train"], "max_tokens": 3125, "accum_steps": 1})
     assert vocab == 37000

@@ -17,6 +17,7 @@ from qkv.data.tokenizer import Tokenizer
 from qkv.evaluation import translate_texts
 from qkv.loss import label_smoothed_cross_entropy
 from qkv.models import Transformer, TransformerConfig
+from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES
 from qkv.runs import resume_run, start_run
 from qkv.training import TrainConfig, Trainer, TranslationTask, inverse_sqrt_lr
 
@@ -354,6 +355,18 @@ def test_recipe_bf16_only_where_it_is_fast(tmp_path, monkeypatch, fast):
     asked = start_run(tmp_path / "asked", data=spec, model_options=TINY, vocab_size=300,
                       train_options={**options, "bf16": True})
     assert asked.config.bf16 is True  # an explicit request is honoured (with a warning when slow)
+    # the recipe's model for fast bf16 (more epochs fit the budget) only where the run is in fast bf16
+    files = RECIPES["files"]
+    dropout = files[MODEL_WHERE_BF16_IS_FAST]["dropout"] if fast else files["model"]["dropout"]
+    assert json.loads((tmp_path / "recipe" / "config.json").read_text())["model"]["dropout"] == dropout
+    assert files[MODEL_WHERE_BF16_IS_FAST]["dropout"] != files["model"]["dropout"]
+    assert json.loads((tmp_path / "asked" / "config.json").read_text())["model"]["dropout"] == dropout
+    plain = start_run(tmp_path / "fp32", data=spec, model_options=TINY, vocab_size=300,
+                      train_options={**options, "bf16": False})
+    assert plain.model.config.dropout == files["model"]["dropout"]  # float32 makes the recipe's own steps
+    given = start_run(tmp_path / "given", data=spec, model_options={**TINY, "dropout": 0.05}, vocab_size=300,
+                      train_options=options)
+    assert given.model.config.dropout == 0.05  # an explicit option wins
 
 
 def test_bf16_probe_reports_its_figures():

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qkv import checkpoint as ckpt
+from qkv import checkpoint as ckpt, precision
 from qkv.causal_lm import CausalLM, CausalLMConfig
 from qkv.data.parallel import ParallelText
 from qkv.data.prepared import PreparedCorpus, write_token_lists
@@ -32,8 +32,7 @@ from qkv.data.text import (TEXT_SOURCES, TOKENIZER_KINDS, check_text_spec, load_
 from qkv.data.tokenizer import Tokenizer
 from qkv.device import pick_device
 from qkv.models import Transformer, TransformerConfig
-from qkv.precision import bf16_where_fast
-from qkv.recipes import RECIPES, decode_settings
+from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, decode_settings
 from qkv.training import Distributed, LanguageModelTask, TrainConfig, Trainer, TrainingCrashed, TranslationTask
 from qkv.training.tasks import TokenLists
 from qkv.viz.curves import plot_metrics
@@ -53,12 +52,16 @@ def _input_files(spec: dict) -> list[str]:
     return [spec[k] for k in ("train_src", "train_tgt", "val_src", "val_tgt", "folder") if spec.get(k)]
 
 
-def _model_config(recipe: dict, model_options: dict | None, vocab_size: int, pad_id: int) -> TransformerConfig:
+def _model_config(recipe: dict, model_options: dict | None, vocab_size: int, pad_id: int, *,
+                  fast_bf16: bool = False) -> TransformerConfig:
     known = {f.name for f in fields(TransformerConfig)}
     unknown = sorted(set(model_options or {}) - known)
     if unknown:
         raise ValueError(f"unknown model options: {unknown}")
-    return TransformerConfig(**{**recipe["model"], **(model_options or {}), "src_vocab_size": vocab_size,
+    fast = recipe.get(MODEL_WHERE_BF16_IS_FAST, {}) if fast_bf16 else {}
+    if set(fast) - set(model_options or {}):
+        logger.info("recipe: bf16 is fast here, so the hour holds more epochs: %s", fast)
+    return TransformerConfig(**{**recipe["model"], **fast, **(model_options or {}), "src_vocab_size": vocab_size,
                                 "tgt_vocab_size": vocab_size, "pad_id": pad_id})
 
 
@@ -166,9 +169,10 @@ def start_run(
         prepared = {"folder": RUN_DATA_FOLDER}  # written below, with the run folder
     logger.info("data: %s, %d training pairs, %s validation pairs", describe(data), len(train_data),
                 len(valid_data) if valid_data is not None else "no")
-    model_config = _model_config(recipe, model_options, tokenizer.vocab_size, tokenizer.pad_id)
     asked_bf16 = "bf16" in (train_options or {})
-    train_config = replace(train_config, bf16=bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
+    train_config = replace(train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
+    model_config = _model_config(recipe, model_options, tokenizer.vocab_size, tokenizer.pad_id,
+                                 fast_bf16=train_config.bf16 and precision.bf16_is_fast(device))
     task = TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len,
                            pad_id=model_config.pad_id)  # leaves out over-long pairs
     trainer = Trainer(Transformer(model_config).to(device), task, train_config, run_dir)
@@ -357,7 +361,7 @@ def _start_lm_run(run_dir: Path, *, data: dict, model_options: dict | None, trai
     valid_ids = np.asarray(tokenizer.encode(valid_text), dtype=np.int64)
     model_config = _lm_model_config(recipe, model_options, tokenizer.vocab_size)
     asked_bf16 = "bf16" in (train_options or {})
-    train_config = replace(train_config, bf16=bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
+    train_config = replace(train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
     lm["chars_per_token"] = round(len(valid_text) / max(1, len(valid_ids)), 6)
     task = LanguageModelTask(tokenizer, train_ids, valid_ids, context=model_config.context, windows=lm["windows"],
                              chars_per_token=lm["chars_per_token"])  # checks both splits hold a window

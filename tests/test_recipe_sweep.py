@@ -1,0 +1,32 @@
+"""benchmarks/recipe_sweep.py --collect: hour-long runs gathered into one validation-only table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def test_collect_names_each_run_by_what_it_changed_and_keeps_validation_only(tmp_path):
+    reference = RESULTS / "multi30k_en_de_xeon_bf16.json"
+    candidate = RESULTS / "multi30k_en_de_xeon_bf16_dropout03.json"
+    out = tmp_path / "sweep.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "recipe_sweep.py"), "--collect", str(reference),
+                    str(candidate), "--out", str(out)], check=True, capture_output=True, text=True)
+    report = json.loads(out.read_text())
+    rows = report["candidates"]
+    assert list(rows) == ["reference", "dropout 0.3"]  # the only field the candidate's run changed
+    assert rows["dropout 0.3"]["changes"] == {"model.dropout": 0.3}
+    for name, path in (("reference", reference), ("dropout 0.3", candidate)):
+        run = json.loads(path.read_text())
+        row = rows[name]
+        assert row["val_bleu_beam5"] == run["scores"]["averaged"]["val_beam5"]["bleu"]
+        assert row["steps"] == run["steps"] and row["minutes_trained"] == round(run["train_wall_seconds"] / 60, 1)
+        assert [b for _, b in row["val_bleu_greedy_300_vs_minutes"]] == [
+            c["val_bleu_greedy_300"] for c in run["bleu_vs_minutes"]]
+    assert "test" not in json.dumps(rows)  # test 2016 never enters the table that chooses
+    assert out.with_suffix(".png").stat().st_size > 1000
