@@ -60,7 +60,7 @@ def _model_config(recipe: dict, model_options: dict | None, vocab_size: int, pad
         raise ValueError(f"unknown model options: {unknown}")
     fast = recipe.get(MODEL_WHERE_BF16_IS_FAST, {}) if fast_bf16 else {}
     if set(fast) - set(model_options or {}):
-        logger.info("recipe: bf16 is fast here, so the hour holds more epochs: %s", fast)
+        logger.info("recipe: bf16 is fast here (more epochs fit the time budget): %s", fast)
     return TransformerConfig(**{**recipe["model"], **fast, **(model_options or {}), "src_vocab_size": vocab_size,
                                 "tgt_vocab_size": vocab_size, "pad_id": pad_id})
 
