@@ -427,3 +427,23 @@ def test_options_with_choices_are_choices_on_the_command_line():
     assert (args.strategy, args.schedule, args.decay_fraction) == ("fsdp", "budget", 0.3)
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--run-dir", "r", "--schedule", "cosine"])
+
+
+
+def _fake_clock(monkeypatch, module, timings: list[float]) -> None:
+    """perf_counter for ``module``: each pair of calls brackets the next of ``timings`` (seconds)."""
+    ticks = iter([t for k, d in enumerate(timings) for t in (float(k), k + d)])
+    monkeypatch.setattr(module.time, "perf_counter", lambda: next(ticks))
+
+
+def test_bf16_probe_outlasts_one_hiccup(monkeypatch):
+    """Where bf16 is fast the probe's products take ~0.1 ms: one slow timing (a scheduler hiccup, 10x
+    longer) must not turn bf16 off; the best of several decides. Emulated bf16 (30 ms a product)
+    stops the repeats at the 50 ms budget."""
+    import qkv.precision as precision
+
+    probe = precision.cpu_bf16_probe.__wrapped__  # not the per-process cache
+    _fake_clock(monkeypatch, precision, [1e-4] * 5 + [1e-3] + [5e-5] * 4)  # float32 x5, then bf16 x5
+    assert probe(32) == pytest.approx((1e-4, 5e-5))
+    _fake_clock(monkeypatch, precision, [1e-4] * 5 + [0.03, 0.03])  # a third bf16 timing would exhaust the clock
+    assert probe(32) == pytest.approx((1e-4, 0.03))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import time
 
 import torch
@@ -26,28 +27,30 @@ def autocast_context(device: torch.device | str, bf16: bool):
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
-def _seconds(fn, repeats: int) -> float:
-    best = float("inf")
+def _seconds(fn, repeats: int, budget: float = math.inf) -> float:
+    """Best of ``repeats`` timings of ``fn()``, stopping early once they add up to ``budget`` seconds."""
+    best, total = math.inf, 0.0
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        best, total = min(best, elapsed), total + elapsed
+        if total >= budget:
+            break
     return best
 
 
 @functools.lru_cache(maxsize=None)
 def cpu_bf16_probe(size: int = 256) -> tuple[float, float]:
     """Seconds for one ``size`` x ``size`` matrix product on the CPU in (float32, bfloat16), best of
-    a few; the bfloat16 one is timed once when it is clearly emulated (over 4x slower)."""
+    five each; the bfloat16 timings stop after 50 ms in all (emulated bf16 takes milliseconds a product).
+    A product takes ~0.05-0.2 ms where bf16 is fast, so one timing alone can be a scheduler hiccup many
+    times longer: a single sample once turned bf16 off on an idle AMX Xeon."""
     generator = torch.Generator().manual_seed(0)  # its own: probing must not move the caller's RNG
     a, b = torch.randn(size, size, generator=generator), torch.randn(size, size, generator=generator)
     a16, b16 = a.bfloat16(), b.bfloat16()
     a @ b, a16 @ b16  # warm-up: kernels chosen, buffers allocated
-    fp32 = _seconds(lambda: a @ b, 3)
-    bf16 = _seconds(lambda: a16 @ b16, 1)
-    if bf16 <= 4 * fp32:
-        bf16 = min(bf16, _seconds(lambda: a16 @ b16, 2))
-    return fp32, bf16
+    return _seconds(lambda: a @ b, 5), _seconds(lambda: a16 @ b16, 5, budget=0.05)
 
 
 def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
