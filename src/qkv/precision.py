@@ -45,7 +45,7 @@ def cpu_bf16_probe(size: int = 256) -> tuple[float, float]:
     """Seconds for one ``size`` x ``size`` matrix product on the CPU in (float32, bfloat16), best of
     five each; the bfloat16 timings stop after 50 ms in all (emulated bf16 takes milliseconds a product).
     A product takes ~0.05-0.2 ms where bf16 is fast, so one timing alone can be a scheduler hiccup many
-    times longer: a single sample once turned bf16 off on an idle AMX Xeon."""
+    times longer: a single sample once turned bf16 off on an AMX Xeon."""
     generator = torch.Generator().manual_seed(0)  # its own: probing must not move the caller's RNG
     a, b = torch.randn(size, size, generator=generator), torch.randn(size, size, generator=generator)
     a16, b16 = a.bfloat16(), b.bfloat16()
