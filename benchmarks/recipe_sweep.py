@@ -206,13 +206,18 @@ def main() -> int:
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N validation pairs (smoke tests)")
     p.add_argument("--no-bf16", action="store_true", help="float32 even where bf16 is fast")
     p.add_argument("--run-root", default=str(REPO / "runs" / "sweep"), help="one run folder per candidate under it")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "recipe_sweep.json"))
+    p.add_argument("--out", default=None, help="default: benchmarks/results/recipe_sweep.json, with --collect "
+                   "recipe_sweep_hour.json (never the trained sweep's file by accident)")
     p.add_argument("--collect", nargs="+", type=Path, metavar="JSON",
                    help="gather benchmarks/train_multi30k.py reports into one table and plot instead of training")
     args = p.parse_args()
     if args.collect:
-        collect(args.collect, Path(args.out))
+        try:
+            collect(args.collect, Path(args.out or REPO / "benchmarks" / "results" / "recipe_sweep_hour.json"))
+        except (OSError, ValueError, KeyError) as e:  # a missing file, not JSON, not a train_multi30k.py report
+            p.error(f"--collect: {type(e).__name__}: {e}")
         return 0
+    args.out = args.out or str(REPO / "benchmarks" / "results" / "recipe_sweep.json")
     if args.list:
         for name, (about, model, train, vocab) in CANDIDATES.items():
             print(f"{name:14s} {about}  model={model} train={train} vocab={vocab}")

@@ -30,3 +30,12 @@ def test_collect_names_each_run_by_what_it_changed_and_keeps_validation_only(tmp
             c["val_bleu_greedy_300"] for c in run["bleu_vs_minutes"]]
     assert "test" not in json.dumps(rows)  # test 2016 never enters the table that chooses
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_collect_refuses_a_file_that_is_not_a_run_report_and_writes_nothing(tmp_path):
+    (tmp_path / "other.json").write_text("{}")
+    out = tmp_path / "sweep.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "recipe_sweep.py"), "--collect",
+                           str(tmp_path / "other.json"), "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 2 and "--collect" in done.stderr.strip().splitlines()[-1]
+    assert not out.exists() and not out.with_suffix(".png").exists()
