@@ -43,7 +43,8 @@ from qkv.recipes import decode_settings
 REPO = Path(__file__).resolve().parent.parent
 
 # command-line option -> (TransformerConfig or TrainConfig field); None = the recipe's value
-MODEL_OPTIONS = {"d_model": "d_model", "heads": "num_heads", "layers": None, "d_ff": "d_ff", "dropout": "dropout"}
+MODEL_OPTIONS = {"d_model": "d_model", "heads": "num_heads", "layers": None, "d_ff": "d_ff", "dropout": "dropout",
+                 "attention_dropout": "attention_dropout"}
 TRAIN_OPTIONS = {"max_tokens": "max_tokens", "warmup": "warmup_steps", "lr_factor": "lr_factor",
                  "eval_every_minutes": "eval_every_minutes", "checkpoint_every_minutes": "checkpoint_every_minutes",
                  "average_last": "average_last", "label_smoothing": "label_smoothing", "accum_steps": "accum_steps",
@@ -71,6 +72,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=None, help="encoder and decoder layers each")
     p.add_argument("--d-ff", type=int, default=None)
     p.add_argument("--dropout", type=float, default=None)
+    p.add_argument("--attention-dropout", type=float, default=None, help="dropout on the attention weights")
     p.add_argument("--max-tokens", type=int, default=None, help="padded tokens a batch")
     p.add_argument("--accum-steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)

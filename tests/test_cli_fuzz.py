@@ -94,8 +94,9 @@ def trained(tmp_path_factory):
 
 @FUZZ
 @given(files=corpus, options=st.lists(st.tuples(st.sampled_from([
-    "--max-steps", "--minutes", "--max-tokens", "--accum-steps", "--dropout", "--max-len", "--heads", "--vocab-size",
-    "--eval-sentences", "--label-smoothing", "--warmup", "--lr-factor", "--average-last", "--epochs"]), number),
+    "--max-steps", "--minutes", "--max-tokens", "--accum-steps", "--dropout", "--attention-dropout", "--max-len",
+    "--heads", "--vocab-size", "--eval-sentences", "--label-smoothing", "--warmup", "--lr-factor", "--average-last",
+    "--epochs"]), number),
     max_size=3), target=st.sampled_from(["new", "data", "cwd", "existing-run"]), overwrite=st.booleans())
 def test_train_never_crashes_or_loses_files(tmp_path_factory, trained, files, options, target, overwrite):
     src, tgt = files

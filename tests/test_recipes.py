@@ -142,9 +142,11 @@ def test_cli_trains_with_the_named_recipe(tmp_path, corpus):
     assert train["bf16"] == bf16_is_fast("cpu")
     # without --recipe, the data's own recipe (files: the Multi30k one)
     default = tmp_path / "default"
-    assert _run_cli(["train", *corpus, "--run-dir", default, *TINY]) == 0
-    train = json.loads((default / "config.json").read_text())["train"]
+    assert _run_cli(["train", *corpus, "--run-dir", default, *TINY, "--attention-dropout", "0.1"]) == 0
+    config = json.loads((default / "config.json").read_text())
+    train = config["train"]
     assert (train["warmup_steps"], train["accum_steps"]) == (RECIPES["files"]["train"]["warmup_steps"], 1)
+    assert (config["model"]["attention_dropout"], "attention_dropout" in RECIPES["files"]["model"]) == (0.1, False)
 
 
 def test_cli_refuses_an_unknown_recipe(tmp_path, corpus, capsys):

@@ -169,6 +169,7 @@ def test_a_kill_between_checkpoint_files_never_mixes_steps(tmp_path, monkeypatch
 # ----------------------------------------------------------------- 4. options checked after the folder is made
 @pytest.mark.parametrize("option, message", [
     (["--dropout", "1.5"], "dropout must be in [0, 1)"),
+    (["--attention-dropout", "1"], "attention_dropout must be in [0, 1)"),
     (["--max-tokens", "0"], "max_tokens (--max-tokens) must be >= 1"),
     (["--eval-sentences", "0"], "eval_sentences (--eval-sentences) must be >= 1"),
     (["--accum-steps", "0"], "accum_steps (--accum-steps) must be >= 1"),

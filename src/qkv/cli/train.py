@@ -36,6 +36,8 @@ MODEL_OPTIONS = {
     "layers": (None, "num_layers", int, "layers of a language model"),
     "d_ff": ("d_ff", "d_ff", int, "inner width of the feed-forward layers"),
     "dropout": ("dropout", "dropout", float, "residual and embedding dropout, in [0, 1)"),
+    "attention_dropout": ("attention_dropout", "attention_dropout", float,
+                          "dropout on the attention weights, in [0, 1) (not in the paper; default 0)"),
     "activation": ("activation", "activation", str, "feed-forward activation: relu, gelu or gelu_tanh"),
     "norm_first": ("norm_first", "norm_first", bool, "pre-LN instead of the paper's post-LN"),
     "max_len": ("max_len", None, int, "longest sequence in tokens (translation; longer training pairs are "
