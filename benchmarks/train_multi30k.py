@@ -2,7 +2,10 @@
 
 Writes a JSON with wall time, tokens/s, the validation BLEU-versus-minutes curve, and sacreBLEU +
 chrF on val and test 2016 with beam 5 (and greedy) for the averaged last checkpoints, plus test 2016
-with beam 5 for the last weights alone (what averaging adds). Every score also carries BLEU in the
+with beam 5 for the last weights alone (what averaging adds). The later test sets (test 2017 Flickr
+and MSCOCO, test 2018 Flickr) are scored too when the data folder or qkv's cache holds them (``qkv
+evaluate RUN --split test_2017_flickr`` fetches one); they are named under ``test_sets_not_found``
+otherwise. Every score also carries BLEU in the
 papers' form (``bleu_papers_form``: lowercased, Moses-normalised and tokenized, as Multi30k papers
 report it) and, for a German target, ``bleu_compound_split`` (qkv.bleu_forms), each labelled.
 
@@ -34,6 +37,7 @@ import torch
 
 from qkv import checkpoint as ckpt
 from qkv.bench.timing import environment
+from qkv.data.parallel import MULTI30K_LATER_TESTS, load_multi30k
 from qkv.data.sources import load_split
 from qkv.evaluation import score_translations, translate_texts
 from qkv.runs import resume_run, run_training, start_run
@@ -142,6 +146,14 @@ def main() -> int:
     state = trainer.state
 
     splits = {"val": load_split(data, "val"), "test_2016": load_split(data, "test")}
+    later_missing = []  # the later test sets score the finished model only: nothing is chosen on them
+    for stem in MULTI30K_LATER_TESTS:
+        try:
+            splits[stem] = load_multi30k(data["folder"], stem, args.src, args.tgt)  # the folder, else the cache
+        except FileNotFoundError:
+            later_missing.append(stem)
+    if later_missing:
+        logging.info("not scored (not in %s nor the cache): %s", data["folder"], ", ".join(later_missing))
     results: dict = {}
     bf16 = trainer.config.bf16
     decode = decode_settings(ckpt.read_run_config(run_dir), beam_size=args.beam)  # the recipe's, as qkv evaluate
@@ -185,6 +197,7 @@ def main() -> int:
         "bleu_vs_minutes": curve,
         "decode": decode,
         "scores": results,
+        "test_sets_not_found": later_missing,
         "model": config["model"],
         "train": config["train"],
         "parameters": sum(p.numel() for p in trainer.model.parameters()),

@@ -3,6 +3,7 @@
 import datetime as dt
 import gzip
 import random
+import shutil
 
 import pytest
 import torch
@@ -125,6 +126,38 @@ def test_download_multi30k_writes_whole_files_or_none(tmp_path, monkeypatch):
                        "val.en.gz"]  # the interrupted file is absent, and no temporary file is left
     assert (folder / "train.en.gz").read_bytes() == b"train.en.gz"
     assert oct((folder / "train.en.gz").stat().st_mode & 0o777) == oct(0o644)
+
+
+def test_later_test_sets_come_from_the_cache_and_leave_the_data_folder_alone(tmp_path, monkeypatch, shared_data):
+    import io
+    import urllib.request
+
+    asked = []
+
+    def urlopen(url, timeout):  # serves a two-line gzipped file named after the request
+        asked.append(url.rsplit("/", 1)[1])
+        return io.BytesIO(gzip.compress(f"{asked[-1]} one\n{asked[-1]} two\n".encode()))
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setenv("QKV_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "data"
+    shutil.copytree(shared_data / "multi30k", folder)
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(FileNotFoundError, match="test_2017_mscoco.en.gz"):
+        load_multi30k(folder, "test_2017_mscoco", "en", "de")  # no download unless asked
+    spec = {"source": "multi30k", "folder": str(folder), "src_lang": "en", "tgt_lang": "de"}
+    coco = load_split(spec, "mscoco2017")
+    assert coco.src == ["test_2017_mscoco.en.gz one", "test_2017_mscoco.en.gz two"]
+    assert coco.tgt[1] == "test_2017_mscoco.de.gz two" and asked == ["test_2017_mscoco.en.gz", "test_2017_mscoco.de.gz"]
+    assert load_multi30k(folder, "test_2017_mscoco", "en", "de").tgt == coco.tgt  # now read from the cache
+    assert len(asked) == 2 and sorted(p.name for p in folder.iterdir()) == before
+    assert sorted(p.name for p in (tmp_path / "cache" / "multi30k").iterdir()) == ["test_2017_mscoco.de.gz",
+                                                                                   "test_2017_mscoco.en.gz"]
+    with gzip.open(folder / "test_2018_flickr.de.gz", "wt", encoding="utf-8") as f:
+        f.write("ein Hund\n")
+    (folder / "test_2018_flickr.en").write_text("a dog\n", encoding="utf-8")
+    assert load_split(spec, "test2018").src == ["a dog"] and len(asked) == 2  # the data folder's own copy first
+    assert len(load_split(spec, "test")) == 1000 and len(asked) == 2  # test 2016 as before
 
 
 def test_data_spec_multi30k_and_files(tmp_path, shared_data):

@@ -31,8 +31,9 @@ from qkv.cli.options import length_penalty, non_negative_int, positive_int, set_
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run folder made by qkv train")
     parser.add_argument("--split", default=None,
-                        help="a split of the run's data: Multi30k train/val/test (test 2016), dates val/test, "
-                             "files val (default: test, or val for files)")
+                        help="a split of the run's data: Multi30k train/val/test (test 2016) or a later test set "
+                             "(test_2017_flickr, test_2017_mscoco, test_2018_flickr: fetched into the cache when "
+                             "missing), dates val/test, files val (default: test, or val for files)")
     parser.add_argument("--src", help="score this source file instead of a split (needs --ref)")
     parser.add_argument("--ref", help="reference translations of --src, line-aligned")
     parser.add_argument("--tgt-lang", help="the references' language, for the Moses rules of the papers' BLEU forms "

@@ -21,6 +21,11 @@ logger = logging.getLogger(__name__)
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/{name}"
 MULTI30K_SPLITS = {"train": "train", "val": "val", "valid": "val", "test": "test_2016_flickr",
                    "test2016": "test_2016_flickr", "test_2016_flickr": "test_2016_flickr"}
+# The later shared tasks' test sets (WMT 2017 and 2018; MSCOCO: captions of other images). Nothing in
+# qkv chooses a setting on them; they are fetched into the cache the first time a split is asked for.
+MULTI30K_LATER_TESTS = ("test_2017_flickr", "test_2017_mscoco", "test_2018_flickr")
+MULTI30K_SPLITS.update({stem: stem for stem in MULTI30K_LATER_TESTS})
+MULTI30K_SPLITS.update(test2017="test_2017_flickr", mscoco2017="test_2017_mscoco", test2018="test_2018_flickr")
 MULTI30K_LANGS = ("en", "de", "fr")
 
 
@@ -131,10 +136,14 @@ def resolve_multi30k(root: str | Path | None = None, *, download: bool = True) -
     return cache
 
 
-def download_multi30k(folder: Path, langs: tuple[str, ...] = ("en", "de"), timeout: float = 60.0) -> None:
-    """Download the task-1 raw files for ``langs`` into ``folder`` (each file written atomically)."""
+def download_multi30k(folder: Path, langs: tuple[str, ...] = ("en", "de"), timeout: float = 60.0,
+                      stems: tuple[str, ...] | None = None) -> None:
+    """Download the task-1 raw files for ``langs`` into ``folder`` (each file written atomically):
+    ``stems`` (default: train, val and test 2016; the later test sets when asked for)."""
     folder.mkdir(parents=True, exist_ok=True)
-    for stem in sorted(set(MULTI30K_SPLITS.values())):
+    if stems is None:
+        stems = tuple(sorted(set(MULTI30K_SPLITS.values()) - set(MULTI30K_LATER_TESTS)))
+    for stem in stems:
         for lang in langs:
             name = f"{stem}.{lang}.gz"
             target = folder / name
@@ -167,7 +176,16 @@ def multi30k_paths(folder: str | Path, split: str, src_lang: str, tgt_lang: str)
     return paths[0], paths[1]
 
 
-def load_multi30k(folder: str | Path, split: str, src_lang: str = "en", tgt_lang: str = "de") -> ParallelText:
-    """Read one Multi30k split for ``src_lang -> tgt_lang`` from ``folder``."""
+def load_multi30k(folder: str | Path, split: str, src_lang: str = "en", tgt_lang: str = "de", *,
+                  download: bool = False) -> ParallelText:
+    """Read one Multi30k split for ``src_lang -> tgt_lang`` from ``folder``. A later test set
+    (:data:`MULTI30K_LATER_TESTS`) that ``folder`` lacks is read from the cache instead, downloaded
+    there first when ``download`` is True (``folder`` itself is never written)."""
     src_path, tgt_path = multi30k_paths(folder, split, src_lang, tgt_lang)
+    if MULTI30K_SPLITS.get(split) in MULTI30K_LATER_TESTS and not (src_path.is_file() and tgt_path.is_file()):
+        cache = default_cache_dir() / "multi30k"
+        src_path, tgt_path = multi30k_paths(cache, split, src_lang, tgt_lang)
+        if download and not (src_path.is_file() and tgt_path.is_file()):
+            download_multi30k(cache, (src_lang, tgt_lang), stems=(MULTI30K_SPLITS[split],))
+            src_path, tgt_path = multi30k_paths(cache, split, src_lang, tgt_lang)
     return read_parallel(src_path, tgt_path)

@@ -66,9 +66,11 @@ def load_train_valid(spec: dict) -> tuple[ParallelText, ParallelText | None]:
 
 
 def load_split(spec: dict, split: str) -> ParallelText:
-    """One evaluation split of a run's data: for Multi30k ``train``, ``val`` or ``test``
-    (test 2016); for the date task ``val`` or ``test`` (fresh held-out dates, 2,000); for files
-    ``train`` or ``val``; for a prepared folder ``val`` or ``train`` (decoded from its ids).
+    """One evaluation split of a run's data: for Multi30k ``train``, ``val``, ``test`` (test 2016)
+    or a later test set (``test_2017_flickr``, ``test_2017_mscoco``, ``test_2018_flickr``: downloaded
+    into the cache when the data folder lacks it); for the date task ``val`` or ``test`` (fresh
+    held-out dates, 2,000); for files ``train`` or ``val``; for a prepared folder ``val`` or
+    ``train`` (decoded from its ids).
     """
     check_spec(spec)
     source = spec["source"]
@@ -84,7 +86,7 @@ def load_split(spec: dict, split: str) -> ParallelText:
         if split not in MULTI30K_SPLITS:
             raise ValueError(f"unknown Multi30k split {split!r}; choose one of {sorted(MULTI30K_SPLITS)}")
         folder = resolve_multi30k(spec.get("folder"))
-        return load_multi30k(folder, split, spec.get("src_lang", "en"), spec.get("tgt_lang", "de"))
+        return load_multi30k(folder, split, spec.get("src_lang", "en"), spec.get("tgt_lang", "de"), download=True)
     if source == "dates":
         seed = int(spec.get("seed", 0))
         if split in ("val", "valid"):
