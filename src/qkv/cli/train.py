@@ -9,14 +9,17 @@
     qkv train --run-dir runs/en-de --resume --minutes 90      # continue (the budget counts all sessions)
     torchrun --nproc_per_node 8 -m qkv train --prepared wmt14/prepared --recipe paper-base --run-dir runs/base
 
-Every option and input is checked before the run folder is written. Ctrl-C saves a checkpoint
+Every option and input is checked before the run folder is written. Ctrl-C (or SIGTERM) saves a checkpoint
 first, and so does a failed step; ``--resume`` continues from it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 from dataclasses import fields
 from pathlib import Path
 
@@ -282,17 +285,43 @@ def _model_options(args: argparse.Namespace, *, is_lm: bool) -> dict:
     return options
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a cluster scheduler's preemption, torchrun passing one on) during training:
+    raised like Ctrl-C, so the trainer saves the last whole step before the process ends."""
+
+
+@contextlib.contextmanager
+def _sigterm_saves_first():
+    """While training, SIGTERM raises :class:`Terminated` in the main thread; a second SIGTERM is
+    ignored so that it cannot cut the checkpoint short (SIGKILL still ends the process)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _train(trainer, run_dir: str) -> int:
-    """Run the loop; report Ctrl-C and a failed step in one line each (rank 0 speaks for all)."""
+    """Run the loop; report Ctrl-C or SIGTERM and a failed step in one line each (rank 0 speaks for all)."""
     from qkv.runs import TrainingCrashed, run_training
 
     try:
-        path = run_training(trainer)
-    except KeyboardInterrupt:
+        with _sigterm_saves_first():
+            path = run_training(trainer)
+    except KeyboardInterrupt as err:
         if trainer.dist.is_main:
-            print(f"interrupted: checkpoint saved at step {trainer.state.step}; continue with "
+            what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
+            print(f"{what}: checkpoint saved at step {trainer.state.step}; continue with "
                   f"qkv train --run-dir {run_dir} --resume", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
     except TrainingCrashed as err:
         print(f"qkv train: error: {err}; the last whole step ({err.step}) is saved: after fixing the cause, "
               f"continue with qkv train --run-dir {run_dir} --resume", file=sys.stderr)
