@@ -251,6 +251,15 @@ def load_run(run_dir: str | Path, weights: str = "model", *, task: str | None = 
     return model, tokenizer, config
 
 
+def check_new_run_dir(run_dir: str | Path, *, overwrite: bool, inputs: list[str | Path] = ()) -> None:
+    """Check that a new run may be created at ``run_dir``: it does not exist, or ``overwrite`` is
+    given and :func:`check_replaceable` allows it. Raises ``ValueError``; deletes nothing."""
+    if Path(run_dir).exists():
+        if not overwrite:
+            raise ValueError(f"{run_dir}: run folder exists; pass --resume to continue it or --overwrite to replace it")
+        check_replaceable(run_dir, inputs=inputs)
+
+
 def check_replaceable(run_dir: str | Path, *, inputs: list[str | Path] = ()) -> None:
     """Check that ``--overwrite`` may replace ``run_dir``: it must be a qkv run folder or an empty
     folder, must not hold the current directory, and must not hold any of ``inputs`` (the files

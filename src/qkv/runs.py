@@ -19,21 +19,19 @@ import logging
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from qkv import checkpoint as ckpt, precision
-from qkv.causal_lm import CausalLM, CausalLMConfig
 from qkv.data.parallel import ParallelText
 from qkv.data.prepared import PreparedCorpus, write_token_lists
 from qkv.data.sources import check_spec, describe, load_train_valid, recipe_source
-from qkv.data.text import (TEXT_SOURCES, TOKENIZER_KINDS, check_text_spec, load_text_splits, load_text_tokenizer,
-                           read_tokens, train_text_tokenizer, write_tokens)
+from qkv.data.text import TEXT_SOURCES
 from qkv.data.tokenizer import Tokenizer
 from qkv.device import pick_device
+from qkv.lm_runs import open_lm_model, open_lm_task, start_lm_run
 from qkv.models import Transformer, TransformerConfig
 from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, decode_settings
-from qkv.training import Distributed, LanguageModelTask, TrainConfig, Trainer, TrainingCrashed, TranslationTask
+from qkv.training import Distributed, TrainConfig, Trainer, TrainingCrashed, TranslationTask
 from qkv.training.tasks import TokenLists
 from qkv.viz.curves import plot_metrics
 
@@ -63,13 +61,6 @@ def _model_config(recipe: dict, model_options: dict | None, vocab_size: int, pad
         logger.info("recipe: bf16 is fast here (more epochs fit the time budget): %s", fast)
     return TransformerConfig(**{**recipe["model"], **fast, **(model_options or {}), "src_vocab_size": vocab_size,
                                 "tgt_vocab_size": vocab_size, "pad_id": pad_id})
-
-
-def _check_run_dir(run_dir: Path, overwrite: bool, inputs: list[str]) -> None:
-    if run_dir.exists():
-        if not overwrite:
-            raise ValueError(f"{run_dir}: run folder exists; pass --resume to continue it or --overwrite to replace it")
-        ckpt.check_replaceable(run_dir, inputs=inputs)
 
 
 def start_run(
@@ -131,15 +122,15 @@ def start_run(
         return resume_run(run_dir, device=device, dist=dist)
     run_dir = Path(run_dir)
     if data.get("source") in TEXT_SOURCES:
-        return _start_lm_run(run_dir, data=data, model_options=model_options, train_options=train_options,
-                             vocab_size=vocab_size, lm_options=lm_options, overwrite=overwrite, device=device)
+        return start_lm_run(run_dir, data=data, model_options=model_options, train_options=train_options,
+                            vocab_size=vocab_size, lm_options=lm_options, overwrite=overwrite, device=device)
     if lm_options:
         raise ValueError(f"{', '.join(sorted(lm_options))}: options of a language model (--data tinyshakespeare or "
                          "--train-text)")
     check_spec(data)
     recipe = RECIPES[recipe_source(data["source"])]
     device = pick_device(device)
-    _check_run_dir(run_dir, overwrite, _input_files(data))
+    ckpt.check_new_run_dir(run_dir, overwrite=overwrite, inputs=_input_files(data))
     if data["source"] == "prepared":
         corpus = PreparedCorpus(data["folder"])  # the manifest, read before anything else
     else:
@@ -279,12 +270,12 @@ def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
         if ckpt.run_task(config) != "lm":
             TransformerConfig.from_dict(config["model"])
         else:
-            _open_lm_model(config)
+            open_lm_model(config)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{run_dir / 'config.json'}: {err}") from None
     train_config.check_stops()
     if ckpt.run_task(config) == "lm":
-        trainer = Trainer(_open_lm_model(config).to(device), _open_lm_task(run_dir, config), train_config, run_dir,
+        trainer = Trainer(open_lm_model(config).to(device), open_lm_task(run_dir, config), train_config, run_dir,
                           dist=dist)
         return _resumed(trainer, run_dir, config, train_config, train_options)
     tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
@@ -299,85 +290,6 @@ def _resumed(trainer: Trainer, run_dir: Path, config: dict, train_config: TrainC
     trainer.resume()
     if train_options and asdict(train_config) != config.get("train") and trainer.dist.is_main:
         ckpt.write_config(run_dir, {**config, "train": asdict(train_config)})
-    return trainer
-
-
-# ------------------------------------------------------------------ language models
-def _lm_model_config(recipe: dict, model_options: dict | None, vocab_size: int) -> CausalLMConfig:
-    known = {f.name for f in fields(CausalLMConfig)}
-    unknown = sorted(set(model_options or {}) - known)
-    if unknown:
-        raise ValueError(f"unknown language-model options: {unknown}")
-    return CausalLMConfig(**{**recipe["model"], **(model_options or {}), "vocab_size": vocab_size})
-
-
-def _open_lm_model(config: dict) -> CausalLM:
-    return CausalLM(CausalLMConfig.from_dict(config["model"]))
-
-
-def _open_lm_task(run_dir: Path, config: dict) -> LanguageModelTask:
-    """The task of a language-model run, from the token arrays it keeps (memory-mapped)."""
-    vocab = config["model"]["vocab_size"]
-    lm = config.get("lm", {})
-    return LanguageModelTask(load_text_tokenizer(run_dir / "tokenizer.json"),
-                             read_tokens(run_dir / "train.bin", vocab), read_tokens(run_dir / "val.bin", vocab),
-                             context=config["model"]["context"], windows=lm.get("windows", "random"),
-                             chars_per_token=lm.get("chars_per_token", 1.0))
-
-
-def _start_lm_run(run_dir: Path, *, data: dict, model_options: dict | None, train_options: dict | None,
-                  vocab_size: int | None, lm_options: dict | None, overwrite: bool,
-                  device: str | torch.device | None) -> Trainer:
-    """:func:`start_run` for a language model: the text is tokenised once into ``train.bin`` and
-    ``val.bin`` in the run folder, which resuming and validation read (memory-mapped)."""
-    check_text_spec(data)
-    recipe = RECIPES[data["source"]]
-    device = pick_device(device)
-    inputs = [data.get(k) for k in ("train_text", "val_text") if data.get(k)]
-    _check_run_dir(run_dir, overwrite, inputs)
-    unknown = sorted(set(lm_options or {}) - set(recipe["lm"]))
-    if unknown:
-        raise ValueError(f"unknown language-model options: {unknown}")
-    lm = {**recipe["lm"], **{k: v for k, v in (lm_options or {}).items() if v is not None}}
-    if lm["tokenizer"] not in TOKENIZER_KINDS:
-        raise ValueError(f"--tokenizer must be one of {', '.join(TOKENIZER_KINDS)}, got {lm['tokenizer']!r}")
-    if lm["windows"] not in LanguageModelTask.WINDOWS:
-        raise ValueError(f"--windows must be one of {', '.join(LanguageModelTask.WINDOWS)}, got {lm['windows']!r}")
-    if lm["tokenizer"] == "bpe":
-        vocab_size = recipe["vocab_size"] if vocab_size is None else vocab_size
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 260:
-            raise ValueError(f"--vocab-size must be an integer >= 260 (256 bytes + 4 specials), got {vocab_size!r}")
-    elif vocab_size is not None:
-        raise ValueError("--vocab-size is for --tokenizer bpe (a character vocabulary is the text's characters)")
-    _lm_model_config(recipe, model_options, 1)  # the model options' own checks, before reading data
-    train_config = TrainConfig.from_dict({**recipe["train"], **(train_options or {})})
-    train_config.check_stops()
-
-    train_text, valid_text, where = load_text_splits(data)
-    # a character vocabulary covers the validation text too: a character seen only there is still predicted
-    tokenizer = train_text_tokenizer(lm["tokenizer"], train_text + valid_text if lm["tokenizer"] == "char"
-                                     else train_text, vocab_size)
-    train_ids = np.asarray(tokenizer.encode(train_text), dtype=np.int64)
-    valid_ids = np.asarray(tokenizer.encode(valid_text), dtype=np.int64)
-    model_config = _lm_model_config(recipe, model_options, tokenizer.vocab_size)
-    asked_bf16 = "bf16" in (train_options or {})
-    train_config = replace(train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
-    lm["chars_per_token"] = round(len(valid_text) / max(1, len(valid_ids)), 6)
-    task = LanguageModelTask(tokenizer, train_ids, valid_ids, context=model_config.context, windows=lm["windows"],
-                             chars_per_token=lm["chars_per_token"])  # checks both splits hold a window
-    logger.info("data: %s, %d training and %d validation tokens (%s tokenizer, %d ids)", where, len(train_ids),
-                len(valid_ids), lm["tokenizer"], tokenizer.vocab_size)
-    trainer = Trainer(CausalLM(model_config).to(device), task, train_config, run_dir)
-    config = {"task": "lm", "model": asdict(model_config), "train": asdict(train_config), "data": data, "lm": lm}
-
-    def write_initial(folder: Path) -> None:
-        write_tokens(folder / "train.bin", train_ids, tokenizer.vocab_size)
-        write_tokens(folder / "val.bin", valid_ids, tokenizer.vocab_size)
-        trainer.save(folder)
-
-    ckpt.create_run(run_dir, config, tokenizer, overwrite=overwrite, write_initial=write_initial, inputs=inputs)
-    logger.info("model: %.2fM parameters; run folder %s", sum(p.numel() for p in trainer.model.parameters()) / 1e6,
-                run_dir)
     return trainer
 
 
