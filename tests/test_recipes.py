@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from qkv.models import Transformer, TransformerConfig
-from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, recipe_overrides, step_batches, translation_recipes
+from qkv.recipes import (MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST, recipe_overrides, step_batches,
+                         translation_recipes)
 from qkv.training import TrainConfig
 
 
@@ -89,6 +90,7 @@ def test_a_recipe_replaces_the_data_recipe_whole(source):
     assert fast_model == merged_model
     merged_train = TrainConfig(**{**own["train"], **train})
     assert merged_train == TrainConfig(**{**RECIPES["paper-base"]["train"], "max_tokens": 3125, "accum_steps": 1})
+    assert TrainConfig(**{**own["train"], **own.get(TRAIN_WHERE_BF16_IS_FAST, {}), **train}) == merged_train
     assert vocab == 37000
     # bf16 is passed only where the data's recipe disagrees: where both want it, start_run's own rule
     # (on where bf16 is fast) decides

@@ -17,7 +17,7 @@ from qkv.data.tokenizer import Tokenizer
 from qkv.evaluation import translate_texts
 from qkv.loss import label_smoothed_cross_entropy
 from qkv.models import Transformer, TransformerConfig
-from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES
+from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST
 from qkv.runs import resume_run, start_run
 from qkv.training import TrainConfig, Trainer, TranslationTask, inverse_sqrt_lr
 
@@ -361,12 +361,18 @@ def test_recipe_bf16_only_where_it_is_fast(tmp_path, monkeypatch, fast):
     assert json.loads((tmp_path / "recipe" / "config.json").read_text())["model"]["dropout"] == dropout
     assert files[MODEL_WHERE_BF16_IS_FAST]["dropout"] != files["model"]["dropout"]
     assert json.loads((tmp_path / "asked" / "config.json").read_text())["model"]["dropout"] == dropout
+    # and its training fields (a gentler rate) likewise
+    lr_factor = files[TRAIN_WHERE_BF16_IS_FAST]["lr_factor"] if fast else files["train"]["lr_factor"]
+    assert files[TRAIN_WHERE_BF16_IS_FAST]["lr_factor"] != files["train"]["lr_factor"]
+    assert recipe.config.lr_factor == lr_factor
+    assert json.loads((tmp_path / "recipe" / "config.json").read_text())["train"]["lr_factor"] == lr_factor
     plain = start_run(tmp_path / "fp32", data=spec, model_options=TINY, vocab_size=300,
                       train_options={**options, "bf16": False})
     assert plain.model.config.dropout == files["model"]["dropout"]  # float32 makes the recipe's own steps
+    assert plain.config.lr_factor == files["train"]["lr_factor"]
     given = start_run(tmp_path / "given", data=spec, model_options={**TINY, "dropout": 0.05}, vocab_size=300,
-                      train_options=options)
-    assert given.model.config.dropout == 0.05  # an explicit option wins
+                      train_options={**options, "lr_factor": 0.3})
+    assert (given.model.config.dropout, given.config.lr_factor) == (0.05, 0.3)  # explicit options win
 
 
 def test_bf16_probe_reports_its_figures():

@@ -30,7 +30,7 @@ from qkv.data.tokenizer import Tokenizer
 from qkv.device import pick_device
 from qkv.lm_runs import open_lm_model, open_lm_task, start_lm_run
 from qkv.models import Transformer, TransformerConfig
-from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, decode_settings
+from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST, decode_settings
 from qkv.training import Distributed, TrainConfig, Trainer, TrainingCrashed, TranslationTask
 from qkv.training.tasks import TokenLists
 from qkv.viz.curves import plot_metrics
@@ -162,8 +162,12 @@ def start_run(
                 len(valid_data) if valid_data is not None else "no")
     asked_bf16 = "bf16" in (train_options or {})
     train_config = replace(train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
-    model_config = _model_config(recipe, model_options, tokenizer.vocab_size, tokenizer.pad_id,
-                                 fast_bf16=train_config.bf16 and precision.bf16_is_fast(device))
+    fast_bf16 = train_config.bf16 and precision.bf16_is_fast(device)
+    fast_train = {k: v for k, v in recipe.get(TRAIN_WHERE_BF16_IS_FAST, {}).items() if k not in (train_options or {})}
+    if fast_bf16 and fast_train:
+        logger.info("recipe: bf16 is fast here (more epochs fit the time budget): %s", fast_train)
+        train_config = replace(train_config, **fast_train)
+    model_config = _model_config(recipe, model_options, tokenizer.vocab_size, tokenizer.pad_id, fast_bf16=fast_bf16)
     task = TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len,
                            pad_id=model_config.pad_id)  # leaves out over-long pairs
     trainer = Trainer(Transformer(model_config).to(device), task, train_config, run_dir)
