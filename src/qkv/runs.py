@@ -50,17 +50,23 @@ def _input_files(spec: dict) -> list[str]:
     return [spec[k] for k in ("train_src", "train_tgt", "val_src", "val_tgt", "folder") if spec.get(k)]
 
 
-def _model_config(recipe: dict, model_options: dict | None, vocab_size: int, pad_id: int, *,
-                  fast_bf16: bool = False) -> TransformerConfig:
+def _model_config(recipe: dict, model_options: dict | None, vocab_size: int, pad_id: int) -> TransformerConfig:
     known = {f.name for f in fields(TransformerConfig)}
     unknown = sorted(set(model_options or {}) - known)
     if unknown:
         raise ValueError(f"unknown model options: {unknown}")
-    fast = recipe.get(MODEL_WHERE_BF16_IS_FAST, {}) if fast_bf16 else {}
-    if set(fast) - set(model_options or {}):
-        logger.info("recipe: bf16 is fast here (more epochs fit the time budget): %s", fast)
-    return TransformerConfig(**{**recipe["model"], **fast, **(model_options or {}), "src_vocab_size": vocab_size,
+    return TransformerConfig(**{**recipe["model"], **(model_options or {}), "src_vocab_size": vocab_size,
                                 "tgt_vocab_size": vocab_size, "pad_id": pad_id})
+
+
+def _where_bf16_is_fast(recipe: dict, model_options: dict | None, train_options: dict | None) -> tuple[dict, dict]:
+    """The recipe's model and training fields for a run in fast bf16 that no explicit option
+    overrides (`MODEL_WHERE_BF16_IS_FAST`, `TRAIN_WHERE_BF16_IS_FAST` in :mod:`qkv.recipes`), logged once."""
+    model = {k: v for k, v in recipe.get(MODEL_WHERE_BF16_IS_FAST, {}).items() if k not in (model_options or {})}
+    train = {k: v for k, v in recipe.get(TRAIN_WHERE_BF16_IS_FAST, {}).items() if k not in (train_options or {})}
+    if model or train:
+        logger.info("recipe: bf16 is fast here (more epochs fit the time budget): %s", {**model, **train})
+    return model, train
 
 
 def start_run(
@@ -162,12 +168,12 @@ def start_run(
                 len(valid_data) if valid_data is not None else "no")
     asked_bf16 = "bf16" in (train_options or {})
     train_config = replace(train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
-    fast_bf16 = train_config.bf16 and precision.bf16_is_fast(device)
-    fast_train = {k: v for k, v in recipe.get(TRAIN_WHERE_BF16_IS_FAST, {}).items() if k not in (train_options or {})}
-    if fast_bf16 and fast_train:
-        logger.info("recipe: bf16 is fast here (more epochs fit the time budget): %s", fast_train)
-        train_config = replace(train_config, **fast_train)
-    model_config = _model_config(recipe, model_options, tokenizer.vocab_size, tokenizer.pad_id, fast_bf16=fast_bf16)
+    fast_model, fast_train = ({}, {})
+    if train_config.bf16 and precision.bf16_is_fast(device):
+        fast_model, fast_train = _where_bf16_is_fast(recipe, model_options, train_options)
+    train_config = replace(train_config, **fast_train)
+    model_config = _model_config(recipe, {**fast_model, **(model_options or {})}, tokenizer.vocab_size,
+                                 tokenizer.pad_id)
     task = TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len,
                            pad_id=model_config.pad_id)  # leaves out over-long pairs
     trainer = Trainer(Transformer(model_config).to(device), task, train_config, run_dir)
