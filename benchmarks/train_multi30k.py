@@ -37,6 +37,7 @@ import torch
 
 from qkv import checkpoint as ckpt
 from qkv.bench.timing import environment
+from qkv.cli.train import add_model_arguments, add_train_arguments, model_options_from, train_options_from
 from qkv.data.parallel import MULTI30K_LATER_TESTS, load_multi30k
 from qkv.data.sources import load_split
 from qkv.evaluation import score_translations, translate_texts
@@ -46,16 +47,6 @@ from qkv.recipes import decode_settings
 
 REPO = Path(__file__).resolve().parent.parent
 
-# command-line option -> (TransformerConfig or TrainConfig field); None = the recipe's value
-MODEL_OPTIONS = {"d_model": "d_model", "heads": "num_heads", "layers": None, "d_ff": "d_ff", "dropout": "dropout",
-                 "attention_dropout": "attention_dropout"}
-TRAIN_OPTIONS = {"max_tokens": "max_tokens", "warmup": "warmup_steps", "lr_factor": "lr_factor",
-                 "eval_every_minutes": "eval_every_minutes", "checkpoint_every_minutes": "checkpoint_every_minutes",
-                 "average_last": "average_last", "label_smoothing": "label_smoothing", "accum_steps": "accum_steps",
-                 "schedule": "schedule", "decay_fraction": "decay_fraction", "max_steps": "max_steps",
-                 "checkpoint_every_steps": "checkpoint_every_steps"}
-
-
 def _cpu_flags() -> str:
     try:
         return " " + Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]
@@ -63,45 +54,39 @@ def _cpu_flags() -> str:
         return ""
 
 
-def main() -> int:
+def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict, dict]:
+    """The command line, and the model and training fields it sets over the recipe's."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "multi30k"), help="Multi30k folder")
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
-    p.add_argument("--minutes", type=float, default=60.0, help="training wall time (validation included)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=None, help="joint BPE vocabulary (recipe: 8000)")
-    p.add_argument("--d-model", type=int, default=None)
-    p.add_argument("--heads", type=int, default=None)
-    p.add_argument("--layers", type=int, default=None, help="encoder and decoder layers each")
-    p.add_argument("--d-ff", type=int, default=None)
-    p.add_argument("--dropout", type=float, default=None)
-    p.add_argument("--attention-dropout", type=float, default=None, help="dropout on the attention weights")
-    p.add_argument("--max-tokens", type=int, default=None, help="padded tokens a batch")
-    p.add_argument("--accum-steps", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--lr-factor", type=float, default=None)
-    p.add_argument("--label-smoothing", type=float, default=None)
-    p.add_argument("--eval-every-minutes", type=float, default=None)
-    p.add_argument("--checkpoint-every-minutes", type=float, default=None)
-    p.add_argument("--average-last", type=int, default=None)
-    p.add_argument("--schedule", choices=["inverse_sqrt", "budget"], default=None, help="learning-rate schedule")
-    p.add_argument("--decay-fraction", type=float, default=None, help="with --schedule budget (see qkv train --help)")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help="stop after this many steps as well (a budget in steps is independent of the machine's load)")
-    p.add_argument("--checkpoint-every-steps", type=int, default=None,
-                   help="keep a checkpoint every N steps (use with --checkpoint-every-minutes 0)")
+    # the model and training options are qkv train's own (declared once, in qkv.cli.train), defaulting
+    # to the recipe's values; --layers is this script's shorthand for as many encoder as decoder layers
+    model = p.add_argument_group("model (default: the recipe's, qkv.recipes)")
+    add_model_arguments(model, translation_only=True)
+    model.add_argument("--layers", dest="both_layers", type=int, help="encoder and decoder layers each")
+    add_train_arguments(p.add_argument_group("training (default: the recipe's; see qkv train --help)"))
+    p.set_defaults(max_minutes=60.0, seed=0, eval_sentences=300, log_every_steps=10)
     p.add_argument("--beam", type=int, default=None, help="beam size (default: the recipe's, qkv.recipes)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N training pairs (smoke tests)")
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N val/test pairs (smoke tests)")
-    p.add_argument("--no-bf16", action="store_true", help="float32 even where bf16 is fast")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--note", default=None, help="a remark stored in the JSON (e.g. what else ran)")
     p.add_argument("--score-only", action="store_true",
                    help="score the finished run in --run-dir again and write the JSON, without training")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    model_options = model_options_from(args, is_lm=False)
+    if args.both_layers is not None:  # --encoder-layers / --decoder-layers, when given too, win
+        model_options = {"num_encoder_layers": args.both_layers, "num_decoder_layers": args.both_layers, **model_options}
+    # --no-bf16 gives float32 even where bf16 is fast; otherwise the recipe's bf16 where it is fast
+    train_options = {**train_options_from(args), "progress": sys.stderr.isatty()}
+    return args, model_options, train_options
+
+
+def main() -> int:
+    args, model_options, train_options = parse_options()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -110,17 +95,6 @@ def main() -> int:
     out = Path(args.out or REPO / "benchmarks" / "results" / f"multi30k_{pair}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-
-    model_options = {field: getattr(args, opt) for opt, field in MODEL_OPTIONS.items()
-                     if field and getattr(args, opt) is not None}
-    if args.layers is not None:
-        model_options.update(num_encoder_layers=args.layers, num_decoder_layers=args.layers)
-    train_options = {field: getattr(args, opt) for opt, field in TRAIN_OPTIONS.items()
-                     if getattr(args, opt) is not None}
-    train_options.update(max_minutes=args.minutes, seed=args.seed, eval_sentences=300,
-                         progress=sys.stderr.isatty(), log_every_steps=10)
-    if args.no_bf16:
-        train_options["bf16"] = False  # else the recipe's: bf16 where this machine runs it fast
     data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": args.src, "tgt_lang": args.tgt}
 
     limit_memory_growth()  # as the CLI does, before the first oneDNN primitive (the bf16 probe is one)
@@ -130,7 +104,7 @@ def main() -> int:
         prep_seconds, train_wall = None, trainer.state.seconds
     else:
         trainer = start_run(run_dir, data=data, model_options=model_options, train_options=train_options,
-                            vocab_size=args.vocab, overwrite=True, device=device)
+                            vocab_size=args.vocab_size, overwrite=True, device=device)
         task = trainer.task
         if args.train_limit:  # smoke tests: fewer pairs (the tokenizer was learned on all of them)
             task.src_ids, task.tgt_ids = task.src_ids[: args.train_limit], task.tgt_ids[: args.train_limit]
@@ -188,7 +162,7 @@ def main() -> int:
         "task": f"Multi30k {args.src}->{args.tgt}",
         "command": " ".join(["python"] + sys.argv),
         "train_wall_seconds": round(train_wall, 1),
-        "train_minutes_budget": args.minutes,
+        "train_minutes_budget": args.max_minutes,
         "prep_seconds": None if prep_seconds is None else round(prep_seconds, 1),
         "steps": state.step,
         "epochs": round(state.epoch + state.batch_in_epoch / max(1, len(trainer._epoch_batches(state.epoch))), 2),

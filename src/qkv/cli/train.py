@@ -98,25 +98,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="train with this recipe instead of the data set's: paper-base / paper-big are the "
                             "paper's WMT 2014 models (Table 3; ~25k tokens a step over max_tokens x accum_steps x "
                             "processes, set for the number of processes unless --max-tokens/--accum-steps say)")
-    model.add_argument("--vocab-size", type=int, help="BPE vocabulary (recipe: 8000; dates 600; a language model "
-                                                      "with --tokenizer bpe 2000)")
-    for option, (_, _, kind, help_text) in MODEL_OPTIONS.items():
-        flag = "--" + option.replace("_", "-")
-        if kind is bool:
-            model.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            model.add_argument(flag, type=kind, help=help_text)
-    train = parser.add_argument_group("training (defaults: the recipe; with --resume: the run's own)")
-    for f, flag in _train_fields():
-        if f.type == "bool":
-            train.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
-        elif f.metadata.get("choices"):
-            train.add_argument(flag, dest=f.name, choices=f.metadata["choices"], help=f.metadata["help"])
-        else:
-            train.add_argument(flag, dest=f.name, type=int if f.type == "int" else float, help=f.metadata["help"])
+    add_model_arguments(model)
+    add_train_arguments(parser.add_argument_group("training (defaults: the recipe; with --resume: the run's own)"))
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_model_arguments(group, *, translation_only: bool = False) -> None:
+    """``--vocab-size`` and the model options (:data:`MODEL_OPTIONS`; with ``translation_only``, those
+    of a translation model): declared here once, for ``qkv train`` and the training benchmarks."""
+    group.add_argument("--vocab-size", type=int, help="BPE vocabulary (recipe: 8000; dates 600; a language model "
+                                                      "with --tokenizer bpe 2000)")
+    for option, (translation_field, _, kind, help_text) in MODEL_OPTIONS.items():
+        if translation_only and translation_field is None:
+            continue
+        if kind is bool:
+            group.add_argument(_flag(option), action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            group.add_argument(_flag(option), type=kind, help=help_text)
+
+
+def add_train_arguments(group) -> None:
+    """One option per :class:`~qkv.training.TrainConfig` field marked for the command line (each
+    declared once, on the field), defaulting to None: the recipe's value."""
+    for f, flag in _train_fields():
+        if f.type == "bool":
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
+        elif f.metadata.get("choices"):
+            group.add_argument(flag, dest=f.name, choices=f.metadata["choices"], help=f.metadata["help"])
+        else:
+            group.add_argument(flag, dest=f.name, type=int if f.type == "int" else float, help=f.metadata["help"])
+
+
+def train_options_from(args: argparse.Namespace) -> dict:
+    """The :class:`~qkv.training.TrainConfig` fields given on the command line."""
+    return {f.name: getattr(args, f.name) for f, _ in _train_fields() if getattr(args, f.name) is not None}
 
 
 def _flag(dest: str) -> str:
@@ -203,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     from qkv.training.distributed import init_distributed, shutdown
 
     set_threads(args.threads)  # under torchrun, OMP_NUM_THREADS (1 by default) sets each process's share
-    train_options = {f.name: getattr(args, f.name) for f, _ in _train_fields() if getattr(args, f.name) is not None}
+    train_options = train_options_from(args)
     if args.no_progress or not sys.stderr.isatty():
         train_options["progress"] = False
     if args.resume:
@@ -218,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{args.run_dir}: no run folder to resume")
     else:
         spec = data_spec(args)
-        model_options = _model_options(args, is_lm=spec["source"] in TEXT_SOURCES)
+        model_options = model_options_from(args, is_lm=spec["source"] in TEXT_SOURCES)
         vocab_size, recipe_note, decode = args.vocab_size, None, None
         if args.recipe:  # the named recipe in place of the data's; explicit options still go over it
             model_options, train_options, vocab_size, recipe_note = _with_recipe(args, spec, model_options,
@@ -270,12 +287,12 @@ def _with_recipe(args: argparse.Namespace, spec: dict, model_options: dict,
     return {**recipe_model, **model_options}, train_options, vocab_size, note
 
 
-def _model_options(args: argparse.Namespace, *, is_lm: bool) -> dict:
+def model_options_from(args: argparse.Namespace, *, is_lm: bool) -> dict:
     """The model options given, as fields of the kind of model the data trains; an option of the
     other kind is an error."""
     options = {}
     for opt, (translation_field, lm_field, _, _) in MODEL_OPTIONS.items():
-        if getattr(args, opt) is None:
+        if getattr(args, opt, None) is None:  # not given (or not declared: add_model_arguments(translation_only))
             continue
         field = lm_field if is_lm else translation_field
         if field is None:

@@ -1,0 +1,65 @@
+"""benchmarks/train_multi30k.py takes qkv train's own model and training options (declared once, in
+qkv.cli.train), and the spellings its README commands were written with still mean what they meant."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from qkv.cli.train import MODEL_OPTIONS
+from qkv.training import TrainConfig
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("train_multi30k", REPO / "benchmarks" / "train_multi30k.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_command_line_training_field_and_translation_model_option_is_accepted(bench):
+    flags = []
+    for f in fields(TrainConfig):
+        if f.metadata.get("cli"):
+            flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+            value = {"bool": None, "int": "3", "float": "0.25"}.get(f.type, (f.metadata.get("choices") or ["x"])[0])
+            flags += [flag] if value is None else [flag, value]
+    for option, (field, _, kind, _) in MODEL_OPTIONS.items():
+        if field is not None:
+            flag = "--" + option.replace("_", "-")
+            flags += [flag] if kind is bool else [flag, {int: "3", float: "0.25", str: "gelu"}[kind]]
+    _, model, train = bench.parse_options(flags)
+    assert set(model) == {field for field, _, _, _ in MODEL_OPTIONS.values() if field is not None}
+    assert set(train) - {"progress"} == {f.name for f in fields(TrainConfig) if f.metadata.get("cli")}
+
+
+def test_the_readme_spellings_set_the_fields_they_always_set(bench):
+    args, model, train = bench.parse_options(
+        "--minutes 0 --max-steps 1555 --checkpoint-every-minutes 0 --checkpoint-every-steps 83 --schedule budget "
+        "--decay-fraction 0.3 --warmup 300 --vocab 6000 --layers 4 --d-model 128 --heads 4 --d-ff 256 --dropout 0.2 "
+        "--lr-factor 0.5 --no-bf16 --src de --tgt en --threads 1".split())
+    assert model == {"num_encoder_layers": 4, "num_decoder_layers": 4, "d_model": 128, "num_heads": 4, "d_ff": 256,
+                     "dropout": 0.2}
+    assert {k: train[k] for k in ("max_minutes", "max_steps", "checkpoint_every_minutes", "checkpoint_every_steps",
+                                  "schedule", "decay_fraction", "warmup_steps", "lr_factor", "bf16")} == {
+        "max_minutes": 0.0, "max_steps": 1555, "checkpoint_every_minutes": 0.0, "checkpoint_every_steps": 83,
+        "schedule": "budget", "decay_fraction": 0.3, "warmup_steps": 300, "lr_factor": 0.5, "bf16": False}
+    assert (args.vocab_size, args.src, args.tgt, args.threads) == (6000, "de", "en", 1)
+
+
+def test_defaults_leave_the_recipe_alone_except_the_benchmarks_own(bench):
+    _, model, train = bench.parse_options([])
+    assert model == {}
+    assert {k: v for k, v in train.items() if k != "progress"} == {
+        "max_minutes": 60.0, "seed": 0, "eval_sentences": 300, "log_every_steps": 10}
+
+
+def test_explicit_encoder_or_decoder_layers_win_over_layers(bench):
+    _, model, _ = bench.parse_options(["--layers", "3", "--encoder-layers", "6"])
+    assert (model["num_encoder_layers"], model["num_decoder_layers"]) == (6, 3)
