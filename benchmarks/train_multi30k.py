@@ -28,7 +28,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import sys
 import time
 from pathlib import Path
