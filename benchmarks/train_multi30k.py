@@ -28,6 +28,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,8 @@ import torch
 
 from qkv import checkpoint as ckpt
 from qkv.bench.timing import environment
-from qkv.cli.train import add_model_arguments, add_train_arguments, model_options_from, train_options_from
+from qkv.cli.train import (Terminated, add_model_arguments, add_train_arguments, model_options_from,
+                           sigterm_saves_first, train_options_from)
 from qkv.data.parallel import MULTI30K_LATER_TESTS, load_multi30k
 from qkv.data.sources import load_split
 from qkv.evaluation import score_translations, translate_texts
@@ -106,15 +108,20 @@ def main() -> int:
                             vocab_size=args.vocab_size, overwrite=True, device=device)
         task = trainer.task
         if args.train_limit:  # smoke tests: fewer pairs (the tokenizer was learned on all of them)
-            task.src_ids, task.tgt_ids = task.src_ids[: args.train_limit], task.tgt_ids[: args.train_limit]
-            task.src_lengths = task.src_lengths[: args.train_limit]
-            task.tgt_lengths = task.tgt_lengths[: args.train_limit]
+            task.keep_first(args.train_limit)
         if args.eval_limit and task.valid is not None:
             limit = args.eval_limit
             task.valid.src, task.valid.tgt = task.valid.src[:limit], task.valid.tgt[:limit]
         prep_seconds = time.perf_counter() - t0
         train_start = time.perf_counter()
-        run_training(trainer)
+        try:
+            with sigterm_saves_first():  # SIGTERM, like Ctrl-C, saves the last whole step before the end
+                run_training(trainer)
+        except KeyboardInterrupt as err:
+            print(f"stopped: checkpoint saved at step {trainer.state.step}; continue with qkv train --run-dir "
+                  f"{run_dir} --resume --minutes {args.max_minutes}, then score it with this script's "
+                  f"--score-only --run-dir {run_dir}", file=sys.stderr)
+            return 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
         train_wall = time.perf_counter() - train_start
     state = trainer.state
 

@@ -453,3 +453,15 @@ def test_bf16_probe_outlasts_one_hiccup(monkeypatch):
     assert probe(32) == pytest.approx((1e-4, 5e-5))
     _fake_clock(monkeypatch, precision, [1e-4] * 5 + [0.03, 0.03])  # a third bf16 timing would exhaust the clock
     assert probe(32) == pytest.approx((1e-4, 0.03))
+
+
+def test_keep_first_trains_on_the_first_pairs_held_only():
+    src = [f"w{i} " * (30 if i == 1 else 2) for i in range(10)]  # pair 1 is too long for max_len 16: not held
+    pairs = ParallelText(src=src, tgt=[f"v{i}" for i in range(10)])
+    tokenizer = Tokenizer.train(pairs.src + pairs.tgt, vocab_size=300, split_digits=True)
+    task = TranslationTask(tokenizer, pairs, None, max_len=16, pad_id=tokenizer.pad_id)
+    task.keep_first(4)
+    assert task.num_examples == 4
+    plan = task.batches(0, max_tokens=64, seed=0)
+    assert sorted(i for batch in plan for i in batch) == [0, 1, 2, 3]
+    assert task.pairs.read([0, 1, 2, 3])[0] == [tokenizer.encode(src[i]) for i in (0, 2, 3, 4)]

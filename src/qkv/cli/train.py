@@ -308,7 +308,7 @@ class Terminated(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def _sigterm_saves_first():
+def sigterm_saves_first():
     """While training, SIGTERM raises :class:`Terminated` in the main thread; a second SIGTERM is
     ignored so that it cannot cut the checkpoint short (SIGKILL still ends the process)."""
     if threading.current_thread() is not threading.main_thread():
@@ -331,7 +331,7 @@ def _train(trainer, run_dir: str) -> int:
     from qkv.runs import TrainingCrashed, run_training
 
     try:
-        with _sigterm_saves_first():
+        with sigterm_saves_first():
             path = run_training(trainer)
     except KeyboardInterrupt as err:
         if trainer.dist.is_main:

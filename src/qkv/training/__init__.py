@@ -4,7 +4,9 @@
   :class:`TrainState`;
 - :mod:`qkv.training.tasks`: what a kind of model trains on (:class:`TranslationTask`,
   :class:`LanguageModelTask`);
-- :mod:`qkv.training.engine`: :class:`Trainer` (``step`` and the loop, checkpoints);
+- :mod:`qkv.training.engine`: :class:`Trainer` (``step``, the loop, validation, the final weights);
+- :mod:`qkv.training.checkpointing`: the Trainer's run-folder checkpoints (save, resume, the last
+  whole step after a stop or failure, the checkpoints kept for averaging);
 - :mod:`qkv.training.distributed`: torchrun's process group, DDP and FSDP2.
 
 Run folders (creating, resuming, recipes) are in :mod:`qkv.runs`.

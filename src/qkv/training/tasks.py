@@ -142,6 +142,11 @@ class TranslationTask:
     def tgt_ids(self) -> list[list[int]]:
         return self.pairs.tgt_ids
 
+    def keep_first(self, count: int) -> None:
+        """Train on the first ``count`` pairs held (smoke tests): the rest stay loaded, in no batch."""
+        indices = np.arange(len(self.pairs)) if self.kept is None else self.kept
+        self.kept = indices[indices < count]
+
     def batches(self, epoch: int, max_tokens: int, seed: int) -> BatchPlan:
         """The epoch's token-bucketed batches (example indices), shuffled by ``seed + epoch``."""
         return bucket_batches(self.padded_lengths, max_tokens, seed=seed + epoch, indices=self.kept)

@@ -1,0 +1,129 @@
+"""The run folder's checkpoints, for :class:`~qkv.training.engine.Trainer`: the resumable state
+(:meth:`~Checkpointing.save`, :meth:`~Checkpointing.resume`), the last whole step saved after Ctrl-C,
+SIGTERM or a failed step, and the checkpoints kept for averaging. Every write goes through
+:mod:`qkv.checkpoint` (atomic files, written in an order that a crash at any point leaves consistent)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from qkv import checkpoint as ckpt
+from qkv.training.config import TrainState
+from qkv.training.distributed import (full_state, load_full_state, load_optimizer_shards, remove_optimizer_shards,
+                                      save_optimizer_shards)
+
+logger = logging.getLogger(__name__)
+
+
+class Checkpointing:
+    """The checkpoint half of :class:`~qkv.training.engine.Trainer` (which sets ``model``, ``optimizer``,
+    ``config``, ``state``, ``dist``, ``sharded``, ``run_dir`` and ``metrics_path`` and has
+    ``plain_model``)."""
+
+    def save(self, folder: str | Path | None = None) -> None:
+        """Save the resumable checkpoint (one atomic file: weights, optimizer, position, every
+        process's RNG; under FSDP2 the optimizer's shards go to a folder that file names) and
+        ``last.safetensors``, at a step boundary, into ``folder`` (default: the run's). Every
+        process calls it; rank 0 writes."""
+        folder = Path(folder) if folder is not None else self.run_dir
+        if self.sharded:  # full weights on rank 0 (the run folder's format), the optimizer in shards
+            weights, _ = full_state(self.model, None, sharded=True)
+            optim = save_optimizer_shards(self.model, self.optimizer, folder, self.state.step, self.dist)
+        else:
+            weights, optim = full_state(self.model, self.optimizer, sharded=False)
+        rng = self.dist.gather(ckpt.rng_state())
+        if self.dist.is_main:
+            metrics = folder / "metrics.jsonl"
+            self.state.metrics_bytes = metrics.stat().st_size if metrics.is_file() else 0
+            if self.sharded:
+                self._shadow.load_state_dict(weights)
+            ckpt.save_checkpoint(folder, self._shadow if self.sharded else self.model,
+                                 {"train_state": asdict(self.state), "optimizer": optim,
+                                  "rng": rng if self.dist.enabled else rng[0], "world_size": self.dist.world_size},
+                                 weights=weights)
+            remove_optimizer_shards(folder, keep=optim["shards"] if self.sharded and optim else None)
+        self.dist.barrier()
+
+    def resume(self) -> None:
+        """Restore weights, optimizer, position and RNG from the run folder (saved by any number of
+        processes), cut ``metrics.jsonl`` back to that step and clear what a killed process left."""
+        saved = ckpt.load_checkpoint(self.run_dir, clean=self.dist.is_main)
+        weights = saved["model"] if "model" in saved else ckpt.read_weights(self.run_dir / "last.safetensors")
+        optim = saved["optimizer"]
+        shards = optim.get("shards") if isinstance(optim, dict) else None
+        load_full_state(self.model, self.optimizer, weights, None if shards else optim, self.sharded)
+        if shards:  # written by FSDP2: read back resharded for this run's processes and strategy
+            load_optimizer_shards(self.model, self.optimizer, self.run_dir / shards)
+        rng = saved.get("rng", {"cpu": saved.get("torch_rng")})  # the oldest runs: the CPU state only
+        per_process = rng if isinstance(rng, list) else [rng]
+        if len(per_process) == self.dist.world_size or self.dist.rank < len(per_process):
+            ckpt.set_rng_state(per_process[self.dist.rank])
+        else:  # more processes than saved: a fresh, reproducible stream for this one
+            torch.manual_seed(self.config.seed + 1_000_003 * self.dist.rank + saved["train_state"]["step"])
+        if self.dist.is_main and len(per_process) != self.dist.world_size and saved["train_state"]["step"]:
+            logger.info("the checkpoint holds the random state of %d process(es), resuming on %d: same weights, "
+                        "optimizer and data position; dropout masks differ from an uninterrupted run",
+                        len(per_process), self.dist.world_size)
+        self.state = TrainState(**saved["train_state"])
+        self.state.kept_checkpoints = self.state.kept_checkpoints or []
+        if self.dist.is_main:
+            if "metrics_bytes" in saved["train_state"] and self.metrics_path.is_file() and (
+                    self.metrics_path.stat().st_size > self.state.metrics_bytes):
+                with open(self.metrics_path, "r+b") as handle:  # lines logged after the saved step are replayed
+                    handle.truncate(self.state.metrics_bytes)
+            self._remove_unkept_checkpoints()
+            remove_optimizer_shards(self.run_dir, keep=shards)
+            if self.state.step:
+                logger.info("resumed at step %d (epoch %d, %.1f minutes done)", self.state.step, self.state.epoch,
+                            self.state.seconds / 60)
+        self.dist.barrier()
+
+    def _save_after_failure(self, step_start: tuple | None) -> None:
+        """After Ctrl-C or a failure inside the loop, save the last whole step: a partly done step
+        is dropped (its batches and dropout masks are replayed on resume). With several processes
+        the others may be gone, so rank 0 saves alone, without collectives; under FSDP2 that is
+        impossible (the weights are sharded) and the last periodic checkpoint stands."""
+        s = self.state
+        if step_start is not None and s.step == step_start[3]:
+            s.epoch, s.batch_in_epoch = step_start[0], step_start[1]
+            ckpt.set_rng_state(step_start[2])
+        if not self.dist.is_main:
+            return
+        if self.sharded:
+            logger.warning("stopping: under FSDP the last periodic checkpoint is kept (step in state.pt)")
+            return
+        logger.warning("stopping: saving a checkpoint at step %d", s.step)
+        try:
+            if self.dist.enabled:
+                ckpt.save_checkpoint(self.run_dir, self.model, {"train_state": asdict(s), "rng": [ckpt.rng_state()],
+                                                                "optimizer": self.optimizer.state_dict(), "world_size": 1})
+            else:
+                self.save()
+        except Exception as save_err:  # e.g. a full disk: the previous checkpoint is still whole
+            logger.error("could not save the checkpoint (%s); the previous one is kept", save_err)
+
+    def keep_checkpoint(self) -> None:
+        """Save ``checkpoints/step_<N>.safetensors`` (for averaging) and the resumable state. The
+        new file is written, then the state that lists it, and only then are files the state no
+        longer lists removed, so a crash at any point leaves a consistent folder."""
+        model = self.plain_model()
+        name = f"step_{self.state.step}.safetensors"
+        if name not in self.state.kept_checkpoints:
+            self.state.kept_checkpoints.append(name)
+        del self.state.kept_checkpoints[: max(0, len(self.state.kept_checkpoints) - max(self.config.average_last, 1))]
+        if self.dist.is_main:
+            ckpt.save_weights(model, self.run_dir / "checkpoints" / name)
+        self.save()
+        if self.dist.is_main:
+            self._remove_unkept_checkpoints()
+
+    def _remove_unkept_checkpoints(self) -> None:
+        folder = self.run_dir / "checkpoints"
+        if folder.is_dir():
+            for path in folder.glob("step_*.safetensors"):
+                if path.name not in self.state.kept_checkpoints:
+                    path.unlink(missing_ok=True)
