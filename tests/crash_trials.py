@@ -67,6 +67,27 @@ def quiet_main(argv: list[str], stdin: bytes | None = None) -> int:
         sys.stdin = saved_stdin
 
 
+def terminate_after_steps(argv: list[str], run_dir: Path, logged: int) -> tuple[subprocess.Popen, str, int, int]:
+    """Start ``argv`` (a training process), send it SIGTERM once ``metrics.jsonl`` holds ``logged``
+    training records, and wait for it: ``(process, its stderr, the step state.pt saved, the last
+    step logged)``."""
+    import json
+
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics, deadline, seen = run_dir / "metrics.jsonl", time.monotonic() + 240, 0
+    while seen < logged and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        if metrics.is_file():
+            seen = sum('"train"' in line for line in metrics.read_text().splitlines())
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    state = run_dir / "state.pt"
+    saved = torch.load(state, weights_only=False, map_location="cpu")["train_state"]["step"] if state.is_file() else -1
+    trained = max((json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line),
+                  default=-1) if metrics.is_file() else -1
+    return proc, err, saved, trained
+
+
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "state.pt", weights_only=False, map_location="cpu")["model"]
 

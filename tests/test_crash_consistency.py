@@ -40,11 +40,8 @@ def test_sigterm_saves_the_last_whole_step_and_resume_finishes_the_run_exactly(t
     """SIGTERM (``kill``, a scheduler's preemption) is handled like Ctrl-C: the run saves the step it
     has reached, though its periodic checkpoints are far apart, and exits 143 with one line saying
     how to resume; resuming ends on the uninterrupted run's weights. The old code died on the spot."""
-    import json
     import signal
-    import subprocess
     import sys
-    import time
 
     import torch
 
@@ -53,18 +50,8 @@ def test_sigterm_saves_the_last_whole_step_and_resume_finishes_the_run_exactly(t
     expected = crash_trials.uninterrupted(tmp_path, src, tgt, steps)
     run = tmp_path / "terminated"
     argv = [*crash_trials.start_args(src, tgt, run, steps), "--checkpoint-every-steps", "1000"]
-    proc = subprocess.Popen([sys.executable, "-m", "qkv", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
-    metrics, deadline, logged = run / "metrics.jsonl", time.monotonic() + 120, 0
-    while logged < 5 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-        if metrics.is_file():
-            logged = sum('"train"' in line for line in metrics.read_text().splitlines())
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    proc, err, saved, trained = crash_trials.terminate_after_steps([sys.executable, "-m", "qkv", *argv], run, 5)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    saved = torch.load(run / "state.pt", weights_only=False, map_location="cpu")["train_state"]["step"]
-    trained = max(json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line)
     assert 5 <= trained <= saved < steps, err
     assert f"terminated (SIGTERM): checkpoint saved at step {saved}; continue with" in err and "Traceback" not in err
     assert crash_trials.quiet_main(crash_trials.resume_args(run)) == 0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import crash_trials
 from qkv.cli.train import MODEL_OPTIONS
 from qkv.training import TrainConfig
 
@@ -69,13 +70,8 @@ def test_sigterm_saves_the_benchmark_run_and_says_how_to_go_on(tmp_path):
     """SIGTERM during the benchmark's training saves the last whole step (as qkv train does), exits 143
     and writes no report; before, the process died on the spot and lost everything since the last
     checkpoint."""
-    import json
     import signal
-    import subprocess
     import sys
-    import time
-
-    import torch
 
     data = REPO.parent / "shared" / "data" / "multi30k"
     if not (data / "train.en.gz").is_file():
@@ -85,17 +81,8 @@ def test_sigterm_saves_the_benchmark_run_and_says_how_to_go_on(tmp_path):
             "--train-limit", "400", "--d-model", "32", "--heads", "2", "--layers", "1", "--d-ff", "64",
             "--max-tokens", "600", "--eval-every-minutes", "0", "--checkpoint-every-minutes", "0", "--threads", "1",
             "--log-every-steps", "2", "--no-bf16", "--run-dir", str(run), "--out", str(out)]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    metrics, deadline, logged = run / "metrics.jsonl", time.monotonic() + 240, 0
-    while logged < 3 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-        if metrics.is_file():
-            logged = sum('"train"' in line for line in metrics.read_text().splitlines())
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    proc, err, saved, trained = crash_trials.terminate_after_steps(argv, run, 3)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    saved = torch.load(run / "state.pt", weights_only=False, map_location="cpu")["train_state"]["step"]
-    trained = max(json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line)
     assert 6 <= trained <= saved, err
     assert f"stopped: checkpoint saved at step {saved}; continue with qkv train --run-dir {run} --resume" in err
     assert "Traceback" not in err and not out.exists()
