@@ -119,7 +119,7 @@ def main() -> int:
                 run_training(trainer)
         except KeyboardInterrupt as err:
             print(f"stopped: checkpoint saved at step {trainer.state.step}; continue with qkv train --run-dir "
-                  f"{run_dir} --resume --minutes {args.max_minutes}, then score it with this script's "
+                  f"{run_dir} --resume (the run keeps its budget), then score it with this script's "
                   f"--score-only --run-dir {run_dir}", file=sys.stderr)
             return 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
         train_wall = time.perf_counter() - train_start
