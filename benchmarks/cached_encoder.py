@@ -97,12 +97,10 @@ def main() -> int:
         row["latin_over_ascii_cold"] = round(row["ascii_fast_path"]["cold_s"] / row["latin_fast_path"]["cold_s"], 2)
         results[lang] = row
         print(lang, {k: v for k, v in row.items()}, flush=True)
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     report = {"what": "CachedEncoder vs the tokenizers library on Multi30k training text, one thread",
               "command": "python benchmarks/cached_encoder.py", "vocab_size": tokenizer.vocab_size,
               "repeats": args.repeats, "languages": results,
-              "machine": {**environment(), "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_bf16" in flags,
-                          "load_average_end": list(os.getloadavg())}}
+              "machine": {**environment(), "load_average_end": list(os.getloadavg())}}
     write_json(args.out, report)
     return 0
 

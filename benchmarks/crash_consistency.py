@@ -21,19 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import crash_trials  # noqa: E402
 import torch  # noqa: E402
 
+from qkv.bench import timing
 from qkv.bench.timing import environment  # noqa: E402
 from qkv.fileio import write_json  # noqa: E402
 
 
 def cpu_flags() -> dict:
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    flags = timing.cpu_flags()
     return {"avx2": "avx2" in flags, "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags}
 
 

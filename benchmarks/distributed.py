@@ -152,7 +152,6 @@ def main() -> int:
                 results[mode].append(measure(mode, Path(tmp), batches_path, args.steps, args.warmup))
                 print(round_, mode, round(results[mode][-1]["tokens_per_s"], 1), flush=True)
     median = {m: statistics.median(r["tokens_per_s"] for r in results[m]) for m in modes}
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     report = {
         "benchmark": "Multi30k model (d 256, 3+3 layers), Trainer.step on the same 2 batches a step; tokens/s",
         "command": " ".join(["python", *sys.argv]),
@@ -162,8 +161,7 @@ def main() -> int:
         "scaling_efficiency_2_processes": median["2x1"] / (2 * median["1x1"]),
         "rounds": results,
         "projection": projection(),
-        "machine": {**environment(), "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_bf16" in flags,
-                    "load_average": os.getloadavg(), "platform": platform.platform()},
+        "machine": {**environment(), "load_average": os.getloadavg(), "platform": platform.platform()},
     }
     write_json(args.out, report)
     print({k: round(v, 1) for k, v in median.items()}, "2x1/1x2 =", round(report["two_processes_vs_two_threads"], 3),

@@ -27,8 +27,7 @@ OUT = Path(__file__).resolve().parent / "results" / "explorer_compare_minilm.jso
 
 
 def machine() -> dict:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return {**environment(), "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags}
+    return environment()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -208,9 +208,6 @@ def machine() -> dict:
     from qkv.bench.timing import environment
 
     info = environment()
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    info["avx512_bf16"] = "avx512_bf16" in flags
-    info["amx_bf16"] = "amx_bf16" in flags
     info["threads"] = os.cpu_count()
     info["chromium"] = subprocess.run([CHROMIUM, "--version"], capture_output=True, text=True).stdout.strip()
     return info

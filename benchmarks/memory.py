@@ -9,8 +9,8 @@ a fresh child process, so one run's memory cannot leak into the next one's figur
 
 ``--fixes`` lists the variants to run, each ``none`` or a ``+``-joined set of measures from
 qkv.memory: ``trim`` returns freed heap memory to the OS every ``--trim-every`` steps
-(qkv.memory.HeapTrimmer), ``onednn`` caps oneDNN's primitive cache at 8 before the first primitive
-(qkv.memory.cap_onednn_primitive_cache), ``mmap`` serves allocations of ``--mmap-threshold`` bytes
+(qkv.memory.HeapTrimmer), ``onednn`` caps oneDNN's primitive cache at ``--onednn-capacity`` before the
+first primitive (qkv.memory.cap_onednn_primitive_cache; without it oneDNN holds up to 1024), ``mmap`` serves allocations of ``--mmap-threshold`` bytes
 or more with mmap (qkv.memory.mmap_large_allocations); ``fix`` is ``onednn+trim``, what the
 training loop does by default. Process-wide settings are applied first thing, as the CLI does.
 
@@ -39,6 +39,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from qkv.memory import ONEDNN_CACHE_CAPACITY
 
 REPO = Path(__file__).resolve().parent.parent
 MEASURES = ("trim", "mmap", "onednn")
@@ -117,7 +119,7 @@ def child(args: argparse.Namespace) -> int:
     measures = measures_of(args.fix)
     from qkv.memory import limit_memory_growth
 
-    applied = limit_memory_growth(onednn_cache_capacity=8 if "onednn" in measures else None,
+    applied = limit_memory_growth(onednn_cache_capacity=args.onednn_capacity if "onednn" in measures else None,
                                   mmap_threshold=args.mmap_threshold if "mmap" in measures else None)
     import torch
 
@@ -232,8 +234,9 @@ def flatness(samples: list[dict], warmup_minutes: float, tolerance: float, key: 
 def label(run: dict) -> str:
     if run["fix"] == "none":
         return f"{run['precision']}, no fix"
-    names = {"fix": f"trim every {run.get('trim_every_steps', '?')} steps + oneDNN cache 8",
-             "trim": f"trim every {run.get('trim_every_steps', '?')} steps", "onednn": "oneDNN cache 8",
+    cache = f"oneDNN cache {(run.get('settings') or {}).get('onednn_primitive_cache') or '?'}"
+    names = {"fix": f"trim every {run.get('trim_every_steps', '?')} steps + {cache}",
+             "trim": f"trim every {run.get('trim_every_steps', '?')} steps", "onednn": cache,
              "mmap": f"mmap >= {(run.get('settings') or {}).get('mmap_threshold') or 0:,} B"}
     return f"{run['precision']}, " + " + ".join(names.get(part, part) for part in run["fix"].split("+"))
 
@@ -289,6 +292,8 @@ def main() -> int:
                         f"or {tuple(COMPOSITES)}")
     p.add_argument("--trim-every", type=int, default=50, help="steps between heap trims (the trim measure)")
     p.add_argument("--mmap-threshold", type=int, default=2**20, help="bytes (the mmap measure)")
+    p.add_argument("--onednn-capacity", type=int, default=ONEDNN_CACHE_CAPACITY,
+                   help="primitives oneDNN may cache (the onednn measure; default: qkv's)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "memory.json"))
     p.add_argument("--figure", default=str(REPO / "docs" / "figures" / "memory.png"))
@@ -337,7 +342,7 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--child", "--precision", precision, "--fix", fix,
                    "--child-out", child_out, "--data", args.data, "--minutes", str(args.minutes),
                    "--interval", str(args.interval), "--trim-every", str(args.trim_every),
-                   "--mmap-threshold", str(args.mmap_threshold),
+                   "--mmap-threshold", str(args.mmap_threshold), "--onednn-capacity", str(args.onednn_capacity),
                    "--threads", str(args.threads)]
             logging.info("run: %s", " ".join(cmd[1:]))
             try:

@@ -168,8 +168,9 @@ def rank_main(rss_dir: str, argv: list[str]) -> int:
 
 
 def cpu_flags() -> dict:
-    text = Path("/proc/cpuinfo").read_text()
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    from qkv.bench import timing
+
+    flags = timing.cpu_flags()
     return {name: name in flags for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")}
 
 

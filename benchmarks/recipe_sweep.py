@@ -69,8 +69,7 @@ CANDIDATES: dict[str, tuple[str, dict, dict, int | None]] = {
 
 
 def machine(threads: int) -> dict:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return {**environment(), "threads": threads, "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_tile" in flags}
+    return {**environment(), "threads": threads}
 
 
 def run_candidate(name: str, args: argparse.Namespace, data: dict, device: str) -> dict:

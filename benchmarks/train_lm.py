@@ -80,10 +80,8 @@ TRAIN_OPTIONS = {"max_tokens": "max_tokens", "warmup_lr": "warmup_steps", "lr_fa
 
 
 def machine(threads: int) -> dict:
-    """What the figures were measured on: :func:`qkv.bench.timing.environment` and the CPU's bf16 flags."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return {**environment(), "threads": threads, "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_bf16" in flags,
-            "platform": platform.platform()}
+    """What the figures were measured on: :func:`qkv.bench.timing.environment` (CPU, its bf16 flags, load)."""
+    return {**environment(), "threads": threads, "platform": platform.platform()}
 
 
 # ------------------------------------------------------------------ evaluation on a whole split

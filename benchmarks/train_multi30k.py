@@ -48,13 +48,6 @@ from qkv.recipes import decode_settings
 
 REPO = Path(__file__).resolve().parent.parent
 
-def _cpu_flags() -> str:
-    try:
-        return " " + Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]
-    except (OSError, IndexError):
-        return ""
-
-
 def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict, dict]:
     """The command line, and the model and training fields it sets over the recipe's."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -181,9 +174,7 @@ def main() -> int:
         "model": config["model"],
         "train": config["train"],
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
-        "machine": {**environment(), "threads": args.threads, "device": device,
-                    "avx512_bf16": " avx512_bf16" in _cpu_flags(), "amx": " amx_tile" in _cpu_flags(),
-                    "loadavg_end": os.getloadavg()},
+        "machine": {**environment(), "threads": args.threads, "device": device, "loadavg_end": os.getloadavg()},
         "note": args.note,
         "run_dir": str(run_dir),
     }

@@ -118,11 +118,12 @@ def test_mmap_large_allocations_checks_and_applies():
 def test_limit_memory_growth(monkeypatch):
     _unset_cache_variables(monkeypatch)
     monkeypatch.setattr(memory, "mmap_large_allocations", lambda threshold: True)
-    assert memory.limit_memory_growth() == {"onednn_primitive_cache": 8, "mmap_threshold": None}
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "8"
+    capacity = memory.ONEDNN_CACHE_CAPACITY
+    assert memory.limit_memory_growth() == {"onednn_primitive_cache": capacity, "mmap_threshold": None}
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(capacity)
     # already set (by the user or an earlier call): left alone
     assert memory.limit_memory_growth(onednn_cache_capacity=4, mmap_threshold=2**20) == {
         "onednn_primitive_cache": None, "mmap_threshold": 2**20}
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "8"
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(capacity)
     assert memory.limit_memory_growth(onednn_cache_capacity=None) == {"onednn_primitive_cache": None,
                                                                       "mmap_threshold": None}

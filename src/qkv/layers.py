@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache, MultiHeadAttention
 from qkv.dropout import Dropout
+from qkv.shapes import Linear
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -27,8 +28,8 @@ class FeedForward(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; choose one of {sorted(ACTIVATIONS)}")
-        self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
-        self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.linear1 = Linear(d_model, d_ff, bias=bias)
+        self.linear2 = Linear(d_ff, d_model, bias=bias)
         self.dropout = Dropout(dropout)
         self.activation = activation
 

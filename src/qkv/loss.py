@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qkv.shapes import pad_rows, padded_rows, pads_rows
+
 # rows of logits made at once by the fused loss: (1024, 8000) fp32 is 32 MiB, a few times the L3
 FUSED_CHUNK_ROWS = 1024
 
@@ -83,8 +85,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_rows = torch.empty_like(rows) if need_grads else None
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grads else None
             total = torch.zeros((), dtype=torch.float32, device=rows.device)
+            # chunks padded to few shapes (qkv.shapes): the padding's loss is left out, its rows of h are zero
+            # (nothing added to the weight's gradient) and its rows of the input's gradient are dropped
+            pads = pads_rows(h, h.size(0))
             for start in range(0, h.size(0), chunk_rows):
                 h_c, y_c = h[start : start + chunk_rows], target[start : start + chunk_rows]
+                real = h_c.size(0)
+                if pads:
+                    h_c, y_c = pad_rows(h_c, padded_rows(real)), F.pad(y_c, (0, padded_rows(real) - real))
                 z = (h_c @ w.T).float()  # (c, V) logits
                 z_max = z.amax(dim=-1, keepdim=True)
                 z_true = z.gather(-1, y_c[:, None])
@@ -93,7 +101,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 norm = probs.sum(dim=-1, keepdim=True)
                 lse = norm.log() + z_max  # (c, 1)
                 loss = lse - z_true if not eps else lse - (1.0 - eps) * z_true - (eps / vocab) * z_sum
-                total += loss.sum()
+                total += loss[:real].sum()
                 if not need_grads:
                     continue
                 grad_z = probs.div_(norm)  # softmax ...
@@ -101,7 +109,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_z.sub_(eps / vocab)  # ... minus the smoothed target
                 grad_z.scatter_add_(-1, y_c[:, None], grad_z.new_full((y_c.size(0), 1), -(1.0 - eps)))
                 grad_z = grad_z.to(dtype)
-                grad_rows[start : start + chunk_rows] = grad_z @ w
+                grad_rows[start : start + real] = (grad_z @ w)[:real]
                 grad_weight += (grad_z.T @ h_c).float()
         ctx.save_for_backward(grad_rows, grad_weight)
         ctx.weight_dtype = weight.dtype

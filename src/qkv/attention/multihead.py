@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention.functional import scaled_dot_product_attention
 from qkv.attention.masks import combine_masks
+from qkv.shapes import Linear, linear
 
 
 @dataclass
@@ -51,7 +51,7 @@ def _fusable(*projections: nn.Module) -> bool:
     """Plain ``nn.Linear`` projections without hooks, of the same input size, can be fused into
     one product; a hook (e.g. one that records a projection) needs its own module call."""
     return all(
-        type(p) is nn.Linear and not p._forward_hooks and not p._forward_pre_hooks for p in projections
+        type(p) in (nn.Linear, Linear) and not p._forward_hooks and not p._forward_pre_hooks for p in projections
     ) and len({p.in_features for p in projections}) == 1
 
 
@@ -90,10 +90,10 @@ class MultiHeadAttention(nn.Module):
         self.kdim = embed_dim if kdim is None else kdim
         self.vdim = embed_dim if vdim is None else vdim
         self.dropout = dropout
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.k_proj = nn.Linear(self.kdim, embed_dim, bias=bias)
-        self.v_proj = nn.Linear(self.vdim, embed_dim, bias=bias)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.q_proj = Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = Linear(self.kdim, embed_dim, bias=bias)
+        self.v_proj = Linear(self.vdim, embed_dim, bias=bias)
+        self.out_proj = Linear(embed_dim, embed_dim, bias=bias)
 
     def forward(
         self,
@@ -183,7 +183,7 @@ class MultiHeadAttention(nn.Module):
             bias = None
         else:
             bias = torch.cat([p.weight.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections])
-        fused = F.linear(x, weight, bias)  # (b, s, n * e)
+        fused = linear(x, weight, bias)  # (b, s, n * e)
         fused = fused.view(b, s, len(projections), self.num_heads, self.head_dim)  # (b, s, n, h, d_h)
         return fused.permute(2, 0, 3, 1, 4).unbind(0)  # n x (b, h, s, d_h)
 

@@ -225,8 +225,20 @@ def available_memory_bytes(device: torch.device) -> int | None:
     return int(match.group(1)) * 1024 if match else None
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = re.search(r"^flags\s*:(.*)$", text, flags=re.MULTILINE)
+    return set(line.group(1).split()) if line else set()
+
+
 def environment() -> dict:
-    """What the figures were measured on."""
+    """What the figures were measured on, with whether the CPU has AVX512-BF16 and AMX (where bf16
+    matrix products are fast, qkv.precision)."""
+    flags = cpu_flags()
     info = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -237,6 +249,8 @@ def environment() -> dict:
         "cpu_capability": getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx": "amx_bf16" in flags,
     }
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name()

@@ -83,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from qkv.memory import limit_memory_growth
 
-    # before the first oneDNN primitive: bf16 on AVX512-BF16/AMX CPUs compiles one per batch shape,
-    # and oneDNN's default cache of 1024 grows resident memory for hours (a user's own setting wins)
-    limit_memory_growth(onednn_cache_capacity=8)
+    # before the first oneDNN primitive: bf16 on AVX512-BF16/AMX CPUs compiles one per product shape
+    # (qkv.memory.ONEDNN_CACHE_CAPACITY; a user's own ONEDNN_PRIMITIVE_CACHE_CAPACITY wins)
+    limit_memory_growth()
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return int(module.run(args) or 0)
