@@ -9,10 +9,12 @@ a fresh child process, so one run's memory cannot leak into the next one's figur
 
 ``--fixes`` lists the variants to run, each ``none`` or a ``+``-joined set of measures from
 qkv.memory: ``trim`` returns freed heap memory to the OS every ``--trim-every`` steps
-(qkv.memory.HeapTrimmer), ``onednn`` caps oneDNN's primitive cache at ``--onednn-capacity`` before the
-first primitive (qkv.memory.cap_onednn_primitive_cache; without it oneDNN holds up to 1024), ``mmap`` serves allocations of ``--mmap-threshold`` bytes
-or more with mmap (qkv.memory.mmap_large_allocations); ``fix`` is ``onednn+trim``, what the
-training loop does by default. Process-wide settings are applied first thing, as the CLI does.
+(qkv.memory.HeapTrimmer), ``onednn`` caps oneDNN's primitive cache at ``--onednn-capacity`` (``onednn=N``:
+at N) before the first primitive (qkv.memory.cap_onednn_primitive_cache; without it oneDNN holds up to
+1024), ``pad`` pads the rows of linear layers' bf16 products (qkv.shapes; without it
+``qkv.shapes.PAD_ROWS`` is off), ``mmap`` serves allocations of ``--mmap-threshold`` bytes or more
+with mmap (qkv.memory.mmap_large_allocations); ``fix`` is ``onednn+trim+pad``, what training does by
+default. Process-wide settings are applied first thing, as the CLI does.
 
 "Flat after warm-up": the largest RSS sample after ``--warmup-minutes`` over the smallest one,
 within ``--tolerance`` (10%).
@@ -43,8 +45,8 @@ from pathlib import Path
 from qkv.memory import ONEDNN_CACHE_CAPACITY
 
 REPO = Path(__file__).resolve().parent.parent
-MEASURES = ("trim", "mmap", "onednn")
-COMPOSITES = {"fix": {"onednn", "trim"}}
+MEASURES = ("trim", "mmap", "onednn", "pad")
+COMPOSITES = {"fix": {"onednn", "trim", "pad"}}
 
 
 # ----------------------------------------------------------------------------- machine
@@ -100,18 +102,21 @@ def machine_info(threads: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- one run (child)
-def measures_of(fix: str) -> set[str]:
-    """``"none"`` -> set(); ``"fix+mmap"`` -> {"onednn", "trim", "mmap"}."""
+def measures_of(fix: str) -> dict[str, int | None]:
+    """The measures of a fix and their values: ``"none"`` -> {}; ``"fix+mmap"`` -> onednn, trim, pad
+    and mmap, each None (the command line's value); ``"trim+onednn=8"`` -> {"trim": None, "onednn": 8}."""
     if fix == "none":
-        return set()
-    out: set[str] = set()
+        return {}
+    out: dict[str, int | None] = {}
     for part in fix.split("+"):
-        if part in COMPOSITES:
-            out |= COMPOSITES[part]
-        elif part in MEASURES:
-            out.add(part)
+        name, _, value = part.partition("=")
+        if name in COMPOSITES and not value:
+            out.update(dict.fromkeys(COMPOSITES[name]))
+        elif name in MEASURES and (not value or value.isdigit()):
+            out[name] = int(value) if value else None
         else:
-            raise ValueError(f"unknown fix {fix!r}: use none, or +-joined {MEASURES + tuple(COMPOSITES)}")
+            raise ValueError(f"unknown fix {fix!r}: use none, or +-joined {MEASURES + tuple(COMPOSITES)} "
+                             "(onednn=N for a cache of N)")
     return out
 
 
@@ -119,9 +124,14 @@ def child(args: argparse.Namespace) -> int:
     measures = measures_of(args.fix)
     from qkv.memory import limit_memory_growth
 
-    applied = limit_memory_growth(onednn_cache_capacity=args.onednn_capacity if "onednn" in measures else None,
+    capacity = measures.get("onednn") or args.onednn_capacity
+    applied = limit_memory_growth(onednn_cache_capacity=capacity if "onednn" in measures else None,
                                   mmap_threshold=args.mmap_threshold if "mmap" in measures else None)
     import torch
+
+    import qkv.shapes
+
+    qkv.shapes.PAD_ROWS = "pad" in measures
 
     from qkv.memory import HeapTrimmer, heap_stats, peak_resident_memory_bytes, resident_memory_bytes
     from qkv.runs import start_run
@@ -198,7 +208,7 @@ def child(args: argparse.Namespace) -> int:
     result = {
         "precision": args.precision,
         "fix": args.fix,
-        "settings": applied,
+        "settings": {**applied, "rows_padded": qkv.shapes.PAD_ROWS},
         "trim_every_steps": trimmer.every_steps,
         "trim_calls": trimmer.calls,
         "trim_ms_per_call": round(1000 * trimmer.seconds / trimmer.calls, 2) if trimmer.calls else None,
@@ -235,10 +245,12 @@ def label(run: dict) -> str:
     if run["fix"] == "none":
         return f"{run['precision']}, no fix"
     cache = f"oneDNN cache {(run.get('settings') or {}).get('onednn_primitive_cache') or '?'}"
-    names = {"fix": f"trim every {run.get('trim_every_steps', '?')} steps + {cache}",
+    names = {"fix": f"trim every {run.get('trim_every_steps', '?')} steps + {cache} + rows padded",
              "trim": f"trim every {run.get('trim_every_steps', '?')} steps", "onednn": cache,
+             "pad": "rows padded (qkv.shapes)",
              "mmap": f"mmap >= {(run.get('settings') or {}).get('mmap_threshold') or 0:,} B"}
-    return f"{run['precision']}, " + " + ".join(names.get(part, part) for part in run["fix"].split("+"))
+    parts = [part.partition("=")[0] for part in run["fix"].split("+")]
+    return f"{run['precision']}, " + " + ".join(names.get(part, part) for part in parts)
 
 
 def plot_title(machine: dict) -> str:

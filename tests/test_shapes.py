@@ -11,6 +11,7 @@ from torch import nn
 
 from qkv.attention.multihead import MultiHeadAttention, _fusable
 from qkv.loss import fused_linear_cross_entropy, label_smoothed_cross_entropy
+from qkv import shapes
 from qkv.shapes import ROW_MULTIPLE, Linear, linear, padded_rows, pads_rows
 
 
@@ -29,6 +30,11 @@ def test_which_products_are_padded():
     with torch.autocast("cpu", dtype=torch.float16):
         assert not pads_rows(x32, ROW_MULTIPLE)
     assert not pads_rows(torch.zeros(2, 3, dtype=torch.bfloat16, device="meta"), 4 * ROW_MULTIPLE)
+
+
+def test_padding_can_be_switched_off(monkeypatch):
+    monkeypatch.setattr(shapes, "PAD_ROWS", False)
+    assert not pads_rows(torch.zeros(2, 3, dtype=torch.bfloat16), 4 * ROW_MULTIPLE)
 
 
 @pytest.mark.parametrize("shape", [(3, 137, 64), (2, ROW_MULTIPLE, 64), (7, 64)])

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 ROW_MULTIPLE = 256  # rows of a padded product are a multiple of this
+PAD_ROWS = True  # False: never pad (to measure what padding buys, benchmarks/memory.py)
 
 
 def padded_rows(rows: int) -> int:
@@ -34,7 +35,7 @@ def padded_rows(rows: int) -> int:
 def pads_rows(x: Tensor, rows: int) -> bool:
     """Whether a product with ``rows`` rows of ``x`` runs as a bf16 oneDNN product on CPU (autocast
     to bf16, or bf16 itself) and is big enough to pad."""
-    if x.device.type != "cpu" or rows < ROW_MULTIPLE or torch.compiler.is_compiling():
+    if not PAD_ROWS or x.device.type != "cpu" or rows < ROW_MULTIPLE or torch.compiler.is_compiling():
         return False
     if torch.is_autocast_enabled("cpu"):
         return torch.get_autocast_dtype("cpu") == torch.bfloat16
