@@ -3,21 +3,16 @@ figures worked out by hand from the records."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
+from bench_loader import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def compare_runs():
-    spec = importlib.util.spec_from_file_location("compare_runs", REPO / "benchmarks" / "compare_runs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("compare_runs")
 
 
 def write_metrics(path: Path, rows: list[tuple[int, float, float, float]]) -> Path:

@@ -3,13 +3,13 @@ qkv.cli.train), and the spellings its README commands were written with still me
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 import crash_trials
+from bench_loader import load_benchmark
 from qkv.cli.train import MODEL_OPTIONS
 from qkv.training import TrainConfig
 
@@ -18,10 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("train_multi30k", REPO / "benchmarks" / "train_multi30k.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("train_multi30k")
 
 
 def test_every_command_line_training_field_and_translation_model_option_is_accepted(bench):
