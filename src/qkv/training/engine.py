@@ -14,10 +14,14 @@ restores every process's RNG state, so a resumed run continues exactly like an u
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -34,6 +38,22 @@ from qkv.training.config import TrainConfig, TrainState, budget_progress, learni
 from qkv.training.distributed import Distributed, full_state, gradient_sync, plain_copy, wrap
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back inside the block (they arrive, and their handlers run, when it
+    ends), so that an update of the weights and optimizer state is never cut in half. Where the
+    platform or thread cannot block signals, the block runs unprotected."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @dataclass
@@ -115,8 +135,9 @@ class Trainer(Checkpointing):
         lr = learning_rate(c, s.step + 1, self.d_model, self.progress)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
-        s.step, s.tokens = s.step + 1, s.tokens + int(tokens)
+        with signals_held():  # a Ctrl-C or SIGTERM here would leave half-updated weights for the checkpoint
+            self.optimizer.step()
+            s.step, s.tokens = s.step + 1, s.tokens + int(tokens)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
         return StepStats(loss=loss_sum, tokens=int(tokens), lr=lr, grad_norm=float(grad_norm))
 
