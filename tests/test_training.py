@@ -465,3 +465,23 @@ def test_keep_first_trains_on_the_first_pairs_held_only():
     plan = task.batches(0, max_tokens=64, seed=0)
     assert sorted(i for batch in plan for i in batch) == [0, 1, 2, 3]
     assert task.pairs.read([0, 1, 2, 3])[0] == [tokenizer.encode(src[i]) for i in (0, 2, 3, 4)]
+
+
+def test_signals_held_delays_sigterm_until_the_update_is_done():
+    """A SIGTERM sent while the weights are being updated is handled right after, not in the middle."""
+    import os
+    import signal
+
+    from qkv.training.engine import signals_held
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # bytecodes at which an unblocked handler would have run
+                pass
+            assert seen == []
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -44,7 +44,8 @@ M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 MMAP_THRESHOLD_MAX = 32 * _MIB  # glibc's limit on 64-bit (HEAP_MAX_SIZE / 2)
 # oneDNN primitives kept (~1 MB each for a Multi30k product): room for every product shape of a
 # training run once qkv.shapes pads the rows of linear layers (a few hundred), so no step compiles
-# again; 8 made every bf16 product of a step compile anew (13% slower steps on an AMX Xeon), and
+# again; 8 made every bf16 product of a step compile anew (padding and 512 make 1.18x the steps on
+# an AMX Xeon, benchmarks/results/memory_xeon_bf16.json), and
 # oneDNN's own 1024 filled up with the unpadded shapes (RSS to 7.5 GB) without being faster after
 # 12 minutes (benchmarks/results/onednn_cache_xeon_bf16.json)
 ONEDNN_CACHE_CAPACITY = 512
@@ -181,7 +182,8 @@ def cap_onednn_primitive_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> bool:
     return True
 
 
-def limit_memory_growth(*, onednn_cache_capacity: int | None = ONEDNN_CACHE_CAPACITY, mmap_threshold: int | None = None) -> dict:
+def limit_memory_growth(*, onednn_cache_capacity: int | None = ONEDNN_CACHE_CAPACITY,
+                        mmap_threshold: int | None = None) -> dict:
     """The process-wide settings, applied once at start-up (before the first oneDNN operation and
     the first training step): cap oneDNN's primitive cache (None: leave it), and optionally serve
     allocations of ``mmap_threshold`` bytes or more with mmap (None: glibc's default). Returns what

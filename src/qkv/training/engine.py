@@ -135,7 +135,7 @@ class Trainer(Checkpointing):
         lr = learning_rate(c, s.step + 1, self.d_model, self.progress)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        with signals_held():  # a Ctrl-C or SIGTERM here would leave half-updated weights for the checkpoint
+        with signals_held():  # Ctrl-C or SIGTERM here would leave half-updated weights for the checkpoint
             self.optimizer.step()
             s.step, s.tokens = s.step + 1, s.tokens + int(tokens)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
