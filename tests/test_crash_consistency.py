@@ -36,11 +36,6 @@ def test_a_hundred_kills_lose_nothing(tmp_path):
     assert "between-saves" in moments or "mid-write" in moments  # the kills did land inside training
 
 
-# Out of the default suite for now: on the AVX512-BF16/AMX Xeon it failed about 1 run in 8 in this session
-# (the resumed weights differed from the uninterrupted run's) once qkv.shapes.Linear came in, though
-# 6 of 6 passed before it and 6 of 6 passed run outside pytest; the update is now held against signals
-# (engine.signals_held) and the cause is still open (see the session's note). Run with -m slow.
-@pytest.mark.slow
 def test_sigterm_saves_the_last_whole_step_and_resume_finishes_the_run_exactly(tmp_path):
     """SIGTERM (``kill``, a scheduler's preemption) is handled like Ctrl-C: the run saves the step it
     has reached, though its periodic checkpoints are far apart, and exits 143 with one line saying

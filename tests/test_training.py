@@ -467,21 +467,51 @@ def test_keep_first_trains_on_the_first_pairs_held_only():
     assert task.pairs.read([0, 1, 2, 3])[0] == [tokenizer.encode(src[i]) for i in (0, 2, 3, 4)]
 
 
-def test_signals_held_delays_sigterm_until_the_update_is_done():
-    """A SIGTERM sent while the weights are being updated is handled right after, not in the middle."""
+def test_ctrl_c_inside_signals_held_raises_keyboard_interrupt_after_the_block():
     import os
     import signal
 
     from qkv.training.engine import signals_held
 
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finished = False
+    with pytest.raises(KeyboardInterrupt):
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100000):
+                pass
+            finished = True
+    assert finished and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_signals_held_delays_sigterm_until_the_update_is_done():
+    """A SIGTERM sent while the weights are being updated is handled right after, not in the middle,
+    also when the process has other threads (torch, tokenizers and tqdm start some) that would take a
+    signal the main thread blocks: the C-level handler then still trips Python's main thread."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from qkv.training.engine import signals_held
+
     seen = []
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)  # a thread that does not block SIGTERM
+    other.start()
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
     try:
-        with signals_held():
-            os.kill(os.getpid(), signal.SIGTERM)
-            for _ in range(1000):  # bytecodes at which an unblocked handler would have run
+        for _ in range(3):
+            with signals_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(20):  # time for the other thread to take it, and bytecodes to run a handler at
+                    time.sleep(0.01)
+                assert seen == []
+            for _ in range(1000):
                 pass
-            assert seen == []
-        assert seen == [signal.SIGTERM]
+            assert seen == [signal.SIGTERM]
+            seen.clear()
+        assert signal.getsignal(signal.SIGTERM) is not None and signal.getsignal(signal.SIGINT) is not None
     finally:
         signal.signal(signal.SIGTERM, previous)
+        stop.set()

@@ -42,18 +42,33 @@ logger = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM back inside the block (they arrive, and their handlers run, when it
-    ends), so that an update of the weights and optimizer state is never cut in half. Where the
-    platform or thread cannot block signals, the block runs unprotected."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+    """Hold SIGINT and SIGTERM back inside the block: one that comes is noted, and its handler runs
+    when the block ends, so that an update of the weights and optimizer state is never cut in half.
+    Done with Python-level handlers, not the thread's signal mask: the kernel hands a signal that the
+    main thread blocks to another thread (torch and tqdm start some), whose C handler still makes
+    Python run the handler in the main thread at once. Handlers set outside Python, and any thread
+    but the main one (which cannot set handlers), leave the block unprotected."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    caught: list[tuple[int, object]] = []
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(signum)
+        if handler is not None and handler != signal.SIG_IGN:
+            previous[signum] = handler
+            signal.signal(signum, lambda number, frame: caught.append((number, frame)))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum, frame in caught:
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, frame)
+            else:  # SIG_DFL: the default action, now
+                signal.raise_signal(signum)
 
 
 @dataclass
