@@ -475,12 +475,11 @@ def test_ctrl_c_inside_signals_held_raises_keyboard_interrupt_after_the_block():
 
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finished = False
-    with pytest.raises(KeyboardInterrupt):
-        with signals_held():
-            os.kill(os.getpid(), signal.SIGINT)
-            for _ in range(100000):
-                pass
-            finished = True
+    with pytest.raises(KeyboardInterrupt), signals_held():
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(100000):
+            pass
+        finished = True
     assert finished and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
