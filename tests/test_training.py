@@ -174,6 +174,21 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path, uninterrupted):
     assert_same_weights(params(second.model), expected)
 
 
+def test_a_run_saved_before_best_score_was_renamed_resumes_with_its_score(tmp_path, uninterrupted):
+    pairs, _, _ = uninterrupted
+    first = tiny_run(tmp_path, pairs, TrainConfig(**{**RESUME, "max_steps": 3}))
+    first.train()
+    state_file = first.run_dir / "state.pt"
+    saved = torch.load(state_file, weights_only=False)
+    saved["train_state"]["best_bleu"] = 12.5  # the field's name in runs saved before
+    del saved["train_state"]["best_score"]
+    torch.save(saved, state_file)
+    second = Trainer(Transformer(first.model.config), translation(first.task.tokenizer, pairs, first.model.config),
+                     TrainConfig(**RESUME), first.run_dir)
+    second.resume()
+    assert (second.state.step, second.state.best_score) == (3, 12.5)
+
+
 def test_ctrl_c_mid_step_saves_and_resumes_exactly(tmp_path, uninterrupted, monkeypatch):
     pairs, expected, _ = uninterrupted
     first = tiny_run(tmp_path, pairs, TrainConfig(**RESUME))

@@ -68,7 +68,10 @@ class Checkpointing:
             logger.info("the checkpoint holds the random state of %d process(es), resuming on %d: same weights, "
                         "optimizer and data position; dropout masks differ from an uninterrupted run",
                         len(per_process), self.dist.world_size)
-        self.state = TrainState(**saved["train_state"])
+        fields = dict(saved["train_state"])
+        if "best_bleu" in fields:  # runs saved before the field's rename
+            fields["best_score"] = fields.pop("best_bleu")
+        self.state = TrainState(**fields)
         self.state.kept_checkpoints = self.state.kept_checkpoints or []
         if self.dist.is_main:
             if "metrics_bytes" in saved["train_state"] and self.metrics_path.is_file() and (

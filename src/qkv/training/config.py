@@ -170,7 +170,7 @@ class TrainState:
     batch_in_epoch: int = 0  # batches of the current epoch already consumed
     tokens: int = 0  # target tokens trained on
     seconds: float = 0.0  # wall time spent in the training loop (over all sessions)
-    best_bleu: float = -math.inf  # the best validation score so far (BLEU; minus the loss for a language model)
+    best_score: float = -math.inf  # the task's best validation score so far (BLEU; minus the loss for a language model)
     last_eval_seconds: float = 0.0
     last_checkpoint_seconds: float = 0.0
     kept_checkpoints: list | None = None

@@ -305,10 +305,10 @@ class Trainer(Checkpointing):
                     logger.info("validation exact match %.2f%% >= %.2f%%: stopping", 100 * accuracy,
                                 100 * c.stop_at_exact_match)
                     s.stopped_early = True
-                if score > s.best_bleu:
-                    s.best_bleu = score
+                if score > s.best_score:
+                    s.best_score = score
                     ckpt.save_weights(model, self.run_dir / "best.safetensors")
-        s.stopped_early, s.best_bleu = self.dist.broadcast((s.stopped_early, s.best_bleu))
+        s.stopped_early, s.best_score = self.dist.broadcast((s.stopped_early, s.best_score))
         return record
 
     def finish(self) -> Path:
