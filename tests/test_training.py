@@ -189,6 +189,54 @@ def test_a_run_saved_before_best_score_was_renamed_resumes_with_its_score(tmp_pa
     assert (second.state.step, second.state.best_score) == (3, 12.5)
 
 
+# --------------------------------------------------------------------------- moving average of the weights
+def test_the_moving_average_of_the_weights_against_the_formula(tmp_path):
+    """ema_1 = w_1, ema_k = d * ema_(k-1) + (1 - d) * w_k over the weights after each step, in float64."""
+    pairs, decay = generate_dates(200, seed=1), 0.9
+    trainer = tiny_run(tmp_path, pairs, TrainConfig(**{**RESUME, "ema_decay": decay}))
+    expected = None
+    for _ in range(6):
+        trainer.step(trainer._next_group())
+        weights = {n: p.detach().double() for n, p in trainer.model.named_parameters()}
+        expected = weights if expected is None else {n: decay * expected[n] + (1 - decay) * w for n, w in weights.items()}
+    averaged = dict(trainer.ema.module.named_parameters())
+    assert averaged.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(averaged[name].double(), value, rtol=0, atol=1e-6, msg=name)
+    assert any(not torch.equal(averaged[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_a_resumed_run_keeps_its_moving_average_and_writes_it(tmp_path):
+    pairs = generate_dates(200, seed=1)
+    options = {**RESUME, "ema_decay": 0.8, "final_weights": "ema"}
+    full = tiny_run(tmp_path, pairs, TrainConfig(**options), name="full")
+    full.train()
+    full.finish()
+    first = tiny_run(tmp_path, pairs, TrainConfig(**{**options, "max_steps": 5}), name="split")
+    first.train()
+    torch.manual_seed(123)
+    second = Trainer(Transformer(first.model.config), translation(first.task.tokenizer, pairs, first.model.config),
+                     TrainConfig(**options), first.run_dir)
+    second.resume()
+    second.train()
+    second.finish()
+    expected = params(full.ema.module)
+    assert all(torch.equal(params(second.ema.module)[k], v) for k, v in expected.items())
+    for name in ("ema.safetensors", "model.safetensors"):  # final_weights ema: the run's model is the average
+        written = ckpt.read_weights(second.run_dir / name)  # (tied weights are stored once)
+        assert written and all(torch.equal(v, expected[k]) for k, v in written.items()), name
+    model, _, _ = ckpt.load_run(second.run_dir, "ema")
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    assert not all(torch.equal(v, expected[k]) for k, v in params(second.model).items())
+
+
+def test_final_weights_ema_needs_a_decay():
+    with pytest.raises(ValueError, match="--ema-decay"):
+        TrainConfig(final_weights="ema")
+    with pytest.raises(ValueError, match="ema_decay"):
+        TrainConfig(ema_decay=1.0)
+
+
 def test_ctrl_c_mid_step_saves_and_resumes_exactly(tmp_path, uninterrupted, monkeypatch):
     pairs, expected, _ = uninterrupted
     first = tiny_run(tmp_path, pairs, TrainConfig(**RESUME))
@@ -488,14 +536,17 @@ def test_ctrl_c_inside_signals_held_raises_keyboard_interrupt_after_the_block():
 
     from qkv.training.engine import signals_held
 
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own (a background job ignores it)
     finished = False
-    with pytest.raises(KeyboardInterrupt), signals_held():
-        os.kill(os.getpid(), signal.SIGINT)
-        for _ in range(100000):
-            pass
-        finished = True
-    assert finished and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    try:
+        with pytest.raises(KeyboardInterrupt), signals_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100000):
+                pass
+            finished = True
+        assert finished and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_signals_held_delays_sigterm_until_the_update_is_done():

@@ -206,7 +206,8 @@ def load_run(run_dir: str | Path, weights: str = "model", *, task: str | None = 
 
     Args:
         run_dir: the run folder.
-        weights: ``model`` (averaged/final; falls back to ``last``), ``best`` or ``last``.
+        weights: ``model`` (averaged/final; falls back to ``last``), ``best``, ``last`` or ``ema`` (the
+            moving average of a run trained with ``--ema-decay``).
         task: the kind of run the caller can use (``"translation"`` or ``"lm"``); another kind
             raises ``ValueError`` saying which command fits it. None accepts either.
 

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="beam size (1 = greedy; default: the run's recipe's, else 5)")
     parser.add_argument("--alpha", type=length_penalty, default=None,
                         help="length penalty exponent, 0 to 10 (default: the run's recipe's, else 0.6)")
-    parser.add_argument("--weights", choices=["model", "best", "last"], default="model")
+    parser.add_argument("--weights", choices=["model", "best", "last", "ema"], default="model")
     parser.add_argument("--limit", type=non_negative_int, default=0,
                         help="score only the first N sentences (a language model: windows) (0 = all)")
     parser.add_argument("--hyp-out", help="also write the translations to this file")

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 class Checkpointing:
     """The checkpoint half of :class:`~qkv.training.engine.Trainer` (which sets ``model``, ``optimizer``,
-    ``config``, ``state``, ``dist``, ``sharded``, ``run_dir`` and ``metrics_path`` and has
+    ``ema``, ``config``, ``state``, ``dist``, ``sharded``, ``run_dir`` and ``metrics_path`` and has
     ``plain_model``)."""
 
     def save(self, folder: str | Path | None = None) -> None:
@@ -43,7 +43,8 @@ class Checkpointing:
                 self._shadow.load_state_dict(weights)
             ckpt.save_checkpoint(folder, self._shadow if self.sharded else self.model,
                                  {"train_state": asdict(self.state), "optimizer": optim,
-                                  "rng": rng if self.dist.enabled else rng[0], "world_size": self.dist.world_size},
+                                  "rng": rng if self.dist.enabled else rng[0], "world_size": self.dist.world_size,
+                                  **self._ema_state()},
                                  weights=weights)
             remove_optimizer_shards(folder, keep=optim["shards"] if self.sharded and optim else None)
         self.dist.barrier()
@@ -68,6 +69,10 @@ class Checkpointing:
             logger.info("the checkpoint holds the random state of %d process(es), resuming on %d: same weights, "
                         "optimizer and data position; dropout masks differ from an uninterrupted run",
                         len(per_process), self.dist.world_size)
+        if self.ema is not None:
+            if "ema" not in saved:
+                raise ValueError(f"{self.run_dir}: the run has --ema-decay but its state holds no moving average")
+            self.ema.load_state_dict(saved["ema"])
         fields = dict(saved["train_state"])
         if "best_bleu" in fields:  # runs saved before the field's rename
             fields["best_score"] = fields.pop("best_bleu")
@@ -103,11 +108,15 @@ class Checkpointing:
         try:
             if self.dist.enabled:
                 ckpt.save_checkpoint(self.run_dir, self.model, {"train_state": asdict(s), "rng": [ckpt.rng_state()],
-                                                                "optimizer": self.optimizer.state_dict(), "world_size": 1})
+                                                                "optimizer": self.optimizer.state_dict(), "world_size": 1,
+                                                                **self._ema_state()})
             else:
                 self.save()
         except Exception as save_err:  # e.g. a full disk: the previous checkpoint is still whole
             logger.error("could not save the checkpoint (%s); the previous one is kept", save_err)
+
+    def _ema_state(self) -> dict:
+        return {"ema": self.ema.state_dict()} if self.ema is not None else {}
 
     def keep_checkpoint(self) -> None:
         """Save ``checkpoints/step_<N>.safetensors`` (for averaging) and the resumable state. The

@@ -63,10 +63,14 @@ class TrainConfig:
     checkpoint_every_steps: int = _option(0, "keep a checkpoint for averaging every N steps (0 = off)", minimum=0)
     checkpoint_every_minutes: float = _option(0.0, "... or every N minutes (0 = off)", minimum=0, below=math.inf)
     average_last: int = _option(5, "average this many kept checkpoints at the end (<= 1: no averaging)", minimum=0)
+    ema_decay: float = _option(0.0, "also keep an exponential moving average of the weights, updated after every "
+                                    "step with this decay (e.g. 0.999; 0 = off), written to ema.safetensors at the "
+                                    "end", minimum=0, below=1)
     final_weights: str = _option("average", "what model.safetensors holds at the end: average = the last "
                                             "--average-last kept checkpoints averaged (or the final weights); best = "
                                             "the weights of the best validation (best.safetensors; a run that "
-                                            "overfits late keeps its best)", choices=("average", "best"))
+                                            "overfits late keeps its best); ema = the moving average (--ema-decay)",
+                                 choices=("average", "best", "ema"))
     log_every_steps: int = _option(20, "write a training-loss line to metrics.jsonl every N steps", minimum=1)
     seed: int = _option(0, "drives the initial weights and the batch order", minimum=0)
     progress: bool = _option(True, "tqdm progress bar", cli=False)
@@ -110,6 +114,10 @@ class TrainConfig:
                 if high is not None:
                     allowed += f" and <= {high}"
                 raise ValueError(f"{name} must be {allowed.strip()}, got {value!r}")
+
+        if self.final_weights == "ema" and not self.ema_decay:
+            raise ValueError("final_weights (--final-weights) ema needs a moving average: set ema_decay (--ema-decay), "
+                             "e.g. 0.999")
 
     def check_stops(self) -> None:
         """A run needs a stop condition; raises ``ValueError`` naming the options otherwise."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from tqdm.auto import tqdm
 
 from qkv import checkpoint as ckpt
@@ -115,6 +116,11 @@ class Trainer(Checkpointing):
         self._call = torch.compile(self.module, dynamic=True) if config.compile else self.module
         self.optimizer = torch.optim.Adam(self.module.parameters(), lr=0.0, betas=config.adam_betas,
                                           eps=config.adam_eps)
+        if config.ema_decay and self.sharded:
+            raise ValueError("--ema-decay is not supported with --strategy fsdp (the average would be sharded too)")
+        # the moving average of the weights (PyTorch's AveragedModel: a float32 copy, updated with foreach ops)
+        self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config.ema_decay)) if config.ema_decay \
+            else None
         self.state = TrainState(kept_checkpoints=[])
         self.progress = 0.0  # share of the budget spent, set before each step by the loop (see _done)
         self._batches_epoch, self._batches_cache = None, []  # the current epoch's batches, built once
@@ -152,6 +158,8 @@ class Trainer(Checkpointing):
             group["lr"] = lr
         with signals_held():  # Ctrl-C or SIGTERM here would leave half-updated weights for the checkpoint
             self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update_parameters(self.model)
             s.step, s.tokens = s.step + 1, s.tokens + int(tokens)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
         return StepStats(loss=loss_sum, tokens=int(tokens), lr=lr, grad_norm=float(grad_norm))
@@ -313,9 +321,15 @@ class Trainer(Checkpointing):
 
     def finish(self) -> Path:
         """Write ``model.safetensors`` and return its path: with ``final_weights="best"`` the best validation's
-        weights (once one ran), else the kept checkpoints averaged (the final weights among them), or the final ones."""
+        weights (once one ran), with ``"ema"`` the moving average, else the kept checkpoints averaged (the final
+        weights among them), or the final ones. A run with ``ema_decay`` also writes ``ema.safetensors``."""
         c, out, best = self.config, self.run_dir / "model.safetensors", self.run_dir / "best.safetensors"
-        if c.final_weights == "best" and best.is_file():
+        if self.ema is not None and self.dist.is_main:
+            ckpt.save_weights(self.ema.module, self.run_dir / "ema.safetensors")
+        if c.final_weights == "ema":
+            if self.dist.is_main:
+                ckpt.save_weights(self.ema.module, out)
+        elif c.final_weights == "best" and best.is_file():
             if self.dist.is_main:
                 write_bytes(out, best.read_bytes())
         elif c.average_last > 1:
