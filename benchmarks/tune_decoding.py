@@ -55,8 +55,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--weights", default="model,last",
-                   help="comma-separated: model (the run's average), last, best, or avgK (the last K checkpoints "
-                        "the run kept, averaged here)")
+                   help="comma-separated: model (the run's average), last, best, ema (--ema-decay), or avgK (the "
+                        "last K checkpoints the run kept, averaged here)")
     p.add_argument("--beams", type=ints, default=[4, 5, 8])
     p.add_argument("--alphas", type=floats, default=[0.6, 1.0, 1.4, 2.0])
     p.add_argument("--threads", type=int, default=None)
