@@ -230,6 +230,17 @@ def test_a_resumed_run_keeps_its_moving_average_and_writes_it(tmp_path):
     assert not all(torch.equal(v, expected[k]) for k, v in params(second.model).items())
 
 
+def test_ema_decay_given_on_resume_starts_the_average_there(tmp_path):
+    pairs = generate_dates(200, seed=1)
+    first = tiny_run(tmp_path, pairs, TrainConfig(**{**RESUME, "max_steps": 5}))
+    first.train()
+    second = Trainer(Transformer(first.model.config), translation(first.task.tokenizer, pairs, first.model.config),
+                     TrainConfig(**{**RESUME, "max_steps": 6, "ema_decay": 0.9}), first.run_dir)
+    second.resume()
+    second.train()  # one step: the average is that step's weights
+    assert all(torch.equal(v, params(second.model)[k]) for k, v in params(second.ema.module).items())
+
+
 def test_final_weights_ema_needs_a_decay():
     with pytest.raises(ValueError, match="--ema-decay"):
         TrainConfig(final_weights="ema")

@@ -69,10 +69,10 @@ class Checkpointing:
             logger.info("the checkpoint holds the random state of %d process(es), resuming on %d: same weights, "
                         "optimizer and data position; dropout masks differ from an uninterrupted run",
                         len(per_process), self.dist.world_size)
-        if self.ema is not None:
-            if "ema" not in saved:
-                raise ValueError(f"{self.run_dir}: the run has --ema-decay but its state holds no moving average")
+        if self.ema is not None and "ema" in saved:
             self.ema.load_state_dict(saved["ema"])
+        elif self.ema is not None and self.dist.is_main:  # --ema-decay given on resume: the average starts now
+            logger.info("the moving average of the weights starts at step %d", saved["train_state"]["step"])
         fields = dict(saved["train_state"])
         if "best_bleu" in fields:  # runs saved before the field's rename
             fields["best_score"] = fields.pop("best_bleu")
