@@ -198,7 +198,9 @@ def test_the_moving_average_of_the_weights_against_the_formula(tmp_path):
     for _ in range(6):
         trainer.step(trainer._next_group())
         weights = {n: p.detach().double() for n, p in trainer.model.named_parameters()}
-        expected = weights if expected is None else {n: decay * expected[n] + (1 - decay) * w for n, w in weights.items()}
+        if expected is not None:
+            weights = {n: decay * expected[n] + (1 - decay) * w for n, w in weights.items()}
+        expected = weights
     averaged = dict(trainer.ema.module.named_parameters())
     assert averaged.keys() == expected.keys()
     for name, value in expected.items():

@@ -107,9 +107,9 @@ class Checkpointing:
         logger.warning("stopping: saving a checkpoint at step %d", s.step)
         try:
             if self.dist.enabled:
-                ckpt.save_checkpoint(self.run_dir, self.model, {"train_state": asdict(s), "rng": [ckpt.rng_state()],
-                                                                "optimizer": self.optimizer.state_dict(), "world_size": 1,
-                                                                **self._ema_state()})
+                ckpt.save_checkpoint(self.run_dir, self.model, {
+                    "train_state": asdict(s), "rng": [ckpt.rng_state()], "optimizer": self.optimizer.state_dict(),
+                    "world_size": 1, **self._ema_state()})
             else:
                 self.save()
         except Exception as save_err:  # e.g. a full disk: the previous checkpoint is still whole
