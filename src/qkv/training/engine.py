@@ -324,11 +324,12 @@ class Trainer(Checkpointing):
         weights (once one ran), with ``"ema"`` the moving average, else the kept checkpoints averaged (the final
         weights among them), or the final ones. A run with ``ema_decay`` also writes ``ema.safetensors``."""
         c, out, best = self.config, self.run_dir / "model.safetensors", self.run_dir / "best.safetensors"
+        ema = self.run_dir / "ema.safetensors"
         if self.ema is not None and self.dist.is_main:
-            ckpt.save_weights(self.ema.module, self.run_dir / "ema.safetensors")
+            ckpt.save_weights(self.ema.module, ema)
         if c.final_weights == "ema":
             if self.dist.is_main:
-                ckpt.save_weights(self.ema.module, out)
+                write_bytes(out, ema.read_bytes())
         elif c.final_weights == "best" and best.is_file():
             if self.dist.is_main:
                 write_bytes(out, best.read_bytes())
