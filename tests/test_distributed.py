@@ -58,7 +58,8 @@ def runs(tmp_path_factory):
                      device="cpu")
     batches = base.task.batches(0, TRAIN["max_tokens"], 0)
     uneven_tokens = next(t for t in range(200, 400, 10) if len(base.task.batches(0, t, 0)) % 2 == 1)
-    for name in ("ddp", "resumed_on_1", "resumed_on_2", "uneven", "uneven_1", "fsdp", "steps", "steps_fsdp",
+    for name in ("ddp", "subword_ddp", "subword_1", "resumed_on_1", "resumed_on_2", "uneven", "uneven_1", "fsdp",
+                 "steps", "steps_fsdp",
                  "fsdp_resumed_on_2"):
         shutil.copytree(root / "base", root / name)
     steps = [[batches[2 * k], batches[2 * k + 1]] for k in range(5)]
@@ -78,6 +79,7 @@ def runs(tmp_path_factory):
         ("steps", str(root / "lm_steps"), lm_steps, "ddp", "lm_ddp_steps"),
         ("train", str(root / "ddp"), {"max_steps": 6}),
         ("train", str(root / "fsdp"), {"max_steps": 6, "strategy": "fsdp"}),
+        ("train", str(root / "subword_ddp"), {"max_steps": 6, "subword_dropout": 0.3}),
         ("train", str(root / "resumed_on_1"), {"max_steps": 3}),
         ("train", str(root / "resumed_on_2"), {"max_steps": 6, "accum_steps": 1}),
         ("train", str(root / "uneven"), {"max_steps": 0, "max_epochs": 1.0, "max_tokens": uneven_tokens}),
@@ -95,6 +97,7 @@ def runs(tmp_path_factory):
         raise AssertionError(f"the 2-process run failed:\n{errors}") from None
     # 1 process: the second half of "resumed_on_1", and the references
     resume_run(root / "resumed_on_1", train_options={"max_steps": 6, "accum_steps": 2}).train()
+    resume_run(root / "subword_1", train_options={"max_steps": 6, "accum_steps": 2, "subword_dropout": 0.3}).train()
     resume_run(root / "fsdp_resumed_on_1", train_options={"max_steps": 6, "accum_steps": 2}).train()
     resume_run(root / "uneven_1", train_options={"max_steps": 0, "max_epochs": 1.0, "accum_steps": 2,
                                                   "max_tokens": uneven_tokens}).train()
@@ -131,6 +134,14 @@ def test_accumulating_two_micro_batches_equals_one_batch(runs):
     root, steps, _ = runs
     assert_close(one_process_steps(root, steps, split=True), one_process_steps(root, steps, split=False), 1e-6,
                  "2 micro-batches of B/2 vs one batch of B")
+
+
+def test_subword_dropout_cuts_the_same_on_two_ranks_as_on_one_process(runs):
+    root, _, _ = runs
+    two = weights(root / "subword_ddp" / "state.pt")
+    assert_close(two, weights(root / "subword_1" / "state.pt"), 1e-6, "subword dropout: 2 processes vs 1")
+    plain = weights(root / "ddp" / "state.pt")
+    assert max(float((two[k] - plain[k]).abs().max()) for k in two) > 1e-4  # the split batches trained differently
 
 
 def test_fsdp2_matches_ddp(runs):

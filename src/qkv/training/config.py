@@ -44,6 +44,9 @@ class TrainConfig:
     adam_betas: tuple[float, float] = _option((0.9, 0.98), "Adam's beta1 and beta2 (section 5.3)", cli=False)
     adam_eps: float = _option(1e-9, "Adam's epsilon", minimum=0, below=math.inf, cli=False)
     label_smoothing: float = _option(0.1, "label smoothing epsilon (section 5.4)", minimum=0, below=1)
+    subword_dropout: float = _option(0.0, "translation: split each training token into the two pieces its BPE merge "
+                                          "joined with this probability, and each piece again, afresh every epoch "
+                                          "(a regulariser like BPE-dropout; 0 = off)", minimum=0, below=1)
     clip_norm: float = _option(1.0, "gradient clipping on the global norm (0 = off)", minimum=0, below=math.inf)
     bf16: bool = _option(False, "bfloat16 autocast (weights and the optimizer stay float32); the Multi30k recipe "
                                 "turns it on where bf16 matrix products are fast (CUDA, CPUs with AVX512-BF16/AMX)")

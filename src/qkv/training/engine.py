@@ -121,6 +121,10 @@ class Trainer(Checkpointing):
         # the moving average of the weights (PyTorch's AveragedModel: a float32 copy, updated with foreach ops)
         self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config.ema_decay)) if config.ema_decay \
             else None
+        if config.subword_dropout:
+            if not hasattr(task, "set_subword_dropout"):
+                raise ValueError("--subword-dropout splits subword tokens of translation pairs; this task has none")
+            task.set_subword_dropout(config.subword_dropout, config.seed)
         self.state = TrainState(kept_checkpoints=[])
         self.progress = 0.0  # share of the budget spent, set before each step by the loop (see _done)
         self._batches_epoch, self._batches_cache = None, []  # the current epoch's batches, built once
@@ -182,9 +186,10 @@ class Trainer(Checkpointing):
             batches = self._epoch_batches(s.epoch)
         group = batches[s.batch_in_epoch: s.batch_in_epoch + c.accum_steps * d.world_size]
         s.batch_in_epoch += len(group)
-        mine = [self.task.make_batch(ix) for ix in group[d.rank * c.accum_steps: (d.rank + 1) * c.accum_steps]]
+        mine = [self.task.make_batch(ix, s.epoch)
+                for ix in group[d.rank * c.accum_steps: (d.rank + 1) * c.accum_steps]]
         if d.enabled:  # the same number of forward passes everywhere (FSDP gathers weights in each)
-            stand_in = mine[0] if mine else self.task.make_batch(group[0])
+            stand_in = mine[0] if mine else self.task.make_batch(group[0], s.epoch)
             mine += [replace(stand_in, num_tgt_tokens=0)] * (c.accum_steps - len(mine))
         return mine
 

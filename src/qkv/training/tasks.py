@@ -3,7 +3,8 @@ the optimizer, checkpoints and processes; a task supplies
 
 - ``num_examples`` and ``batches(epoch, max_tokens, seed)``: the epoch's batches as example
   indices, the same on every process (each takes its share);
-- ``make_batch(indices)``: a padded :class:`~qkv.data.batching.Batch`;
+- ``make_batch(indices, epoch)``: a padded :class:`~qkv.data.batching.Batch` (``epoch`` lets a task
+  vary an example from pass to pass: subword dropout);
 - ``loss(model, batch, label_smoothing)``: the summed loss over the batch's target tokens;
 - ``validate(model, sentences, bf16)``: a record of validation figures, with ``score`` (higher is
   better; picks ``best.safetensors``) and ``exact_match``.
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 
 from qkv.data.batching import Batch, BatchPlan, bucket_batches, make_batch, token_batches
 from qkv.data.parallel import ParallelText
+from qkv.data.subword_dropout import SubwordDropout
 from qkv.data.tokenizer import Tokenizer
 from qkv.device import model_device
 from qkv.evaluation import exact_match, score_translations, translate_texts
@@ -102,6 +104,7 @@ class TranslationTask:
     def __init__(self, tokenizer: Tokenizer, train_data, valid_data: ParallelText | None, *,
                  max_len: int, pad_id: int) -> None:
         self.tokenizer, self.valid, self.max_len, self.pad_id = tokenizer, valid_data, max_len, pad_id
+        self.subword_dropout: SubwordDropout | None = None
         if isinstance(train_data, ParallelText):
             src_ids, tgt_ids, kept = encode_pairs(tokenizer, train_data, max_len)
             self.pairs = TokenLists(src_ids, tgt_ids, [i + 1 for i in kept],
@@ -148,11 +151,36 @@ class TranslationTask:
         self.kept = indices[indices < count]
 
     def batches(self, epoch: int, max_tokens: int, seed: int) -> BatchPlan:
-        """The epoch's token-bucketed batches (example indices), shuffled by ``seed + epoch``."""
-        return bucket_batches(self.padded_lengths, max_tokens, seed=seed + epoch, indices=self.kept)
+        """The epoch's token-bucketed batches (example indices), shuffled by ``seed + epoch``; with
+        subword dropout, bucketed by the lengths of the epoch's cut (so a batch's sentences stay alike
+        in length and its padding small)."""
+        lengths = self.padded_lengths if self.subword_dropout is None else self._cut_lengths(epoch)
+        return bucket_batches(lengths, max_tokens, seed=seed + epoch, indices=self.kept)
 
-    def make_batch(self, indices: list[int]) -> Batch:
+    def _cut_lengths(self, epoch: int, chunk: int = 50_000) -> np.ndarray:
+        """Padded lengths of the pairs as subword dropout cuts them in ``epoch`` (make_batch cuts them
+        again the same way: the cut is a hash, not a random stream)."""
+        lengths = self.padded_lengths.copy()
+        indices = np.arange(len(self.pairs)) if self.kept is None else self.kept
+        for start in range(0, len(indices), chunk):
+            part = indices[start: start + chunk].tolist()
+            src, tgt = self.pairs.read(part)
+            src = self.subword_dropout.split(src, part, epoch=epoch, side=0)
+            tgt = self.subword_dropout.split(tgt, part, epoch=epoch, side=1)
+            lengths[part] = [max(len(a), len(b)) + 1 for a, b in zip(src, tgt)]
+        return lengths
+
+    def set_subword_dropout(self, p: float, seed: int) -> None:
+        """Split training tokens into their merge parts with probability ``p`` (0: off), afresh
+        every epoch (:mod:`qkv.data.subword_dropout`)."""
+        self.subword_dropout = SubwordDropout(self.tokenizer, p, seed, self.max_len - 1) if p else None
+
+    def make_batch(self, indices: list[int], epoch: int = 0) -> Batch:
         src, tgt = self.pairs.read(indices)
+        if self.subword_dropout is not None:
+            indices = [int(i) for i in indices]
+            src = self.subword_dropout.split(src, indices, epoch=epoch, side=0)
+            tgt = self.subword_dropout.split(tgt, indices, epoch=epoch, side=1)
         return make_batch(src, tgt, pad_id=self.pad_id, bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
 
     @staticmethod
@@ -254,7 +282,7 @@ class LanguageModelTask:
         block = torch.from_numpy(rows)  # (b, context + 1)
         return WindowBatch(block[:, :-1], block[:, 1:], block[:, 1:].numel())
 
-    def make_batch(self, starts: list[int]) -> WindowBatch:
+    def make_batch(self, starts: list[int], epoch: int = 0) -> WindowBatch:
         return self._windows(self.train_tokens, starts)
 
     @staticmethod
