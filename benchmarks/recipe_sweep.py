@@ -152,9 +152,17 @@ def plot_curves(rows: dict, png: Path) -> None:
 
 def _changes(reference: dict, run: dict) -> dict:
     """The model and training fields in which ``run`` differs from ``reference`` (budgets aside)."""
+    from dataclasses import MISSING, fields
+
+    from qkv.models import TransformerConfig
+    from qkv.training import TrainConfig
+
     skip = {"max_minutes", "progress", "seed"}
+    # a field newer than the reference's report counts where it differs from its default
+    defaults = {part: {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+                for part, cls in (("model", TransformerConfig), ("train", TrainConfig))}
     return {f"{part}.{k}": v for part in ("model", "train") for k, v in run[part].items()
-            if k not in skip and reference[part].get(k) != v}
+            if k not in skip and reference[part].get(k, defaults[part].get(k)) != v}
 
 
 def collect(paths: list[Path], out: Path) -> dict:

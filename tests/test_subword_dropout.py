@@ -10,6 +10,7 @@ import pytest
 from qkv.data.dates import generate_dates
 from qkv.data.subword_dropout import SubwordDropout, merge_parts
 from qkv.data.tokenizer import Tokenizer
+from qkv.runs import start_run
 from qkv.training import TrainConfig, TranslationTask
 
 SENTENCES = [
@@ -133,3 +134,13 @@ def test_an_epoch_s_batches_are_bucketed_by_the_lengths_of_its_cut(tokenizer):
             batch = task.make_batch(indices, epoch)
             padded = max(batch.src.shape[1], batch.tgt_in.shape[1])
             assert len(indices) == 1 or len(indices) * padded <= 300
+
+
+def test_a_language_model_run_refuses_subword_dropout_and_leaves_no_folder(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 50, encoding="utf-8")
+    with pytest.raises(ValueError, match="subword"):
+        start_run(tmp_path / "run", data={"source": "text", "train_text": str(text)},
+                  model_options={"d_model": 32, "num_heads": 2, "num_layers": 1, "d_ff": 64, "context": 16},
+                  train_options={"subword_dropout": 0.1, "max_steps": 1, "progress": False}, device="cpu")
+    assert not (tmp_path / "run").exists()

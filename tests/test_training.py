@@ -174,18 +174,25 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path, uninterrupted):
     assert_same_weights(params(second.model), expected)
 
 
-def test_a_run_with_subword_dropout_resumes_exactly_and_trains_on_split_tokens(tmp_path, uninterrupted):
-    pairs, plain, _ = uninterrupted
-    options = {**RESUME, "subword_dropout": 0.3}
-    whole = tiny_run(tmp_path, pairs, TrainConfig(**options), name="whole")
-    whole.train()
-    first = tiny_run(tmp_path, pairs, TrainConfig(**{**options, "max_steps": 5}), name="first")
+def stopped_and_resumed(tmp_path, pairs, options: dict, *, stop_at: int = 5, name: str = "first") -> Trainer:
+    """A run trained ``stop_at`` steps, then resumed in a new Trainer (a fresh RNG, as a new process
+    would have) that trains to the end of ``options``' budget."""
+    first = tiny_run(tmp_path, pairs, TrainConfig(**{**options, "max_steps": stop_at}), name=name)
     first.train()
     torch.manual_seed(123)
     second = Trainer(Transformer(first.model.config), translation(first.task.tokenizer, pairs, first.model.config),
                      TrainConfig(**options), first.run_dir)
     second.resume()
     second.train()
+    return second
+
+
+def test_a_run_with_subword_dropout_resumes_exactly_and_trains_on_split_tokens(tmp_path, uninterrupted):
+    pairs, plain, _ = uninterrupted
+    options = {**RESUME, "subword_dropout": 0.3}
+    whole = tiny_run(tmp_path, pairs, TrainConfig(**options), name="whole")
+    whole.train()
+    second = stopped_and_resumed(tmp_path, pairs, options)
     assert second.state.step == 12 and second.state.tokens == whole.state.tokens
     assert_same_weights(params(second.model), params(whole.model))
     # the dates' targets are digits (no merges); their sources split, so the run trained differently
@@ -232,13 +239,7 @@ def test_a_resumed_run_keeps_its_moving_average_and_writes_it(tmp_path):
     full = tiny_run(tmp_path, pairs, TrainConfig(**options), name="full")
     full.train()
     full.finish()
-    first = tiny_run(tmp_path, pairs, TrainConfig(**{**options, "max_steps": 5}), name="split")
-    first.train()
-    torch.manual_seed(123)
-    second = Trainer(Transformer(first.model.config), translation(first.task.tokenizer, pairs, first.model.config),
-                     TrainConfig(**options), first.run_dir)
-    second.resume()
-    second.train()
+    second = stopped_and_resumed(tmp_path, pairs, options, name="split")
     second.finish()
     expected = params(full.ema.module)
     assert all(torch.equal(params(second.ema.module)[k], v) for k, v in expected.items())
