@@ -39,3 +39,14 @@ def test_collect_refuses_a_file_that_is_not_a_run_report_and_writes_nothing(tmp_
                            str(tmp_path / "other.json"), "--out", str(out)], capture_output=True, text=True)
     assert done.returncode == 2 and "--collect" in done.stderr.strip().splitlines()[-1]
     assert not out.exists() and not out.with_suffix(".png").exists()
+
+
+def test_a_field_newer_than_the_reference_counts_only_where_it_differs_from_its_default(tmp_path):
+    reference = RESULTS / "multi30k_en_de_xeon_bf16.json"  # written before ema_decay and subword_dropout existed
+    candidate = RESULTS / "multi30k_en_de_xeon_bf16_subword_dropout01.json"  # ema_decay 0.0, subword_dropout 0.1
+    assert "ema_decay" not in json.loads(reference.read_text())["train"]
+    out = tmp_path / "sweep.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "recipe_sweep.py"), "--collect", str(reference),
+                    str(candidate), "--out", str(out)], check=True, capture_output=True, text=True)
+    changes = list(json.loads(out.read_text())["candidates"].values())[1]["changes"]
+    assert changes["train.subword_dropout"] == 0.1 and "train.ema_decay" not in changes
