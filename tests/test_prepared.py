@@ -153,6 +153,23 @@ def test_batches_from_a_prepared_folder_equal_batches_from_the_text_files(corpus
                 assert torch.equal(getattr(x, name), getattr(y, name))
 
 
+def test_subword_dropout_cuts_a_prepared_folder_s_ids_without_changing_its_text(corpus):
+    tokenizer = corpus["tokenizer"]
+    plain = TranslationTask(tokenizer, PreparedCorpus(corpus["prep"]).split("train"), None, max_len=48, pad_id=0)
+    cut = TranslationTask(tokenizer, PreparedCorpus(corpus["prep"]).split("train"), None, max_len=48, pad_id=0)
+    cut.set_subword_dropout(0.3, seed=0)
+    plan = cut.batches(1, 400, 3)
+    assert sorted(i for b in plan for i in b) == sorted(i for b in plain.batches(1, 400, 3) for i in b)
+    longer = 0
+    for indices in plan:
+        x, y = plain.make_batch(indices, 1), cut.make_batch(indices, 1)
+        longer += int(y.num_tgt_tokens > x.num_tgt_tokens)
+        for name in ("src", "tgt_out"):
+            assert [tokenizer.decode(r) for r in getattr(x, name).tolist()] == [
+                tokenizer.decode(r) for r in getattr(y, name).tolist()]
+    assert longer > len(plan) // 2
+
+
 def _record_epoch(ctx, out: str, run_dir: str, folder: str) -> None:
     """Worker: start a run on the prepared folder on 2 processes, train one epoch, and write the
     example indices of the real (non-stand-in) batches this rank trained on."""
