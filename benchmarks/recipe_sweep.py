@@ -136,14 +136,15 @@ def plot_curves(rows: dict, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 4.5 + 0.22 * len(rows)))
     for name, r in rows.items():
         points = r["val_bleu_greedy_300_vs_minutes"]
         ax.plot([m for m, _ in points], [b for _, b in points], marker="o", label=f"{name} ({r['steps']:,} steps)")
     ax.set_xlabel("minutes of training")
     ax.set_ylabel("validation sacreBLEU (greedy, 300 sentences)")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    # below the axes: over them, a long list hides the early minutes
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, -0.14), frameon=False)
     fig.tight_layout()
     with ckpt.atomic_path(png) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
