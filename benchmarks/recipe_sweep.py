@@ -65,6 +65,7 @@ CANDIDATES: dict[str, tuple[str, dict, dict, int | None]] = {
     "batch-6k": ("6,000 padded tokens a batch", {}, {"max_tokens": 6000}, None),
     "vocab-5k": ("a 5,000-token joint BPE", {}, {}, 5000),
     "smoothing-0.2": ("label smoothing 0.2", {}, {"label_smoothing": 0.2}, None),
+    "subword-0.1": ("subword dropout 0.1: each sentence cut afresh every epoch", {}, {"subword_dropout": 0.1}, None),
 }
 
 
