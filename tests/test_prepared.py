@@ -180,8 +180,8 @@ def _record_epoch(ctx, out: str, run_dir: str, folder: str) -> None:
     made, trained = {}, []
     make_batch, step = trainer.task.make_batch, trainer.step
 
-    def recording_make_batch(indices):
-        batch = make_batch(indices)
+    def recording_make_batch(indices, epoch=0):
+        batch = make_batch(indices, epoch)
         made[id(batch)] = list(indices)
         return batch
 
