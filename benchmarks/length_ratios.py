@@ -45,8 +45,10 @@ def main() -> int:
         row = {"sentences": len(data), f"{args.src}_words_per_sentence": round(words(data.src) / len(data), 3),
                f"{args.tgt}_words_per_sentence": round(words(data.tgt) / len(data), 3),
                "target_per_source_word": round(words(data.tgt) / words(data.src), 4)}
-        hyp_file = Path(args.run_dir) / f"{name}.hyp.{args.tgt}" if args.run_dir else None
-        if hyp_file is not None and hyp_file.is_file():
+        if args.run_dir and split != "train":
+            hyp_file = Path(args.run_dir) / f"{name}.hyp.{args.tgt}"
+            if not hyp_file.is_file():
+                raise SystemExit(f"{hyp_file}: no such file (a finished benchmarks/train_multi30k.py run saves it)")
             text = hyp_file.read_text(encoding="utf-8")
             hyps = text.split("\n")[:-1] if text.endswith("\n") else text.split("\n")
             if len(hyps) != len(data):

@@ -38,7 +38,8 @@ def test_ratios_against_hand_counts(tmp_path):
     assert "translation_per_reference_word" not in splits["train"]
 
 
-def test_a_translation_file_of_the_wrong_length_is_refused(tmp_path):
+def run_on_two_line_splits(tmp_path, hyps: dict) -> subprocess.CompletedProcess:
+    """The script on a data folder whose every split has two pairs, with a run folder holding ``hyps``."""
     data = tmp_path / "multi30k"
     data.mkdir()
     for stem in ("train", "val", "test_2016_flickr"):
@@ -46,9 +47,20 @@ def test_a_translation_file_of_the_wrong_length_is_refused(tmp_path):
             (data / f"{stem}.{lang}").write_text("a b\nc\n", encoding="utf-8")
     run = tmp_path / "run"
     run.mkdir()
-    (run / "val.hyp.de").write_text("only one line\n", encoding="utf-8")
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "length_ratios.py"), "--data-dir", str(data),
+    for name, text in hyps.items():
+        (run / name).write_text(text, encoding="utf-8")
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "length_ratios.py"), "--data-dir", str(data),
                            "--run-dir", str(run), "--out", str(tmp_path / "o.json")], check=False, capture_output=True,
                           text=True)
+
+
+def test_a_translation_file_of_the_wrong_length_is_refused(tmp_path):
+    done = run_on_two_line_splits(tmp_path, {"val.hyp.de": "only one line\n"})
     assert done.returncode != 0 and "1 lines for 2 references" in done.stderr
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_a_run_without_its_saved_translations_is_refused(tmp_path):
+    done = run_on_two_line_splits(tmp_path, {"val.hyp.de": "x\ny\n"})  # no test_2016.hyp.de
+    assert done.returncode != 0 and "test_2016.hyp.de: no such file" in done.stderr
     assert not (tmp_path / "o.json").exists()

@@ -70,6 +70,11 @@ class SubwordDropout:
             raise ValueError(f"subword dropout must be in (0, 1), got {p!r}")
         self.parts, self.p, self.seed, self.max_len = merge_parts(tokenizer), float(p), int(seed), int(max_len)
 
+    def split_pairs(self, src: list[list[int]], tgt: list[list[int]], examples, *, epoch: int
+                    ) -> tuple[list[list[int]], list[list[int]]]:
+        """Both sides of the pairs ``examples`` as this epoch cuts them."""
+        return self.split(src, examples, epoch=epoch, side=0), self.split(tgt, examples, epoch=epoch, side=1)
+
     def split(self, sequences: list[list[int]], examples: list[int], *, epoch: int, side: int) -> list[list[int]]:
         """``sequences`` (the token ids of ``examples``, one side of each pair: 0 source, 1 target)
         as this epoch cuts them."""

@@ -164,9 +164,7 @@ class TranslationTask:
         indices = np.arange(len(self.pairs)) if self.kept is None else self.kept
         for start in range(0, len(indices), chunk):
             part = indices[start: start + chunk].tolist()
-            src, tgt = self.pairs.read(part)
-            src = self.subword_dropout.split(src, part, epoch=epoch, side=0)
-            tgt = self.subword_dropout.split(tgt, part, epoch=epoch, side=1)
+            src, tgt = self.subword_dropout.split_pairs(*self.pairs.read(part), part, epoch=epoch)
             lengths[part] = [max(len(a), len(b)) + 1 for a, b in zip(src, tgt)]
         return lengths
 
@@ -178,9 +176,7 @@ class TranslationTask:
     def make_batch(self, indices: list[int], epoch: int = 0) -> Batch:
         src, tgt = self.pairs.read(indices)
         if self.subword_dropout is not None:
-            indices = [int(i) for i in indices]
-            src = self.subword_dropout.split(src, indices, epoch=epoch, side=0)
-            tgt = self.subword_dropout.split(tgt, indices, epoch=epoch, side=1)
+            src, tgt = self.subword_dropout.split_pairs(src, tgt, indices, epoch=epoch)
         return make_batch(src, tgt, pad_id=self.pad_id, bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
 
     @staticmethod
