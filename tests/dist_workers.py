@@ -68,8 +68,9 @@ def step_scenario(ctx, out: str, run_dir: str, steps: list[list[list[int]]], str
 
 
 def run_scenarios(ctx, out: str, plan: list[tuple]) -> None:
-    """Each entry: ``("steps", run_dir, steps, strategy, name)``, ``("train", run_dir, train_options)``
-    or ``("copy", run_dir, new_dir)`` (rank 0 copies the folder)."""
+    """Each entry: ``("steps", run_dir, steps, strategy, name)``, ``("train", run_dir, train_options)``,
+    ``("finish", run_dir, train_options)`` (trains, then writes the run's weight files as ``run_training``
+    does) or ``("copy", run_dir, new_dir)`` (rank 0 copies the folder)."""
     import shutil
 
     from qkv.runs import resume_run
@@ -81,8 +82,11 @@ def run_scenarios(ctx, out: str, plan: list[tuple]) -> None:
             if ctx.is_main:
                 shutil.copytree(entry[1], entry[2])
         else:
-            _, run_dir, options = entry
-            resume_run(run_dir, train_options={"progress": False, **options}, device="cpu", dist=ctx).train()
+            kind, run_dir, options = entry
+            trainer = resume_run(run_dir, train_options={"progress": False, **options}, device="cpu", dist=ctx)
+            trainer.train()
+            if kind == "finish":
+                trainer.finish()
         ctx.barrier()
     if ctx.is_main:
         Path(out, "done").write_text("ok")

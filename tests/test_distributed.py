@@ -2,7 +2,8 @@
 tests and fairseq assert: 2 ranks x batch B == 1 process x batch 2B; accumulation of 2
 micro-batches == one batch; an epoch that does not divide among the ranks finishes without a
 hang (and equals one process); a run saved by 2 processes resumes on 1 and the other way round;
-FSDP2 matches DDP. Float32, dropout 0, the same initial weights everywhere, Adam with a peak learning
+FSDP2 matches DDP; the moving average of the weights (--ema-decay) on 2 ranks equals 1 process's.
+Float32, dropout 0, the same initial weights everywhere, Adam with a peak learning
 rate of 1.8e-3.
 
 The models have no biases: a key projection's bias has a zero gradient in exact arithmetic (softmax
@@ -20,6 +21,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import dist_workers
 from qkv.data.dates import generate_dates
@@ -31,6 +33,7 @@ LM_MODEL = dict(d_model=32, num_heads=2, num_layers=2, d_ff=64, context=32, drop
 TRAIN = dict(max_tokens=300, warmup_steps=4, lr_factor=0.02, max_steps=3, max_minutes=0.0, bf16=False, progress=False,
              average_last=1, eval_every_minutes=0.0, checkpoint_every_minutes=0.0, log_every_steps=1,
              label_smoothing=0.1)
+EMA = {"ema_decay": 0.8}  # a short memory, so that 6 steps move the average well away from the first weights
 
 
 def weights(path):
@@ -59,8 +62,7 @@ def runs(tmp_path_factory):
     batches = base.task.batches(0, TRAIN["max_tokens"], 0)
     uneven_tokens = next(t for t in range(200, 400, 10) if len(base.task.batches(0, t, 0)) % 2 == 1)
     for name in ("ddp", "subword_ddp", "subword_1", "resumed_on_1", "resumed_on_2", "uneven", "uneven_1", "fsdp",
-                 "steps", "steps_fsdp",
-                 "fsdp_resumed_on_2"):
+                 "steps", "steps_fsdp", "fsdp_resumed_on_2", "ema_ddp", "ema_1", "ema_resumed_on_2"):
         shutil.copytree(root / "base", root / name)
     steps = [[batches[2 * k], batches[2 * k + 1]] for k in range(5)]
     # the language model through the same engine
@@ -73,6 +75,7 @@ def runs(tmp_path_factory):
     shutil.copytree(root / "lm_base", root / "lm_steps")
     # 1 process, first half of "resumed_on_2" (accumulating the 2 batches that 2 processes share)
     resume_run(root / "resumed_on_2", train_options={"accum_steps": 2, "max_steps": 3}).train()
+    resume_run(root / "ema_resumed_on_2", train_options={"accum_steps": 2, "max_steps": 3, **EMA}).train()
     plan = [
         ("steps", str(root / "steps"), steps, "ddp", "ddp_steps"),
         ("steps", str(root / "steps_fsdp"), steps, "fsdp", "fsdp_steps"),
@@ -82,6 +85,8 @@ def runs(tmp_path_factory):
         ("train", str(root / "subword_ddp"), {"max_steps": 6, "subword_dropout": 0.3}),
         ("train", str(root / "resumed_on_1"), {"max_steps": 3}),
         ("train", str(root / "resumed_on_2"), {"max_steps": 6, "accum_steps": 1}),
+        ("finish", str(root / "ema_ddp"), {"max_steps": 6, **EMA}),
+        ("finish", str(root / "ema_resumed_on_2"), {"max_steps": 6, "accum_steps": 1, **EMA}),
         ("train", str(root / "uneven"), {"max_steps": 0, "max_epochs": 1.0, "max_tokens": uneven_tokens}),
         # FSDP2 saves its optimizer in shards: 3 steps, a copy resumed later on 1 process, 3 more on 2
         ("train", str(root / "fsdp_resumed_on_2"), {"max_steps": 3, "strategy": "fsdp"}),
@@ -97,6 +102,7 @@ def runs(tmp_path_factory):
         raise AssertionError(f"the 2-process run failed:\n{errors}") from None
     # 1 process: the second half of "resumed_on_1", and the references
     resume_run(root / "resumed_on_1", train_options={"max_steps": 6, "accum_steps": 2}).train()
+    resume_run(root / "ema_1", train_options={"max_steps": 6, "accum_steps": 2, **EMA}).train()
     resume_run(root / "subword_1", train_options={"max_steps": 6, "accum_steps": 2, "subword_dropout": 0.3}).train()
     resume_run(root / "fsdp_resumed_on_1", train_options={"max_steps": 6, "accum_steps": 2}).train()
     resume_run(root / "uneven_1", train_options={"max_steps": 0, "max_epochs": 1.0, "accum_steps": 2,
@@ -142,6 +148,25 @@ def test_subword_dropout_cuts_the_same_on_two_ranks_as_on_one_process(runs):
     assert_close(two, weights(root / "subword_1" / "state.pt"), 1e-6, "subword dropout: 2 processes vs 1")
     plain = weights(root / "ddp" / "state.pt")
     assert max(float((two[k] - plain[k]).abs().max()) for k in two) > 1e-4  # the split batches trained differently
+
+
+def averaged_weights(ema_state):
+    """An AveragedModel's state dict as the model's own: ``module.`` dropped, the step count left out."""
+    return {k.removeprefix("module."): v for k, v in ema_state.items() if k != "n_averaged"}
+
+
+def test_the_moving_average_of_the_weights_on_two_ranks_equals_one_process(runs):
+    root, _, _ = runs
+    reference = torch.load(root / "ema_1" / "state.pt", weights_only=False)["ema"]  # 1 process, 2 micro-batches
+    for name in ("ema_ddp", "ema_resumed_on_2"):
+        saved = torch.load(root / name / "state.pt", weights_only=False)["ema"]
+        assert int(saved["n_averaged"]) == int(reference["n_averaged"]) == 6, name
+        assert_close(saved, reference, 1e-6, f"EMA: {name} vs 1 process")
+        # the average the run hands on, written by rank 0 (tied tensors stored once)
+        written, average = load_file(root / name / "ema.safetensors"), averaged_weights(saved)
+        assert_close(written, {k: average[k] for k in written}, 0.0, f"{name}: ema.safetensors vs the checkpoint")
+    last, average = weights(root / "ema_ddp" / "state.pt"), averaged_weights(reference)
+    assert max(float((last[k] - average[k]).abs().max()) for k in last) > 1e-4  # an average, not the last weights
 
 
 def test_fsdp2_matches_ddp(runs):
