@@ -3,6 +3,10 @@ nn.Transformer wrapper computes qkv's function with copied weights), and smoke r
 suite on tiny synthetic data. Nothing here asserts on a timing."""
 
 import json
+import platform
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,6 +89,12 @@ def test_ratio_environment_and_device():
     assert timing.paired_ratio([], []) is None
     env = timing.environment()
     assert env["torch"] == torch.__version__ and env["torch_threads"] == torch.get_num_threads()
+    if Path("/proc/cpuinfo").is_file() and platform.machine() == "x86_64":  # against lscpu's own reading
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for field, key in (("Model name", "cpu_model"), ("CPU family", "cpu_family"), ("Model", "cpu_model_number")):
+            line = re.search(rf"^{field}:\s*(.+)$", lscpu, flags=re.MULTILINE)
+            if line:
+                assert env[key] == line.group(1).strip(), field
     assert timing.pick_device is pick_device  # qkv.bench re-exports the one device picker
     assert timing.pick_device("cpu") == CPU
     if not torch.cuda.is_available():

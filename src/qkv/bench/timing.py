@@ -225,14 +225,19 @@ def available_memory_bytes(device: torch.device) -> int | None:
     return int(match.group(1)) * 1024 if match else None
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
+def cpuinfo_field(name: str) -> str | None:
+    """The first processor's ``name`` field in ``/proc/cpuinfo`` (None where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    line = re.search(r"^flags\s*:(.*)$", text, flags=re.MULTILINE)
-    return set(line.group(1).split()) if line else set()
+        return None
+    line = re.search(rf"^{re.escape(name)}\s*:(.*)$", text, flags=re.MULTILINE)
+    return line.group(1).strip() if line else None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
+    return set((cpuinfo_field("flags") or "").split())
 
 
 def environment() -> dict:
@@ -255,9 +260,8 @@ def environment() -> dict:
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
-    try:
-        model = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), flags=re.MULTILINE)
-        info["cpu_model"] = model.group(1) if model else None
-    except OSError:
-        pass
+    # "AMD EPYC" alone names CPUs from AVX2-only ones to AVX512-BF16 ones: family and model tell them apart
+    # (e.g. AMD family 25 model 17 is Zen 4, family 26 is Zen 5)
+    info.update(cpu_model=cpuinfo_field("model name"), cpu_family=cpuinfo_field("cpu family"),
+                cpu_model_number=cpuinfo_field("model"))
     return info
