@@ -1,5 +1,6 @@
 """Greedy decoding and beam search: beam 1 = greedy, beam search = a plain one-sentence implementation of
-its rules, batched = one sentence at a time, cached = uncached, scores = teacher-forced log-probabilities, length limits and EOS handling; sacreBLEU."""
+its rules, batched = one sentence at a time, cached = uncached, scores = teacher-forced log-probabilities,
+length limits and EOS handling; sacreBLEU."""
 
 import math
 
