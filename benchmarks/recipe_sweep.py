@@ -188,8 +188,9 @@ def collect(paths: list[Path], out: Path) -> dict:
                       "val_bleu_greedy_300_vs_minutes": [[round(c["minutes"], 1), c["val_bleu_greedy_300"]]
                                                          for c in run["bleu_vs_minutes"]],
                       "val_loss_vs_minutes": [[round(c["minutes"], 1), c["val_loss"]] for c in run["bleu_vs_minutes"]],
-                      "beam": beam, "machine": {k: run["machine"].get(k) for k in ("cpu_model", "cpu_family", "avx512_bf16",
-                                                                                   "amx", "threads", "loadavg_end")},
+                      "beam": beam,
+                      "machine": {k: run["machine"].get(k) for k in ("cpu_model", "cpu_family", "avx512_bf16", "amx",
+                                                                     "threads", "loadavg_end")},
                       "bf16": run["train"]["bf16"]}
     report = {"task": "Multi30k recipe sweep of hour-long runs, validation only (the first is the reference)",
               "command": " ".join(["python"] + sys.argv), "candidates": rows}
