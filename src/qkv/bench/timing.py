@@ -225,25 +225,26 @@ def available_memory_bytes(device: torch.device) -> int | None:
     return int(match.group(1)) * 1024 if match else None
 
 
-def cpuinfo_field(name: str) -> str | None:
-    """The first processor's ``name`` field in ``/proc/cpuinfo`` (None where there is none)."""
+def cpuinfo_fields(*names: str) -> dict[str, str | None]:
+    """The first processor's fields ``names`` in ``/proc/cpuinfo``, read once (None where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return None
-    line = re.search(rf"^{re.escape(name)}\s*:(.*)$", text, flags=re.MULTILINE)
-    return line.group(1).strip() if line else None
+        text = ""
+    lines = {name: re.search(rf"^{re.escape(name)}\s*:(.*)$", text, flags=re.MULTILINE) for name in names}
+    return {name: line.group(1).strip() if line else None for name, line in lines.items()}
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
-    return set((cpuinfo_field("flags") or "").split())
+def cpu_flags(flags: str | None = None) -> set[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none), or from its ``flags`` line."""
+    return set((flags if flags is not None else cpuinfo_fields("flags")["flags"] or "").split())
 
 
 def environment() -> dict:
     """What the figures were measured on, with whether the CPU has AVX512-BF16 and AMX (where bf16
     matrix products are fast, qkv.precision)."""
-    flags = cpu_flags()
+    cpu = cpuinfo_fields("flags", "model name", "cpu family", "model")
+    flags = cpu_flags(cpu["flags"] or "")
     info = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -262,6 +263,5 @@ def environment() -> dict:
         info["cuda"] = torch.version.cuda
     # "AMD EPYC" alone names CPUs from AVX2-only ones to AVX512-BF16 ones: family and model tell them apart
     # (e.g. AMD family 25 model 17 is Zen 4, family 26 is Zen 5)
-    info.update(cpu_model=cpuinfo_field("model name"), cpu_family=cpuinfo_field("cpu family"),
-                cpu_model_number=cpuinfo_field("model"))
+    info.update(cpu_model=cpu["model name"], cpu_family=cpu["cpu family"], cpu_model_number=cpu["model"])
     return info
