@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.attention import backends
+from qkv.attention import backends, select_backend
 from qkv.attention.functional import attention_reference
 from qkv.attention.masks import broadcast_shape
 
@@ -74,14 +74,30 @@ def test_broadcast_shape_agrees_with_torch():
 
 
 def test_upcast_decision():
-    lo = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+    lo = torch.randn(1, 2, 8, 16, dtype=torch.float16, requires_grad=True)
     assert backends.upcast_for_cpu_backward(lo, lo, lo)
     with torch.no_grad():
-        assert not backends.upcast_for_cpu_backward(lo, lo, lo)  # inference: the bf16 kernel is fine
+        assert not backends.upcast_for_cpu_backward(lo, lo, lo)  # inference: the fp16 kernel is fine
     assert not backends.upcast_for_cpu_backward(lo.detach(), lo.detach(), lo.detach())
     assert not backends.upcast_for_cpu_backward(lo.float(), lo.float(), lo.float())
-    long = torch.randn(1, 1, backends.UPCAST_MAX_LEN, 8, dtype=torch.bfloat16, requires_grad=True)
+    long = torch.randn(1, 1, backends.UPCAST_MAX_LEN, 8, dtype=torch.float16, requires_grad=True)
     assert not backends.upcast_for_cpu_backward(lo, long, long)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_plain_path_decision(dtype):
+    limit = backends.PLAIN_MAX_LEN[dtype]
+    short = torch.randn(1, 2, limit - 1, 8, dtype=dtype, requires_grad=True)
+    long = torch.randn(1, 2, limit, 8, dtype=dtype, requires_grad=True)
+    assert backends.plain_is_faster(short, short, short)
+    assert not backends.plain_is_faster(short, long, long)  # the longer of queries and keys decides
+    assert not backends.plain_is_faster(short.detach(), short.detach(), short.detach())
+    with torch.no_grad():
+        assert not backends.plain_is_faster(short, short, short)  # inference: the fused kernel
+    half = short.detach().half().requires_grad_()
+    assert not backends.plain_is_faster(half, half, half)  # CPUs have no float16 products
+    assert select_backend(short, short, short, None, False, 0.0, False).backend == "reference"
+    assert select_backend(long, long, long, None, False, 0.0, False).backend == "torch_sdpa"
 
 
 def _errors(fn, q, k, v, grad, truth_out, truth_grads):
@@ -114,14 +130,27 @@ def test_low_precision_training_path_error_is_within_the_references_own(dtype, c
     assert ours[1] <= 2 * theirs[1] + 1e-6
 
 
-def test_low_precision_path_runs_in_float32_even_under_autocast():
+def test_float16_training_path_runs_in_float32_even_under_autocast():
     q, k, v = (torch.randn(2, 2, 12, 8, requires_grad=True) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.float16):
+        qh, kh, vh = (t.to(torch.float16) for t in (q, k, v))
+        out = qkv.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    assert out.dtype == torch.float16
+    want = F.scaled_dot_product_attention(qh.float(), kh.float(), vh.float(), is_causal=True).to(torch.float16)
+    assert torch.equal(out, want)  # bit for bit: the kernel ran in float32, then one rounding
+    out.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_bf16_training_path_on_short_sequences_is_the_reference_under_autocast():
+    q, k, v = (torch.randn(2, 2, 12, 8, requires_grad=True) for _ in range(3))
+    keep = qkv.padding_mask_from_lengths([12, 7])[:, None, None, :]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
-        out = qkv.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+        out = qkv.scaled_dot_product_attention(qb, kb, vb, attn_mask=keep)
+        want = attention_reference(qb, kb, vb, attn_mask=keep)[0]
     assert out.dtype == torch.bfloat16
-    want = F.scaled_dot_product_attention(qb.float(), kb.float(), vb.float(), is_causal=True).to(torch.bfloat16)
-    assert torch.equal(out, want)  # bit for bit: the kernel ran in float32, then one rounding
+    assert torch.equal(out, want)
     out.float().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
@@ -143,7 +172,9 @@ def _batch():
 
 def test_models_run_every_attention_on_the_fused_kernel(monkeypatch):
     """Key-padding masks and causal masks go to SDPA: the eager reference never runs in a forward
-    pass without weights, and every attention (encoder self, decoder self and cross) is fused."""
+    pass without weights, and every attention (encoder self, decoder self and cross) is fused
+    (with the CPU's short-sequence plain path turned off; the next test has it on)."""
+    monkeypatch.setattr(backends, "PLAIN_MAX_LEN", {})
     calls = []
     original = F.scaled_dot_product_attention
 
@@ -161,6 +192,24 @@ def test_models_run_every_attention_on_the_fused_kernel(monkeypatch):
     model(src, tgt).sum().backward()
     assert len(calls) == 2 + 2 * 2  # 2 encoder self, 2 decoder self (causal), 2 cross
     assert sum(calls) == 2  # decoder self-attention used the kernel's is_causal, not a mask
+
+
+def test_cpu_training_on_short_sequences_runs_every_attention_on_the_plain_path(monkeypatch):
+    plain = []
+    original = qkv.attention.functional.attention_reference
+
+    def counting(*args, **kwargs):
+        plain.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr("qkv.attention.functional.attention_reference", counting)
+    model = _tiny_model().train()
+    src, tgt = _batch()
+    model(src, tgt).sum().backward()
+    assert len(plain) == 2 + 2 * 2
+    with torch.no_grad():
+        model(src, tgt)  # inference: the fused kernel
+    assert len(plain) == 6
 
 
 def test_transformer_forward_has_no_graph_breaks():

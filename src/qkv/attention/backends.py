@@ -76,6 +76,8 @@ def select_backend(
         choice = BackendChoice("reference", "need_weights=True: the fused kernel does not return weights")
     elif forced == "reference":
         choice = BackendChoice("reference", "forced by qkv.attention.backends.use_backend('reference')")
+    elif plain_is_faster(q, k, v):
+        return BackendChoice("reference", "CPU, short sequences, a backward to follow: the plain products are faster")
     else:
         return BackendChoice("torch_sdpa")
     logger.debug("attention fell back to the eager reference: %s", choice.reason)
@@ -142,6 +144,29 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Below this many queries and keys, torch's CPU flash kernel uses small tiles and its bf16/fp16
 # backward is slower than float32's (b 1-32, h 8, d_h 64: 1.4-2.6x at s 64-128, parity near 256).
 UPCAST_MAX_LEN = 192
+# Below this many queries and keys, on CPU, with a backward pass to follow, the plain product-softmax-
+# product (attention_reference) beats the fused kernel (forward + backward, b 80, h 4, d_h 64, 2 cores of
+# a Zen 5 EPYC: bfloat16 2.6x at s 16, 2.3x at 40, 1.2x at 190 against the kernel run in float32;
+# float32 2.4x at 16, 1.1x at 64, slower from ~100). Not float16: CPUs have no float16 products (10x
+# slower than the upcast kernel), so it keeps the upcast below.
+PLAIN_MAX_LEN = {torch.float32: 64, torch.bfloat16: 192}
+
+
+def _backward_follows(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def plain_is_faster(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether to run the eager reference instead of the fused kernel for speed: on CPU, when
+    autograd will need a backward pass, for sequences shorter than :data:`PLAIN_MAX_LEN` (training
+    on sentences). The same choice while compiling, so compiled and eager code compute the same."""
+    limit = PLAIN_MAX_LEN.get(q.dtype)
+    return (
+        limit is not None
+        and q.device.type == "cpu"
+        and max(q.shape[-2], k.shape[-2]) < limit
+        and _backward_follows(q, k, v)
+    )
 
 
 def upcast_for_cpu_backward(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -151,8 +176,7 @@ def upcast_for_cpu_backward(q: Tensor, k: Tensor, v: Tensor) -> bool:
         q.device.type == "cpu"
         and q.dtype in _LOW_PRECISION
         and max(q.shape[-2], k.shape[-2]) < UPCAST_MAX_LEN
-        and torch.is_grad_enabled()
-        and (q.requires_grad or k.requires_grad or v.requires_grad)
+        and _backward_follows(q, k, v)
     )
 
 

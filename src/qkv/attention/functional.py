@@ -31,8 +31,10 @@ def scaled_dot_product_attention(
     """Scaled dot-product attention with safe masking.
 
     Runs PyTorch's fused kernel when the attention weights are not needed and the case allows
-    (see :func:`qkv.attention.backends.select_backend`); otherwise runs :func:`attention_reference`.
-    Both compute the same function; the tests hold them to 1e-5.
+    (see :func:`qkv.attention.backends.select_backend`); otherwise runs :func:`attention_reference`,
+    which is also the faster of the two for training on short sequences on CPU
+    (:func:`qkv.attention.backends.plain_is_faster`). Both compute the same function; the tests
+    hold them to 1e-5.
 
     Args:
         q: queries ``(..., s_q, d)``.
@@ -53,6 +55,8 @@ def scaled_dot_product_attention(
     """
     check_attention_inputs(q, k, v, attn_mask, dropout_p)
     if not need_weights and backends.forced_backend() != "reference":  # the fast path, decided cheaply
+        if backends.plain_is_faster(q, k, v):  # CPU training on short sequences: the plain products win
+            return attention_reference(q, k, v, attn_mask, is_causal, dropout_p, scale)[0]
         return backends.torch_sdpa(q, k, v, attn_mask, is_causal, dropout_p, scale)
     backends.select_backend(q, k, v, attn_mask, is_causal, dropout_p, need_weights)  # logs why
     out, weights = attention_reference(q, k, v, attn_mask, is_causal, dropout_p, scale)
