@@ -84,9 +84,9 @@ def test_upcast_decision():
     assert not backends.upcast_for_cpu_backward(lo, long, long)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_plain_path_decision(dtype):
-    limit = backends.PLAIN_MAX_LEN[dtype]
+    limit = backends.PLAIN_MAX_LEN
     short = torch.randn(1, 2, limit - 1, 8, dtype=dtype, requires_grad=True)
     long = torch.randn(1, 2, limit, 8, dtype=dtype, requires_grad=True)
     assert backends.plain_is_faster(short, short, short)
@@ -94,8 +94,6 @@ def test_plain_path_decision(dtype):
     assert not backends.plain_is_faster(short.detach(), short.detach(), short.detach())
     with torch.no_grad():
         assert not backends.plain_is_faster(short, short, short)  # inference: the fused kernel
-    half = short.detach().half().requires_grad_()
-    assert not backends.plain_is_faster(half, half, half)  # CPUs have no float16 products
     assert select_backend(short, short, short, None, False, 0.0, False).backend == "reference"
     assert select_backend(long, long, long, None, False, 0.0, False).backend == "torch_sdpa"
 
@@ -130,29 +128,23 @@ def test_low_precision_training_path_error_is_within_the_references_own(dtype, c
     assert ours[1] <= 2 * theirs[1] + 1e-6
 
 
-def test_float16_training_path_runs_in_float32_even_under_autocast():
-    q, k, v = (torch.randn(2, 2, 12, 8, requires_grad=True) for _ in range(3))
-    with torch.autocast("cpu", dtype=torch.float16):
-        qh, kh, vh = (t.to(torch.float16) for t in (q, k, v))
-        out = qkv.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-    assert out.dtype == torch.float16
-    want = F.scaled_dot_product_attention(qh.float(), kh.float(), vh.float(), is_causal=True).to(torch.float16)
-    assert torch.equal(out, want)  # bit for bit: the kernel ran in float32, then one rounding
-    out.float().sum().backward()
-    assert q.grad is not None and torch.isfinite(q.grad).all()
-
-
-def test_bf16_training_path_on_short_sequences_is_the_reference_under_autocast():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_training_path_runs_in_float32_even_under_autocast(dtype):
     q, k, v = (torch.randn(2, 2, 12, 8, requires_grad=True) for _ in range(3))
     keep = qkv.padding_mask_from_lengths([12, 7])[:, None, None, :]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
-        out = qkv.scaled_dot_product_attention(qb, kb, vb, attn_mask=keep)
-        want = attention_reference(qb, kb, vb, attn_mask=keep)[0]
-    assert out.dtype == torch.bfloat16
-    assert torch.equal(out, want)
+    with torch.autocast("cpu", dtype=dtype):
+        low = [t.to(dtype) for t in (q, k, v)]
+        out = qkv.scaled_dot_product_attention(*low, attn_mask=keep)
+    assert out.dtype == dtype
+    want = attention_reference(*(t.float() for t in low), attn_mask=keep)[0].to(dtype)
+    assert torch.equal(out, want)  # bit for bit: the plain products ran in float32, then one rounding
     out.float().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+    long = [torch.randn(1, 2, backends.PLAIN_MAX_LEN, 8, dtype=dtype, requires_grad=True) for _ in range(3)]
+    with torch.autocast("cpu", dtype=dtype):
+        out = qkv.scaled_dot_product_attention(*long, is_causal=True)  # longer: the kernel, upcast
+    want = F.scaled_dot_product_attention(*(t.float() for t in long), is_causal=True).to(dtype)
+    assert torch.equal(out, want)
 
 
 def _tiny_model(**overrides) -> qkv.Transformer:
@@ -174,7 +166,7 @@ def test_models_run_every_attention_on_the_fused_kernel(monkeypatch):
     """Key-padding masks and causal masks go to SDPA: the eager reference never runs in a forward
     pass without weights, and every attention (encoder self, decoder self and cross) is fused
     (with the CPU's short-sequence plain path turned off; the next test has it on)."""
-    monkeypatch.setattr(backends, "PLAIN_MAX_LEN", {})
+    monkeypatch.setattr(backends, "PLAIN_MAX_LEN", 0)
     calls = []
     original = F.scaled_dot_product_attention
 

@@ -16,10 +16,9 @@ from torch import Tensor
 
 from qkv.shapes import pad_rows, padded_rows, pads_rows
 
-# rows of logits made at once by the fused loss: (512, 8000) fp32 is 16 MiB, under glibc's largest mmap
-# threshold (32 MiB), so the chunk's buffers are reused from the heap instead of mapped and page-faulted
-# afresh for every chunk as (1024, 8000)'s were (forward + backward on 1,900 rows of a Zen 5 EPYC, 2
-# threads, bf16: 48-65 ms against 64-82 ms for 1,024-row chunks)
+# rows of logits made at once by the fused loss: (512, 8000) fp32 is 16 MiB. 1,024-row chunks (32 MiB,
+# above glibc's largest mmap threshold, so likely mapped and page-faulted afresh each time) were slower:
+# forward + backward of 1,900 rows, bf16, 2 threads of a Zen 5 EPYC, 48-65 ms against 64-82 ms
 FUSED_CHUNK_ROWS = 512
 
 

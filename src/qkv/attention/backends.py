@@ -145,11 +145,13 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # backward is slower than float32's (b 1-32, h 8, d_h 64: 1.4-2.6x at s 64-128, parity near 256).
 UPCAST_MAX_LEN = 192
 # Below this many queries and keys, on CPU, with a backward pass to follow, the plain product-softmax-
-# product (attention_reference) beats the fused kernel (forward + backward, b 80, h 4, d_h 64, 2 cores of
-# a Zen 5 EPYC: bfloat16 2.6x at s 16, 2.3x at 40, 1.2x at 190 against the kernel run in float32;
-# float32 2.4x at 16, 1.1x at 64, slower from ~100). Not float16: CPUs have no float16 products (10x
-# slower than the upcast kernel), so it keeps the upcast below.
-PLAIN_MAX_LEN = {torch.float32: 64, torch.bfloat16: 192}
+# product (attention_reference) in float32 beats the fused kernel in float32 (forward + backward, b 80,
+# h 4, d_h 64, 2 cores of a Zen 5 EPYC: 2.2x at s 16, 1.3x at 40, 1.1x at 64, level at ~100). Low-precision
+# inputs are computed in float32 too, like the kernel's upcast above: the plain products in bfloat16
+# were faster still (2.3-2.6x), but an hour of Multi30k trained with them ended 0.04 higher in
+# validation loss than the run before, whose attention was float32, despite more steps (README, "What
+# buys BLEU in the hour"; benchmarks/results/multi30k_en_de_epyc_zen5_bf16_faster_step.json).
+PLAIN_MAX_LEN = 64
 
 
 def _backward_follows(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -157,14 +159,13 @@ def _backward_follows(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 def plain_is_faster(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether to run the eager reference instead of the fused kernel for speed: on CPU, when
-    autograd will need a backward pass, for sequences shorter than :data:`PLAIN_MAX_LEN` (training
-    on sentences). The same choice while compiling, so compiled and eager code compute the same."""
-    limit = PLAIN_MAX_LEN.get(q.dtype)
+    """Whether to run the eager reference (in float32) instead of the fused kernel for speed: on
+    CPU, when autograd will need a backward pass, for sequences shorter than :data:`PLAIN_MAX_LEN`
+    (training on sentences). The same choice while compiling, so compiled and eager code compute
+    the same."""
     return (
-        limit is not None
-        and q.device.type == "cpu"
-        and max(q.shape[-2], k.shape[-2]) < limit
+        q.device.type == "cpu"
+        and max(q.shape[-2], k.shape[-2]) < PLAIN_MAX_LEN
         and _backward_follows(q, k, v)
     )
 
