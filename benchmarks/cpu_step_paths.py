@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import logging
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ from qkv.attention import backends
 from qkv.bench.data import multi30k_data
 from qkv.bench.timing import environment, paired_ratio, ratio, time_interleaved
 from qkv.bench.training import _ContenderTask, multi30k_config
+from qkv.fileio import check_output_file, write_json
 from qkv.loss import fused_linear_cross_entropy
 from qkv.precision import bf16_is_fast
 from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST
@@ -84,14 +84,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto: bf16 autocast where bf16 products are fast (as the recipe), else float32")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_step_paths.json"))
     args = parser.parse_args(argv)
+    out = check_output_file(args.out, "--out")  # before any work
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     bf16 = bf16_is_fast("cpu") if args.precision == "auto" else args.precision == "bf16"
     recipe = RECIPES["multi30k"]
     model_fields = {**recipe["model"], **(recipe[MODEL_WHERE_BF16_IS_FAST] if bf16 else {})}
     train_fields = {**recipe["train"], **(recipe[TRAIN_WHERE_BF16_IS_FAST] if bf16 else {})}
-    data = multi30k_data(args.data, vocab_size=recipe["vocab_size"], max_tokens=train_fields["max_tokens"],
-                         num_batches=args.batches)
+    try:
+        data = multi30k_data(args.data, vocab_size=recipe["vocab_size"], max_tokens=train_fields["max_tokens"],
+                             num_batches=args.batches)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     config = multi30k_config(data, **{k: v for k, v in model_fields.items() if k != "max_len"})
     train = TrainConfig(bf16=bf16, label_smoothing=0.1, progress=False)
     variants = {"today": frozenset()}
@@ -115,12 +120,11 @@ def main(argv: list[str] | None = None) -> int:
               "model": {"d_model": config.d_model, "layers": [config.num_encoder_layers, config.num_decoder_layers],
                         "d_ff": config.d_ff, "vocab": config.tgt_vocab_size},
               "results": results, "ratios": ratios, "machine": environment()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out, report)
     for name, r in results.items():
         extra = "" if name == "today" else f"  today is {ratios[name]['today_over_it']:.2f}x (paired {ratios[name]['paired']:.2f}x)"
         print(f"{name:32s} {r['tokens_per_s']:8.0f} target tokens/s{extra}")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 

@@ -107,9 +107,7 @@ def torch_sdpa(
     cast back (see :func:`upcast_for_cpu_backward`).
     """
     if q.dtype in _LOW_PRECISION and upcast_for_cpu_backward(q, k, v):
-        with torch.autocast(q.device.type, enabled=False):  # autocast would cast straight back
-            out = torch_sdpa(q.float(), k.float(), v.float(), attn_mask, is_causal, dropout_p, scale)
-        return out.to(q.dtype)
+        return in_float32(torch_sdpa, q, k, v, attn_mask, is_causal, dropout_p, scale)
     s_q, s_k = q.shape[-2], k.shape[-2]
     if is_causal and s_q != s_k:
         if s_q == 1:
@@ -152,6 +150,16 @@ UPCAST_MAX_LEN = 192
 # validation loss than the run before, whose attention was float32, despite more steps (README, "What
 # buys BLEU in the hour"; benchmarks/results/multi30k_en_de_epyc_zen5_bf16_faster_step.json).
 PLAIN_MAX_LEN = 64
+
+
+def in_float32(attention, q: Tensor, k: Tensor, v: Tensor, *args) -> Tensor:
+    """``attention(q, k, v, *args)`` computed in float32 for bfloat16/float16 inputs, whatever the
+    autocast, and rounded once to their dtype; other inputs as they are."""
+    if q.dtype not in _LOW_PRECISION:
+        return attention(q, k, v, *args)
+    with torch.autocast(q.device.type, enabled=False):  # autocast would cast the products straight back
+        out = attention(q.float(), k.float(), v.float(), *args)
+    return out.to(q.dtype)
 
 
 def _backward_follows(q: Tensor, k: Tensor, v: Tensor) -> bool:

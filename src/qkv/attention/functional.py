@@ -56,7 +56,7 @@ def scaled_dot_product_attention(
     check_attention_inputs(q, k, v, attn_mask, dropout_p)
     if not need_weights and backends.forced_backend() != "reference":  # the fast path, decided cheaply
         if backends.plain_is_faster(q, k, v):  # CPU training on short sequences: the plain products win
-            return _reference_in_float32(q, k, v, attn_mask, is_causal, dropout_p, scale)
+            return backends.in_float32(_reference_output, q, k, v, attn_mask, is_causal, dropout_p, scale)
         return backends.torch_sdpa(q, k, v, attn_mask, is_causal, dropout_p, scale)
     backends.select_backend(q, k, v, attn_mask, is_causal, dropout_p, need_weights)  # logs why
     out, weights = attention_reference(q, k, v, attn_mask, is_causal, dropout_p, scale)
@@ -91,16 +91,8 @@ def attention_reference(
     return dropped @ v, weights  # (..., s_q, d_v), (..., s_q, s_k)
 
 
-def _reference_in_float32(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, dropout_p: float, scale: float | None
-) -> Tensor:
-    """The reference's output, computed in float32 for bfloat16/float16 inputs (whatever the
-    autocast) and rounded once to their dtype; float32 and float64 inputs in their own dtype."""
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return attention_reference(q, k, v, attn_mask, is_causal, dropout_p, scale)[0]
-    with torch.autocast(q.device.type, enabled=False):  # autocast would cast the products straight back
-        out = attention_reference(q.float(), k.float(), v.float(), attn_mask, is_causal, dropout_p, scale)[0]
-    return out.to(q.dtype)
+def _reference_output(*args) -> Tensor:
+    return attention_reference(*args)[0]
 
 
 def masked_softmax(scores: Tensor) -> Tensor:
