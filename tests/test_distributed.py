@@ -219,7 +219,7 @@ def test_a_killed_rank_stops_the_launcher_quickly(tmp_path):
                "train", "--train-src", str(tmp_path / "s.txt"), "--train-tgt", str(tmp_path / "t.txt"),
                "--run-dir", str(tmp_path / "run"), "--max-steps", "100000", "--minutes", "0", "--vocab-size", "300",
                "--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--d-ff", "64",
-               "--no-bf16", "--no-progress", "--max-tokens", "300"]
+               "--no-bf16", "--no-progress", "--max-tokens", "300", "--device", "cpu"]
     launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 240

@@ -82,3 +82,15 @@ def test_feed_forward_and_bad_activation():
     torch.testing.assert_close(ff(x), expected)
     with pytest.raises(ValueError, match="unknown activation 'swish'"):
         qkv.FeedForward(4, 8, activation="swish")
+
+
+def test_layer_output_is_a_pytree_node_whose_tensors_torch_finds():
+    """FSDP2 (torch 2.11) finds a sharded layer's output tensors with torch's pytree to hang its
+    pre-backward hook on them; a LayerOutput that pytree saw as one opaque leaf left that hook out."""
+    from torch.utils._pytree import tree_flatten
+
+    from qkv.layers import LayerOutput
+
+    out, weights = torch.randn(2, 3, 4, requires_grad=True), torch.rand(2, 1, 3, 3)
+    leaves, _ = tree_flatten(LayerOutput(out, self_weights=weights))
+    assert [id(t) for t in leaves] == [id(out), id(weights)]

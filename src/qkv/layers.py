@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -46,6 +47,13 @@ class LayerOutput:
     cross_weights: Tensor | None = None  # (b, h, s, s_m)
     self_cache: KVCache | None = None
     cross_cache: KVCache | None = None
+
+
+# A pytree node, so that code which walks a module's outputs with torch's pytree finds the tensors in it:
+# FSDP2 hangs its pre-backward hook (which gathers a sharded layer's weights again for the backward) on
+# the output tensors it finds that way, and torch 2.11's FSDP2 looks no further than pytree (2.13 also
+# opens dataclasses); without this, a sharded layer's backward met freed weights on torch 2.11.
+torch.export.register_dataclass(LayerOutput)
 
 
 class EncoderLayer(nn.Module):

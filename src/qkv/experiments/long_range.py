@@ -109,7 +109,8 @@ def input_gradient_norms(model: nn.Module, tokens: Tensor) -> list[float]:
     """
     model64 = copy.deepcopy(model).double().eval()
     x = model64.embed(tokens).detach().requires_grad_(True)  # (b, T, e), float64
-    features = model64.features(x)  # (b, f)
+    with torch.backends.cudnn.flags(enabled=False):  # cuDNN's RNN has no backward in eval mode
+        features = model64.features(x)  # (b, f)
     log_squared = torch.full(x.shape[:2], float("-inf"), dtype=torch.float64, device=x.device)  # (b, T)
     for i in range(features.size(-1)):
         (grad,) = torch.autograd.grad(features[:, i].sum(), x, retain_graph=True)  # rows are independent

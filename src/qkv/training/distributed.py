@@ -150,12 +150,16 @@ def wrap(model: nn.Module, loss_fn: Callable, ctx: Distributed, strategy: str = 
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # the mesh named for this process's device: left to itself, FSDP2 builds it on CUDA whenever CUDA
+    # is present, and a gloo run on such a machine's CPUs then fails (rank 1 asks for a second GPU)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     for stack in (getattr(model, "encoder", None), getattr(model, "decoder", None)):
         for layer in getattr(stack, "layers", []):
-            fully_shard(layer)
-    fully_shard(module)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
     return module
 
 
