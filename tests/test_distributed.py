@@ -74,8 +74,8 @@ def runs(tmp_path_factory):
     lm_steps = [[lm_batches[2 * k], lm_batches[2 * k + 1]] for k in range(5)]
     shutil.copytree(root / "lm_base", root / "lm_steps")
     # 1 process, first half of "resumed_on_2" (accumulating the 2 batches that 2 processes share)
-    resume_run(root / "resumed_on_2", train_options={"accum_steps": 2, "max_steps": 3}).train()
-    resume_run(root / "ema_resumed_on_2", train_options={"accum_steps": 2, "max_steps": 3, **EMA}).train()
+    resume_run(root / "resumed_on_2", train_options={"accum_steps": 2, "max_steps": 3}, device="cpu").train()
+    resume_run(root / "ema_resumed_on_2", train_options={"accum_steps": 2, "max_steps": 3, **EMA}, device="cpu").train()
     plan = [
         ("steps", str(root / "steps"), steps, "ddp", "ddp_steps"),
         ("steps", str(root / "steps_fsdp"), steps, "fsdp", "fsdp_steps"),
@@ -101,19 +101,20 @@ def runs(tmp_path_factory):
         errors = "\n".join(p.read_text() for p in out.glob("error-*.txt"))
         raise AssertionError(f"the 2-process run failed:\n{errors}") from None
     # 1 process: the second half of "resumed_on_1", and the references
-    resume_run(root / "resumed_on_1", train_options={"max_steps": 6, "accum_steps": 2}).train()
-    resume_run(root / "ema_1", train_options={"max_steps": 6, "accum_steps": 2, **EMA}).train()
-    resume_run(root / "subword_1", train_options={"max_steps": 6, "accum_steps": 2, "subword_dropout": 0.3}).train()
-    resume_run(root / "fsdp_resumed_on_1", train_options={"max_steps": 6, "accum_steps": 2}).train()
+    resume_run(root / "resumed_on_1", train_options={"max_steps": 6, "accum_steps": 2}, device="cpu").train()
+    resume_run(root / "ema_1", train_options={"max_steps": 6, "accum_steps": 2, **EMA}, device="cpu").train()
+    resume_run(root / "subword_1", train_options={"max_steps": 6, "accum_steps": 2, "subword_dropout": 0.3},
+               device="cpu").train()
+    resume_run(root / "fsdp_resumed_on_1", train_options={"max_steps": 6, "accum_steps": 2}, device="cpu").train()
     resume_run(root / "uneven_1", train_options={"max_steps": 0, "max_epochs": 1.0, "accum_steps": 2,
-                                                  "max_tokens": uneven_tokens}).train()
+                                                  "max_tokens": uneven_tokens}, device="cpu").train()
     return root, steps, lm_steps
 
 
 def one_process_steps(root, steps, *, split, run="base"):
     """5 steps on 1 process: each step's two batches as one batch of 2B (``split=False``) or as two
     accumulated micro-batches (``split=True``)."""
-    trainer = resume_run(root / run, train_options={"progress": False})
+    trainer = resume_run(root / run, train_options={"progress": False}, device="cpu")
     for first, second in steps:
         task = trainer.task
         trainer.step([task.make_batch(first), task.make_batch(second)] if split else [task.make_batch(first + second)])

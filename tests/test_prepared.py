@@ -219,11 +219,11 @@ def test_a_run_resumed_mid_epoch_from_a_prepared_folder_equals_the_uninterrupted
     data = {"source": "prepared", "folder": str(corpus["prep"])}
     start_run(tmp_path / "whole", data=data, model_options=MODEL, train_options=TRAIN, device="cpu")
     shutil.copytree(tmp_path / "whole", tmp_path / "halves")
-    resume_run(tmp_path / "whole").train()
-    first = resume_run(tmp_path / "halves", train_options={"max_steps": 3})
+    resume_run(tmp_path / "whole", device="cpu").train()
+    first = resume_run(tmp_path / "halves", train_options={"max_steps": 3}, device="cpu")
     first.train()
     assert first.state.epoch == 0 and 0 < first.state.batch_in_epoch < len(first.task.batches(0, 400, 0))
-    resume_run(tmp_path / "halves", train_options={"max_steps": 6}).train()
+    resume_run(tmp_path / "halves", train_options={"max_steps": 6}, device="cpu").train()
     whole = torch.load(tmp_path / "whole" / "state.pt", weights_only=False)
     halves = torch.load(tmp_path / "halves" / "state.pt", weights_only=False)
     assert whole["train_state"]["step"] == halves["train_state"]["step"] == 6
