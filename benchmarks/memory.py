@@ -50,32 +50,14 @@ COMPOSITES = {"fix": {"onednn", "trim", "pad"}}
 
 
 # ----------------------------------------------------------------------------- machine
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def machine_info(threads: int) -> dict:
     import torch
 
     from qkv.precision import cpu_bf16_probe
 
-    flags = _cpu_flags()
+    from qkv.bench.timing import cpu_flags, cpuinfo_fields
+
+    flags = cpu_flags()
     libc = platform.libc_ver()
     fp32, bf16 = cpu_bf16_probe()
     mem_total = None
@@ -84,7 +66,7 @@ def machine_info(threads: int) -> dict:
     except (ValueError, OSError, AttributeError):
         pass
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpuinfo_fields("model name")["model name"] or platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "memory_gib": mem_total,
         "flags": {name: name in flags for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")},
