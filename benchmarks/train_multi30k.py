@@ -54,6 +54,8 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, di
     p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "multi30k"), help="Multi30k folder")
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
+    p.add_argument("--both-directions", action="store_true",
+                   help="train on the pairs and the same pairs reversed (qkv train --both-directions)")
     p.add_argument("--threads", type=int, default=2)
     # the model and training options are qkv train's own (declared once, in qkv.cli.train), defaulting
     # to the recipe's values; --layers is this script's shorthand for as many encoder as decoder layers
@@ -89,7 +91,8 @@ def main() -> int:
     out = Path(args.out or REPO / "benchmarks" / "results" / f"multi30k_{pair}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": args.src, "tgt_lang": args.tgt}
+    data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": args.src, "tgt_lang": args.tgt,
+            **({"both_directions": True} if args.both_directions else {})}
 
     limit_memory_growth()  # as the CLI does, before the first oneDNN primitive (the bf16 probe is one)
     t0 = time.perf_counter()

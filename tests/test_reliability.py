@@ -184,6 +184,17 @@ def test_bad_options_write_nothing(tmp_path, capsys, option, message):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
 
 
+def test_both_directions_is_refused_where_it_means_nothing(tmp_path, capsys, trained):
+    text = tmp_path / "text.txt"
+    text.write_text("to be or not to be\n" * 50, encoding="utf-8")
+    code = main(["train", "--train-text", str(text), "--run-dir", str(tmp_path / "lm"), "--both-directions"])
+    assert "--both-directions is for translation from text" in one_line_error(capsys, "train", code)
+    code = main(["train", "--run-dir", str(trained[0]), "--resume", "--both-directions"])
+    assert "--both-directions: a resumed run keeps the model and data it started with" in one_line_error(
+        capsys, "train", code)
+    assert not (tmp_path / "lm").exists()
+
+
 # ----------------------------------------------------------------- 5. tracebacks instead of one-line errors
 def test_damaged_run_files_give_one_line_errors(tmp_path, capsys, trained, monkeypatch):
     run = copy_run(trained[0], tmp_path)

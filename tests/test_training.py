@@ -612,3 +612,31 @@ def test_signals_held_delays_sigterm_until_the_update_is_done():
     finally:
         signal.signal(signal.SIGTERM, previous)
         stop.set()
+
+
+def test_both_directions_trains_on_the_pairs_then_the_same_pairs_reversed(tmp_path):
+    """``"both_directions"``: the run's training pairs are the given ones followed by the reversed ones,
+    tokenised by the tokenizer a one-way run makes (it saw each sentence once either way), and a resume
+    reads the same doubled pairs; validation stays one way; a prepared folder is refused."""
+    from qkv.data.sources import check_spec
+
+    pairs = generate_dates(60, seed=4)
+    (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
+    (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
+    spec = {"source": "files", "train_src": str(tmp_path / "s.txt"), "train_tgt": str(tmp_path / "t.txt"),
+            "val_src": str(tmp_path / "s.txt"), "val_tgt": str(tmp_path / "t.txt")}
+    options = dict(model_options=TINY, vocab_size=300, train_options=dict(max_steps=1, progress=False, bf16=False),
+                   device="cpu")
+    one_way = start_run(tmp_path / "one", data=spec, **options)
+    both = start_run(tmp_path / "both", data={**spec, "both_directions": True}, **options)
+    tokenizer = Tokenizer.load(tmp_path / "both" / "tokenizer.json")
+    assert (tmp_path / "both" / "tokenizer.json").read_text() == (tmp_path / "one" / "tokenizer.json").read_text()
+    want_src = [tokenizer.encode(s) for s in pairs.src + pairs.tgt]
+    want_tgt = [tokenizer.encode(t) for t in pairs.tgt + pairs.src]
+    for trainer in (both, resume_run(tmp_path / "both", device="cpu")):
+        assert trainer.task.num_examples == 120 == 2 * one_way.task.num_examples
+        src, tgt = trainer.task.pairs.read(list(range(120)))
+        assert [list(x) for x in src] == want_src and [list(x) for x in tgt] == want_tgt
+        assert trainer.task.valid.src == pairs.src and trainer.task.valid.tgt == pairs.tgt
+    with pytest.raises(ValueError, match="prepared folder"):
+        check_spec({"source": "prepared", "folder": str(tmp_path), "both_directions": True})

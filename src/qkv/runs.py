@@ -24,7 +24,7 @@ import torch
 from qkv import checkpoint as ckpt, precision
 from qkv.data.parallel import ParallelText
 from qkv.data.prepared import PreparedCorpus, write_token_lists
-from qkv.data.sources import check_spec, describe, load_train_valid, recipe_source
+from qkv.data.sources import both_directions, check_spec, describe, load_train_valid, recipe_source
 from qkv.data.text import TEXT_SOURCES
 from qkv.data.tokenizer import Tokenizer
 from qkv.device import pick_device
@@ -162,7 +162,9 @@ def start_run(
         train_data, valid_data = load_train_valid(data)
         tokenizer = Tokenizer.train(train_data.src + train_data.tgt, vocab_size=vocab_size,
                                     split_digits=recipe["split_digits"])
-        fingerprint = data_fingerprint(train_data)
+        fingerprint = data_fingerprint(train_data)  # of the source files, which a resume checks are unchanged
+        if data.get("both_directions"):  # after the tokenizer, which saw every sentence once either way
+            train_data = both_directions(train_data)
         prepared = {"folder": RUN_DATA_FOLDER}  # written below, with the run folder
     logger.info("data: %s, %d training pairs, %s validation pairs", describe(data), len(train_data),
                 len(valid_data) if valid_data is not None else "no")
@@ -229,6 +231,8 @@ def _open_translation_task(run_dir: Path, config: dict, tokenizer: Tokenizer,
                                pad_id=model_config.pad_id)
     train_data, valid_data = load_train_valid(config["data"])
     _compare_fingerprint(config, train_data)
+    if config["data"].get("both_directions"):
+        train_data = both_directions(train_data)
     return TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len, pad_id=model_config.pad_id)
 
 

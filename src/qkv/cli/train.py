@@ -51,7 +51,7 @@ MODEL_OPTIONS = {
 LM_OPTIONS = ("tokenizer", "windows")  # language-model options that are neither model nor TrainConfig fields
 TASKS = ("translation", "lm")
 DATA_OPTIONS = ("task", "data", "prepared", "data_dir", "src_lang", "tgt_lang", "train_src", "train_tgt", "val_src",
-                "val_tgt", "train_text", "val_text", "vocab_size", "recipe", *LM_OPTIONS)
+                "val_tgt", "train_text", "val_text", "vocab_size", "recipe", "both_directions", *LM_OPTIONS)
 
 
 def _train_fields():
@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          "$QKV_DATA/multi30k or $QKV_DATA/tinyshakespeare, the cache, or a download)")
     data.add_argument("--src-lang", choices=["en", "de", "fr"], help="Multi30k source language (default en)")
     data.add_argument("--tgt-lang", choices=["en", "de", "fr"], help="Multi30k target language (default de)")
+    data.add_argument("--both-directions", action="store_true", default=None,
+                      help="translation from text: train on the pairs and on the same pairs reversed (one model "
+                           "for both ways; validation stays in the given direction)")
     data.add_argument("--train-src", help="training source file, one sentence a line (.gz allowed)")
     data.add_argument("--train-tgt", help="training target file, line-aligned with --train-src")
     data.add_argument("--val-src", help="validation source file (optional)")
@@ -172,6 +175,16 @@ def data_spec(args: argparse.Namespace) -> dict:
 
 
 def _data_spec(args: argparse.Namespace) -> dict:
+    spec = _source_spec(args)
+    if args.both_directions:
+        if spec["source"] in TEXT_SOURCES or spec["source"] == "prepared":
+            raise ValueError("--both-directions is for translation from text (--data multi30k/dates or "
+                             "--train-src/--train-tgt)")
+        spec["both_directions"] = True
+    return spec
+
+
+def _source_spec(args: argparse.Namespace) -> dict:
     files = [args.train_src, args.train_tgt, args.val_src, args.val_tgt]
     texts = [args.train_text, args.val_text]
     if sum(bool(x) for x in (args.data, args.prepared, any(files), any(texts))) > 1:

@@ -7,6 +7,10 @@ A *data spec* is one of::
     {"source": "dates", "train_size": 20000, "valid_size": 500, "seed": 0}
     {"source": "prepared", "folder": "/data/wmt14/prepared"}       (made by qkv prepare)
 
+A text source may add ``"both_directions": true``: the training pairs are then the given direction
+followed by the reverse one (target -> source), for one model that translates both ways (see
+:func:`both_directions`); validation stays in the given direction.
+
 so that ``qkv train --resume`` and ``qkv evaluate`` read exactly the data the run was made from.
 """
 
@@ -38,7 +42,19 @@ def check_spec(spec: dict) -> dict:
             raise ValueError("give both --val-src and --val-tgt, or neither")
     if source == "prepared" and not spec.get("folder"):
         raise ValueError("training on a prepared folder needs its path (--prepared DIR)")
+    if spec.get("both_directions") and source == "prepared":
+        raise ValueError("--both-directions adds the reversed pairs of text data; a prepared folder holds its "
+                         "pairs as they were prepared")
     return spec
+
+
+def both_directions(pairs: ParallelText) -> ParallelText:
+    """The pairs, then the same pairs reversed (target -> source): training data for one model that
+    translates both ways. No language tag is added: a source sentence's own language says which way
+    to translate it. (Bidirectional training of this kind is a known regulariser for small corpora,
+    e.g. Ding et al. 2021, "Improving Neural Machine Translation by Bidirectional Training".)"""
+    return ParallelText(pairs.src + pairs.tgt, pairs.tgt + pairs.src, f"{pairs.src_path}+{pairs.tgt_path}",
+                        f"{pairs.tgt_path}+{pairs.src_path}")
 
 
 def load_train_valid(spec: dict) -> tuple[ParallelText, ParallelText | None]:
@@ -103,6 +119,8 @@ def load_split(spec: dict, split: str) -> ParallelText:
 
 def describe(spec: dict) -> str:
     """A short human description, e.g. ``Multi30k en->de`` or ``files a.en -> a.de``."""
+    if spec.get("both_directions"):
+        return describe({k: v for k, v in spec.items() if k != "both_directions"}) + " and back (both directions)"
     if spec["source"] == "multi30k":
         return f"Multi30k {spec.get('src_lang', 'en')}->{spec.get('tgt_lang', 'de')}"
     if spec["source"] == "dates":
