@@ -53,9 +53,8 @@ COMPOSITES = {"fix": {"onednn", "trim", "pad"}}
 def machine_info(threads: int) -> dict:
     import torch
 
-    from qkv.precision import cpu_bf16_probe
-
     from qkv.bench.timing import cpu_flags, cpuinfo_fields
+    from qkv.precision import cpu_bf16_probe
 
     flags = cpu_flags()
     libc = platform.libc_ver()
