@@ -237,3 +237,21 @@ def test_a_killed_rank_stops_the_launcher_quickly(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_fsdp2_shards_on_a_mesh_of_the_processes_own_device(monkeypatch):
+    """FSDP2 left to itself builds its device mesh on CUDA whenever CUDA is present, so a gloo run on a
+    GPU machine's CPUs asked rank 1 for a second GPU (seen on an H200): ``wrap`` names the mesh's device."""
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.fsdp as fsdp
+
+    from qkv.models import Transformer, TransformerConfig
+    from qkv.training.distributed import Distributed, wrap
+
+    meshes, sharded = [], []
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda kind, shape: meshes.append((kind, shape)) or "mesh")
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, *, mesh=None: sharded.append(mesh))
+    model = Transformer(TransformerConfig(src_vocab_size=40, tgt_vocab_size=40, **MODEL))
+    wrap(model, lambda m, *a: None, Distributed(rank=0, world_size=2, device=torch.device("cpu")), "fsdp")
+    assert meshes == [("cpu", (2,))]
+    assert sharded == ["mesh"] * 4  # 2 encoder layers, 1 decoder layer, the root
