@@ -127,6 +127,9 @@ def start_run(
             raise kind(failure[1])
         return resume_run(run_dir, device=device, dist=dist)
     run_dir = Path(run_dir)
+    if data.get("both_directions") and data.get("source") in TEXT_SOURCES:
+        raise ValueError("--both-directions is for translation from text (--data multi30k/dates or "
+                         "--train-src/--train-tgt), not a language model")
     if data.get("source") in TEXT_SOURCES:
         return start_lm_run(run_dir, data=data, model_options=model_options, train_options=train_options,
                             vocab_size=vocab_size, lm_options=lm_options, overwrite=overwrite, device=device)

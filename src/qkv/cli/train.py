@@ -176,12 +176,7 @@ def data_spec(args: argparse.Namespace) -> dict:
 
 def _data_spec(args: argparse.Namespace) -> dict:
     spec = _source_spec(args)
-    if args.both_directions:
-        if spec["source"] in TEXT_SOURCES or spec["source"] == "prepared":
-            raise ValueError("--both-directions is for translation from text (--data multi30k/dates or "
-                             "--train-src/--train-tgt)")
-        spec["both_directions"] = True
-    return spec
+    return {**spec, "both_directions": True} if args.both_directions else spec  # start_run checks where it fits
 
 
 def _source_spec(args: argparse.Namespace) -> dict:
