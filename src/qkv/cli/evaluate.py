@@ -4,6 +4,7 @@
     qkv evaluate runs/mine --src test.en --ref test.de --beam 5
     qkv evaluate runs/wmt --src newstest2014.en --ref newstest2014.de   # --recipe paper-base: beam 4, alpha 0.6
     qkv evaluate runs/dates --split test            # also prints exact-match accuracy
+    qkv evaluate runs/en-de --ensemble runs/en-de-seed1   # two runs decoding as one (qkv.ensemble)
     qkv evaluate runs/shakespeare                   # a language model: its validation text
     qkv evaluate runs/shakespeare --text other.txt  # ... or any UTF-8 text
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qkv.cli.options import length_penalty, non_negative_int, positive_int, set_threads
+from qkv.cli.options import add_ensemble_option, length_penalty, non_negative_int, positive_int, set_threads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hyp-out", help="also write the translations to this file")
     parser.add_argument("--json", action="store_true", help="print the scores as one JSON object")
     parser.add_argument("--bf16", action="store_true", help="decode under bfloat16 autocast")
+    add_ensemble_option(parser)
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
@@ -60,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from qkv.fileio import check_output_file, write_text
     from qkv.data.parallel import read_parallel
     from qkv.data.sources import load_split
+    from qkv.ensemble import load_translator
     from qkv.bleu_forms import check_lang
     from qkv.evaluation import exact_match, score_translations, translate_texts
     from qkv.recipes import decode_settings
@@ -74,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.hyp_out, "--hyp-out")
     set_threads(args.threads)
     device = pick_device(args.device)
-    model, tokenizer, config = load_run(args.run_dir, args.weights)
+    if args.ensemble:
+        model, tokenizer, config = load_translator([args.run_dir, *args.ensemble], args.weights)
+    else:
+        model, tokenizer, config = load_run(args.run_dir, args.weights)
     model.to(device)
     if run_task(config) == "lm":
         return _evaluate_language_model(args, model, tokenizer, config)
@@ -96,12 +102,16 @@ def run(args: argparse.Namespace) -> int:
     scores = score_translations(hyps, refs, target_lang=target_lang)
     scores.update(split=name, sentences=len(src), beam=decode["beam_size"], alpha=decode["alpha"], weights=args.weights,
                   target_lang=target_lang, exact_match=round(exact_match(hyps, refs), 4))
+    if args.ensemble:
+        scores["ensemble"] = [args.run_dir, *args.ensemble]
     if args.hyp_out:
         write_text(Path(args.hyp_out).resolve(), "".join(h + "\n" for h in hyps))
     if args.json:
         print(json.dumps(scores))
         return 0
-    print(f"{name}: {len(src)} sentences, beam {decode['beam_size']}, alpha {decode['alpha']}, {args.weights} weights")
+    members = f", an ensemble of {1 + len(args.ensemble)} runs" if args.ensemble else ""
+    print(f"{name}: {len(src)} sentences, beam {decode['beam_size']}, alpha {decode['alpha']}, {args.weights} weights"
+          f"{members}")
     print(f"BLEU {scores['bleu']:.2f}  ({scores['bleu_signature']})")
     print(f"     {scores['bleu_details']}")
     print(f"chrF {scores['chrf']:.2f}  ({scores['chrf_signature']})")

@@ -1,5 +1,5 @@
-"""Option helpers shared by the subcommands: checked number types for argparse and the thread
-count (set only here, in the CLI layer)."""
+"""Option helpers shared by the subcommands: checked number types for argparse, the thread count
+(set only here, in the CLI layer) and the options more than one subcommand declares."""
 
 from __future__ import annotations
 
@@ -37,3 +37,11 @@ def set_threads(threads: int | None) -> None:
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"--threads must be an integer >= 1, got {threads!r}")
     torch.set_num_threads(threads)
+
+
+def add_ensemble_option(parser: argparse.ArgumentParser) -> None:
+    """``--ensemble RUN [RUN ...]`` for the subcommands that decode (translate, evaluate)."""
+    parser.add_argument("--ensemble", nargs="+", metavar="RUN", default=[],
+                        help="decode with these translation runs too, averaging every run's next-token "
+                             "probabilities (an ensemble; they must share the first run's tokenizer: trained "
+                             "on the same data). The first run's recipe gives the default beam and alpha")

@@ -2,6 +2,7 @@
 
     echo "A man rides a bike." | qkv translate runs/en-de --beam 5
     qkv translate runs/en-de sentences.en -o sentences.de
+    qkv translate runs/en-de sentences.en --ensemble runs/en-de-seed1   # two runs, probabilities averaged
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from qkv.cli.options import length_penalty, positive_int, set_threads
+from qkv.cli.options import add_ensemble_option, length_penalty, positive_int, set_threads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,14 +25,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", choices=["model", "best", "last"], default="model",
                         help="model = averaged final weights (default), best = best validation BLEU, last")
     parser.add_argument("--bf16", action="store_true", help="decode under bfloat16 autocast")
+    add_ensemble_option(parser)
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from qkv.checkpoint import load_run
     from qkv.data.parallel import decode_lines, read_lines
     from qkv.device import pick_device
+    from qkv.ensemble import load_translator
     from qkv.evaluation import translate_texts
     from qkv.fileio import check_output_file, write_text
     from qkv.recipes import decode_settings
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.output, "-o/--output")
     set_threads(args.threads)
     device = pick_device(args.device)
-    model, tokenizer, config = load_run(args.run_dir, args.weights, task="translation")
+    model, tokenizer, config = load_translator([args.run_dir, *args.ensemble], args.weights)
     decode = decode_settings(config, beam_size=args.beam, alpha=args.alpha)
     model.to(device)
     lines = read_lines(args.input) if args.input else decode_lines(sys.stdin.buffer.read())

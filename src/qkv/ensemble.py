@@ -1,0 +1,101 @@
+"""Decode with several translation models at once: an ensemble averages their next-token probabilities.
+
+:class:`Ensemble` looks like one :class:`~qkv.models.Transformer` to :mod:`qkv.decoding` and
+:func:`qkv.evaluation.translate_texts`: ``encode`` runs every member's encoder and ``decode`` every
+member's decoder, and the returned ``logits`` are ``log(mean_i p_i)``, the log of the members'
+averaged probabilities (normalised log-probabilities, so greedy picks and beam scores work on them
+unchanged). Members must share the tokenizer: the same vocabulary sizes, padding id and
+positional length.
+
+The members' state travels inside the shapes beam search already reorders: the encoder outputs
+are concatenated along the feature axis (``(b, s_src, sum of d_model)``), and the per-layer KV
+caches are one list, member after member.
+
+Shape legend: ``b`` sentences (times the beam), ``s_src`` source length, ``V`` target vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from qkv.models import DecoderOutput, EncoderOutput, Transformer
+
+
+class Ensemble(nn.Module):
+    """Average the next-token probabilities of ``models`` (two or more :class:`Transformer`)."""
+
+    def __init__(self, models: list[Transformer]):
+        super().__init__()
+        if len(models) < 2:
+            raise ValueError(f"an ensemble needs at least 2 models, got {len(models)}")
+        first = models[0].config
+        for i, model in enumerate(models[1:], start=2):
+            c = model.config
+            for name in ("src_vocab_size", "tgt_vocab_size", "pad_id", "max_len"):
+                if getattr(c, name) != getattr(first, name):
+                    raise ValueError(
+                        f"model {i} has {name} {getattr(c, name)} but model 1 has {getattr(first, name)}: "
+                        "ensembled models must share one tokenizer")
+        self.members = nn.ModuleList(models)
+        self.config = first  # decoding reads pad_id and max_len from it
+        self._widths = [m.config.d_model for m in models]
+        self._layers = [m.config.num_decoder_layers for m in models]
+
+    def encode(self, src: Tensor, *, src_key_padding_mask: Tensor | None = None) -> EncoderOutput:
+        outputs = [m.encode(src, src_key_padding_mask=src_key_padding_mask) for m in self.members]
+        hidden = torch.cat([o.hidden for o in outputs], dim=-1)  # (b, s_src, sum of d_model)
+        return EncoderOutput(hidden, None, outputs[0].key_padding_mask)
+
+    def decode(self, tgt: Tensor, memory: EncoderOutput, *, cache=None) -> DecoderOutput:
+        hiddens = memory.hidden.split(self._widths, dim=-1)
+        caches = _split(cache, self._layers) if cache is not None else [None] * len(self.members)
+        log_probs, new_cache = [], []
+        for model, hidden, member_cache in zip(self.members, hiddens, caches):
+            out = model.decode(tgt, EncoderOutput(hidden, None, memory.key_padding_mask), cache=member_cache)
+            log_probs.append(torch.log_softmax(out.logits.float(), dim=-1))
+            new_cache.extend(out.cache)
+        mean = torch.logsumexp(torch.stack(log_probs), dim=0) - math.log(len(log_probs))  # (b, s_tgt, V)
+        return DecoderOutput(mean, out.hidden, cache=new_cache)
+
+
+def _split(items: list, counts: list[int]) -> list[list]:
+    parts, start = [], 0
+    for n in counts:
+        parts.append(items[start : start + n])
+        start += n
+    return parts
+
+
+def load_translator(run_dirs: list[str | Path], weights: str = "model"):
+    """Load one translation run, or several as an :class:`Ensemble`.
+
+    Args:
+        run_dirs: run folders made by ``qkv train``; the first one's tokenizer and config (its
+            recipe's beam and length penalty, its data) speak for the ensemble.
+        weights: which weights of every run (see :func:`qkv.checkpoint.load_run`).
+
+    Returns:
+        ``(model, tokenizer, config)`` as :func:`~qkv.checkpoint.load_run` returns them.
+
+    Raises:
+        ValueError: a run is not a translation run, or its tokenizer differs from the first's.
+    """
+    from qkv.checkpoint import load_run
+
+    model, tokenizer, config = load_run(run_dirs[0], weights, task="translation")
+    if len(run_dirs) == 1:
+        return model, tokenizer, config
+    vocabulary = json.loads(tokenizer.backend.to_str())
+    models = [model]
+    for run_dir in run_dirs[1:]:
+        other, other_tokenizer, _ = load_run(run_dir, weights, task="translation")
+        if json.loads(other_tokenizer.backend.to_str()) != vocabulary:
+            raise ValueError(f"{run_dir}: its tokenizer differs from {run_dirs[0]}'s; an ensemble decodes one "
+                             "vocabulary, so its runs must be trained on the same data (one tokenizer.json)")
+        models.append(other)
+    return Ensemble(models), tokenizer, config
