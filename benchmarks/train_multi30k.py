@@ -121,42 +121,24 @@ def main() -> int:
         train_wall = time.perf_counter() - train_start
     state = trainer.state
 
-    splits = {"val": load_split(data, "val"), "test_2016": load_split(data, "test")}
-    later_missing = []  # the later test sets score the finished model only: nothing is chosen on them
-    for stem in MULTI30K_LATER_TESTS:
-        try:
-            splits[stem] = load_multi30k(data["folder"], stem, args.src, args.tgt)  # the folder, else the cache
-        except FileNotFoundError:
-            later_missing.append(stem)
-    if later_missing:
-        logging.info("not scored (not in %s nor the cache): %s", data["folder"], ", ".join(later_missing))
+    splits, later_missing = evaluation_splits(data)
     results: dict = {}
     bf16 = trainer.config.bf16
     decode = decode_settings(ckpt.read_run_config(run_dir), beam_size=args.beam)  # the recipe's, as qkv evaluate
     for weights in ("model", "last"):
         model, tokenizer, _ = ckpt.load_run(run_dir, weights)
         model.to(device)
-        entry = {}
-        for name, split in splits.items():
-            if weights == "last" and name != "test_2016":
-                continue  # the last weights alone are scored on test only: what averaging adds
-            src, refs = split.src, split.tgt
-            if args.eval_limit:
-                src, refs = src[: args.eval_limit], refs[: args.eval_limit]
-            for beam in ((decode["beam_size"], 1) if weights == "model" else (decode["beam_size"],)):
-                start = time.perf_counter()
-                hyps = translate_texts(model, tokenizer, src, beam_size=beam, alpha=decode["alpha"], bf16=bf16)
-                scores = score_translations(hyps, refs, target_lang=args.tgt)  # + the papers' BLEU forms
-                scores["decode_seconds"] = round(time.perf_counter() - start, 1)
-                entry[f"{name}_beam{beam}"] = scores
-                logging.info("%s %s beam %d: BLEU %.2f chrF %.2f, papers' form BLEU %.2f", weights, name, beam,
-                             scores["bleu"], scores["chrf"], scores["bleu_papers_form"]["bleu"])
-                if weights == "model" and beam == decode["beam_size"]:
-                    with ckpt.atomic_path(run_dir / f"{name}.hyp.{args.tgt}") as tmp:
-                        tmp.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-        results["averaged" if weights == "model" else "last"] = entry
+        if weights == "model":
+            results["averaged"] = score_splits(model, tokenizer, splits, beams=(decode["beam_size"], 1),
+                                               alpha=decode["alpha"], bf16=bf16, tgt=args.tgt, limit=args.eval_limit,
+                                               label=weights, hyp_dir=run_dir)
+        else:  # the last weights alone are scored on test only: what averaging adds
+            results["last"] = score_splits(model, tokenizer, {"test_2016": splits["test_2016"]},
+                                           beams=(decode["beam_size"],), alpha=decode["alpha"], bf16=bf16,
+                                           tgt=args.tgt, limit=args.eval_limit, label=weights)
 
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = run_dir / "metrics.jsonl"  # absent when a short run logged and validated nothing
+    records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
     curve = [{"minutes": r["minutes"], "step": r["step"], "val_bleu_greedy_300": r["val_bleu_greedy"],
               "val_loss": r["val_loss"]} for r in records if r["event"] == "valid"]
     config = ckpt.read_run_config(run_dir)
@@ -186,6 +168,45 @@ def main() -> int:
     print(json.dumps({k: {s: [v["bleu"], v["bleu_papers_form"]["bleu"]] for s, v in e.items()}
                       for k, e in results.items()}))  # sacreBLEU, papers' form
     return 0
+
+
+def evaluation_splits(data: dict) -> tuple[dict, list[str]]:
+    """Validation, test 2016 and the later test sets the folder or the cache holds (those score the
+    finished model only: nothing is chosen on them), and the names of the later ones missing."""
+    splits = {"val": load_split(data, "val"), "test_2016": load_split(data, "test")}
+    missing = []
+    for stem in MULTI30K_LATER_TESTS:
+        try:
+            splits[stem] = load_multi30k(data["folder"], stem, data["src_lang"], data["tgt_lang"])
+        except FileNotFoundError:
+            missing.append(stem)
+    if missing:
+        logging.info("not scored (not in %s nor the cache): %s", data["folder"], ", ".join(missing))
+    return splits, missing
+
+
+def score_splits(model, tokenizer, splits: dict, *, beams: tuple[int, ...], alpha: float, bf16: bool, tgt: str,
+                 limit: int = 0, label: str = "", hyp_dir: Path | None = None) -> dict:
+    """sacreBLEU, chrF and the papers' BLEU forms of ``model`` on every split with every beam size:
+    ``{"<split>_beam<k>": scores}``. With ``hyp_dir``, the first beam's translations are written
+    there as ``<split>.hyp.<tgt>``."""
+    entry = {}
+    for name, split in splits.items():
+        src, refs = split.src, split.tgt
+        if limit:
+            src, refs = src[:limit], refs[:limit]
+        for beam in beams:
+            start = time.perf_counter()
+            hyps = translate_texts(model, tokenizer, src, beam_size=beam, alpha=alpha, bf16=bf16)
+            scores = score_translations(hyps, refs, target_lang=tgt)  # + the papers' BLEU forms
+            scores["decode_seconds"] = round(time.perf_counter() - start, 1)
+            entry[f"{name}_beam{beam}"] = scores
+            logging.info("%s %s beam %d: BLEU %.2f chrF %.2f, papers' form BLEU %.2f", label, name, beam,
+                         scores["bleu"], scores["chrf"], scores["bleu_papers_form"]["bleu"])
+            if hyp_dir is not None and beam == beams[0]:
+                with ckpt.atomic_path(hyp_dir / f"{name}.hyp.{tgt}") as tmp:
+                    tmp.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    return entry
 
 
 if __name__ == "__main__":

@@ -83,3 +83,43 @@ def test_sigterm_saves_the_benchmark_run_and_says_how_to_go_on(tmp_path):
     assert 6 <= trained <= saved, err
     assert f"stopped: checkpoint saved at step {saved}; continue with qkv train --run-dir {run} --resume" in err
     assert "Traceback" not in err and not out.exists()
+
+
+def test_the_ensemble_benchmark_trains_members_side_by_side_and_scores_them_together(tmp_path, capsys):
+    """benchmarks/train_multi30k_ensemble.py: two members (one thread each, seeds 0 and 1) get the
+    options it does not know; the length penalty is the validation set's best; the ensemble's scores
+    are what qkv evaluate --ensemble gives for the same runs."""
+    import json
+    import subprocess
+    import sys
+
+    from qkv.cli import main
+
+    data = REPO.parent / "shared" / "data" / "multi30k"
+    if not (data / "train.en.gz").is_file():
+        pytest.skip("needs ../shared/data/multi30k")
+    run, out = tmp_path / "ensemble", tmp_path / "report.json"
+    argv = [sys.executable, str(REPO / "benchmarks" / "train_multi30k_ensemble.py"), "--data", str(data),
+            "--members", "2", "--threads", "2", "--alphas", "0.6,2.0", "--eval-limit", "12", "--run-dir", str(run),
+            "--out", str(out), "--minutes", "0", "--max-steps", "6", "--train-limit", "400", "--d-model", "32",
+            "--heads", "2", "--layers", "1", "--d-ff", "64", "--max-tokens", "600", "--eval-every-minutes", "0",
+            "--checkpoint-every-minutes", "0", "--vocab-size", "500", "--no-bf16", "--beam", "2"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    members = report["members"]
+    assert [(m["seed"], m["steps"], m["threads"]) for m in members] == [(0, 6, 1), (1, 6, 1)]
+    for i in range(2):
+        member = json.loads((run / f"member{i}.json").read_text())
+        assert member["model"]["d_model"] == 32 and member["train"]["seed"] == i
+    search = report["decode"]["val_bleu_by_alpha"]
+    alpha = report["decode"]["alpha"]
+    assert search[str(alpha)] == max(search.values())
+    assert report["scores"]["val_beam2"]["bleu"] == search[str(alpha)]
+    assert {"val_beam2", "val_beam1", "test_2016_beam2", "test_2016_beam1"} <= set(report["scores"])
+    code = main(["evaluate", str(run / "member0"), "--ensemble", str(run / "member1"), "--split", "test",
+                 "--limit", "12", "--beam", "2", "--alpha", str(alpha), "--json", "--threads", "2"])
+    assert code == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["bleu"] == report["scores"]["test_2016_beam2"]["bleu"]
+    assert again["chrf"] == report["scores"]["test_2016_beam2"]["chrf"]
