@@ -1,6 +1,6 @@
 """The CUDA paths against the CPU: attention through PyTorch's GPU kernels (flash, memory-efficient)
 against the float64 reference on the CPU, the models' logits and incremental decoding on the GPU
-against the CPU, training steps on the GPU against the same steps on the CPU, a run saved on the GPU
+against the CPU (an ensemble's too), training steps on the GPU against the same steps on the CPU, a run saved on the GPU
 resumed on the CPU, and DDP and FSDP2 over NCCL (one process: NCCL will not put two ranks on one
 GPU) against one plain process.
 
@@ -129,6 +129,26 @@ def test_transformer_logits_and_cached_decoding_on_cuda_match_the_cpu(untrained)
     kwargs = dict(bos_id=1, eos_id=2, extra_len=10)
     assert greedy_decode(gpu, src.to(CUDA), **kwargs) == greedy_decode(model, src, **kwargs)
     assert beam_search(gpu, src.to(CUDA), beam_size=3, **kwargs) == beam_search(model, src, beam_size=3, **kwargs)
+
+
+def test_an_ensemble_on_cuda_decodes_as_on_the_cpu(untrained):
+    import copy
+
+    from qkv.ensemble import Ensemble
+
+    model, src = untrained
+    torch.manual_seed(4)
+    other = Transformer(model.config).eval()
+    cpu = Ensemble([model, other])
+    gpu = copy.deepcopy(cpu).to(CUDA)
+    tgt = torch.randint(3, 40, (5, 7))
+    tgt[:, 0] = 1
+    with torch.no_grad():
+        want = cpu.decode(tgt, cpu.encode(src)).logits
+        got = gpu.decode(tgt.to(CUDA), gpu.encode(src.to(CUDA))).logits
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+    kwargs = dict(bos_id=1, eos_id=2, extra_len=10)
+    assert beam_search(gpu, src.to(CUDA), beam_size=3, **kwargs) == beam_search(cpu, src, beam_size=3, **kwargs)
 
 
 @pytest.fixture(scope="module")
