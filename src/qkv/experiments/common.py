@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import platform
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +17,7 @@ from pathlib import Path
 import torch
 
 # qkv's one device picker and atomic writers; the experiments (and qkv explain/report) import them from here
+from qkv.bench.timing import environment  # noqa: F401  (the one description of a machine, with its CPU's bf16 units)
 from qkv.device import pick_device  # noqa: F401
 from qkv.fileio import atomic_path, write_json, write_text  # noqa: F401
 
@@ -54,18 +53,6 @@ class ExperimentResult:
             "seconds": round(self.seconds, 3),
             "environment": environment(),
         }
-
-
-def environment() -> dict:
-    """Versions and hardware the numbers were measured on."""
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
 
 
 @contextlib.contextmanager

@@ -89,8 +89,8 @@ def _section(path: Path, data: dict, root: Path) -> tuple[str, str, set[Path]]:
         f"torch {html.escape(str(env.get('torch', '?')))}",
         f"{html.escape(str(env.get('torch_threads', '?')))} threads",
     ]
-    if env.get("cuda"):
-        meta.append(html.escape(str(env["cuda"])))
+    if env.get("cuda_device") or env.get("cuda"):  # "cuda" named the device in results written before 2026-11-26
+        meta.append(html.escape(str(env.get("cuda_device") or env["cuda"])))
     command = f"qkv experiment {name}" + (" --quick" if data.get("quick") else "") + f" --seed {data.get('seed')}"
     parts.append(f"<p class='meta'>{' &middot; '.join(meta)} &middot; <code>{html.escape(command)}</code></p>")
     claims = data.get("claims") or {}
