@@ -39,6 +39,7 @@ import torch
 from qkv import checkpoint as ckpt
 from qkv.bench.timing import environment
 from qkv.ensemble import load_translator
+from qkv.fileio import check_output_file
 from qkv.recipes import decode_settings
 
 HERE = Path(__file__).resolve().parent
@@ -67,10 +68,24 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, li
     p.add_argument("--score-only", action="store_true", help="score the finished members again, without training")
     args, member_options = p.parse_known_args(argv)
     if args.members < 2:
-        raise SystemExit("--members must be at least 2 (one model: benchmarks/train_multi30k.py)")
+        p.error("--members must be at least 2 (one model: benchmarks/train_multi30k.py)")
     if args.threads < args.members:
-        raise SystemExit(f"--threads {args.threads} cannot give each of {args.members} members a thread")
-    args.alpha_list = [float(a) for a in args.alphas.split(",") if a.strip()]
+        p.error(f"--threads {args.threads} cannot give each of {args.members} members a thread")
+    try:
+        args.alpha_list = [float(a) for a in args.alphas.split(",") if a.strip()]
+    except ValueError:
+        p.error(f"--alphas takes numbers separated by commas, e.g. 0.6,1.0,1.4; got {args.alphas!r}")
+    if not all(0 <= a <= 10 for a in args.alpha_list):
+        p.error(f"--alphas: each length penalty must be from 0 to 10, got {args.alphas!r}")
+    try:  # before an hour of training, not after
+        check_output_file(args.out, "--out")
+    except OSError as err:
+        p.error(str(err))
+    if not args.score_only:  # an hour of training per member must not be replaced by a rerun
+        done = [str(Path(args.run_dir) / f"member{i}") for i in range(args.members)
+                if (Path(args.run_dir) / f"member{i}").exists()]
+        if done:
+            p.error(f"{', '.join(done)} exist: score them with --score-only, or choose another --run-dir")
     return args, member_options
 
 

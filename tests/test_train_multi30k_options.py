@@ -123,3 +123,12 @@ def test_the_ensemble_benchmark_trains_members_side_by_side_and_scores_them_toge
     again = json.loads(capsys.readouterr().out)
     assert again["bleu"] == report["scores"]["test_2016_beam2"]["bleu"]
     assert again["chrf"] == report["scores"]["test_2016_beam2"]["chrf"]
+    rerun = subprocess.run(argv, capture_output=True, text=True, timeout=600)  # would retrain over the members
+    assert rerun.returncode == 2 and "exist: score them with --score-only" in rerun.stderr
+    assert json.loads((run / "member0.json").read_text())["steps"] == 6  # untouched
+    bad = subprocess.run([*argv[:2], "--run-dir", str(tmp_path / "new"), "--out", str(out), "--alphas", "0.6,x"],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--alphas takes numbers" in bad.stderr and not (tmp_path / "new").exists()
+    bad = subprocess.run([*argv[:2], "--run-dir", str(tmp_path / "new"), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--out names a directory" in bad.stderr and not (tmp_path / "new").exists()

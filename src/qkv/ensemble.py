@@ -60,7 +60,7 @@ class Ensemble(nn.Module):
             log_probs.append(torch.log_softmax(out.logits.float(), dim=-1))
             new_cache.extend(out.cache)
         mean = torch.logsumexp(torch.stack(log_probs), dim=0) - math.log(len(log_probs))  # (b, s_tgt, V)
-        return DecoderOutput(mean, out.hidden, cache=new_cache)
+        return DecoderOutput(mean, out.hidden, cache=new_cache)  # hidden: the last member's (widths may differ)
 
 
 def _split(items: list, counts: list[int]) -> list[list]:
