@@ -42,6 +42,7 @@ def test_special_ids_and_vocab(tokenizer):
     "never seen: 日本語, emoji 🙂🐕, math ∑x², ÆØÅ",
     "a",
     "",
+    "<s> </s> <pad> <unk>: text that spells the special tokens",
 ])
 def test_round_trip_exact(tokenizer, text):
     ids = tokenizer.encode(text)

@@ -29,6 +29,9 @@ class Tokenizer:
         for i, token in enumerate(SPECIALS):
             if backend.token_to_id(token) != i:
                 raise ValueError(f"tokenizer must map {token!r} to id {i}, got {backend.token_to_id(token)}")
+        # a text that spells a special token ("<s>", "</s>", ...) is text: its bytes, not the special id
+        # (else the literal string vanished on a round trip and an "</s>" in a sentence ended it)
+        backend.encode_special_tokens = True
         self.backend = backend
 
     @classmethod
