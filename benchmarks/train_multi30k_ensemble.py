@@ -19,7 +19,9 @@ to every member's train_multi30k.py. Smoke test:
     python benchmarks/train_multi30k_ensemble.py --minutes 1 --train-limit 3000 --eval-limit 40 \\
         --run-dir /tmp/smoke-ensemble --out /tmp/smoke-ensemble.json
 
-Then ``qkv evaluate RUN/member0 --ensemble RUN/member1 --alpha A`` scores the same ensemble again.
+Then ``qkv evaluate RUN/member0 --ensemble RUN/member1 --alpha A --bf16`` scores the same ensemble
+again (``--bf16`` where the members trained in bf16: this script decodes as they trained; float32
+decoding, ``qkv evaluate``'s default, can differ by a tenth of a BLEU point).
 """
 
 from __future__ import annotations
