@@ -178,6 +178,8 @@ def collect(paths: list[Path], out: Path) -> dict:
     for path, run in runs:
         changes = _changes(reference, run)
         name = ", ".join(f"{k.split('.', 1)[1]} {v}" for k, v in changes.items()) or "reference"
+        if name in rows:  # the same settings again (another seed, machine or date): a row of its own
+            name = f"{name} ({path.name})"
         scores = run["scores"]["averaged"]
         beam = run.get("decode", {}).get("beam_size", 5)  # reports older than the decode field used beam 5
         rows[name] = {"json": path.name, "changes": changes, "pair": run["task"],

@@ -56,6 +56,7 @@ def test_evaluate_split_and_files(dates_run, tmp_path, capsys):
     assert main(["evaluate", str(dates_run), "--split", "test", "--limit", "40", "--beam", "2", "--json"]) == 0
     scores = json.loads(capsys.readouterr().out)
     assert scores["sentences"] == 40 and "tok:13a" in scores["bleu_signature"] and 0 <= scores["bleu"] <= 100
+    assert scores["bf16"] is False  # the JSON says which precision decoded (a benchmark decodes as its run trained)
     pairs = generate_dates(10, seed=9, split="test")
     src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
     src.write_text("\n".join(pairs.src) + "\n", encoding="utf-8")

@@ -50,3 +50,17 @@ def test_a_field_newer_than_the_reference_counts_only_where_it_differs_from_its_
                     str(candidate), "--out", str(out)], check=True, capture_output=True, text=True)
     changes = list(json.loads(out.read_text())["candidates"].values())[1]["changes"]
     assert changes["train.subword_dropout"] == 0.1 and "train.ema_decay" not in changes
+
+
+def test_two_runs_of_the_same_settings_keep_a_row_each(tmp_path):
+    """Seeds, machines and dates are not settings: two such runs used to share a name and the second
+    silently replaced the first in the table."""
+    reference = RESULTS / "multi30k_en_de_epyc_zen5_bf16_ensemble2_member0.json"
+    again = RESULTS / "multi30k_en_de_epyc_zen5_bf16_ensemble2_member1.json"  # seed 1, otherwise the same
+    out = tmp_path / "sweep.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "recipe_sweep.py"), "--collect", str(reference),
+                    str(again), "--out", str(out)], check=True, capture_output=True, text=True)
+    rows = json.loads(out.read_text())["candidates"]
+    assert list(rows) == ["reference", f"reference ({again.name})"]
+    assert [r["val_bleu_beam5"] for r in rows.values()] == [
+        json.loads(p.read_text())["scores"]["averaged"]["val_beam5"]["bleu"] for p in (reference, again)]

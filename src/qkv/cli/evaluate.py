@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                            progress=sys.stderr.isatty())
     scores = score_translations(hyps, refs, target_lang=target_lang)
     scores.update(split=name, sentences=len(src), beam=decode["beam_size"], alpha=decode["alpha"], weights=args.weights,
-                  target_lang=target_lang, exact_match=round(exact_match(hyps, refs), 4))
+                  bf16=args.bf16, target_lang=target_lang, exact_match=round(exact_match(hyps, refs), 4))
     if args.ensemble:
         scores["ensemble"] = [args.run_dir, *args.ensemble]
     if args.hyp_out:
