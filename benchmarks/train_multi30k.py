@@ -43,6 +43,7 @@ from qkv.cli.train import (Terminated, add_model_arguments, add_train_arguments,
 from qkv.data.parallel import MULTI30K_LATER_TESTS, load_multi30k
 from qkv.data.sources import load_split
 from qkv.evaluation import score_translations, translate_texts
+from qkv.fileio import write_text
 from qkv.runs import resume_run, run_training, start_run
 from qkv.memory import limit_memory_growth
 from qkv.recipes import decode_settings
@@ -205,8 +206,7 @@ def score_splits(model, tokenizer, splits: dict, *, beams: tuple[int, ...], alph
             logging.info("%s %s beam %d: BLEU %.2f chrF %.2f, papers' form BLEU %.2f", label, name, beam,
                          scores["bleu"], scores["chrf"], scores["bleu_papers_form"]["bleu"])
             if hyp_dir is not None and beam == beams[0]:
-                with ckpt.atomic_path(hyp_dir / f"{name}.hyp.{tgt}") as tmp:
-                    tmp.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+                write_text(hyp_dir / f"{name}.hyp.{tgt}", "".join(h + "\n" for h in hyps))
     return entry
 
 
