@@ -117,6 +117,9 @@ def test_the_ensemble_benchmark_trains_members_side_by_side_and_scores_them_toge
     assert search[str(alpha)] == max(search.values())
     assert report["scores"]["val_beam2"]["bleu"] == search[str(alpha)]
     assert {"val_beam2", "val_beam1", "test_2016_beam2", "test_2016_beam1"} <= set(report["scores"])
+    for name in ("val", "test_2016"):  # the scored beam's translations, one line a sentence, beside the members
+        assert len((run / f"{name}.hyp.de").read_text(encoding="utf-8").splitlines()) == 12
+        assert len((run / "member0" / f"{name}.hyp.de").read_text(encoding="utf-8").splitlines()) == 12
     code = main(["evaluate", str(run / "member0"), "--ensemble", str(run / "member1"), "--split", "test",
                  "--limit", "12", "--beam", "2", "--alpha", str(alpha), "--json", "--threads", "2"])
     assert code == 0
