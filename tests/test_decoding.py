@@ -12,7 +12,7 @@ from qkv.data.batching import pad_sequences
 from qkv.data.dates import generate_dates
 from qkv.data.tokenizer import Tokenizer
 from qkv.decoding import beam_search, greedy_decode, length_penalty
-from qkv.evaluation import exact_match, score_translations, translate_texts
+from qkv.evaluation import exact_match, length_batches, score_translations, translate_texts
 from qkv.models import Transformer, TransformerConfig
 from qkv.training import TrainConfig, Trainer, TranslationTask
 
@@ -214,6 +214,21 @@ def test_translate_texts_order_batches_and_bf16(trained):
     assert len(bf16) == len(sources)
     assert exact_match(bf16, expected) >= 0.5  # bf16 rounding may flip a few close calls, not most
     assert translate_texts(model, tokenizer, []) == []
+
+
+@pytest.mark.parametrize("budget", [1, 7, 20, 1000])
+def test_length_batches_hold_every_sentence_once_within_the_budget(budget):
+    lengths = [5, 1, 9, 3, 3, 12, 7, 2, 8, 4]
+    ids = [[4] * n for n in lengths]
+    batches = length_batches(ids, budget)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(ids)))
+    flat = [lengths[i] for batch in batches for i in batch]
+    assert flat == sorted(lengths)  # shortest first, each batch a run of similar lengths
+    for batch in batches:  # padded to its longest: within the budget, unless one sentence alone
+        assert len(batch) == 1 or max(lengths[i] for i in batch) * len(batch) <= budget
+    for first, second in zip(batches, batches[1:]):  # a batch closes only when the next sentence would not fit
+        assert lengths[second[0]] * (len(first) + 1) > budget
+    assert length_batches([], budget) == []
 
 
 def test_scores_match_sacrebleu_directly():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 
 import sacrebleu
-import torch
 from tqdm.auto import tqdm
 
 from qkv.bleu_forms import published_forms
@@ -55,17 +54,8 @@ def translate_texts(
     ids = [s[:limit] + [tokenizer.eos_id] for s in encoded]
     if too_long:
         logger.warning("%d sentence(s) longer than %d tokens were cut to fit the model", too_long, limit)
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     results: list[str] = [""] * len(ids)
-    budget = max(1, max_tokens // max(1, beam_size))
-    batches, current = [], []
-    for i in order:
-        if current and len(ids[i]) * (len(current) + 1) > budget:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
+    batches = length_batches(ids, max(1, max_tokens // max(1, beam_size)))
     device = next(model.parameters()).device
     with autocast_context(device, bf16):
         for batch in tqdm(batches, desc="translating", disable=not progress, leave=False):
@@ -78,6 +68,21 @@ def translate_texts(
             for i, tokens in zip(batch, out):
                 results[i] = tokenizer.decode(tokens)
     return results
+
+
+def length_batches(ids: list[list[int]], budget: int) -> list[list[int]]:
+    """Group the indices of ``ids`` (token lists) into batches of similar length, shortest first, each
+    holding at most ``budget`` tokens once padded to its longest (a longer sentence gets a batch of
+    its own)."""
+    batches, current = [], []
+    for i in sorted(range(len(ids)), key=lambda i: len(ids[i])):
+        if current and len(ids[i]) * (len(current) + 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
 
 
 def score_translations(hypotheses: list[str], references: list[str], *, target_lang: str | None = None) -> dict:
