@@ -33,7 +33,7 @@ from qkv.bench.timing import environment
 from qkv.data.batching import make_batch, pad_sequences
 from qkv.data.sources import load_split
 from qkv.decoding import beam_search
-from qkv.ensemble import load_translator
+from qkv.ensemble import load_translator, same_tokenizer
 from qkv.evaluation import length_batches, score_translations
 from qkv.fileio import check_output_file, write_json
 from qkv.precision import autocast_context
@@ -41,6 +41,13 @@ from qkv.precision import autocast_context
 
 def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
+
+
+def non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def nbest_lists(model, tokenizer, src_ids, *, beam: int, alpha: float, bf16: bool, max_tokens: int = 4000):
@@ -118,23 +125,27 @@ def main() -> int:
                    help="channel weights to rerank with (only 0 without --channel)")
     p.add_argument("--mbr", action="store_true", help="also MBR with sentence-BLEU (validation only)")
     p.add_argument("--bf16", action="store_true", help="decode and score under bf16 autocast")
-    p.add_argument("--limit", type=int, default=0, help="only the first N sentences of each split (0 = all)")
+    p.add_argument("--limit", type=non_negative, default=0, help="only the first N sentences of each split (0 = all)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    check_output_file(args.out, "--out")
     if args.beam < 1 or not args.alphas or not args.lambdas:
         raise SystemExit("--beam must be >= 1 and --alphas / --lambdas non-empty")
+    try:  # before any work: a bad --out or run folder is one line, not a traceback
+        check_output_file(args.out, "--out")
+        forward, tokenizer, config = load_translator(args.forward)
+        channel = None
+        if args.channel:
+            channel, channel_tokenizer, channel_config = load_translator(args.channel)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"error: {err}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     lambdas = args.lambdas if args.channel else [0.0]
-    forward, tokenizer, config = load_translator(args.forward)
     forward.eval()
-    channel = None
-    if args.channel:
-        channel, channel_tokenizer, channel_config = load_translator(args.channel)
+    if channel is not None:
         channel.eval()
-        if json.loads(channel_tokenizer.backend.to_str()) != json.loads(tokenizer.backend.to_str()):
+        if not same_tokenizer(channel_tokenizer, tokenizer):
             raise SystemExit("the channel runs' tokenizer differs from the forward runs': train them on the same data")
         fwd_pair = (config["data"].get("src_lang"), config["data"].get("tgt_lang"))
         chan_pair = (channel_config["data"].get("src_lang"), channel_config["data"].get("tgt_lang"))

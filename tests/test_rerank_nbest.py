@@ -4,6 +4,8 @@ against a hand computation."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -73,3 +75,16 @@ def test_pick_adds_the_channel_per_source_token_to_the_length_normalised_score()
     for alpha in (0.0, 0.6, 2.0, 5.0):
         for lam in (0.0, 0.3, 1.0):
             assert lists.pick(alpha, lam) == by_hand(alpha, lam)
+
+
+def test_bad_run_folders_and_outputs_are_one_line_errors_that_write_nothing(tmp_path):
+    script = str(rerank.__file__)
+    out = tmp_path / "o.json"
+    done = subprocess.run([sys.executable, script, "--forward", str(tmp_path / "missing"), "--out", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and done.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'missing' / 'config.json'}: not a qkv run folder (config.json missing)"]
+    done = subprocess.run([sys.executable, script, "--forward", str(tmp_path), "--out", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "--out names a directory" in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists()

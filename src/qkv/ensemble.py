@@ -90,12 +90,16 @@ def load_translator(run_dirs: list[str | Path], weights: str = "model"):
     model, tokenizer, config = load_run(run_dirs[0], weights, task="translation")
     if len(run_dirs) == 1:
         return model, tokenizer, config
-    vocabulary = json.loads(tokenizer.backend.to_str())
     models = [model]
     for run_dir in run_dirs[1:]:
         other, other_tokenizer, _ = load_run(run_dir, weights, task="translation")
-        if json.loads(other_tokenizer.backend.to_str()) != vocabulary:
+        if not same_tokenizer(tokenizer, other_tokenizer):
             raise ValueError(f"{run_dir}: its tokenizer differs from {run_dirs[0]}'s; an ensemble decodes one "
                              "vocabulary, so its runs must be trained on the same data (one tokenizer.json)")
         models.append(other)
     return Ensemble(models), tokenizer, config
+
+
+def same_tokenizer(a, b) -> bool:
+    """Whether two runs' tokenizers are one and the same (vocabulary, merges and settings)."""
+    return json.loads(a.backend.to_str()) == json.loads(b.backend.to_str())
