@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from qkv.attention.multihead import KVCache
 from qkv.dropout import Dropout
 from qkv.layers import DecoderLayer, EncoderLayer
-from qkv.loss import fused_linear_cross_entropy
+from qkv.loss import fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy
 from qkv.positional import build_positional_encoding
 
 
@@ -299,6 +299,7 @@ class Transformer(nn.Module):
         tgt_out: Tensor,
         *,
         label_smoothing: float = 0.0,
+        rdrop: float = 0.0,
         src_key_padding_mask: Tensor | None = None,
     ) -> Tensor:
         """Summed label-smoothed cross-entropy of the teacher-forced predictions over the real
@@ -306,16 +307,27 @@ class Transformer(nn.Module):
 
         Equal to ``label_smoothed_cross_entropy(self(src, tgt_in), tgt_out, ...)`` but computed by
         :func:`qkv.loss.fused_linear_cross_entropy`, which never builds the ``(b, s_tgt, V)`` logits.
+        With ``rdrop > 0`` the batch runs twice in one pass (stacked, so each copy draws its own
+        dropout) and the loss is R-Drop's (:func:`qkv.loss.fused_linear_rdrop_cross_entropy`).
 
         Args:
             src: ``(b, s_src)`` source ids.
             tgt_in: ``(b, s_tgt)`` target ids shifted right (BOS first).
             tgt_out: ``(b, s_tgt)`` the ids to predict (pad where nothing is).
             label_smoothing: ``eps`` of the smoothed target distribution.
+            rdrop: R-Drop's weight ``alpha`` of the two passes' symmetric KL divergence (0: one pass).
             src_key_padding_mask: defaults to ``src != pad_id``.
         """
+        if rdrop:
+            src, tgt_in = torch.cat([src, src]), torch.cat([tgt_in, tgt_in])
+            if src_key_padding_mask is not None:
+                src_key_padding_mask = torch.cat([src_key_padding_mask, src_key_padding_mask])
         memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
-        hidden = self.decode(tgt_in, memory, project=False).hidden  # (b, s_tgt, d)
+        hidden = self.decode(tgt_in, memory, project=False).hidden  # (b, s_tgt, d), (2b, ...) with rdrop
+        if rdrop:
+            hidden_a, hidden_b = hidden.chunk(2)
+            return fused_linear_rdrop_cross_entropy(hidden_a, hidden_b, self.output_proj.weight, tgt_out,
+                                                    label_smoothing, self.config.pad_id, rdrop)
         return fused_linear_cross_entropy(hidden, self.output_proj.weight, tgt_out, label_smoothing,
                                           self.config.pad_id)
 

@@ -44,6 +44,9 @@ class TrainConfig:
     adam_betas: tuple[float, float] = _option((0.9, 0.98), "Adam's beta1 and beta2 (section 5.3)", cli=False)
     adam_eps: float = _option(1e-9, "Adam's epsilon", minimum=0, below=math.inf, cli=False)
     label_smoothing: float = _option(0.1, "label smoothing epsilon (section 5.4)", minimum=0, below=1)
+    rdrop: float = _option(0.0, "R-Drop (Liang et al. 2021): run each batch twice, each with its own dropout, and add "
+                                "this weight times the symmetric KL divergence of the two predictions to their mean "
+                                "loss (e.g. 3; 0 = off); a step costs about twice as much", minimum=0, below=math.inf)
     subword_dropout: float = _option(0.0, "translation: split each training token into the two pieces its BPE merge "
                                           "joined with this probability, and each piece again, afresh every epoch "
                                           "(a regulariser like BPE-dropout; 0 = off)", minimum=0, below=1)

@@ -123,6 +123,9 @@ class Trainer(Checkpointing):
         # the moving average of the weights (PyTorch's AveragedModel: a float32 copy, updated with foreach ops)
         self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config.ema_decay)) if config.ema_decay \
             else None
+        if config.rdrop and not getattr(getattr(model, "config", None), "dropout", 0.0):
+            logger.warning("--rdrop %g with a model without dropout: both passes give the same predictions, so the "
+                           "step costs twice as much for nothing", config.rdrop)
         if config.subword_dropout:
             if not hasattr(task, "set_subword_dropout"):
                 raise ValueError("--subword-dropout splits subword tokens of translation pairs; this task has none")
@@ -150,7 +153,7 @@ class Trainer(Checkpointing):
             batch = batch.to(self.device)
             with gradient_sync(self.module, enabled=i == len(batches) - 1):
                 with autocast_context(self.device, c.bf16):
-                    loss = self.task.loss(self._call, batch, c.label_smoothing)
+                    loss = self.task.loss(self._call, batch, c.label_smoothing, c.rdrop)
                 (loss / per_process if batch.num_tgt_tokens else loss * 0.0).backward()
             if batch.num_tgt_tokens:
                 loss_sum += float(loss.detach())

@@ -5,7 +5,8 @@ the optimizer, checkpoints and processes; a task supplies
   indices, the same on every process (each takes its share);
 - ``make_batch(indices, epoch)``: a padded :class:`~qkv.data.batching.Batch` (``epoch`` lets a task
   vary an example from pass to pass: subword dropout);
-- ``loss(model, batch, label_smoothing)``: the summed loss over the batch's target tokens;
+- ``loss(model, batch, label_smoothing, rdrop)``: the summed loss over the batch's target tokens
+  (R-Drop's when ``rdrop > 0``, :mod:`qkv.loss`);
 - ``validate(model, sentences, bf16)``: a record of validation figures, with ``score`` (higher is
   better; picks ``best.safetensors``) and ``exact_match``.
 
@@ -57,9 +58,10 @@ def encode_pairs(tokenizer: Tokenizer, data: ParallelText, max_len: int, *, what
 
 
 def translation_loss(model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *,
-                     label_smoothing: float = 0.0) -> Tensor:
-    """The summed label-smoothed loss of a batch (:meth:`qkv.models.Transformer.loss`)."""
-    return model.loss(src, tgt_in, tgt_out, label_smoothing=label_smoothing)
+                     label_smoothing: float = 0.0, rdrop: float = 0.0) -> Tensor:
+    """The summed label-smoothed loss of a batch, R-Drop's with ``rdrop > 0``
+    (:meth:`qkv.models.Transformer.loss`)."""
+    return model.loss(src, tgt_in, tgt_out, label_smoothing=label_smoothing, rdrop=rdrop)
 
 
 class TokenLists:
@@ -180,9 +182,9 @@ class TranslationTask:
         return make_batch(src, tgt, pad_id=self.pad_id, bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
 
     @staticmethod
-    def loss(module: nn.Module, batch: Batch, label_smoothing: float) -> Tensor:
+    def loss(module: nn.Module, batch: Batch, label_smoothing: float, rdrop: float = 0.0) -> Tensor:
         """``module`` is the model, or the engine's wrapper that calls :func:`translation_loss`."""
-        return module(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing)
+        return module(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing, rdrop=rdrop)
 
     @torch.no_grad()
     def validate(self, model: nn.Module, sentences: int, bf16: bool) -> dict | None:
@@ -227,9 +229,10 @@ class WindowBatch:
                            self.num_tgt_tokens)
 
 
-def language_model_loss(model: nn.Module, ids: Tensor, targets: Tensor, *, label_smoothing: float = 0.0) -> Tensor:
-    """The summed next-token loss of a batch (:meth:`qkv.causal_lm.CausalLM.loss`)."""
-    return model.loss(ids, targets, label_smoothing=label_smoothing)
+def language_model_loss(model: nn.Module, ids: Tensor, targets: Tensor, *, label_smoothing: float = 0.0,
+                        rdrop: float = 0.0) -> Tensor:
+    """The summed next-token loss of a batch, R-Drop's with ``rdrop > 0`` (:meth:`qkv.causal_lm.CausalLM.loss`)."""
+    return model.loss(ids, targets, label_smoothing=label_smoothing, rdrop=rdrop)
 
 
 class LanguageModelTask:
@@ -282,8 +285,8 @@ class LanguageModelTask:
         return self._windows(self.train_tokens, starts)
 
     @staticmethod
-    def loss(module: nn.Module, batch: WindowBatch, label_smoothing: float) -> Tensor:
-        return module(batch.ids, batch.targets, label_smoothing=label_smoothing)
+    def loss(module: nn.Module, batch: WindowBatch, label_smoothing: float, rdrop: float = 0.0) -> Tensor:
+        return module(batch.ids, batch.targets, label_smoothing=label_smoothing, rdrop=rdrop)
 
     @torch.no_grad()
     def validate(self, model: nn.Module, windows: int, bf16: bool) -> dict | None:
