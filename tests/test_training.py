@@ -262,6 +262,28 @@ def test_ema_decay_given_on_resume_starts_the_average_there(tmp_path):
     assert all(torch.equal(v, params(second.model)[k]) for k, v in params(second.ema.module).items())
 
 
+def test_rdrop_starts_when_its_share_of_the_budget_is_spent(tmp_path, monkeypatch):
+    """--rdrop-start 0.5 of 4 steps: steps 1-2 run each batch once, steps 3-4 twice (R-Drop); the
+    step's loss is the model's R-Drop loss of its batch then."""
+    pairs = generate_dates(64, seed=5)
+    train = TrainConfig(max_tokens=400, warmup_steps=4, max_steps=4, progress=False, average_last=1, rdrop=2.0,
+                        rdrop_start=0.5)
+    trainer = tiny_run(tmp_path, pairs, train, dropout=0.1)
+    seen, loss = [], TranslationTask.loss
+
+    def recording(module, batch, label_smoothing, rdrop=0.0):
+        seen.append(rdrop)
+        return loss(module, batch, label_smoothing, rdrop)
+
+    monkeypatch.setattr(trainer.task, "loss", recording)
+    trainer.train()
+    assert seen == [0.0, 0.0, 2.0, 2.0]
+    with pytest.raises(ValueError, match="--rdrop"):
+        TrainConfig(rdrop_start=0.5)
+    with pytest.raises(ValueError, match="rdrop"):
+        TrainConfig(rdrop=-1.0)
+
+
 def test_final_weights_ema_needs_a_decay():
     with pytest.raises(ValueError, match="--ema-decay"):
         TrainConfig(final_weights="ema")

@@ -47,6 +47,9 @@ class TrainConfig:
     rdrop: float = _option(0.0, "R-Drop (Liang et al. 2021): run each batch twice, each with its own dropout, and add "
                                 "this weight times the symmetric KL divergence of the two predictions to their mean "
                                 "loss (e.g. 3; 0 = off); a step costs about twice as much", minimum=0, below=math.inf)
+    rdrop_start: float = _option(0.0, "with --rdrop: the share of the budget (as --schedule budget counts it) spent "
+                                      "before R-Drop starts; the steps before it run each batch once (0 = from the "
+                                      "first step)", minimum=0, below=1)
     subword_dropout: float = _option(0.0, "translation: split each training token into the two pieces its BPE merge "
                                           "joined with this probability, and each piece again, afresh every epoch "
                                           "(a regulariser like BPE-dropout; 0 = off)", minimum=0, below=1)
@@ -121,6 +124,8 @@ class TrainConfig:
                     allowed += f" and <= {high}"
                 raise ValueError(f"{name} must be {allowed.strip()}, got {value!r}")
 
+        if self.rdrop_start and not self.rdrop:
+            raise ValueError("rdrop_start (--rdrop-start) says when R-Drop starts: set rdrop (--rdrop) too, e.g. 3")
         if self.final_weights == "ema" and not self.ema_decay:
             raise ValueError("final_weights (--final-weights) ema needs a moving average: set ema_decay (--ema-decay), "
                              "e.g. 0.999")

@@ -148,12 +148,13 @@ class Trainer(Checkpointing):
         # DDP and FSDP average gradients over processes: divide by the tokens per process instead
         per_process = tokens / self.dist.world_size
         self.optimizer.zero_grad(set_to_none=True)
+        rdrop = c.rdrop if self.progress >= c.rdrop_start else 0.0  # progress: rank 0's, the same everywhere
         loss_sum = 0.0
         for i, batch in enumerate(batches):
             batch = batch.to(self.device)
             with gradient_sync(self.module, enabled=i == len(batches) - 1):
                 with autocast_context(self.device, c.bf16):
-                    loss = self.task.loss(self._call, batch, c.label_smoothing, c.rdrop)
+                    loss = self.task.loss(self._call, batch, c.label_smoothing, rdrop)
                 (loss / per_process if batch.num_tgt_tokens else loss * 0.0).backward()
             if batch.num_tgt_tokens:
                 loss_sum += float(loss.detach())
