@@ -82,7 +82,10 @@ class _ContenderTask:
             self.loss_fn = functools.partial(_loss_from_logits, pad_id=pad_id)
 
 
-def _loss_from_logits(model: nn.Module, src, tgt_in, tgt_out, *, label_smoothing: float, pad_id: int):
+def _loss_from_logits(model: nn.Module, src, tgt_in, tgt_out, *, label_smoothing: float, pad_id: int,
+                      rdrop: float = 0.0):
+    if rdrop:
+        raise ValueError("the benchmark's contenders other than qkv's Transformer have no R-Drop loss")
     logits = model(src, tgt_in)  # (b, s_tgt, V)
     return label_smoothed_cross_entropy(logits, tgt_out, label_smoothing, pad_id)
 

@@ -46,7 +46,8 @@ class TrainConfig:
     label_smoothing: float = _option(0.1, "label smoothing epsilon (section 5.4)", minimum=0, below=1)
     rdrop: float = _option(0.0, "R-Drop (Liang et al. 2021): run each batch twice, each with its own dropout, and add "
                                 "this weight times the symmetric KL divergence of the two predictions to their mean "
-                                "loss (e.g. 3; 0 = off); a step costs about twice as much", minimum=0, below=math.inf)
+                                "loss (e.g. 3; 0 = off; the logged training loss includes it); a step costs about "
+                                "twice as much", minimum=0, below=math.inf)
     rdrop_start: float = _option(0.0, "with --rdrop: the share of the budget (as --schedule budget counts it) spent "
                                       "before R-Drop starts; the steps before it run each batch once (0 = from the "
                                       "first step)", minimum=0, below=1)

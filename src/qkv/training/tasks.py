@@ -57,6 +57,11 @@ def encode_pairs(tokenizer: Tokenizer, data: ParallelText, max_len: int, *, what
     return [src_all[i] for i in kept], [tgt_all[i] for i in kept], kept
 
 
+def _rdrop(alpha: float) -> dict:
+    """The R-Drop keyword for a loss call: none for a plain step."""
+    return {"rdrop": alpha} if alpha else {}
+
+
 def translation_loss(model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *,
                      label_smoothing: float = 0.0, rdrop: float = 0.0) -> Tensor:
     """The summed label-smoothed loss of a batch, R-Drop's with ``rdrop > 0``
@@ -183,8 +188,9 @@ class TranslationTask:
 
     @staticmethod
     def loss(module: nn.Module, batch: Batch, label_smoothing: float, rdrop: float = 0.0) -> Tensor:
-        """``module`` is the model, or the engine's wrapper that calls :func:`translation_loss`."""
-        return module(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing, rdrop=rdrop)
+        """``module`` is the model, or the engine's wrapper that calls :func:`translation_loss` (``rdrop``
+        is passed on only when set, so a loss function without R-Drop serves plain runs)."""
+        return module(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing, **_rdrop(rdrop))
 
     @torch.no_grad()
     def validate(self, model: nn.Module, sentences: int, bf16: bool) -> dict | None:
@@ -286,7 +292,7 @@ class LanguageModelTask:
 
     @staticmethod
     def loss(module: nn.Module, batch: WindowBatch, label_smoothing: float, rdrop: float = 0.0) -> Tensor:
-        return module(batch.ids, batch.targets, label_smoothing=label_smoothing, rdrop=rdrop)
+        return module(batch.ids, batch.targets, label_smoothing=label_smoothing, **_rdrop(rdrop))
 
     @torch.no_grad()
     def validate(self, model: nn.Module, windows: int, bf16: bool) -> dict | None:
