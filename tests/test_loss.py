@@ -48,17 +48,23 @@ def test_fused_loss_without_gradients_and_with_no_real_target():
         fused_linear_cross_entropy(hidden, weight, target[:, :2], 0.1, 0)
 
 
-def test_transformer_loss_equals_cross_entropy_of_its_logits():
-    """Tied output projection: the weight's gradient sums the embedding's and the projection's."""
+def _tiny_transformer_and_batch(dropout: float, seed: int):
+    """A 2+2-layer tied model and a padded batch: ``(config, model, src, tgt_in, tgt_out)``."""
     config = TransformerConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=32, num_heads=4, num_encoder_layers=2,
-                               num_decoder_layers=2, d_ff=64, dropout=0.0, share_embeddings=True, tie_output=True)
-    torch.manual_seed(2)
+                               num_decoder_layers=2, d_ff=64, dropout=dropout, share_embeddings=True, tie_output=True)
+    torch.manual_seed(seed)
     model = Transformer(config)
     src = torch.randint(3, 40, (3, 7))
     src[0, 5:] = config.pad_id
-    tgt = torch.randint(3, 40, (3, 6))
-    tgt_in, tgt_out = tgt, torch.roll(tgt, -1, dims=1)
+    tgt_in = torch.randint(3, 40, (3, 6))
+    tgt_out = torch.roll(tgt_in, -1, dims=1)
     tgt_out[1, 3:] = config.pad_id
+    return config, model, src, tgt_in, tgt_out
+
+
+def test_transformer_loss_equals_cross_entropy_of_its_logits():
+    """Tied output projection: the weight's gradient sums the embedding's and the projection's."""
+    config, model, src, tgt_in, tgt_out = _tiny_transformer_and_batch(dropout=0.0, seed=2)
     reference = label_smoothed_cross_entropy(model(src, tgt_in), tgt_out, 0.1, config.pad_id)
     grads_ref = torch.autograd.grad(reference, list(model.parameters()))
     got = model.loss(src, tgt_in, tgt_out, label_smoothing=0.1)
@@ -148,15 +154,7 @@ def test_fused_rdrop_loss_under_bf16_autocast_is_close_to_float32():
 def test_transformer_rdrop_loss_runs_two_dropout_passes():
     """With dropout the two copies differ, and the loss is R-Drop's reference on the logits of the
     stacked batch drawn with the same random stream; without dropout it is the plain loss."""
-    config = TransformerConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=32, num_heads=4, num_encoder_layers=2,
-                               num_decoder_layers=2, d_ff=64, dropout=0.3, share_embeddings=True, tie_output=True)
-    torch.manual_seed(6)
-    model = Transformer(config)
-    src = torch.randint(3, 40, (3, 7))
-    src[0, 5:] = config.pad_id
-    tgt_in = torch.randint(3, 40, (3, 6))
-    tgt_out = torch.roll(tgt_in, -1, dims=1)
-    tgt_out[1, 3:] = config.pad_id
+    config, model, src, tgt_in, tgt_out = _tiny_transformer_and_batch(dropout=0.3, seed=6)
     torch.manual_seed(7)
     got = model.loss(src, tgt_in, tgt_out, label_smoothing=0.1, rdrop=2.0)
     grads = torch.autograd.grad(got, list(model.parameters()))

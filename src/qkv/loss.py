@@ -78,6 +78,21 @@ def fused_linear_cross_entropy(
     return _LinearCrossEntropy.apply(rows, weight, target.reshape(-1)[keep], float(smoothing), int(chunk_rows))
 
 
+def _padded_chunks(rows: tuple[Tensor, ...], target: Tensor, chunk_rows: int):
+    """``(start, real, row chunks, target chunk)`` over ``chunk_rows`` positions at a time, each chunk
+    padded to few shapes (qkv.shapes) when the product would run in bf16 on CPU: the padding's rows are
+    zero (nothing added to the weight's gradient), its targets 0, and the caller keeps the first ``real``
+    rows of the loss and of the input's gradient."""
+    pads = pads_rows(rows[0], rows[0].size(0))
+    for start in range(0, rows[0].size(0), chunk_rows):
+        parts, y = [r[start : start + chunk_rows] for r in rows], target[start : start + chunk_rows]
+        real = y.size(0)
+        if pads:
+            padded = padded_rows(real)
+            parts, y = [pad_rows(part, padded) for part in parts], F.pad(y, (0, padded - real))
+        yield start, real, parts, y
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Summed smoothed cross-entropy of ``rows @ weight.T``; gradients made in the forward pass."""
 
@@ -92,14 +107,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_rows = torch.empty_like(rows) if need_grads else None
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grads else None
             total = torch.zeros((), dtype=torch.float32, device=rows.device)
-            # chunks padded to few shapes (qkv.shapes): the padding's loss is left out, its rows of h are zero
-            # (nothing added to the weight's gradient) and its rows of the input's gradient are dropped
-            pads = pads_rows(h, h.size(0))
-            for start in range(0, h.size(0), chunk_rows):
-                h_c, y_c = h[start : start + chunk_rows], target[start : start + chunk_rows]
-                real = h_c.size(0)
-                if pads:
-                    h_c, y_c = pad_rows(h_c, padded_rows(real)), F.pad(y_c, (0, padded_rows(real) - real))
+            for start, real, (h_c,), y_c in _padded_chunks((h,), target, chunk_rows):
                 z = (h_c @ w.T).float()  # (c, V) logits
                 z_max = z.amax(dim=-1, keepdim=True)
                 z_true = z.gather(-1, y_c[:, None])
@@ -210,14 +218,7 @@ class _LinearRDrop(torch.autograd.Function):
             grad_b = torch.empty_like(rows_b) if need_grads else None
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grads else None
             total = torch.zeros((), dtype=torch.float32, device=rows_a.device)
-            pads = pads_rows(h_a, h_a.size(0))  # as in _LinearCrossEntropy: padded rows are zero and dropped
-            for start in range(0, h_a.size(0), chunk_rows):
-                ha_c, hb_c = h_a[start : start + chunk_rows], h_b[start : start + chunk_rows]
-                y_c = target[start : start + chunk_rows]
-                real = ha_c.size(0)
-                if pads:
-                    rows = padded_rows(real)
-                    ha_c, hb_c, y_c = pad_rows(ha_c, rows), pad_rows(hb_c, rows), F.pad(y_c, (0, rows - real))
+            for start, real, (ha_c, hb_c), y_c in _padded_chunks((h_a, h_b), target, chunk_rows):
                 log_a = (ha_c @ w.T).float().log_softmax(-1)  # (c, V)
                 log_b = (hb_c @ w.T).float().log_softmax(-1)
                 cross_entropy = -(1.0 - eps) * (log_a.gather(-1, y_c[:, None]) + log_b.gather(-1, y_c[:, None]))
