@@ -1,8 +1,10 @@
 """The CUDA paths against the CPU: attention through PyTorch's GPU kernels (flash, memory-efficient)
 against the float64 reference on the CPU, the models' logits and incremental decoding on the GPU
-against the CPU (an ensemble's too), training steps on the GPU against the same steps on the CPU, a run saved on the GPU
-resumed on the CPU, and DDP and FSDP2 over NCCL (one process: NCCL will not put two ranks on one
-GPU) against one plain process.
+against the CPU (an ensemble's too), the fused losses (plain and R-Drop) against the float64
+reference on the CPU, an R-Drop step of the Transformer on the GPU against its reference, training
+steps on the GPU against the same steps on the CPU, a run saved on the GPU resumed on the CPU, and
+DDP and FSDP2 over NCCL (one process: NCCL will not put two ranks on one GPU) against one plain
+process.
 
 Every test here is skipped on a machine without CUDA (CI has none); on a GPU machine run
 ``python -m pytest tests/test_cuda.py -q``.
@@ -20,6 +22,8 @@ from qkv.attention import select_backend
 from qkv.attention.functional import attention_reference
 from qkv.data.dates import generate_dates
 from qkv.decoding import beam_search, greedy_decode
+from qkv.loss import (fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy, label_smoothed_cross_entropy,
+                      rdrop_cross_entropy)
 from qkv.models import Transformer, TransformerConfig
 from qkv.runs import resume_run, start_run
 
@@ -149,6 +153,69 @@ def test_an_ensemble_on_cuda_decodes_as_on_the_cpu(untrained):
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
     kwargs = dict(bos_id=1, eos_id=2, extra_len=10)
     assert beam_search(gpu, src.to(CUDA), beam_size=3, **kwargs) == beam_search(cpu, src, beam_size=3, **kwargs)
+
+
+@pytest.mark.parametrize("rdrop", [None, 3.0])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fused_losses_on_cuda_match_the_float64_reference(rdrop, bf16):
+    """The fused output projection + loss on the GPU (chunks with a padded last one, as the training
+    step runs them) against PyTorch on the full logits in float64 on the CPU: loss and gradients."""
+    g = torch.Generator().manual_seed(8)
+    hidden_a = torch.randn(300, 64, generator=g, dtype=torch.float64)
+    hidden_b = hidden_a + 0.3 * torch.randn(300, 64, generator=g, dtype=torch.float64)
+    weight = 0.2 * torch.randn(1000, 64, generator=g, dtype=torch.float64)
+    target = torch.randint(1, 1000, (300,), generator=g)
+    target[::7] = 0  # padding
+    cpu = [t.clone().requires_grad_() for t in (hidden_a, hidden_b, weight)]
+    if rdrop is None:
+        reference = label_smoothed_cross_entropy(cpu[0] @ cpu[2].T, target, 0.1, 0)
+        inputs_ref = (cpu[0], cpu[2])
+    else:
+        reference = rdrop_cross_entropy(cpu[0] @ cpu[2].T, cpu[1] @ cpu[2].T, target, 0.1, 0, rdrop)
+        inputs_ref = tuple(cpu)
+    grads_ref = torch.autograd.grad(reference, inputs_ref)
+    gpu = [t.float().to(CUDA).requires_grad_() for t in (hidden_a, hidden_b, weight)]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        if rdrop is None:
+            got = fused_linear_cross_entropy(gpu[0], gpu[2], target.to(CUDA), 0.1, 0, chunk_rows=128)
+            inputs = (gpu[0], gpu[2])
+        else:
+            got = fused_linear_rdrop_cross_entropy(gpu[0], gpu[1], gpu[2], target.to(CUDA), 0.1, 0, rdrop,
+                                                   chunk_rows=128)
+            inputs = tuple(gpu)
+    grads = torch.autograd.grad(got, inputs)
+    assert got.dtype == torch.float32 and all(x.dtype == torch.float32 for x in grads)
+    tolerance = dict(rel=2e-2) if bf16 else dict(rel=1e-5)
+    assert got.item() == pytest.approx(reference.item(), **tolerance)
+    for grad, grad_ref in zip(grads, grads_ref):
+        scale = float(grad_ref.abs().max())
+        worst = float((grad.double().cpu() - grad_ref).abs().max())
+        assert worst <= (3e-2 if bf16 else 1e-5) * scale, (worst, scale)
+
+
+def test_transformer_rdrop_loss_on_cuda_matches_its_reference():
+    """R-Drop's stacked pass on the GPU (each copy its own dropout from CUDA's random stream) against
+    the reference on the logits of the same stacked batch drawn with the same stream."""
+    config = TransformerConfig(src_vocab_size=60, tgt_vocab_size=60, d_model=32, num_heads=4, num_encoder_layers=2,
+                               num_decoder_layers=2, d_ff=64, dropout=0.3, share_embeddings=True, tie_output=True)
+    torch.manual_seed(6)
+    model = Transformer(config).to(CUDA)
+    src = torch.randint(3, 60, (3, 7), device=CUDA)
+    src[0, 5:] = config.pad_id
+    tgt_in = torch.randint(3, 60, (3, 6), device=CUDA)
+    tgt_out = torch.roll(tgt_in, -1, dims=1)
+    tgt_out[1, 3:] = config.pad_id
+    torch.manual_seed(7)
+    got = model.loss(src, tgt_in, tgt_out, label_smoothing=0.1, rdrop=2.0)
+    grads = torch.autograd.grad(got, list(model.parameters()))
+    torch.manual_seed(7)
+    logits_a, logits_b = model(torch.cat([src, src]), torch.cat([tgt_in, tgt_in])).chunk(2)
+    assert (logits_a - logits_b).abs().max() > 0.1  # each copy drew its own dropout
+    reference = rdrop_cross_entropy(logits_a, logits_b, tgt_out, 0.1, config.pad_id, 2.0)
+    grads_ref = torch.autograd.grad(reference, list(model.parameters()))
+    assert got.item() == pytest.approx(reference.item(), rel=1e-5)
+    for grad, grad_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(grad, grad_ref, atol=2e-5, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
