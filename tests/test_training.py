@@ -662,3 +662,61 @@ def test_both_directions_trains_on_the_pairs_then_the_same_pairs_reversed(tmp_pa
         assert trainer.task.valid.src == pairs.src and trainer.task.valid.tgt == pairs.tgt
     with pytest.raises(ValueError, match="prepared folder"):
         check_spec({"source": "prepared", "folder": str(tmp_path), "both_directions": True})
+
+
+def test_both_directions_until_drops_the_reversed_pairs_and_a_resume_keeps_them_dropped(tmp_path, monkeypatch):
+    """--both-directions-until 0.5 of 12 steps: the epochs that start before step 6 train on both
+    halves, the first one that starts at or after it, and every later one, on the given pairs alone
+    (the first half); a run stopped after the switch and resumed ends with the uninterrupted run's
+    weights."""
+    pairs = generate_dates(24, seed=9)
+    (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
+    (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
+    spec = {"source": "files", "train_src": str(tmp_path / "s.txt"), "train_tgt": str(tmp_path / "t.txt"),
+            "val_src": None, "val_tgt": None, "both_directions": True}
+    train = dict(max_steps=12, max_tokens=150, warmup_steps=4, progress=False, bf16=False, average_last=1,
+                 log_every_steps=100, both_directions_until=0.5)
+    options = dict(data=spec, model_options=TINY, vocab_size=300, train_options=train, device="cpu")
+    torch.manual_seed(0)  # the same initial weights for both runs
+    full = start_run(tmp_path / "full", **options)
+    assert full.task.num_examples == 48
+    seen, make_batch = [], full.task.make_batch
+
+    def recording(indices, epoch=0):
+        seen.append((full.state.step, epoch, list(indices)))
+        return make_batch(indices, epoch)
+
+    monkeypatch.setattr(full.task, "make_batch", recording)
+    full.train()
+    switch = full.state.one_way_from_epoch
+    first_step = {epoch: min(step for step, e, _ in seen if e == epoch) for _, epoch, _ in seen}
+    assert first_step[switch] >= 6 and first_step[switch - 1] < 6  # the first epoch to start past half the budget
+    assert max(i for _, e, ix in seen if e < switch for i in ix) >= 24  # reversed pairs before
+    after = [i for _, e, ix in seen if e >= switch for i in ix]
+    assert sorted(set(after)) == list(range(24))  # each given pair, no reversed one
+    full.task.kept = None
+    full.task.keep_first(3)  # smoke tests' first pairs: each way
+    assert full.task.kept.tolist() == [0, 1, 2, 24, 25, 26]
+    full.task.drop_reversed_pairs()
+    assert full.task.kept.tolist() == [0, 1, 2]
+
+    torch.manual_seed(0)
+    cut = start_run(tmp_path / "cut", **options)
+    calls, loss = {"n": 0}, cut.model.loss
+
+    def loss_then_interrupt(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 11:  # step 11: after the switch
+            raise KeyboardInterrupt
+        return loss(*args, **kwargs)
+
+    monkeypatch.setattr(cut.model, "loss", loss_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        cut.train()
+    resumed = resume_run(tmp_path / "cut", device="cpu")
+    assert resumed.state.step == 10 and resumed.state.one_way_from_epoch == switch
+    assert resumed.task.num_examples == 24  # dropped again on resume
+    resumed.train()
+    assert_same_weights(params(resumed.model), params(full.model))
+    with pytest.raises(ValueError, match="--both-directions"):
+        tiny_run(tmp_path, pairs, TrainConfig(max_steps=2, both_directions_until=0.5), name="one_way")

@@ -179,8 +179,9 @@ def start_run(
     train_config = replace(train_config, **fast_train)
     model_config = _model_config(recipe, {**fast_model, **(model_options or {})}, tokenizer.vocab_size,
                                  tokenizer.pad_id)
+    # leaves out over-long pairs
     task = TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len,
-                           pad_id=model_config.pad_id)  # leaves out over-long pairs
+                           pad_id=model_config.pad_id, both_directions=bool(data.get("both_directions")))
     trainer = Trainer(Transformer(model_config).to(device), task, train_config, run_dir)
     model = trainer.model
     config = {"model": asdict(model_config), "train": asdict(train_config), "data": data,
@@ -221,6 +222,7 @@ def _open_translation_task(run_dir: Path, config: dict, tokenizer: Tokenizer,
     started with, refused if it changed since), or for runs older than prepared folders from its
     text, refused if that changed."""
     prepared = config.get("prepared")
+    two_ways = bool(config["data"].get("both_directions"))  # the run's own copy holds the pairs both ways too
     if prepared and config["data"]["source"] != "prepared":
         _check_source_unchanged(config)
     if prepared:
@@ -231,12 +233,13 @@ def _open_translation_task(run_dir: Path, config: dict, tokenizer: Tokenizer,
                              "continue the same run; restore it or start a new --run-dir")
         valid = corpus.text("valid", tokenizer) if corpus.has("valid") else None
         return TranslationTask(tokenizer, corpus.split("train"), valid, max_len=model_config.max_len,
-                               pad_id=model_config.pad_id)
+                               pad_id=model_config.pad_id, both_directions=two_ways)
     train_data, valid_data = load_train_valid(config["data"])
     _compare_fingerprint(config, train_data)
-    if config["data"].get("both_directions"):
+    if two_ways:
         train_data = both_directions(train_data)
-    return TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len, pad_id=model_config.pad_id)
+    return TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len, pad_id=model_config.pad_id,
+                           both_directions=two_ways)
 
 
 def _check_source_unchanged(config: dict) -> None:

@@ -78,6 +78,9 @@ class Checkpointing:
             fields["best_score"] = fields.pop("best_bleu")
         self.state = TrainState(**fields)
         self.state.kept_checkpoints = self.state.kept_checkpoints or []
+        if self.state.one_way_from_epoch >= 0:  # past --both-directions-until when saved
+            self.task.drop_reversed_pairs()
+            self._batches_epoch = None  # any epoch's batches made before are rebuilt
         if self.dist.is_main:
             if "metrics_bytes" in saved["train_state"] and self.metrics_path.is_file() and (
                     self.metrics_path.stat().st_size > self.state.metrics_bytes):

@@ -51,6 +51,11 @@ class TrainConfig:
     rdrop_start: float = _option(0.0, "with --rdrop: the share of the budget (as --schedule budget counts it) spent "
                                       "before R-Drop starts; the steps before it run each batch once (0 = from the "
                                       "first step)", minimum=0, below=1)
+    both_directions_until: float = _option(1.0, "translation with --both-directions: the share of the budget (as "
+                                                "--schedule budget counts it) after which training goes on with the "
+                                                "given direction alone, from the next epoch on (bidirectional "
+                                                "pretraining, Ding et al. 2021; 1 = both ways all the run)",
+                                           minimum=0, maximum=1)
     subword_dropout: float = _option(0.0, "translation: split each training token into the two pieces its BPE merge "
                                           "joined with this probability, and each piece again, afresh every epoch "
                                           "(a regulariser like BPE-dropout; 0 = off)", minimum=0, below=1)
@@ -196,3 +201,4 @@ class TrainState:
     kept_checkpoints: list | None = None
     stopped_early: bool = False  # a stop_at_exact_match target was reached
     metrics_bytes: int = 0  # length of metrics.jsonl at this step (lines after it are cut on resume)
+    one_way_from_epoch: int = -1  # --both-directions-until: the first epoch without the reversed pairs (-1: none yet)

@@ -126,6 +126,9 @@ class Trainer(Checkpointing):
         if config.rdrop and not getattr(getattr(model, "config", None), "dropout", 0.0):
             logger.warning("--rdrop %g with a model without dropout: both passes give the same predictions, so the "
                            "step costs twice as much for nothing", config.rdrop)
+        if config.both_directions_until < 1 and not getattr(task, "both_directions", False):
+            raise ValueError("both_directions_until (--both-directions-until) says when to drop the reversed pairs: "
+                             "train a translation with --both-directions")
         if config.subword_dropout:
             if not hasattr(task, "set_subword_dropout"):
                 raise ValueError("--subword-dropout splits subword tokens of translation pairs; this task has none")
@@ -189,6 +192,12 @@ class Trainer(Checkpointing):
         batches = self._epoch_batches(s.epoch)
         if s.batch_in_epoch >= len(batches):
             s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+            if c.both_directions_until < 1 and s.one_way_from_epoch < 0 and self.progress >= c.both_directions_until:
+                s.one_way_from_epoch = s.epoch  # saved with the state, so a resume drops them again
+                self.task.drop_reversed_pairs()
+                if d.is_main:
+                    logger.info("epoch %d on: the given direction alone (%.0f%% of the budget spent)", s.epoch,
+                                100 * self.progress)
             batches = self._epoch_batches(s.epoch)
         group = batches[s.batch_in_epoch: s.batch_in_epoch + c.accum_steps * d.world_size]
         s.batch_in_epoch += len(group)

@@ -100,7 +100,10 @@ class TranslationTask:
     prepared folder (:class:`~qkv.data.prepared.PreparedSplit`: read a batch at a time, so a
     process holds O(batch) token data). Both give the same batches for the same ids and seed.
     Training pairs longer than ``max_len`` are left out (with a count and the first file:line);
-    validation pairs that do not fit are left out of validation.
+    validation pairs that do not fit are left out of validation. ``both_directions``: the second half
+    of the training pairs is the first half reversed (:func:`qkv.data.sources.both_directions`; what
+    fits a model fits it either way round, so the halves stay equal), and
+    :meth:`drop_reversed_pairs` can go on with the given direction alone.
 
     Raises:
         ValueError: no training pair fits the model.
@@ -109,8 +112,9 @@ class TranslationTask:
     loss_fn = staticmethod(translation_loss)
 
     def __init__(self, tokenizer: Tokenizer, train_data, valid_data: ParallelText | None, *,
-                 max_len: int, pad_id: int) -> None:
+                 max_len: int, pad_id: int, both_directions: bool = False) -> None:
         self.tokenizer, self.valid, self.max_len, self.pad_id = tokenizer, valid_data, max_len, pad_id
+        self.both_directions = both_directions
         self.subword_dropout: SubwordDropout | None = None
         if isinstance(train_data, ParallelText):
             src_ids, tgt_ids, kept = encode_pairs(tokenizer, train_data, max_len)
@@ -153,9 +157,24 @@ class TranslationTask:
         return self.pairs.tgt_ids
 
     def keep_first(self, count: int) -> None:
-        """Train on the first ``count`` pairs held (smoke tests): the rest stay loaded, in no batch."""
+        """Train on the first ``count`` pairs held (smoke tests; ``both_directions``: the first
+        ``count`` each way): the rest stay loaded, in no batch."""
         indices = np.arange(len(self.pairs)) if self.kept is None else self.kept
-        self.kept = indices[indices < count]
+        keep = indices < count
+        if self.both_directions:
+            half = len(self.pairs) // 2
+            keep |= (indices >= half) & (indices < half + count)
+        self.kept = indices[keep]
+
+    def drop_reversed_pairs(self) -> None:
+        """Train on the given direction alone from the next epoch's batches on: the first half of
+        the pairs (``both_directions`` runs, whose second half is the first reversed)."""
+        if not self.both_directions:
+            raise ValueError("only a task built with both_directions holds reversed pairs to drop")
+        if len(self.pairs) % 2:
+            raise ValueError(f"{len(self.pairs)} training pairs cannot be pairs and the same pairs reversed")
+        indices = np.arange(len(self.pairs)) if self.kept is None else self.kept
+        self.kept = indices[indices < len(self.pairs) // 2]
 
     def batches(self, epoch: int, max_tokens: int, seed: int) -> BatchPlan:
         """The epoch's token-bucketed batches (example indices), shuffled by ``seed + epoch``; with
