@@ -26,6 +26,7 @@ from qkv.loss import (fused_linear_cross_entropy, fused_linear_rdrop_cross_entro
                       rdrop_cross_entropy)
 from qkv.models import Transformer, TransformerConfig
 from qkv.runs import resume_run, start_run
+from test_loss import _tiny_transformer_and_batch, check_transformer_rdrop_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = torch.device("cuda")
@@ -196,26 +197,8 @@ def test_fused_losses_on_cuda_match_the_float64_reference(rdrop, bf16):
 def test_transformer_rdrop_loss_on_cuda_matches_its_reference():
     """R-Drop's stacked pass on the GPU (each copy its own dropout from CUDA's random stream) against
     the reference on the logits of the same stacked batch drawn with the same stream."""
-    config = TransformerConfig(src_vocab_size=60, tgt_vocab_size=60, d_model=32, num_heads=4, num_encoder_layers=2,
-                               num_decoder_layers=2, d_ff=64, dropout=0.3, share_embeddings=True, tie_output=True)
-    torch.manual_seed(6)
-    model = Transformer(config).to(CUDA)
-    src = torch.randint(3, 60, (3, 7), device=CUDA)
-    src[0, 5:] = config.pad_id
-    tgt_in = torch.randint(3, 60, (3, 6), device=CUDA)
-    tgt_out = torch.roll(tgt_in, -1, dims=1)
-    tgt_out[1, 3:] = config.pad_id
-    torch.manual_seed(7)
-    got = model.loss(src, tgt_in, tgt_out, label_smoothing=0.1, rdrop=2.0)
-    grads = torch.autograd.grad(got, list(model.parameters()))
-    torch.manual_seed(7)
-    logits_a, logits_b = model(torch.cat([src, src]), torch.cat([tgt_in, tgt_in])).chunk(2)
-    assert (logits_a - logits_b).abs().max() > 0.1  # each copy drew its own dropout
-    reference = rdrop_cross_entropy(logits_a, logits_b, tgt_out, 0.1, config.pad_id, 2.0)
-    grads_ref = torch.autograd.grad(reference, list(model.parameters()))
-    assert got.item() == pytest.approx(reference.item(), rel=1e-5)
-    for grad, grad_ref in zip(grads, grads_ref):
-        torch.testing.assert_close(grad, grad_ref, atol=2e-5, rtol=1e-4)
+    config, model, src, tgt_in, tgt_out = _tiny_transformer_and_batch(dropout=0.3, seed=6)
+    check_transformer_rdrop_loss(model.to(CUDA), src.to(CUDA), tgt_in.to(CUDA), tgt_out.to(CUDA), config.pad_id)
 
 
 @pytest.fixture(scope="module")

@@ -151,21 +151,27 @@ def test_fused_rdrop_loss_under_bf16_autocast_is_close_to_float32():
         fused_linear_rdrop_cross_entropy(hidden_a, hidden_b[:2], weight, target, 0.1, 0, 3.0)
 
 
-def test_transformer_rdrop_loss_runs_two_dropout_passes():
-    """With dropout the two copies differ, and the loss is R-Drop's reference on the logits of the
-    stacked batch drawn with the same random stream; without dropout it is the plain loss."""
-    config, model, src, tgt_in, tgt_out = _tiny_transformer_and_batch(dropout=0.3, seed=6)
+def check_transformer_rdrop_loss(model, src, tgt_in, tgt_out, pad_id):
+    """The model's R-Drop loss and gradients against the reference on the logits of the stacked batch
+    drawn with the same random stream (also run on the GPU by tests/test_cuda.py)."""
     torch.manual_seed(7)
     got = model.loss(src, tgt_in, tgt_out, label_smoothing=0.1, rdrop=2.0)
     grads = torch.autograd.grad(got, list(model.parameters()))
     torch.manual_seed(7)
     logits_a, logits_b = model(torch.cat([src, src]), torch.cat([tgt_in, tgt_in])).chunk(2)
     assert (logits_a - logits_b).abs().max() > 0.1  # each copy drew its own dropout
-    reference = rdrop_cross_entropy(logits_a, logits_b, tgt_out, 0.1, config.pad_id, 2.0)
+    reference = rdrop_cross_entropy(logits_a, logits_b, tgt_out, 0.1, pad_id, 2.0)
     grads_ref = torch.autograd.grad(reference, list(model.parameters()))
     assert got.item() == pytest.approx(reference.item(), rel=1e-5)
     for g, g_ref in zip(grads, grads_ref):
         torch.testing.assert_close(g, g_ref, atol=2e-5, rtol=1e-4)
+
+
+def test_transformer_rdrop_loss_runs_two_dropout_passes():
+    """With dropout the two copies differ, and the loss is R-Drop's reference on the logits of the
+    stacked batch drawn with the same random stream; without dropout it is the plain loss."""
+    config, model, src, tgt_in, tgt_out = _tiny_transformer_and_batch(dropout=0.3, seed=6)
+    check_transformer_rdrop_loss(model, src, tgt_in, tgt_out, config.pad_id)
     model.eval()
     plain = model.loss(src, tgt_in, tgt_out, label_smoothing=0.1)
     assert model.loss(src, tgt_in, tgt_out, label_smoothing=0.1, rdrop=2.0).item() == pytest.approx(plain.item(),
