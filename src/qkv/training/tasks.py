@@ -156,10 +156,14 @@ class TranslationTask:
     def tgt_ids(self) -> list[list[int]]:
         return self.pairs.tgt_ids
 
+    def _trained_indices(self) -> np.ndarray:
+        """The indices of the pairs that go into batches."""
+        return np.arange(len(self.pairs)) if self.kept is None else self.kept
+
     def keep_first(self, count: int) -> None:
         """Train on the first ``count`` pairs held (smoke tests; ``both_directions``: the first
         ``count`` each way): the rest stay loaded, in no batch."""
-        indices = np.arange(len(self.pairs)) if self.kept is None else self.kept
+        indices = self._trained_indices()
         keep = indices < count
         if self.both_directions:
             half = len(self.pairs) // 2
@@ -173,7 +177,7 @@ class TranslationTask:
             raise ValueError("only a task built with both_directions holds reversed pairs to drop")
         if len(self.pairs) % 2:
             raise ValueError(f"{len(self.pairs)} training pairs cannot be pairs and the same pairs reversed")
-        indices = np.arange(len(self.pairs)) if self.kept is None else self.kept
+        indices = self._trained_indices()
         self.kept = indices[indices < len(self.pairs) // 2]
 
     def batches(self, epoch: int, max_tokens: int, seed: int) -> BatchPlan:
@@ -187,7 +191,7 @@ class TranslationTask:
         """Padded lengths of the pairs as subword dropout cuts them in ``epoch`` (make_batch cuts them
         again the same way: the cut is a hash, not a random stream)."""
         lengths = self.padded_lengths.copy()
-        indices = np.arange(len(self.pairs)) if self.kept is None else self.kept
+        indices = self._trained_indices()
         for start in range(0, len(indices), chunk):
             part = indices[start: start + chunk].tolist()
             src, tgt = self.subword_dropout.split_pairs(*self.pairs.read(part), part, epoch=epoch)
