@@ -12,9 +12,10 @@ qkv.memory: ``trim`` returns freed heap memory to the OS every ``--trim-every`` 
 (qkv.memory.HeapTrimmer), ``onednn`` caps oneDNN's primitive cache at ``--onednn-capacity`` (``onednn=N``:
 at N) before the first primitive (qkv.memory.cap_onednn_primitive_cache; without it oneDNN holds up to
 1024), ``pad`` pads the rows of linear layers' bf16 products (qkv.shapes; without it
-``qkv.shapes.PAD_ROWS`` is off), ``mmap`` serves allocations of ``--mmap-threshold`` bytes or more
-with mmap (qkv.memory.mmap_large_allocations); ``fix`` is ``onednn+trim+pad``, what training does by
-default. Process-wide settings are applied first thing, as the CLI does.
+``qkv.shapes.PAD_ROWS`` is off), ``top`` lets glibc keep freed memory at the top of its heaps for the
+next step instead of returning it on every free (qkv.memory.keep_heap_top), ``mmap`` serves allocations
+of ``--mmap-threshold`` bytes or more with mmap (qkv.memory.mmap_large_allocations); ``fix`` is
+``onednn+trim+pad+top``, what training does by default. Process-wide settings are applied first thing, as the CLI does.
 
 "Flat after warm-up": the largest RSS sample after ``--warmup-minutes`` over the smallest one,
 within ``--tolerance`` (10%).
@@ -35,6 +36,7 @@ import json
 import logging
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -42,11 +44,11 @@ import threading
 import time
 from pathlib import Path
 
-from qkv.memory import ONEDNN_CACHE_CAPACITY
+from qkv.memory import HEAP_TRIM_THRESHOLD, ONEDNN_CACHE_CAPACITY
 
 REPO = Path(__file__).resolve().parent.parent
-MEASURES = ("trim", "mmap", "onednn", "pad")
-COMPOSITES = {"fix": {"onednn", "trim", "pad"}}
+MEASURES = ("trim", "mmap", "onednn", "pad", "top")
+COMPOSITES = {"fix": {"onednn", "trim", "pad", "top"}}
 
 
 # ----------------------------------------------------------------------------- machine
@@ -107,6 +109,7 @@ def child(args: argparse.Namespace) -> int:
 
     capacity = measures.get("onednn") or args.onednn_capacity
     applied = limit_memory_growth(onednn_cache_capacity=capacity if "onednn" in measures else None,
+                                  heap_trim_threshold=HEAP_TRIM_THRESHOLD if "top" in measures else None,
                                   mmap_threshold=args.mmap_threshold if "mmap" in measures else None)
     import torch
 
@@ -179,7 +182,9 @@ def child(args: argparse.Namespace) -> int:
 
         thread = threading.Thread(target=sampler, daemon=True)
         thread.start()
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         state = trainer.train()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
         stop.set()
         thread.join()
         sample()  # the end of the run, between steps
@@ -197,6 +202,8 @@ def child(args: argparse.Namespace) -> int:
         "steps": state.step,
         "epochs": state.epoch,
         "target_tokens_per_s": round(state.tokens / max(state.seconds, 1e-9), 1),
+        # page faults that needed no disk: memory the process got from the OS afresh and touched
+        "minor_page_faults_per_step": round(faults / max(state.step, 1)),
         "distinct_shapes": len(shapes),
         "samples": samples,
     }
@@ -226,9 +233,9 @@ def label(run: dict) -> str:
     if run["fix"] == "none":
         return f"{run['precision']}, no fix"
     cache = f"oneDNN cache {(run.get('settings') or {}).get('onednn_primitive_cache') or '?'}"
-    names = {"fix": f"trim every {run.get('trim_every_steps', '?')} steps + {cache} + rows padded",
+    names = {"fix": f"trim every {run.get('trim_every_steps', '?')} steps + {cache} + rows padded + heap top kept",
              "trim": f"trim every {run.get('trim_every_steps', '?')} steps", "onednn": cache,
-             "pad": "rows padded (qkv.shapes)",
+             "pad": "rows padded (qkv.shapes)", "top": "heap top kept (qkv.memory.keep_heap_top)",
              "mmap": f"mmap >= {(run.get('settings') or {}).get('mmap_threshold') or 0:,} B"}
     parts = [part.partition("=")[0] for part in run["fix"].split("+")]
     return f"{run['precision']}, " + " + ".join(names.get(part, part) for part in parts)
@@ -347,6 +354,10 @@ def main() -> int:
             run["flatness_any_moment"] = flatness(run["samples"], args.warmup_minutes, args.tolerance, "rss_mb")
             logging.info("%s: %s", label(run), run["flatness"])
             runs.append(run)
+    first = {}  # each run's steps against the first fix's run in the same precision (same minutes)
+    for run in runs:
+        base = first.setdefault(run["precision"], run)
+        run["steps_vs_first_fix"] = round(run["steps"] / max(base["steps"], 1), 3)
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     report = {
         "benchmark": "resident memory during Multi30k en->de training (the library recipe; no validation or "
@@ -365,7 +376,8 @@ def main() -> int:
     plot(runs, Path(args.figure), args.warmup_minutes, plot_title(machine))
     for run in runs:
         f = run["flatness"]
-        print(f"{label(run):24s} steps {run['steps']:5d}  RSS after warm-up {f.get('min_mb')}-{f.get('max_mb')} MB  "
+        print(f"{label(run):24s} steps {run['steps']:5d}  minor faults/step {run.get('minor_page_faults_per_step')}  "
+              f"RSS after warm-up {f.get('min_mb')}-{f.get('max_mb')} MB  "
               f"max/min {f.get('ratio')}  flat: {f.get('flat')}")
     for name, why in skipped.items():
         print(f"{name}: skipped ({why})")

@@ -13,6 +13,13 @@ program no longer uses:
   and holes of many sizes, pinned by longer-lived blocks between them, let the heaps creep upward.
   :func:`trim_heap` (``malloc_trim(0)``) hands every free page inside the heaps back to the OS;
   :class:`HeapTrimmer` does it every few steps (about 0.1-0.2 s a call with a 1 GB heap).
+  The other way round, glibc also gives back the top of a heap on every ``free`` that leaves more
+  than its trim threshold free there (twice the sliding mmap threshold: 32 MiB once a 16 MiB block
+  has been freed), and a training step frees ~100 MB of activations at once: the next step
+  page-faults them all in again (23,000-28,000 minor faults a bf16 Multi30k step on a 2-core AMX
+  Xeon).
+  :func:`keep_heap_top` raises that threshold so freed memory stays for the next step, and leaves
+  the returning to :class:`HeapTrimmer`.
   :func:`mmap_large_allocations` goes further and keeps big blocks out of the heaps altogether
   (between steps 0.57 GB resident instead of 1.4 GB), but every step then page-faults its
   activations in afresh: 45% longer steps on that CPU, so it is opt-in.
@@ -40,8 +47,15 @@ from dataclasses import dataclass
 
 _STATUS = "/proc/self/status"
 _MIB = 2**20
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers (malloc.h)
+M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 * _MIB  # glibc's limit on 64-bit (HEAP_MAX_SIZE / 2)
+# free memory glibc may keep at the top of a heap (keep_heap_top): above a step's ~100 MB of activations
+# (256 MiB left 266-576 minor faults a bf16 Multi30k step on an AMX Xeon, against 14,000-22,500 without;
+# benchmarks/results/heap_top_steps_xeon_amx_bf16.json; 128 MiB still left ~11,000 in a trial)
+HEAP_TRIM_THRESHOLD = 256 * _MIB
+# the user's own malloc settings, which keep_heap_top leaves alone
+_MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
 # oneDNN primitives kept (~1 MB each for a Multi30k product): room for every product shape of a
 # training run once qkv.shapes pads the rows of linear layers (a few hundred), so no step compiles
 # again; 8 made every bf16 product of a step compile anew (padding and 512 make 1.18x the steps on
@@ -164,6 +178,29 @@ def mmap_large_allocations(threshold: int = _MIB) -> bool | None:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
 
 
+def keep_heap_top(trim_threshold: int = HEAP_TRIM_THRESHOLD) -> bool | None:
+    """Let glibc keep up to ``trim_threshold`` bytes of free memory at the top of a heap instead of
+    returning it to the OS on every ``free`` (``mallopt(M_TRIM_THRESHOLD)``), so the activations a
+    training step frees serve the next step without page faults; :class:`HeapTrimmer` still hands
+    free memory back every few steps. Setting it turns off glibc's sliding mmap threshold, so this
+    also sets that threshold where glibc's own rule ends up (32 MiB: blocks below it come from the
+    heaps, as they do after a first step anyway).
+
+    Process-wide: call it at start-up. Left alone (returns False) where the user set glibc's malloc
+    variables (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TOP_PAD_``, or malloc
+    tunables in ``GLIBC_TUNABLES``); None where glibc is not the C library; True when set.
+    """
+    if not 0 < trim_threshold < 2**31:
+        raise ValueError(f"trim_threshold must be in (0, 2 GiB) bytes, got {trim_threshold}")
+    if any(name in os.environ for name in _MALLOC_ENV) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    libc = _libc()
+    if libc is None:
+        return None
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, int(trim_threshold)))
+
+
 def cap_onednn_primitive_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> bool:
     """Bound oneDNN's primitive cache (a compiled primitive per operation and shape; oneDNN's
     default holds 1024) by setting ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, unless the user set it or
@@ -183,15 +220,20 @@ def cap_onednn_primitive_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> bool:
 
 
 def limit_memory_growth(*, onednn_cache_capacity: int | None = ONEDNN_CACHE_CAPACITY,
+                        heap_trim_threshold: int | None = HEAP_TRIM_THRESHOLD,
                         mmap_threshold: int | None = None) -> dict:
     """The process-wide settings, applied once at start-up (before the first oneDNN operation and
-    the first training step): cap oneDNN's primitive cache (None: leave it), and optionally serve
-    allocations of ``mmap_threshold`` bytes or more with mmap (None: glibc's default). Returns what
-    was done, for a log line: ``{"onednn_primitive_cache": capacity or None, "mmap_threshold":
-    bytes or None}``."""
-    done: dict = {"onednn_primitive_cache": None, "mmap_threshold": None}
+    the first training step): cap oneDNN's primitive cache (None: leave it), keep up to
+    ``heap_trim_threshold`` bytes free at the top of the heaps between steps (:func:`keep_heap_top`;
+    None: glibc's default), and optionally serve allocations of ``mmap_threshold`` bytes or more
+    with mmap (None: glibc's default; it wins over the mmap threshold that keep_heap_top sets).
+    Returns what was done, for a log line: ``{"onednn_primitive_cache": capacity or None,
+    "heap_trim_threshold": bytes or None, "mmap_threshold": bytes or None}``."""
+    done: dict = {"onednn_primitive_cache": None, "heap_trim_threshold": None, "mmap_threshold": None}
     if onednn_cache_capacity is not None and cap_onednn_primitive_cache(onednn_cache_capacity):
         done["onednn_primitive_cache"] = onednn_cache_capacity
+    if heap_trim_threshold is not None and keep_heap_top(heap_trim_threshold):
+        done["heap_trim_threshold"] = heap_trim_threshold
     if mmap_threshold is not None and mmap_large_allocations(mmap_threshold):
         done["mmap_threshold"] = mmap_threshold
     return done
