@@ -16,8 +16,8 @@ program no longer uses:
   The other way round, glibc also gives back the top of a heap on every ``free`` that leaves more
   than its trim threshold free there (twice the sliding mmap threshold: 32 MiB once a 16 MiB block
   has been freed), and a training step frees ~100 MB of activations at once: the next step
-  page-faults them all in again (23,000-28,000 minor faults a bf16 Multi30k step on a 2-core AMX
-  Xeon).
+  page-faults them all in again (14,000-22,500 minor faults a bf16 Multi30k step on a 2-core AMX
+  Xeon, benchmarks/results/heap_top_steps_xeon_amx_bf16.json).
   :func:`keep_heap_top` raises that threshold so freed memory stays for the next step, and leaves
   the returning to :class:`HeapTrimmer`.
   :func:`mmap_large_allocations` goes further and keeps big blocks out of the heaps altogether
