@@ -57,6 +57,17 @@ def paths_before(which: frozenset[str]):
         backends.PLAIN_MAX_LEN, qkv.models.fused_linear_cross_entropy = saved_plain, saved_loss
 
 
+def recipe_data_and_model(data_dir: str, bf16: bool, batches: int):
+    """The Multi30k recipe's real batches and model config for a run in bf16 or float32 (the recipe's
+    fields where bf16 is fast when ``bf16``), as a training run of it would have them."""
+    recipe = RECIPES["multi30k"]
+    model_fields = {**recipe["model"], **(recipe[MODEL_WHERE_BF16_IS_FAST] if bf16 else {})}
+    train_fields = {**recipe["train"], **(recipe[TRAIN_WHERE_BF16_IS_FAST] if bf16 else {})}
+    data = multi30k_data(data_dir, vocab_size=recipe["vocab_size"], max_tokens=train_fields["max_tokens"],
+                         num_batches=batches)
+    return data, multi30k_config(data, **{k: v for k, v in model_fields.items() if k != "max_len"})
+
+
 def make_step(data, config, train: TrainConfig, which: frozenset[str]):
     torch.manual_seed(0)  # every variant starts from the same weights
     model = qkv.models.Transformer(config)
@@ -88,16 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     bf16 = bf16_is_fast("cpu") if args.precision == "auto" else args.precision == "bf16"
-    recipe = RECIPES["multi30k"]
-    model_fields = {**recipe["model"], **(recipe[MODEL_WHERE_BF16_IS_FAST] if bf16 else {})}
-    train_fields = {**recipe["train"], **(recipe[TRAIN_WHERE_BF16_IS_FAST] if bf16 else {})}
     try:
-        data = multi30k_data(args.data, vocab_size=recipe["vocab_size"], max_tokens=train_fields["max_tokens"],
-                             num_batches=args.batches)
+        data, config = recipe_data_and_model(args.data, bf16, args.batches)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    config = multi30k_config(data, **{k: v for k, v in model_fields.items() if k != "max_len"})
     train = TrainConfig(bf16=bf16, label_smoothing=0.1, progress=False)
     variants = {"today": frozenset()}
     variants.update({f"{BEFORE[name]} (before)": frozenset({name}) for name in BEFORE})

@@ -33,19 +33,11 @@ def child(args: argparse.Namespace) -> dict:
     import torch
 
     import cpu_step_paths
-    from qkv.bench.data import multi30k_data
-    from qkv.bench.training import multi30k_config
-    from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST
     from qkv.training import TrainConfig
 
     torch.set_num_threads(args.threads)
     bf16 = args.precision == "bf16"
-    recipe = RECIPES["multi30k"]
-    model_fields = {**recipe["model"], **(recipe[MODEL_WHERE_BF16_IS_FAST] if bf16 else {})}
-    train_fields = {**recipe["train"], **(recipe[TRAIN_WHERE_BF16_IS_FAST] if bf16 else {})}
-    data = multi30k_data(args.data, vocab_size=recipe["vocab_size"], max_tokens=train_fields["max_tokens"],
-                         num_batches=30)
-    config = multi30k_config(data, **{k: v for k, v in model_fields.items() if k != "max_len"})
+    data, config = cpu_step_paths.recipe_data_and_model(args.data, bf16, batches=30)
     step = cpu_step_paths.make_step(data, config, TrainConfig(bf16=bf16, label_smoothing=0.1, progress=False),
                                     frozenset())
     for _ in range(args.warmup):
@@ -81,9 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     from qkv.fileio import check_output_file, write_json
     from qkv.precision import bf16_is_fast
 
-    out = check_output_file(args.out, "--out")
+    for name, value in (("--rounds", args.rounds), ("--steps", args.steps), ("--threads", args.threads)):
+        if value < 1:
+            parser.error(f"{name} must be at least 1, got {value}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
     names = args.precisions.split(",") if args.precisions != "auto" else (
         ["bf16", "float32"] if bf16_is_fast("cpu") else ["float32"])
+    unknown = [name for name in names if name not in ("bf16", "float32")]
+    if unknown:
+        parser.error(f"unknown precision {unknown[0]!r}: use bf16, float32 or auto")
+    if not Path(args.data).is_dir():
+        parser.error(f"--data {args.data}: no such folder (Multi30k's task-1 files)")
+    out = check_output_file(args.out, "--out")
     results = {}
     for precision in names:
         rounds = []
@@ -92,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
             for name, keep in (VARIANTS.items() if r % 2 == 0 else reversed(VARIANTS.items())):
                 cmd = [sys.executable, __file__, "--child", "--precision", precision, "--data", args.data,
                        "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
-                done = subprocess.run(cmd + (["--keep"] if keep else []), check=True, capture_output=True, text=True)
+                done = subprocess.run(cmd + (["--keep"] if keep else []), capture_output=True, text=True)
+                if done.returncode:
+                    last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+                    print(f"error: the {precision} process ({name}) failed: {last}", file=sys.stderr)
+                    return 1
                 pair[name] = json.loads(done.stdout.strip().splitlines()[-1])
                 print(f"{precision} round {r + 1} {name:16s} {pair[name]['tokens_per_s']:8.1f} tokens/s  "
                       f"{pair[name]['minor_page_faults_per_step']:7d} faults/step", flush=True)

@@ -15,7 +15,8 @@ at N) before the first primitive (qkv.memory.cap_onednn_primitive_cache; without
 ``qkv.shapes.PAD_ROWS`` is off), ``top`` lets glibc keep freed memory at the top of its heaps for the
 next step instead of returning it on every free (qkv.memory.keep_heap_top), ``mmap`` serves allocations
 of ``--mmap-threshold`` bytes or more with mmap (qkv.memory.mmap_large_allocations); ``fix`` is
-``onednn+trim+pad+top``, what training does by default. Process-wide settings are applied first thing, as the CLI does.
+``onednn+trim+pad+top``, what training does by default. Process-wide settings are applied first thing,
+as the CLI does.
 
 "Flat after warm-up": the largest RSS sample after ``--warmup-minutes`` over the smallest one,
 within ``--tolerance`` (10%).
