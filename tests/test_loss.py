@@ -87,6 +87,25 @@ def test_fused_loss_under_bf16_autocast_is_close_to_float32():
     assert got.item() == pytest.approx(reference.item(), rel=2e-2)
 
 
+
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16, torch.float16])
+def test_fused_loss_when_a_target_probability_underflows(autocast_dtype):
+    """Targets 58-355 logits below their row's largest: softmax stores p_y = 0 (or a subnormal), so
+    the loss of those rows must come from the logits, not from log p_y."""
+    torch.manual_seed(0)
+    hidden = (40 * torch.randn(6, 8)).requires_grad_()
+    weight = torch.randn(12, 8, requires_grad=True)
+    target = torch.randint(1, 12, (6,))
+    reference = _reference(hidden, weight, target, 0.1, 0)
+    grads_ref = torch.autograd.grad(reference, (hidden, weight))
+    with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        got = fused_linear_cross_entropy(hidden, weight, target, 0.1, 0)
+    grads = torch.autograd.grad(got, (hidden, weight))
+    rel = 1e-5 if autocast_dtype is None else 2e-3
+    assert got.item() == pytest.approx(reference.item(), rel=rel)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g.double(), g_ref.double(), rtol=rel, atol=rel * g_ref.abs().max().item())
+
 # --------------------------------------------------------------------------- R-Drop
 def test_rdrop_reference_by_hand():
     """One position, three classes: (CE_a + CE_b) / 2 + alpha / 4 * (KL(a||b) + KL(b||a)) written out."""

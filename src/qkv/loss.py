@@ -101,31 +101,47 @@ class _LinearCrossEntropy(torch.autograd.Function):
         device_type = rows.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else rows.dtype
         with torch.autocast(device_type, enabled=False):
+            acc = torch.promote_types(dtype, torch.float32)  # what sums and gradients are kept in
             h, w = rows.to(dtype), weight.to(dtype)
-            vocab = w.size(0)
+            w_mean = w.to(acc).mean(dim=0)  # (d,): mean_c z_c = h . w_mean
             need_grads = rows.requires_grad or weight.requires_grad
             grad_rows = torch.empty_like(rows) if need_grads else None
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grads else None
-            total = torch.zeros((), dtype=torch.float32, device=rows.device)
+            grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grads else None
+            rows_sum = torch.zeros(w.size(1), dtype=acc, device=rows.device)
+            total = torch.zeros((), dtype=acc, device=rows.device)
             for start, real, (h_c,), y_c in _padded_chunks((h,), target, chunk_rows):
-                z = (h_c @ w.T).float()  # (c, V) logits
-                z_max = z.amax(dim=-1, keepdim=True)
-                z_true = z.gather(-1, y_c[:, None])
-                z_sum = z.sum(dim=-1, keepdim=True) if eps else None
-                probs = z.sub_(z_max).exp_()  # z now holds exp(z - max)
-                norm = probs.sum(dim=-1, keepdim=True)
-                lse = norm.log() + z_max  # (c, 1)
-                loss = lse - z_true if not eps else lse - (1.0 - eps) * z_true - (eps / vocab) * z_sum
+                # The (c, V) logits are read once, by softmax (computed in float32 inside PyTorch's
+                # kernel, stored in the logits' dtype), and never converted. With p = softmax(z),
+                # log-sum-exp = z_y - log p_y; the rare rows whose p_y is below the dtype's smallest
+                # normal number (its log would lose precision: 1e-38 in bf16, 6e-5 in fp16) take
+                # their log-sum-exp from the logits. Then
+                # loss = lse - (1 - eps) z_y - eps mean_c z_c.
+                z = h_c @ w.T
+                probs = torch.softmax(z, dim=-1)
+                h_acc = h_c.to(acc)
+                z_true = z.gather(-1, y_c[:, None]).to(acc)
+                p_true = probs.gather(-1, y_c[:, None]).to(acc)
+                lse = z_true - p_true.log()
+                tiny = (p_true < torch.finfo(probs.dtype).tiny).squeeze(1)
+                if tiny.any():
+                    lse[tiny] = torch.logsumexp(z[tiny].to(acc), dim=-1, keepdim=True)
+                loss = lse - (1.0 - eps) * z_true
+                if eps:
+                    loss -= eps * (h_acc @ w_mean)[:, None]
                 total += loss[:real].sum()
                 if not need_grads:
                     continue
-                grad_z = probs.div_(norm)  # softmax ...
+                # dloss/dz = probs - eps/V - (1 - eps) onehot(y): the probabilities go through the two
+                # products, the smoothed target's two terms are added to the (c, d) and (V, d) results
+                grad_h = (probs @ w).to(acc).sub_(w[y_c].to(acc), alpha=1.0 - eps)
                 if eps:
-                    grad_z.sub_(eps / vocab)  # ... minus the smoothed target
-                grad_z.scatter_add_(-1, y_c[:, None], grad_z.new_full((y_c.size(0), 1), -(1.0 - eps)))
-                grad_z = grad_z.to(dtype)
-                grad_rows[start : start + real] = (grad_z @ w)[:real]
-                grad_weight += (grad_z.T @ h_c).float()
+                    grad_h.sub_(w_mean, alpha=eps)
+                grad_rows[start : start + real] = grad_h[:real]
+                grad_weight.add_(probs.T @ h_c)  # bf16 products summed in float32, no copy between
+                grad_weight.index_add_(0, y_c, h_acc, alpha=-(1.0 - eps))
+                rows_sum += h_acc.sum(dim=0)
+            if need_grads and eps:
+                grad_weight -= (eps / w.size(0)) * rows_sum
         ctx.save_for_backward(grad_rows, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
@@ -135,7 +151,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_rows, grad_weight = ctx.saved_tensors
         if grad_rows is None:
             raise RuntimeError("fused_linear_cross_entropy: backward called but no input required a gradient")
-        g = grad_output.float()
+        g = grad_output.to(grad_weight.dtype)
         return (grad_rows * g.to(grad_rows.dtype), (grad_weight * g).to(ctx.weight_dtype), None, None, None)
 
 
