@@ -194,6 +194,26 @@ def test_fused_losses_on_cuda_match_the_float64_reference(rdrop, bf16):
         assert worst <= (3e-2 if bf16 else 1e-5) * scale, (worst, scale)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fused_loss_on_cuda_is_deterministic(bf16):
+    """Two calls on the same inputs give bitwise the same loss and gradients, though many positions
+    share a target (CUDA's atomic adds into shared rows would not): a resumed run must end on the
+    uninterrupted run's weights (tests/test_crash_consistency.py)."""
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn(2000, 64, generator=g).to(CUDA)
+    weight = (0.2 * torch.randn(500, 64, generator=g)).to(CUDA)
+    target = torch.randint(1, 6, (2000,), generator=g).to(CUDA)  # 5 ids for 2,000 positions
+
+    def loss_and_grads():
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = fused_linear_cross_entropy(h, w, target, 0.1, 0, chunk_rows=256)
+        return (loss, *torch.autograd.grad(loss, (h, w)))
+
+    for first, second in zip(loss_and_grads(), loss_and_grads()):
+        assert torch.equal(first, second)
+
+
 def test_transformer_rdrop_loss_on_cuda_matches_its_reference():
     """R-Drop's stacked pass on the GPU (each copy its own dropout from CUDA's random stream) against
     the reference on the logits of the same stacked batch drawn with the same stream."""

@@ -131,15 +131,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 total += loss[:real].sum()
                 if not need_grads:
                     continue
-                # dloss/dz = probs - eps/V - (1 - eps) onehot(y): the probabilities go through the two
-                # products, the smoothed target's two terms are added to the (c, d) and (V, d) results
-                grad_h = (probs @ w).to(acc).sub_(w[y_c].to(acc), alpha=1.0 - eps)
+                # dloss/dz = probs - (1 - eps) onehot(y) - eps/V: the one-hot term goes into the
+                # probabilities (one element a row, so deterministic on CUDA too), the uniform term is
+                # added to the (c, d) and (V, d) products
+                grad_z = probs.scatter_add_(-1, y_c[:, None], probs.new_full((y_c.size(0), 1), -(1.0 - eps)))
+                grad_h = (grad_z @ w).to(acc)
                 if eps:
                     grad_h.sub_(w_mean, alpha=eps)
+                    rows_sum += h_acc.sum(dim=0)
                 grad_rows[start : start + real] = grad_h[:real]
-                grad_weight.add_(probs.T @ h_c)  # bf16 products summed in float32, no copy between
-                grad_weight.index_add_(0, y_c, h_acc, alpha=-(1.0 - eps))
-                rows_sum += h_acc.sum(dim=0)
+                grad_weight.add_(grad_z.T @ h_c)  # bf16 products summed in float32, no copy between
             if need_grads and eps:
                 grad_weight -= (eps / w.size(0)) * rows_sum
         ctx.save_for_backward(grad_rows, grad_weight)
