@@ -21,9 +21,10 @@ from torch import Tensor
 
 from qkv.shapes import pad_rows, padded_rows, pads_rows
 
-# rows of logits made at once by the fused loss: (512, 8000) fp32 is 16 MiB. 1,024-row chunks (32 MiB,
-# above glibc's largest mmap threshold, so likely mapped and page-faulted afresh each time) were slower:
-# forward + backward of 1,900 rows, bf16, 2 threads of a Zen 5 EPYC, 48-65 ms against 64-82 ms
+# rows of logits made at once by the fused loss: (512, 8000) is 16 MiB in fp32, 8 in bf16. 1,024-row chunks
+# were slower: forward + backward of 1,900 rows, bf16, 2 threads of a Zen 5 EPYC, 48-65 ms against 64-82 ms
+# (when the loss still made fp32 copies of 32 MiB, above glibc's largest mmap threshold); on an AMX Xeon
+# (2026-11-27, one profile, today's loss) the products of 1,024 rows took ~4x those of 512
 FUSED_CHUNK_ROWS = 512
 
 
