@@ -55,7 +55,7 @@ RECIPES: dict[str, dict] = {
         "model": dict(d_model=64, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, d_ff=256, dropout=0.0,
                       max_len=64, norm_first=True, share_embeddings=True, tie_output=True),
         "train": dict(max_tokens=1500, warmup_steps=100, lr_factor=0.5, max_minutes=2.5, eval_every_steps=100,
-                      eval_sentences=500, stop_at_exact_match=0.995, average_last=1),
+                      eval_sentences=1000, stop_at_exact_match=0.995, average_last=1),
     },
 }
 RECIPES["files"] = RECIPES["multi30k"]

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    data = {"source": "dates", "train_size": 20000, "valid_size": 500, "seed": args.seed}
+    data = {"source": "dates", "train_size": 20000, "valid_size": 1000, "seed": args.seed}
     options = {"max_minutes": args.minutes, "stop_at_exact_match": args.target, "seed": args.seed,
                "progress": not args.no_progress and sys.stderr.isatty()}
     trainer = start_run(out / "run", data=data, train_options=options, overwrite=True, device=device)

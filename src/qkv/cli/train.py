@@ -211,7 +211,7 @@ def _source_spec(args: argparse.Namespace) -> dict:
             raise ValueError(f"--src-lang and --tgt-lang are both {src!r}")
         return {"source": "multi30k", "folder": folder, "src_lang": src, "tgt_lang": tgt}
     if args.data == "dates":
-        return {"source": "dates", "train_size": 20000, "valid_size": 500, "seed": args.seed or 0}
+        return {"source": "dates", "train_size": 20000, "valid_size": 1000, "seed": args.seed or 0}
     if not (args.train_src and args.train_tgt):
         raise ValueError("no training data: pass --data multi30k/dates/tinyshakespeare, --prepared DIR, --train-src "
                          "and --train-tgt, or --train-text")
