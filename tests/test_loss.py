@@ -87,11 +87,10 @@ def test_fused_loss_under_bf16_autocast_is_close_to_float32():
     assert got.item() == pytest.approx(reference.item(), rel=2e-2)
 
 
-
 @pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16, torch.float16])
 def test_fused_loss_when_a_target_probability_underflows(autocast_dtype):
-    """Targets 58-355 logits below their row's largest: softmax stores p_y = 0 (or a subnormal), so
-    the loss of those rows must come from the logits, not from log p_y."""
+    """Five of six targets 58-355 below their row's largest logit: softmax stores p_y = 0 (or a
+    subnormal), so the loss of those rows must come from the logits, not from log p_y."""
     torch.manual_seed(0)
     hidden = (40 * torch.randn(6, 8)).requires_grad_()
     weight = torch.randn(12, 8, requires_grad=True)
@@ -105,6 +104,7 @@ def test_fused_loss_when_a_target_probability_underflows(autocast_dtype):
     assert got.item() == pytest.approx(reference.item(), rel=rel)
     for g, g_ref in zip(grads, grads_ref):
         torch.testing.assert_close(g.double(), g_ref.double(), rtol=rel, atol=rel * g_ref.abs().max().item())
+
 
 # --------------------------------------------------------------------------- R-Drop
 def test_rdrop_reference_by_hand():
