@@ -118,7 +118,8 @@ def train_one(name: str, args: argparse.Namespace, steps: int, device: str) -> d
         return row
     splits, _ = evaluation_splits(data)
     splits = {k: splits[k] for k in ("val", "test_2016")}
-    decode = decode_settings(ckpt.read_run_config(run_dir))
+    config = ckpt.read_run_config(run_dir)
+    decode = decode_settings(config)
     model, tokenizer, _ = ckpt.load_run(run_dir, "model")
     model.to(device)
     scores = score_splits(model, tokenizer, splits, beams=(decode["beam_size"],), alpha=decode["alpha"],
@@ -128,8 +129,7 @@ def train_one(name: str, args: argparse.Namespace, steps: int, device: str) -> d
                 "val_bleu_papers_form": scores[f"val_beam{beam}"]["bleu_papers_form"]["bleu"],
                 "test_2016_bleu": scores[f"test_2016_beam{beam}"]["bleu"],
                 "test_2016_bleu_papers_form": scores[f"test_2016_beam{beam}"]["bleu_papers_form"]["bleu"],
-                "decode": decode, "model": ckpt.read_run_config(run_dir)["model"],
-                "train": ckpt.read_run_config(run_dir)["train"]})
+                "decode": decode, "model": config["model"], "train": config["train"]})
     return row
 
 
