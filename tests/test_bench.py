@@ -81,7 +81,7 @@ def test_peak_memory_sees_a_large_temporary_allocation():
     assert timing.peak_memory_bytes(lambda: None, CPU) < size / 2
 
 
-def test_ratio_environment_and_device():
+def test_ratio_environment_and_device(monkeypatch):
     assert timing.ratio(3.0, 1.5) == 2.0
     assert timing.ratio(None, 1.0) is None and timing.ratio(1.0, 0.0) is None
     # per-round ratios: a load spike in round 2 slows both contenders alike and drops out
@@ -95,6 +95,11 @@ def test_ratio_environment_and_device():
             line = re.search(rf"^{field}:\s*(.+)$", lscpu, flags=re.MULTILINE)
             if line:
                 assert env[key] == line.group(1).strip(), field
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert "isa_limits" not in timing.environment()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # a run kept to an AVX2 machine's kernels says so
+    assert timing.environment()["isa_limits"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
     assert timing.pick_device is pick_device  # qkv.bench re-exports the one device picker
     assert timing.pick_device("cpu") == CPU
     if not torch.cuda.is_available():

@@ -258,6 +258,11 @@ def environment() -> dict:
         "avx512_bf16": "avx512_bf16" in flags,
         "amx": "amx_bf16" in flags,
     }
+    # kernels limited below what the CPU has (e.g. ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 runs an
+    # AVX512 machine on the code paths of an AVX2-only one): say so beside the flags
+    limits = {name: os.environ[name] for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if os.environ.get(name)}
+    if limits:
+        info["isa_limits"] = limits
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
