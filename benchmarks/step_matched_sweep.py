@@ -77,6 +77,7 @@ CANDIDATES: dict[str, tuple[dict, float]] = {
     "ema": ({"ema_decay": 0.9995, "final_weights": "ema"}, 1.0),
     "average4": ({"average_last": 4}, 1.0),
     "gelu_lr07": ({"activation": "gelu", "lr_factor": 0.7}, 1.0),
+    "wd01": ({"weight_decay": 0.1}, 1.0),
     # R-Drop (twice the cost a step) over the hour's last 30%: 0.7 + 0.3 / 2 = 0.85 of the recipe's steps,
     # starting at 0.7 / 0.85 of them
     "rdrop_late": ({"rdrop": 3.0, "rdrop_start": 0.82}, 1 / 0.85),

@@ -43,6 +43,10 @@ class TrainConfig:
                                          "the rate falls to zero", minimum=0.01, maximum=1)
     adam_betas: tuple[float, float] = _option((0.9, 0.98), "Adam's beta1 and beta2 (section 5.3)", cli=False)
     adam_eps: float = _option(1e-9, "Adam's epsilon", minimum=0, below=math.inf, cli=False)
+    weight_decay: float = _option(0.0, "decoupled weight decay (AdamW, Loshchilov & Hutter 2019): each step shrinks the "
+                                       "weight matrices and embeddings by learning rate x this (e.g. 0.1); biases and "
+                                       "layer-norm gains are not decayed (0 = off: Adam, as the paper)", minimum=0,
+                                 below=math.inf)
     label_smoothing: float = _option(0.1, "label smoothing epsilon (section 5.4)", minimum=0, below=1)
     rdrop: float = _option(0.0, "R-Drop (Liang et al. 2021): run each batch twice, each with its own dropout, and add "
                                 "this weight times the symmetric KL divergence of the two predictions to their mean "

@@ -91,6 +91,20 @@ class TrainingCrashed(RuntimeError):
         self.step = step
 
 
+def make_optimizer(module: torch.nn.Module, config: TrainConfig, *, fused: bool | None) -> torch.optim.Optimizer:
+    """The run's optimizer: Adam (section 5.3), or with ``config.weight_decay`` AdamW whose decay falls
+    on the matrices (weights and embeddings, two dimensions or more) and not on biases or layer-norm
+    gains. ``fused``: PyTorch's fused kernel (one over all parameters; 3x faster than the default
+    per-tensor loop on a 2-core CPU), None for the default (FSDP2's sharded parameters)."""
+    options = dict(lr=0.0, betas=config.adam_betas, eps=config.adam_eps, fused=fused)
+    if not config.weight_decay:  # one parameter group, as every run before the option (their checkpoints resume)
+        return torch.optim.Adam(module.parameters(), **options)
+    params = list(module.parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], **options)
+
+
 class Trainer(Checkpointing):
     """Trains ``model`` on ``task`` and writes into ``run_dir``; building it writes nothing.
 
@@ -114,10 +128,7 @@ class Trainer(Checkpointing):
         self._shadow = plain_copy(model) if self.sharded and self.dist.is_main else None
         self.module = wrap(model, task.loss_fn, self.dist, config.strategy)
         self._call = torch.compile(self.module, dynamic=True) if config.compile else self.module
-        # the fused Adam (one kernel over all parameters; 3x faster than the default per-tensor loop on a
-        # 2-core CPU) except for FSDP2's sharded parameters, which get the default
-        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=0.0, betas=config.adam_betas,
-                                          eps=config.adam_eps, fused=not self.sharded or None)
+        self.optimizer = make_optimizer(self.module, config, fused=not self.sharded or None)
         if config.ema_decay and self.sharded:
             raise ValueError("--ema-decay is not supported with --strategy fsdp (the average would be sharded too)")
         # the moving average of the weights (PyTorch's AveragedModel: a float32 copy, updated with foreach ops)
