@@ -43,7 +43,7 @@ from qkv.cli.train import (Terminated, add_model_arguments, add_train_arguments,
 from qkv.data.parallel import MULTI30K_LATER_TESTS, load_multi30k
 from qkv.data.sources import load_split
 from qkv.evaluation import score_translations, translate_texts
-from qkv.fileio import write_text
+from qkv.fileio import check_output_file, write_text
 from qkv.runs import resume_run, run_training, start_run
 from qkv.memory import limit_memory_growth
 from qkv.recipes import decode_settings
@@ -91,6 +91,11 @@ def main() -> int:
     pair = f"{args.src}_{args.tgt}"
     run_dir = Path(args.run_dir or REPO / "runs" / f"bench-multi30k-{pair}")
     out = Path(args.out or REPO / "benchmarks" / "results" / f"multi30k_{pair}.json")
+    try:
+        check_output_file(out, "--out")  # before the hour, not after it
+    except OSError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     out.parent.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": args.src, "tgt_lang": args.tgt,
@@ -98,12 +103,18 @@ def main() -> int:
 
     limit_memory_growth()  # as the CLI does, before the first oneDNN primitive (the bf16 probe is one)
     t0 = time.perf_counter()
-    if args.score_only:  # the run folder of a finished run: score it again (decoding is deterministic)
-        trainer = resume_run(run_dir, device=device)
+    try:  # an option out of range, missing data, a --run-dir that is not a run folder: one line, nothing written
+        if args.score_only:  # the run folder of a finished run: score it again (decoding is deterministic)
+            trainer = resume_run(run_dir, device=device)
+        else:
+            trainer = start_run(run_dir, data=data, model_options=model_options, train_options=train_options,
+                                vocab_size=args.vocab_size, overwrite=True, device=device)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.score_only:
         prep_seconds, train_wall = None, trainer.state.seconds
     else:
-        trainer = start_run(run_dir, data=data, model_options=model_options, train_options=train_options,
-                            vocab_size=args.vocab_size, overwrite=True, device=device)
         task = trainer.task
         if args.train_limit:  # smoke tests: fewer pairs (the tokenizer was learned on all of them)
             task.keep_first(args.train_limit)

@@ -135,3 +135,19 @@ def test_the_ensemble_benchmark_trains_members_side_by_side_and_scores_them_toge
     bad = subprocess.run([*argv[:2], "--run-dir", str(tmp_path / "new"), "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "--out names a directory" in bad.stderr and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--weight-decay", "-1"], "weight_decay (--weight-decay) must be >= 0"),
+    (["--out", "{tmp}"], "--out names a directory"),
+    (["--score-only"], "not a qkv run folder"),
+])
+def test_bad_options_get_one_line_and_leave_no_run_folder(bench, tmp_path, monkeypatch, capsys, argv, message):
+    run_dir = tmp_path / "run"
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    monkeypatch.setattr("sys.argv", ["train_multi30k.py", "--minutes", "1", "--run-dir", str(run_dir),
+                                     "--out", str(tmp_path / "out.json"), *argv])
+    assert bench.main() == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+    assert not run_dir.exists() and not (tmp_path / "out.json").exists()
