@@ -44,6 +44,7 @@ import torch
 from qkv import checkpoint as ckpt
 from qkv.bench.timing import environment
 from qkv.data.sources import load_split
+from qkv.device import pick_device
 from qkv.evaluation import score_translations, translate_texts
 from qkv.fileio import write_json
 from qkv.runs import run_training, start_run
@@ -240,7 +241,7 @@ def main() -> int:
         p.error(f"unknown candidates {unknown}; --list shows them")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(pick_device())  # CUDA where there is one, else the CPU
     data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": args.src, "tgt_lang": args.tgt}
     out = Path(args.out)
     report = json.loads(out.read_text()) if out.exists() else {}

@@ -47,6 +47,7 @@ import torch
 
 from qkv import checkpoint as ckpt
 from qkv.bench.timing import environment
+from qkv.device import pick_device
 from qkv.fileio import check_output_file, write_json
 from qkv.memory import limit_memory_growth
 from qkv.recipes import decode_settings
@@ -200,7 +201,7 @@ def main() -> int:
     if args.steps < 1 or args.calibrate_steps < 1 or args.fit_seconds < 0:
         p.error("--steps and --calibrate-steps must be positive, --fit-seconds not negative")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(pick_device())  # CUDA where there is one, else the CPU
     if args.one:  # a worker process
         torch.set_num_threads(1)
         limit_memory_growth()

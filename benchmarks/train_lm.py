@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from qkv.bench.timing import environment
 from qkv.causal_lm import IGNORE, CausalLM, CausalLMConfig
 from qkv.data.text import load_text_splits, read_tokens, train_text_tokenizer
+from qkv.device import pick_device
 from qkv.fileio import read_json, write_json
 from qkv.precision import autocast_context
 from qkv.recipes import RECIPES
@@ -300,7 +301,7 @@ def fixed_time_run(args: argparse.Namespace, out_dir: Path) -> dict:
     from qkv.memory import limit_memory_growth
 
     run_dir = Path(args.run_dir or REPO / "runs" / "lm-tinyshakespeare")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(pick_device())  # CUDA where there is one, else the CPU
     train_options_ = {**train_options(args), "max_minutes": args.minutes, "seed": args.seed,
                       "progress": sys.stderr.isatty(), "log_every_steps": 10}
     if args.bf16:

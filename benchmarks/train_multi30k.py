@@ -38,15 +38,22 @@ import torch
 
 from qkv import checkpoint as ckpt
 from qkv.bench.timing import environment
-from qkv.cli.train import (Terminated, add_model_arguments, add_train_arguments, model_options_from,
-                           sigterm_saves_first, train_options_from)
+from qkv.cli.train import (
+    Terminated,
+    add_model_arguments,
+    add_train_arguments,
+    model_options_from,
+    sigterm_saves_first,
+    train_options_from,
+)
 from qkv.data.parallel import MULTI30K_LATER_TESTS, load_multi30k
 from qkv.data.sources import load_split
+from qkv.device import pick_device
 from qkv.evaluation import score_translations, translate_texts
 from qkv.fileio import check_output_file, write_text
-from qkv.runs import resume_run, run_training, start_run
 from qkv.memory import limit_memory_growth
 from qkv.recipes import decode_settings
+from qkv.runs import resume_run, run_training, start_run
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,7 +104,7 @@ def main() -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     out.parent.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(pick_device())  # CUDA where there is one, else the CPU
     data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": args.src, "tgt_lang": args.tgt,
             **({"both_directions": True} if args.both_directions else {})}
 
