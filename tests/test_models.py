@@ -145,6 +145,10 @@ def test_config_round_trip_and_errors(tmp_path):
     config = tiny_config(norm_first=True)
     config.to_json(tmp_path / "config.json")
     assert qkv.TransformerConfig.from_json(tmp_path / "config.json") == config
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]  # written atomically, no temporaries left
+    (tmp_path / "broken.json").write_text('{"d_model": 32,')  # a config cut short
+    with pytest.raises(ValueError, match=r"broken\.json: not valid JSON"):
+        qkv.TransformerConfig.from_json(tmp_path / "broken.json")
     with pytest.raises(ValueError, match=r"d_model \(30\) must be divisible by num_heads \(4\)"):
         tiny_config(d_model=30)
     with pytest.raises(ValueError, match="share_embeddings needs one vocabulary"):

@@ -12,7 +12,6 @@ Shape legend: ``b`` batch, ``s`` sequence, ``d`` d_model, ``V`` vocabulary, ``h`
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache
+from qkv.fileio import write_json
 from qkv.layers import EncoderLayer
 from qkv.loss import fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy, rdrop_cross_entropy
 from qkv.models import check_model_options
@@ -67,7 +67,8 @@ class CausalLMConfig:
         return cls(**data)
 
     def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        """Write the config to ``path`` as JSON, atomically (:func:`qkv.fileio.write_json`)."""
+        write_json(path, asdict(self))
 
 
 @dataclass

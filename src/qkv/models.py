@@ -7,7 +7,6 @@ Shape legend: ``b`` batch, ``s_src`` source length, ``s_tgt`` target length, ``d
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -17,6 +16,7 @@ from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache
 from qkv.dropout import Dropout
+from qkv.fileio import read_json, write_json
 from qkv.layers import DecoderLayer, EncoderLayer
 from qkv.loss import fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy
 from qkv.positional import build_positional_encoding
@@ -98,7 +98,8 @@ class TransformerConfig:
         )
 
     def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        """Write the config to ``path`` as JSON, atomically (:func:`qkv.fileio.write_json`)."""
+        write_json(path, asdict(self))
 
     @classmethod
     def from_dict(cls, data: dict) -> TransformerConfig:
@@ -110,7 +111,7 @@ class TransformerConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> TransformerConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        return cls.from_dict(read_json(path))
 
 
 @dataclass
