@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from qkv.fileio import write_json
+from qkv.bench.timing import environment
+from qkv.fileio import check_output_file, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,6 +32,12 @@ def main() -> int:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "demo_time.json"))
     p.add_argument("--demo-args", default="", help="extra arguments for qkv demo, e.g. '--threads 2'")
     args = p.parse_args()
+    if args.runs < 1:
+        p.error(f"--runs must be at least 1, got {args.runs}")
+    try:
+        check_output_file(args.out, "--out")  # before minutes of demos, not after
+    except OSError as err:
+        p.error(str(err))
     runs = []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="qkv-demo-") as folder:
@@ -55,7 +62,9 @@ def main() -> int:
         "benchmark": "qkv demo wall time (goal: >= 99% held-out exact match within 180 s)",
         "command": " ".join(["python"] + sys.argv),
         "runs": runs,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        # the CPU's model, family and bf16 units, as every other benchmark records them (the demo itself ran
+        # in the child processes above, with their own thread count: --demo-args)
+        "machine": {**environment(), "platform": platform.platform()},
     }
     print(f"wrote {write_json(args.out, report)}")
     return 0
