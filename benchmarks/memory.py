@@ -26,8 +26,9 @@ within ``--tolerance`` (10%).
     python benchmarks/memory.py --minutes 2 --interval 10 --out /tmp/m.json --figure /tmp/m.png  # trial
 
 Writes benchmarks/results/memory.json and docs/figures/memory.png (RSS in MB against minutes, one
-line per run: sampled at the end of a step, activations freed, and at the sampling moment itself). Other processes sharing the CPU slow the steps (the JSON records the load average),
-not the memory figures.
+line per run: sampled at the end of a step, activations freed, and at the sampling moment itself).
+Other processes sharing the CPU slow the steps (the JSON records the load average), not the memory
+figures.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -54,35 +54,13 @@ COMPOSITES = {"fix": {"onednn", "trim", "pad", "top"}}
 
 # ----------------------------------------------------------------------------- machine
 def machine_info(threads: int) -> dict:
-    import torch
+    """The machine (qkv.bench.timing.environment, with the bf16 probe's timings), the threads the runs
+    use, and the allocator settings in the environment, which change what resident memory does."""
+    from qkv.bench.timing import environment
 
-    from qkv.bench.timing import cpu_flags, cpuinfo_fields
-    from qkv.precision import cpu_bf16_probe
-
-    flags = cpu_flags()
-    libc = platform.libc_ver()
-    fp32, bf16 = cpu_bf16_probe()
-    mem_total = None
-    try:
-        mem_total = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 * 10) / 10
-    except (ValueError, OSError, AttributeError):
-        pass
-    return {
-        "cpu": cpuinfo_fields("model name")["model name"] or platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "memory_gib": mem_total,
-        "flags": {name: name in flags for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")},
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "bf16_probe_seconds_256": {"float32": round(fp32, 6), "bfloat16": round(bf16, 6)},
-        "torch": torch.__version__,
-        "torch_threads": threads,
-        "python": platform.python_version(),
-        "libc": " ".join(libc) if libc[0] else None,
-        "platform": platform.platform(),
-        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-        "env": {k: os.environ[k] for k in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_",
-                                           "MALLOC_MMAP_THRESHOLD_", "LD_PRELOAD") if k in os.environ},
-    }
+    env = {k: os.environ[k] for k in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_",
+                                      "MALLOC_MMAP_THRESHOLD_", "LD_PRELOAD") if k in os.environ}
+    return {**environment(probe_bf16=True), "torch_threads": threads, "env": env}
 
 
 # ----------------------------------------------------------------------------- one run (child)
@@ -243,8 +221,11 @@ def label(run: dict) -> str:
 
 
 def plot_title(machine: dict) -> str:
-    return (f"Resident memory, Multi30k en-de training (library recipe)\n{machine['cpu']} "
-            f"({machine['torch_cpu_capability']}), {machine['torch_threads']} threads, torch {machine['torch']}")
+    # reports written before machine_info used environment() name the CPU "cpu" and its kernels "torch_cpu_capability"
+    cpu = machine.get("cpu_model") or machine.get("cpu")
+    capability = machine.get("cpu_capability") or machine.get("torch_cpu_capability")
+    return (f"Resident memory, Multi30k en-de training (library recipe)\n{cpu} "
+            f"({capability}), {machine['torch_threads']} threads, torch {machine['torch']}")
 
 
 def plot(runs: list[dict], path: Path, warmup_minutes: float, title: str) -> None:

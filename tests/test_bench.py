@@ -100,6 +100,12 @@ def test_ratio_environment_and_device(monkeypatch):
     assert "isa_limits" not in timing.environment()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # a run kept to an AVX2 machine's kernels says so
     assert timing.environment()["isa_limits"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert "bf16_probe_seconds_256" not in env  # the probe runs only when asked for
+    probed = timing.environment(probe_bf16=True)["bf16_probe_seconds_256"]
+    assert probed["float32"] > 0 and probed["bfloat16"] > 0
+    if Path("/proc/meminfo").is_file():  # against the kernel's own count (MemTotal, in kB)
+        total_kib = int(re.search(r"^MemTotal:\s*(\d+)", Path("/proc/meminfo").read_text(), flags=re.MULTILINE).group(1))
+        assert abs(env["memory_gib"] - total_kib / 2**20) < 0.2
     assert timing.pick_device is pick_device  # qkv.bench re-exports the one device picker
     assert timing.pick_device("cpu") == CPU
     if not torch.cuda.is_available():

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from qkv.device import pick_device  # noqa: F401  (re-exported: qkv.bench.pick_device, qkv bench)
+from qkv.precision import cpu_bf16_probe
 
 logger = logging.getLogger(__name__)
 
@@ -240,16 +241,29 @@ def cpu_flags(flags: str | None = None) -> set[str]:
     return set((flags if flags is not None else cpuinfo_fields("flags")["flags"] or "").split())
 
 
-def environment() -> dict:
+def memory_gib() -> float | None:
+    """The machine's physical memory in GiB (one decimal), or None where the OS does not say."""
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def environment(*, probe_bf16: bool = False) -> dict:
     """What the figures were measured on, with whether the CPU has AVX512-BF16 and AMX (where bf16
-    matrix products are fast, qkv.precision)."""
+    matrix products are fast, qkv.precision). ``probe_bf16``: also time qkv.precision's 256 x 256
+    product probe in float32 and bf16 (10-100 ms), for figures that depend on bf16's speed."""
     cpu = cpuinfo_fields("flags", "model name", "cpu family", "model")
     flags = cpu_flags(cpu["flags"] or "")
+    libc = platform.libc_ver()
     info = {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": platform.processor() or None,
+        "platform": platform.platform(),
+        "libc": " ".join(libc) if libc[0] else None,
+        "memory_gib": memory_gib(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)(),
@@ -269,4 +283,7 @@ def environment() -> dict:
     # "AMD EPYC" alone names CPUs from AVX2-only ones to AVX512-BF16 ones: family and model tell them apart
     # (e.g. AMD family 25 model 17 is Zen 4, family 26 is Zen 5)
     info.update(cpu_model=cpu["model name"], cpu_family=cpu["cpu family"], cpu_model_number=cpu["model"])
+    if probe_bf16:
+        fp32, bf16 = cpu_bf16_probe()
+        info["bf16_probe_seconds_256"] = {"float32": round(fp32, 6), "bfloat16": round(bf16, 6)}
     return info
