@@ -140,7 +140,9 @@ def torch_sdpa(
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Below this many queries and keys, torch's CPU flash kernel uses small tiles and its bf16/fp16
-# backward is slower than float32's (b 1-32, h 8, d_h 64: 1.4-2.6x at s 64-128, parity near 256).
+# backward is slower than float32's (b 1-32, h 8, d_h 64: 1.4-2.6x at s 64-128, parity near 256), on
+# the AVX2 and Zen 5 machines and on an AMX Xeon alike (there qkv's upcast call, forward + backward at
+# s 128, takes 0.53-0.55x the time of SDPA's bf16 one: benchmarks/results/attention_xeon_amx.json).
 UPCAST_MAX_LEN = 192
 # Below this many queries and keys, on CPU, with a backward pass to follow, the plain product-softmax-
 # product (attention_reference) in float32 beats the fused kernel in float32 (forward + backward, b 80,
