@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -64,7 +63,7 @@ def main() -> int:
         "runs": runs,
         # the CPU's model, family and bf16 units, as every other benchmark records them (the demo itself ran
         # in the child processes above, with their own thread count: --demo-args)
-        "machine": {**environment(), "platform": platform.platform()},
+        "machine": environment(),
     }
     print(f"wrote {write_json(args.out, report)}")
     return 0
