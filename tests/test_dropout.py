@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.dropout import Dropout, dropout
+from qkv.dropout import Dropout, dropout, dropout_off
 
 
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.9])
@@ -73,3 +73,19 @@ def test_module_follows_train_and_eval():
     layer.eval()
     assert torch.equal(layer(x), x)
     assert "p=0.5" in repr(layer)
+
+
+def test_dropout_off_zeroes_every_rate_and_puts_them_back():
+    from qkv.attention.multihead import MultiHeadAttention
+
+    model = torch.nn.Sequential(Dropout(0.3), torch.nn.Dropout(0.2), MultiHeadAttention(16, 2, dropout=0.1))
+    x = torch.randn(2, 5, 16)
+    model.train()
+    with dropout_off(model):
+        assert [model[0].p, model[1].p, model[2].dropout] == [0.0, 0.0, 0.0]
+        assert torch.equal(model[1](model[0](x)), x)
+    assert [model[0].p, model[1].p, model[2].dropout] == [0.3, 0.2, 0.1]
+    with pytest.raises(RuntimeError):
+        with dropout_off(model):
+            raise RuntimeError("a failed step")
+    assert [model[0].p, model[1].p, model[2].dropout] == [0.3, 0.2, 0.1]

@@ -284,6 +284,39 @@ def test_rdrop_starts_when_its_share_of_the_budget_is_spent(tmp_path, monkeypatc
         TrainConfig(rdrop=-1.0)
 
 
+def test_dropout_starts_when_its_share_of_the_budget_is_spent(tmp_path, monkeypatch):
+    """--dropout-start 0.5 of 4 steps: steps 1-2 train with every dropout at 0, so their training loss
+    equals the same model's loss in eval mode (the dropout-free reference); steps 3-4 drop again
+    (residual and attention dropout), and the model's rates are the configured ones afterwards."""
+    pairs = generate_dates(64, seed=5)
+    train = TrainConfig(max_tokens=400, warmup_steps=4, max_steps=4, progress=False, average_last=1,
+                        dropout_start=0.5)
+    trainer = tiny_run(tmp_path, pairs, train, dropout=0.3, attention_dropout=0.2)
+    rates = lambda: sorted({round(float(getattr(m, "p", getattr(m, "dropout", 0.0))), 3)  # noqa: E731
+                            for m in trainer.model.modules() if hasattr(m, "p") or isinstance(
+                                getattr(m, "dropout", None), float)})
+    assert rates() == [0.2, 0.3]
+    seen, loss = [], TranslationTask.loss
+
+    def recording(module, batch, label_smoothing, rdrop=0.0):
+        got = loss(module, batch, label_smoothing, rdrop)
+        module.eval()
+        with torch.no_grad():
+            reference = loss(module, batch, label_smoothing, rdrop)
+        module.train()
+        seen.append((rates(), math.isclose(float(got.detach()), float(reference), rel_tol=1e-5)))
+        return got
+
+    monkeypatch.setattr(trainer.task, "loss", recording)
+    trainer.train()
+    assert seen == [([0.0], True), ([0.0], True), ([0.2, 0.3], False), ([0.2, 0.3], False)]
+    assert rates() == [0.2, 0.3]
+    with pytest.raises(ValueError, match="--dropout-start"):
+        TrainConfig(rdrop=3.0, rdrop_start=0.2, dropout_start=0.5)
+    with pytest.raises(ValueError, match="dropout_start"):
+        TrainConfig(dropout_start=1.0)
+
+
 def test_final_weights_ema_needs_a_decay():
     with pytest.raises(ValueError, match="--ema-decay"):
         TrainConfig(final_weights="ema")

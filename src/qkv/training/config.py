@@ -55,6 +55,10 @@ class TrainConfig:
     rdrop_start: float = _option(0.0, "with --rdrop: the share of the budget (as --schedule budget counts it) spent "
                                       "before R-Drop starts; the steps before it run each batch once (0 = from the "
                                       "first step)", minimum=0, below=1)
+    dropout_start: float = _option(0.0, "late dropout (Liu et al. 2023): the share of the budget (as --schedule budget "
+                                        "counts it) spent before the model's dropout starts; the steps before it train "
+                                        "with every dropout at 0, which learns faster and costs less per step (0 = "
+                                        "dropout from the first step)", minimum=0, below=1)
     both_directions_until: float = _option(1.0, "translation with --both-directions: the share of the budget (as "
                                                 "--schedule budget counts it) after which training goes on with the "
                                                 "given direction alone, from the next epoch on (bidirectional "
@@ -136,6 +140,9 @@ class TrainConfig:
 
         if self.rdrop_start and not self.rdrop:
             raise ValueError("rdrop_start (--rdrop-start) says when R-Drop starts: set rdrop (--rdrop) too, e.g. 3")
+        if self.rdrop and self.rdrop_start < self.dropout_start:
+            raise ValueError("R-Drop compares two dropout masks: rdrop_start (--rdrop-start) must not come before "
+                             "dropout_start (--dropout-start)")
         if self.final_weights == "ema" and not self.ema_decay:
             raise ValueError("final_weights (--final-weights) ema needs a moving average: set ema_decay (--ema-decay), "
                              "e.g. 0.999")

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from qkv import checkpoint as ckpt
 from qkv.data.batching import Batch
+from qkv.dropout import dropout_off
 from qkv.fileio import write_bytes
 from qkv.memory import HeapTrimmer, resident_memory_bytes, trim_heap
 from qkv.precision import autocast_context
@@ -146,6 +147,7 @@ class Trainer(Checkpointing):
             task.set_subword_dropout(config.subword_dropout, config.seed)
         self.state = TrainState(kept_checkpoints=[])
         self.progress = 0.0  # share of the budget spent, set before each step by the loop (see _done)
+        self._dropout_was_off = False  # the last step ran under --dropout-start's dropout_off
         self._batches_epoch, self._batches_cache = None, []  # the current epoch's batches, built once
         self.metrics_path = self.run_dir / "metrics.jsonl" if self.run_dir is not None else None
 
@@ -164,14 +166,19 @@ class Trainer(Checkpointing):
         self.optimizer.zero_grad(set_to_none=True)
         rdrop = c.rdrop if self.progress >= c.rdrop_start else 0.0  # progress: rank 0's, the same everywhere
         loss_sum = 0.0
-        for i, batch in enumerate(batches):
-            batch = batch.to(self.device)
-            with gradient_sync(self.module, enabled=i == len(batches) - 1):
-                with autocast_context(self.device, c.bf16):
-                    loss = self.task.loss(self._call, batch, c.label_smoothing, rdrop)
-                (loss / per_process if batch.num_tgt_tokens else loss * 0.0).backward()
-            if batch.num_tgt_tokens:
-                loss_sum += float(loss.detach())
+        late_dropout = self.progress < c.dropout_start
+        if c.dropout_start and s.step and not late_dropout and self._dropout_was_off and self.dist.is_main:
+            logger.info("step %d on: dropout (%.0f%% of the budget spent)", s.step + 1, 100 * self.progress)
+        self._dropout_was_off = late_dropout
+        with dropout_off(self.model) if late_dropout else contextlib.nullcontext():
+            for i, batch in enumerate(batches):
+                batch = batch.to(self.device)
+                with gradient_sync(self.module, enabled=i == len(batches) - 1):
+                    with autocast_context(self.device, c.bf16):
+                        loss = self.task.loss(self._call, batch, c.label_smoothing, rdrop)
+                    (loss / per_process if batch.num_tgt_tokens else loss * 0.0).backward()
+                if batch.num_tgt_tokens:
+                    loss_sum += float(loss.detach())
         (loss_sum,) = self.dist.all_reduce_sum([loss_sum])
         if not math.isfinite(loss_sum):
             raise FloatingPointError(f"the loss is {loss_sum} at step {s.step + 1}; lower --lr-factor or check the data")
