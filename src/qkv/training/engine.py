@@ -166,11 +166,11 @@ class Trainer(Checkpointing):
         self.optimizer.zero_grad(set_to_none=True)
         rdrop = c.rdrop if self.progress >= c.rdrop_start else 0.0  # progress: rank 0's, the same everywhere
         loss_sum = 0.0
-        late_dropout = self.progress < c.dropout_start
-        if c.dropout_start and s.step and not late_dropout and self._dropout_was_off and self.dist.is_main:
+        held_off = self.progress < c.dropout_start  # --dropout-start: late dropout
+        if self._dropout_was_off and not held_off and self.dist.is_main:
             logger.info("step %d on: dropout (%.0f%% of the budget spent)", s.step + 1, 100 * self.progress)
-        self._dropout_was_off = late_dropout
-        with dropout_off(self.model) if late_dropout else contextlib.nullcontext():
+        self._dropout_was_off = held_off
+        with dropout_off(self.model) if held_off else contextlib.nullcontext():
             for i, batch in enumerate(batches):
                 batch = batch.to(self.device)
                 with gradient_sync(self.module, enabled=i == len(batches) - 1):
