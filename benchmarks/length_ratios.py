@@ -20,6 +20,7 @@ from pathlib import Path
 
 from qkv.bench.timing import environment
 from qkv.data.sources import load_split
+from qkv.evaluation import read_translations
 from qkv.fileio import write_json
 
 SPLITS = (("train", "train"), ("val", "val"), ("test", "test_2016"))
@@ -49,8 +50,7 @@ def main() -> int:
             hyp_file = Path(args.run_dir) / f"{name}.hyp.{args.tgt}"
             if not hyp_file.is_file():
                 raise SystemExit(f"{hyp_file}: no such file (a finished benchmarks/train_multi30k.py run saves it)")
-            text = hyp_file.read_text(encoding="utf-8")
-            hyps = text.split("\n")[:-1] if text.endswith("\n") else text.split("\n")
+            hyps = read_translations(hyp_file)
             if len(hyps) != len(data):
                 raise SystemExit(f"{hyp_file}: {len(hyps)} lines for {len(data)} references")
             row["translation_per_reference_word"] = round(words(hyps) / words(data.tgt), 4)

@@ -19,7 +19,7 @@ import sacremoses
 from qkv.bench.timing import environment
 from qkv.checkpoint import read_run_config
 from qkv.data.sources import load_split
-from qkv.evaluation import score_translations
+from qkv.evaluation import read_translations, score_translations
 from qkv.fileio import write_json
 
 
@@ -38,8 +38,7 @@ def main() -> int:
     report = {"task": benchmark["task"], "command": " ".join(["python"] + sys.argv), "benchmark": args.benchmark,
               "run_dir": str(run_dir), "scores": {}}
     for split, name in (("val", "val"), ("test", "test_2016")):
-        text = (run_dir / f"{name}.hyp.{tgt}").read_text(encoding="utf-8")
-        hyps = text.split("\n")[:-1] if text.endswith("\n") else text.split("\n")  # a translation may be empty
+        hyps = read_translations(run_dir / f"{name}.hyp.{tgt}")  # a translation may be empty
         scores = score_translations(hyps, load_split(spec, split).tgt, target_lang=tgt)
         published = benchmark["scores"]["averaged"][f"{name}_beam5"]["bleu"]
         if scores["bleu"] != published:  # the saved translations are not the ones the benchmark scored

@@ -8,6 +8,7 @@ in the forms papers publish (:mod:`qkv.bleu_forms`), each labelled with how it w
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import sacrebleu
 from tqdm.auto import tqdm
@@ -114,6 +115,58 @@ def score_translations(hypotheses: list[str], references: list[str], *, target_l
     if target_lang is not None:
         scores.update(published_forms(hypotheses, references, target_lang))
     return scores
+
+
+def read_translations(path: str | Path) -> list[str]:
+    """The translations in a UTF-8 file written one per line (``val.hyp.de``), each line one
+    sentence: an empty line is an empty translation, and the newline after the last one does not
+    start another."""
+    text = Path(path).read_text(encoding="utf-8")
+    return text.split("\n")[:-1] if text.endswith("\n") else text.split("\n")
+
+
+def paired_significance(systems: dict[str, list[str]], references: list[str], *, resamples: int = 1000,
+                        trials: int = 10000, seed: int = 12345) -> dict[str, dict]:
+    """How far apart corpus BLEU scores on one test set are from chance, every system against the
+    first (the baseline), by sacreBLEU's two paired tests (sacrebleu.significance): paired bootstrap
+    resampling (Koehn 2004; ``resamples`` resamples of the sentences, giving each score's bootstrap mean
+    and 95% confidence interval) and approximate randomization (Riezler and Maxwell 2005; ``trials``
+    random swaps of the two systems' sentences). Both are two-sided: the chance of a difference at least
+    this large, either way, were the two systems the same; the baseline has none.
+
+    Returns ``{name: {"bleu", "bootstrap_mean", "ci95", "p_bootstrap", "p_randomization"}}`` (ci95 is
+    the half-width: the interval is mean +- ci95).
+    """
+    import os
+
+    from sacrebleu.significance import PairedTest
+
+    if len(systems) < 2:
+        raise ValueError("need a baseline and at least one system to compare with it")
+    for name, hyps in systems.items():
+        if len(hyps) != len(references):
+            raise ValueError(f"{name}: {len(hyps)} translations for {len(references)} references")
+    named = list(systems.items())
+    saved = os.environ.get("SACREBLEU_SEED")
+    os.environ["SACREBLEU_SEED"] = str(seed)  # sacreBLEU reads its seed from here
+    try:
+        _, bootstrap = PairedTest(named, {"BLEU": sacrebleu.BLEU()}, [references], test_type="bs",
+                                  n_samples=resamples)()
+        _, randomization = PairedTest(named, {"BLEU": sacrebleu.BLEU()}, [references], test_type="ar",
+                                      n_samples=trials)()
+    finally:
+        if saved is None:
+            os.environ.pop("SACREBLEU_SEED", None)
+        else:
+            os.environ["SACREBLEU_SEED"] = saved
+    out = {}
+    for i, name in enumerate(systems):
+        bs, ar = bootstrap["BLEU"][i], randomization["BLEU"][i]
+        out[name] = {"bleu": round(float(bs.score), 2), "bootstrap_mean": round(float(bs.mean), 2),
+                     "ci95": round(float(bs.ci), 2),
+                     "p_bootstrap": None if i == 0 else round(float(bs.p_value), 4),
+                     "p_randomization": None if i == 0 else round(float(ar.p_value), 4)}
+    return out
 
 
 def exact_match(hypotheses: list[str], references: list[str]) -> float:

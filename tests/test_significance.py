@@ -1,0 +1,137 @@
+"""Paired significance of BLEU differences (qkv.evaluation.paired_significance, sacreBLEU's tests) and
+benchmarks/significance.py, against direct sacreBLEU scores and properties any such test must have."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sacrebleu
+
+from qkv.evaluation import paired_significance, read_translations
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS = "ein mann eine frau zwei hunde spielen im park auf der straße mit einem ball und lachen laut".split()
+
+
+def references(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14))) for _ in range(n)]
+
+
+def damaged(refs: list[str], share: float, seed: int) -> list[str]:
+    """Each word of each reference replaced by a random one with probability ``share``."""
+    rng = random.Random(seed)
+    return [" ".join(w if rng.random() >= share else rng.choice(WORDS) for w in r.split()) for r in refs]
+
+
+def test_read_translations_keeps_empty_lines_and_drops_the_final_newline(tmp_path):
+    f = tmp_path / "val.hyp.de"
+    f.write_text("a b\n\nc\n", encoding="utf-8")
+    assert read_translations(f) == ["a b", "", "c"]
+    f.write_text("a b\n\nc", encoding="utf-8")  # no newline after the last line
+    assert read_translations(f) == ["a b", "", "c"]
+    f.write_text("\n", encoding="utf-8")  # one empty translation
+    assert read_translations(f) == [""]
+
+
+def test_scores_are_sacrebleus_and_a_real_difference_is_found():
+    refs = references(300)
+    systems = {"poor": damaged(refs, 0.5, seed=1), "good": damaged(refs, 0.1, seed=2)}
+    out = paired_significance(systems, refs, resamples=300, trials=300)
+    for name, hyps in systems.items():
+        assert out[name]["bleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
+    assert out["poor"]["p_bootstrap"] is None and out["poor"]["p_randomization"] is None  # the baseline
+    assert out["good"]["bleu"] > out["poor"]["bleu"] + 20
+    assert out["good"]["p_bootstrap"] < 0.01 and out["good"]["p_randomization"] < 0.01
+
+
+def test_equally_good_systems_are_not_called_different():
+    refs = references(300)
+    # the same damage rate, different words damaged: any difference is the sample's
+    out = paired_significance({"a": damaged(refs, 0.3, seed=1), "b": damaged(refs, 0.3, seed=2)}, refs,
+                              resamples=300, trials=300)
+    assert abs(out["b"]["bleu"] - out["a"]["bleu"]) < 3
+    assert out["b"]["p_bootstrap"] > 0.05 and out["b"]["p_randomization"] > 0.05
+
+
+def test_the_interval_holds_the_score_and_narrows_with_four_times_the_sentences():
+    refs = references(200)
+    hyps = {"a": damaged(refs, 0.3, seed=1), "b": damaged(refs, 0.3, seed=2)}
+    small = paired_significance(hyps, refs, resamples=400, trials=100)
+    big = paired_significance({k: v * 4 for k, v in hyps.items()}, refs * 4, resamples=400, trials=100)
+    for name in hyps:
+        r = small[name]
+        assert r["bootstrap_mean"] - r["ci95"] <= r["bleu"] <= r["bootstrap_mean"] + r["ci95"]
+        assert big[name]["bleu"] == pytest.approx(r["bleu"], abs=0.01)  # BLEU of a repeated corpus: the same
+        assert 0.35 < big[name]["ci95"] / r["ci95"] < 0.65  # ~1/sqrt(4)
+
+
+def test_the_seed_makes_it_repeatable_and_sacrebleus_variable_is_put_back(monkeypatch):
+    monkeypatch.setenv("SACREBLEU_SEED", "7")
+    refs = references(100)
+    systems = {"a": damaged(refs, 0.3, seed=1), "b": damaged(refs, 0.2, seed=2)}
+    first = paired_significance(systems, refs, resamples=200, trials=200, seed=3)
+    assert paired_significance(systems, refs, resamples=200, trials=200, seed=3) == first
+    assert os.environ["SACREBLEU_SEED"] == "7"
+
+
+def test_bad_inputs_are_refused_with_the_name():
+    refs = references(10)
+    with pytest.raises(ValueError, match="b: 9 translations for 10 references"):
+        paired_significance({"a": refs, "b": refs[:9]}, refs)
+    with pytest.raises(ValueError, match="baseline and at least one"):
+        paired_significance({"a": refs}, refs)
+
+
+def multi30k_folder(tmp_path: Path, val_de: list[str]) -> Path:
+    """A Multi30k folder whose validation German is ``val_de`` (every other file: filler)."""
+    data = tmp_path / "multi30k"
+    data.mkdir()
+    for stem in ("train", "val", "test_2016_flickr"):
+        german = val_de if stem == "val" else ["x y"] * 3
+        (data / f"{stem}.de").write_text("".join(r + "\n" for r in german), encoding="utf-8")
+        (data / f"{stem}.en").write_text("x\n" * len(german), encoding="utf-8")
+    return data
+
+
+def run_script(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "significance.py"), *args], check=False,
+                          capture_output=True, text=True)
+
+
+def test_the_script_compares_run_folders_and_files(tmp_path):
+    refs = references(120)
+    data = multi30k_folder(tmp_path, refs)
+    run = tmp_path / "run"
+    run.mkdir()
+    poor, good = damaged(refs, 0.5, seed=1), damaged(refs, 0.1, seed=2)
+    (run / "val.hyp.de").write_text("".join(h + "\n" for h in poor), encoding="utf-8")
+    good_file = tmp_path / "good.txt"
+    good_file.write_text("".join(h + "\n" for h in good), encoding="utf-8")
+    out = tmp_path / "sig.json"
+    done = run_script(tmp_path, "--data", str(data), "--run", f"poor={run}", "--run", f"good={good_file}",
+                      "--resamples", "200", "--trials", "200", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["sentences"] == 120
+    assert report["results"]["poor"]["bleu"] == round(sacrebleu.corpus_bleu(poor, [refs]).score, 2)
+    assert report["results"]["good"]["p_randomization"] < 0.01
+    assert "good" in done.stdout and "machine" in report
+
+
+def test_the_script_refuses_a_missing_file_and_a_single_run(tmp_path):
+    data = multi30k_folder(tmp_path, ["a", "b"])
+    out = tmp_path / "sig.json"
+    done = run_script(tmp_path, "--data", str(data), "--run", f"a={tmp_path}", "--run", f"b={tmp_path}",
+                      "--out", str(out))
+    assert done.returncode == 2 and "val.hyp.de: no such file" in done.stderr and not out.exists()
+    done = run_script(tmp_path, "--data", str(data), "--run", f"a={tmp_path}", "--out", str(out))
+    assert done.returncode == 2 and "at least one other --run" in done.stderr
+    done = run_script(tmp_path, "--data", str(data), "--run", "nopath", "--out", str(out))
+    assert done.returncode == 2 and "NAME=PATH" in done.stderr
