@@ -8,9 +8,11 @@ in the forms papers publish (:mod:`qkv.bleu_forms`), each labelled with how it w
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import sacrebleu
+from sacrebleu.significance import PairedTest
 from tqdm.auto import tqdm
 
 from qkv.bleu_forms import published_forms
@@ -137,10 +139,6 @@ def paired_significance(systems: dict[str, list[str]], references: list[str], *,
     Returns ``{name: {"bleu", "bootstrap_mean", "ci95", "p_bootstrap", "p_randomization"}}`` (ci95 is
     the half-width: the interval is mean +- ci95).
     """
-    import os
-
-    from sacrebleu.significance import PairedTest
-
     if len(systems) < 2:
         raise ValueError("need a baseline and at least one system to compare with it")
     for name, hyps in systems.items():
