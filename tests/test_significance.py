@@ -6,16 +6,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import sacrebleu
+from bench_loader import load_benchmark
 
 from qkv.evaluation import paired_significance, read_translations
 
-REPO = Path(__file__).resolve().parent.parent
 WORDS = "ein mann eine frau zwei hunde spielen im park auf der straße mit einem ball und lachen laut".split()
 
 
@@ -100,12 +98,12 @@ def multi30k_folder(tmp_path: Path, val_de: list[str]) -> Path:
     return data
 
 
-def run_script(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "significance.py"), *args], check=False,
-                          capture_output=True, text=True)
+@pytest.fixture(scope="module")
+def significance():
+    return load_benchmark("significance")
 
 
-def test_the_script_compares_run_folders_and_files(tmp_path):
+def test_the_script_compares_run_folders_and_files(tmp_path, significance, capsys):
     refs = references(120)
     data = multi30k_folder(tmp_path, refs)
     run = tmp_path / "run"
@@ -115,23 +113,27 @@ def test_the_script_compares_run_folders_and_files(tmp_path):
     good_file = tmp_path / "good.txt"
     good_file.write_text("".join(h + "\n" for h in good), encoding="utf-8")
     out = tmp_path / "sig.json"
-    done = run_script(tmp_path, "--data", str(data), "--run", f"poor={run}", "--run", f"good={good_file}",
-                      "--resamples", "200", "--trials", "200", "--out", str(out))
-    assert done.returncode == 0, done.stderr
+    code = significance.main(["--data", str(data), "--run", f"poor={run}", "--run", f"good={good_file}",
+                              "--resamples", "200", "--trials", "200", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
     report = json.loads(out.read_text())
     assert report["sentences"] == 120
     assert report["results"]["poor"]["bleu"] == round(sacrebleu.corpus_bleu(poor, [refs]).score, 2)
     assert report["results"]["good"]["p_randomization"] < 0.01
-    assert "good" in done.stdout and "machine" in report
+    assert "good" in printed.out and "machine" in report
 
 
-def test_the_script_refuses_a_missing_file_and_a_single_run(tmp_path):
+def test_the_script_refuses_a_missing_file_and_a_single_run(tmp_path, significance, capsys):
     data = multi30k_folder(tmp_path, ["a", "b"])
     out = tmp_path / "sig.json"
-    done = run_script(tmp_path, "--data", str(data), "--run", f"a={tmp_path}", "--run", f"b={tmp_path}",
-                      "--out", str(out))
-    assert done.returncode == 2 and "val.hyp.de: no such file" in done.stderr and not out.exists()
-    done = run_script(tmp_path, "--data", str(data), "--run", f"a={tmp_path}", "--out", str(out))
-    assert done.returncode == 2 and "at least one other --run" in done.stderr
-    done = run_script(tmp_path, "--data", str(data), "--run", "nopath", "--out", str(out))
-    assert done.returncode == 2 and "NAME=PATH" in done.stderr
+    code = significance.main(["--data", str(data), "--run", f"a={tmp_path}", "--run", f"b={tmp_path}",
+                              "--out", str(out)])
+    assert code == 2 and "val.hyp.de: no such file" in capsys.readouterr().err and not out.exists()
+    for argv, message in ((["--run", f"a={tmp_path}"], "at least one other --run"),
+                          (["--run", "nopath"], "NAME=PATH"),
+                          (["--run", f"a={tmp_path}", "--run", f"a={tmp_path}"], "its own NAME")):
+        with pytest.raises(SystemExit) as exit_info:
+            significance.main(["--data", str(data), *argv, "--out", str(out)])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not out.exists()
