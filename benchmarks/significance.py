@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--resamples and --trials: at least 100 each")
     try:
         out = check_output_file(args.out, "--out")
+        files = {name: translations_file(Path(path), args.split, args.tgt) for name, path in args.run}  # before data
         spec = {"source": "multi30k", "src_lang": args.src, "tgt_lang": args.tgt, "folder": args.data}
         references = load_split(spec, SPLITS[args.split]).tgt
-        files = {name: translations_file(Path(path), args.split, args.tgt) for name, path in args.run}
         results = paired_significance({name: read_translations(f) for name, f in files.items()}, references,
                                       resamples=args.resamples, trials=args.trials)
     except (OSError, ValueError) as err:
