@@ -21,7 +21,7 @@ from pathlib import Path
 
 from qkv.bench.timing import environment
 from qkv.data.sources import load_split
-from qkv.evaluation import paired_significance, read_translations
+from qkv.evaluation import paired_significance, read_translations, significance_lines
 from qkv.fileio import check_output_file, write_json
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,13 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         report["note"] = args.note
     report["machine"] = environment()
     write_json(out, report)
-    baseline = names[0]
-    print(f"{'run':40s} {'BLEU':>6s} {'95% interval':>15s} {'vs ' + baseline[:20]:>24s}")
-    for name, r in results.items():
-        low, high = r["bootstrap_mean"] - r["ci95"], r["bootstrap_mean"] + r["ci95"]
-        versus = "" if r["p_bootstrap"] is None else (
-            f"{r['bleu'] - results[baseline]['bleu']:+6.2f} p={r['p_bootstrap']:.3f}/{r['p_randomization']:.3f}")
-        print(f"{name[:40]:40s} {r['bleu']:6.2f} {low:7.2f}-{high:<7.2f} {versus:>24s}")
+    for line in significance_lines(results):
+        print(line)
     print(json.dumps({"wrote": str(out)}))
     return 0
 

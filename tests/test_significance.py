@@ -58,6 +58,20 @@ def test_equally_good_systems_are_not_called_different():
     assert out["b"]["p_bootstrap"] > 0.05 and out["b"]["p_randomization"] > 0.05
 
 
+def test_identical_translations_are_no_difference_and_differing_sentences_are_counted():
+    """sacreBLEU's count is strict, so identical systems would get its smallest p; a copy of the baseline
+    is reported as no difference at all. A system one sentence away keeps sacreBLEU's figures (its
+    randomization p is small for a tiny difference: every swap reproduces it), with the count beside."""
+    refs = references(200)
+    base = damaged(refs, 0.3, seed=1)
+    one_changed = [*base[:-1], refs[-1]]
+    out = paired_significance({"base": base, "copy": list(base), "one": one_changed}, refs, resamples=200, trials=200)
+    assert out["copy"]["bleu"] == out["base"]["bleu"] and out["base"]["differing"] is None
+    assert out["copy"]["p_bootstrap"] == 1.0 and out["copy"]["p_randomization"] == 1.0
+    assert out["copy"]["differing"] == 0 and out["one"]["differing"] == 1
+    assert out["one"]["p_randomization"] == round(1 / 201, 4)
+
+
 def test_the_interval_holds_the_score_and_narrows_with_four_times_the_sentences():
     refs = references(200)
     hyps = {"a": damaged(refs, 0.3, seed=1), "b": damaged(refs, 0.3, seed=2)}

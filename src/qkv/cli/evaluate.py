@@ -5,6 +5,7 @@
     qkv evaluate runs/wmt --src newstest2014.en --ref newstest2014.de   # --recipe paper-base: beam 4, alpha 0.6
     qkv evaluate runs/dates --split test            # also prints exact-match accuracy
     qkv evaluate runs/en-de --ensemble runs/en-de-seed1   # two runs decoding as one (qkv.ensemble)
+    qkv evaluate runs/en-de --split val --against runs/en-de-wd   # is the difference larger than chance?
     qkv evaluate runs/shakespeare                   # a language model: its validation text
     qkv evaluate runs/shakespeare --text other.txt  # ... or any UTF-8 text
 
@@ -13,6 +14,10 @@ then, labelled, BLEU in the papers' form (lowercased, Moses-normalised and Moses
 Multi30k papers report) and for a German target tokenized BLEU with compound splitting (the
 Transformer paper's WMT En-De metric), see :mod:`qkv.bleu_forms`. The target language comes from
 --tgt-lang, else the run's Multi30k pair, else the reference file's name (``newstest2014.de``).
+With ``--against OTHER`` (a run folder, decoded here, or a file of its translations): each other
+system's BLEU beside this run's, with two-sided p-values from sacreBLEU's paired bootstrap and
+approximate randomization (:func:`qkv.evaluation.paired_significance`): whether a difference is
+larger than what the choice of test sentences alone would give.
 A language model: the loss in nats per token, perplexity and bits per character over the text's
 non-overlapping windows of the model's context.
 """
@@ -52,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the scores as one JSON object")
     parser.add_argument("--bf16", action="store_true", help="decode under bfloat16 autocast")
     add_ensemble_option(parser)
+    parser.add_argument("--against", action="append", default=[], metavar="RUN_OR_FILE",
+                        help="compare with another translation run (decoded here on the same sentences, with "
+                             "its own recipe's beam and alpha unless --beam/--alpha are given) or a file of "
+                             "translations, one per line (with --limit N: its first N lines): paired bootstrap "
+                             "and approximate randomization p-values for each BLEU difference (repeatable)")
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
@@ -75,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         check_lang(args.tgt_lang, "--tgt-lang")
     if args.hyp_out:
         check_output_file(args.hyp_out, "--hyp-out")
+    others = _check_against(args)
     set_threads(args.threads)
     device = pick_device(args.device)
     if args.ensemble:
@@ -83,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer, config = load_run(args.run_dir, args.weights)
     model.to(device)
     if run_task(config) == "lm":
+        if others:
+            raise ValueError("--against compares translation runs; a language-model run has no BLEU")
         return _evaluate_language_model(args, model, tokenizer, config)
     if args.text:
         raise ValueError("--text is for a language-model run; a translation run takes --src and --ref")
@@ -95,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     src, refs = data.src, data.tgt
     if args.limit:
         src, refs = src[: args.limit], refs[: args.limit]
+    against = _read_against(args, others, config, len(src))
     target_lang = args.tgt_lang or target_language(config.get("data") or {}, args.ref)
     decode = decode_settings(config, beam_size=args.beam, alpha=args.alpha)
     hyps = translate_texts(model, tokenizer, src, **decode, bf16=args.bf16,
@@ -104,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
                   bf16=args.bf16, target_lang=target_lang, exact_match=round(exact_match(hyps, refs), 4))
     if args.ensemble:
         scores["ensemble"] = [args.run_dir, *args.ensemble]
+    if others:
+        del model  # one model in memory at a time
+        scores["against"] = _compare(args, against, hyps, src, refs, device)
     if args.hyp_out:
         write_text(Path(args.hyp_out).resolve(), "".join(h + "\n" for h in hyps))
     if args.json:
@@ -121,7 +138,92 @@ def run(args: argparse.Namespace) -> int:
     if target_lang is None and (config.get("data") or {}).get("source") != "dates":
         print("(the papers' BLEU forms need the references' language: pass --tgt-lang)")
     print(f"exact match {100 * scores['exact_match']:.2f}%")
+    if others:
+        _print_comparison(scores["against"])
     return 0
+
+
+def _check_against(args: argparse.Namespace) -> list[str]:
+    """The --against paths, each named once and existing (checked before any model is loaded)."""
+    seen = {str(Path(args.run_dir).resolve())}
+    for path in args.against:
+        resolved = Path(path).resolve()
+        if not resolved.exists():
+            raise FileNotFoundError(f"--against {path}: no such run folder or translations file")
+        if str(resolved) in seen:
+            raise ValueError(f"--against {path}: already compared (each run once, and not the run itself)")
+        seen.add(str(resolved))
+    return list(args.against)
+
+
+def _read_against(args: argparse.Namespace, others: list[str], config: dict, sentences: int) -> dict:
+    """Each --against as what it holds, checked before anything is decoded: a translations file's lines
+    (``sentences`` of them, the first ones under --limit), a run folder's config (a translation run of
+    this run's language pair, where both name one)."""
+    from qkv.checkpoint import read_run_config, run_task
+    from qkv.evaluation import read_translations
+
+    held = {}
+    for path in others:
+        if Path(path).is_dir():
+            other = read_run_config(path)
+            if run_task(other) == "lm":
+                raise ValueError(f"--against {path}: a language-model run, not a translation run")
+            ours, theirs = _direction(config), _direction(other)
+            if ours and theirs and ours != theirs:
+                raise ValueError(f"--against {path}: it translates {'->'.join(theirs)}, this run {'->'.join(ours)}")
+            held[path] = other
+        else:
+            translations = read_translations(path)
+            if args.limit:
+                translations = translations[: args.limit]
+            if len(translations) != sentences:
+                raise ValueError(f"--against {path}: {len(translations)} translations for the {sentences} sentences "
+                                 "scored (one line each)")
+            held[path] = translations
+    return held
+
+
+def _compare(args: argparse.Namespace, against: dict, hyps: list[str], src: list[str], refs: list[str],
+             device) -> dict:
+    """This run's translations against each of ``against``'s (from :func:`_read_against`): a run is
+    decoded here on ``src`` (its own recipe's beam and alpha unless given); then the paired tests."""
+    from qkv.checkpoint import load_run
+    from qkv.evaluation import paired_significance, translate_texts
+    from qkv.recipes import decode_settings
+
+    name = " + ".join([args.run_dir, *args.ensemble])
+    systems = {name: hyps}
+    for path, held in against.items():
+        if isinstance(held, dict):  # a run's config
+            model, tokenizer, _ = load_run(path, args.weights)
+            decode = decode_settings(held, beam_size=args.beam, alpha=args.alpha)
+            systems[path] = translate_texts(model.to(device), tokenizer, src, **decode, bf16=args.bf16,
+                                            progress=sys.stderr.isatty())
+            del model
+        else:
+            systems[path] = held
+    resamples, trials = 1000, 10000
+    return {"tests": f"two-sided, against {name}: paired bootstrap ({resamples} resamples; its mean and 95% "
+                     f"interval, mean +- ci95) and approximate randomization ({trials} trials)",
+            "results": paired_significance(systems, refs, resamples=resamples, trials=trials)}
+
+
+def _direction(config: dict) -> tuple[str, str] | None:
+    """A run's language pair when its data names one (Multi30k), else None."""
+    spec = config.get("data") or {}
+    return (spec["src_lang"], spec["tgt_lang"]) if spec.get("src_lang") and spec.get("tgt_lang") else None
+
+
+def _print_comparison(comparison: dict) -> None:
+    from qkv.evaluation import significance_lines
+
+    print(f"against the others ({comparison['tests']}):")
+    for line in significance_lines(comparison["results"]):
+        print(f"  {line}")
+    print("  (a difference is larger than chance at p < 0.05; the interval is the score's own spread over "
+          "resampled sentences;\n   'differ': sentences translated otherwise than by the first, and where only a "
+          "few differ the randomization p is too small to trust)")
 
 
 def target_language(spec: dict, ref: str | None) -> str | None:
