@@ -26,8 +26,12 @@ seconds: a candidate's steps are the recipe's over its cost per step, and a step
 much more on the accelerator as on the CPU, so all take about as long. On an H200 (one process per
 candidate, one CPU thread each) one process alone made ~29 steps/s, 6 side by side ~16 each (~95
 together) and 10 side by side ~14 each (~140 together): the recipe's 11,000 steps of a fast 2-core
-CPU's hour take one candidate ~6.5 minutes there, and 6 candidates ~11.5. Runs are written under ``--run-root``
-(``runs/<candidate>``, with ``<candidate>.json`` and ``.log`` beside each). Smoke test (CPU, a minute):
+CPU's hour take one candidate ~6.5 minutes there, and 6 candidates ~11.5; 8 side by side made ~15 each
+(6,500 steps in 7.1 minutes), and in float32 (the ``fp32*`` candidates: ~4k-token batches) ~10 each
+(1,900 steps in 3.1 minutes). Start-up and decoding add about 1.2 minutes to a sweep. Runs are written
+under ``--run-root`` (``runs/<candidate>``, with ``<candidate>.json`` and ``.log`` beside each; each
+run folder keeps its validation and test 2016 translations, ``val.hyp.<tgt>`` and
+``test_2016.hyp.<tgt>``, for ``benchmarks/significance.py``). Smoke test (CPU, a minute):
 
     python benchmarks/step_matched_sweep.py --steps 40 --only recipe,lr07 --eval-limit 20 \\
         --run-root /tmp/sweep-smoke --out /tmp/sweep-smoke.json
@@ -79,6 +83,24 @@ CANDIDATES: dict[str, tuple[dict, float]] = {
     "average4": ({"average_last": 4}, 1.0),
     "gelu_lr07": ({"activation": "gelu", "lr_factor": 0.7}, 1.0),
     "wd01": ({"weight_decay": 0.1}, 1.0),
+    "wd01_seed1": ({"weight_decay": 0.1, "seed": 1}, 1.0),
+    "wd03": ({"weight_decay": 0.3}, 1.0),
+    # weight decay in place of part of the dropout (the fast-bf16 recipe's is 0.2)
+    "wd03_dropout01": ({"weight_decay": 0.3, "dropout": 0.1}, 1.0),
+    # the rate brought linearly to zero over all steps after the warmup, or over the last 60%, with weight
+    # decay (AdamW's decay acts through the rate, so the schedule sets how much of it each stretch gets)
+    "wd01_decay10": ({"weight_decay": 0.1, "decay_fraction": 1.0}, 1.0),
+    "wd01_decay06": ({"weight_decay": 0.1, "decay_fraction": 0.6}, 1.0),
+    # the float32 recipe (an AVX2-only CPU's: dropout 0.1, ~4k-token batches, warmup 400 x 0.7), for the
+    # ~1,900 steps such a 2-core machine makes in the hour (--steps 1900)
+    "fp32": ({"bf16": False}, 1.0),
+    "fp32_seed1": ({"bf16": False, "seed": 1}, 1.0),
+    "fp32_gelu": ({"bf16": False, "activation": "gelu"}, 1.0),
+    "fp32_gelu_seed1": ({"bf16": False, "activation": "gelu", "seed": 1}, 1.0),
+    "fp32_lr10": ({"bf16": False, "lr_factor": 1.0}, 1.0),
+    "fp32_lr05": ({"bf16": False, "lr_factor": 0.5}, 1.0),
+    "fp32_wd01": ({"bf16": False, "weight_decay": 0.1}, 1.0),
+    "fp32_warmup200": ({"bf16": False, "warmup_steps": 200}, 1.0),
     # R-Drop (twice the cost a step) over the hour's last 30%: 0.7 + 0.3 / 2 = 0.85 of the recipe's steps,
     # starting at 0.7 / 0.85 of them
     "rdrop_late": ({"rdrop": 3.0, "rdrop_start": 0.82}, 1 / 0.85),
@@ -118,6 +140,8 @@ def train_one(name: str, args: argparse.Namespace, steps: int, device: str) -> d
         first, last = logged[len(logged) // 2], logged[-1]
         row["steps_per_second"] = round((last["step"] - first["step"]) / ((last["minutes"] - first["minutes"]) * 60), 2)
         return row
+    # the row so far, in case the sweep is cut while decoding (the finished row replaces it)
+    write_json(Path(args.out), {**row, "scored": False})
     splits, _ = evaluation_splits(data)
     splits = {k: splits[k] for k in ("val", "test_2016")}
     config = ckpt.read_run_config(run_dir)
@@ -125,7 +149,7 @@ def train_one(name: str, args: argparse.Namespace, steps: int, device: str) -> d
     model, tokenizer, _ = ckpt.load_run(run_dir, "model")
     model.to(device)
     scores = score_splits(model, tokenizer, splits, beams=(decode["beam_size"],), alpha=decode["alpha"],
-                          bf16=trainer.config.bf16, tgt=args.tgt, limit=args.eval_limit)
+                          bf16=trainer.config.bf16, tgt=args.tgt, limit=args.eval_limit, hyp_dir=run_dir)
     beam = decode["beam_size"]
     row.update({"val_bleu": scores[f"val_beam{beam}"]["bleu"], "val_chrf": scores[f"val_beam{beam}"]["chrf"],
                 "val_bleu_papers_form": scores[f"val_beam{beam}"]["bleu_papers_form"]["bleu"],
@@ -155,8 +179,9 @@ def run_side_by_side(jobs: dict[str, str], args: argparse.Namespace, recipe_step
         path = folder / f"{label}.json"
         if proc.returncode == 0 and path.is_file():
             rows[label] = json.loads(path.read_text())
-        else:
-            rows[label] = {"failed": f"exit status {proc.returncode}; see {folder / (label + '.log')}"}
+        else:  # with what it wrote before it stopped (its training's row, if it got that far)
+            rows[label] = {**(json.loads(path.read_text()) if path.is_file() else {}),
+                           "failed": f"exit status {proc.returncode}; see {folder / (label + '.log')}"}
     return rows
 
 

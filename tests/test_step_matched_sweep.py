@@ -60,6 +60,17 @@ def test_candidates_train_side_by_side_and_score_as_qkv_evaluate_does(tmp_path, 
     assert main(["evaluate", str(run), "--split", "val", "--limit", "6", "--json", "--threads", "2", *bf16]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["chrf"] == rows["lr07"]["val_chrf"] and again["bleu"] == rows["lr07"]["val_bleu"]
+    # the translations each run keeps (for benchmarks/significance.py) are the ones its row scored
+    import gzip
+
+    import sacrebleu
+
+    refs = gzip.open(DATA / "val.de.gz", "rt", encoding="utf-8").read().splitlines()[:6]
+    for name, row in rows.items():
+        assert "scored" not in row  # the row written before decoding was replaced by the finished one
+        hyps = (root / "runs" / name / "val.hyp.de").read_text(encoding="utf-8").splitlines()
+        assert len(hyps) == 6 and (root / "runs" / name / "test_2016.hyp.de").is_file()
+        assert round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2) == row["val_bleu"]
 
     rerun = subprocess.run(argv, capture_output=True, text=True, timeout=600)  # would train over the runs
     assert rerun.returncode == 2 and "an earlier sweep's runs" in rerun.stderr
