@@ -80,11 +80,12 @@ def start_lm_run(run_dir: Path, *, data: dict, model_options: dict | None, train
     train_ids = np.asarray(tokenizer.encode(train_text), dtype=np.int64)
     valid_ids = np.asarray(tokenizer.encode(valid_text), dtype=np.int64)
     model_config = lm_model_config(recipe, model_options, tokenizer.vocab_size)
-    asked_bf16 = "bf16" in (train_options or {})
-    train_config = replace(train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
     lm["chars_per_token"] = round(len(valid_text) / max(1, len(valid_ids)), 6)
     task = LanguageModelTask(tokenizer, train_ids, valid_ids, context=model_config.context, windows=lm["windows"],
                              chars_per_token=lm["chars_per_token"])  # checks both splits hold a window
+    # the precision once the data is known to be usable: a refused text's error is all the user reads
+    asked_bf16 = "bf16" in (train_options or {})
+    train_config = replace(train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
     logger.info("data: %s, %d training and %d validation tokens (%s tokenizer, %d ids)", where, len(train_ids),
                 len(valid_ids), lm["tokenizer"], tokenizer.vocab_size)
     trainer = Trainer(CausalLM(model_config).to(device), task, train_config, run_dir)
