@@ -4,12 +4,14 @@ score what qkv evaluate scores for the same runs."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import sacrebleu
 
 from bench_loader import load_benchmark
 
@@ -61,11 +63,8 @@ def test_candidates_train_side_by_side_and_score_as_qkv_evaluate_does(tmp_path, 
     again = json.loads(capsys.readouterr().out)
     assert again["chrf"] == rows["lr07"]["val_chrf"] and again["bleu"] == rows["lr07"]["val_bleu"]
     # the translations each run keeps (for benchmarks/significance.py) are the ones its row scored
-    import gzip
-
-    import sacrebleu
-
-    refs = gzip.open(DATA / "val.de.gz", "rt", encoding="utf-8").read().splitlines()[:6]
+    with gzip.open(DATA / "val.de.gz", "rt", encoding="utf-8") as f:
+        refs = f.read().splitlines()[:6]
     for name, row in rows.items():
         assert "scored" not in row  # the row written before decoding was replaced by the finished one
         hyps = (root / "runs" / name / "val.hyp.de").read_text(encoding="utf-8").splitlines()
