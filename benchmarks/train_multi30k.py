@@ -14,11 +14,11 @@ report it) and, for a German target, ``bleu_compound_split`` (qkv.bleu_forms), e
 
 Defaults are the library's Multi30k recipe (qkv.recipes.RECIPES["multi30k"]): d_model 256, 4 heads,
 3+3 layers, d_ff 1024, joint byte-level BPE 8k with shared embeddings, label smoothing 0.1, bf16
-autocast where the hardware runs it fast, GELU, dropout 0.1, ~4k padded tokens a batch, warmup 400 x
-factor 0.7 (in fast bf16, where the hour holds ~3.5x the steps: ReLU, dropout 0.2, ~2k tokens a batch,
-warmup 800 x factor 0.5), the rate brought to zero over the budget's last 30%, checkpoints every 3
-minutes with the last 2 averaged. Every option below overrides one field of it. Other processes
-sharing the CPU depress the figures; the JSON records the load average. Smoke test:
+autocast where the hardware runs it fast, GELU, dropout 0.1, ~2k padded tokens a batch, warmup 800 x
+factor 0.7 (in fast bf16, where the hour holds ~3.5x the steps: ReLU, dropout 0.2, factor 0.5), the
+rate brought to zero over the budget's last 30%, checkpoints every 3 minutes with the last 2 averaged.
+Every option below overrides one field of it. Other processes sharing the CPU depress the figures; the
+JSON records the load average. Smoke test:
 
     python benchmarks/train_multi30k.py --minutes 1 --train-limit 3000 --eval-limit 40 --run-dir /tmp/smoke
 """
