@@ -45,10 +45,10 @@ RECIPES: dict[str, dict] = {
         # the validation loss below at every validation; factor 1.0 fell behind from the start
         # (benchmarks/results/multi30k_en_de_xeon_bf16_dropout02_lr05.json, ..._lr10_stopped.json)
         TRAIN_WHERE_BF16_IS_FAST: dict(lr_factor=0.5),
-        # (the half-size batches above were found there first: ~1.85k target tokens with warmup 800, 1.1e-3 (1.6e-3 over
-        # sqrt 2): 1.7x the steps, validation loss 1.507 against 1.551 at minute 54 and validation BLEU 40.72
-        # against 39.70; quarter-size batches (warmup 1,600: validation loss 1.523, BLEU 40.64) fell between
-        # (benchmarks/results/multi30k_en_de_xeon_bf16_{half,quarter}_batches.json)
+        # The recipe's half-size batches were found there first: ~1.85k target tokens with warmup 800 and a peak
+        # rate of 1.1e-3 (1.6e-3 over sqrt 2) made 1.7x the steps, validation loss 1.507 against 1.551 at minute 54
+        # and validation BLEU 40.72 against 39.70; quarter-size batches (warmup 1,600: validation loss 1.523, BLEU
+        # 40.64) fell between (benchmarks/results/multi30k_en_de_xeon_bf16_{half,quarter}_batches.json)
         # (width, measured there with both of the above: d 384 ended level on validation loss and 1.4 below on
         # validation BLEU, the Transformer-tiny shape d 128 was behind at every validation: d 256 stays;
         # benchmarks/results/multi30k_en_de_xeon_bf16_{d384,tiny_stopped}.json)
