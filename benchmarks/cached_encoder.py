@@ -30,6 +30,7 @@ import numpy as np
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before tokenizers is imported: one thread, as a worker
 
+from qkv.bench.results import add_result_options, check_result_file  # noqa: E402
 from qkv.bench.timing import environment  # noqa: E402
 from qkv.data import cached_encoder  # noqa: E402
 from qkv.data.tokenizer import Tokenizer  # noqa: E402
@@ -63,8 +64,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "multi30k"))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cached_encoder_multi30k.json"))
+    add_result_options(parser, ROOT / "benchmarks" / "results" / "cached_encoder_multi30k.json")
     args = parser.parse_args()
+    check_result_file(parser, args)  # before any work
     texts = {}
     for lang in ("en", "de", "fr"):
         with gzip.open(Path(args.data) / f"train.{lang}.gz", "rt", encoding="utf-8") as lines:

@@ -20,6 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.fileio import write_json
 
@@ -86,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a run's label and its metrics.jsonl (two or more; the first is the reference)")
     p.add_argument("--window", type=float, default=6.0, help="minutes per row of the table")
     p.add_argument("--note", default="", help="a remark stored in the JSON (how and where the runs ran)")
-    p.add_argument("--out", required=True)
+    add_result_options(p, required=True)
     args = p.parse_args(argv)
+    check_result_file(p, args)  # before any work
     if args.window <= 0:
         p.error("--window must be positive")
     runs = {}

@@ -30,9 +30,10 @@ import torch
 import qkv.models
 from qkv.attention import backends
 from qkv.bench.data import multi30k_data
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment, paired_ratio, ratio, time_interleaved
 from qkv.bench.training import _ContenderTask, multi30k_config
-from qkv.fileio import check_output_file, write_json
+from qkv.fileio import write_json
 from qkv.loss import fused_linear_cross_entropy
 from qkv.precision import bf16_is_fast
 from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST
@@ -93,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=30, help="real batches cycled through")
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="auto: bf16 autocast where bf16 products are fast (as the recipe), else float32")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_step_paths.json"))
+    add_result_options(parser, REPO / "benchmarks" / "results" / "cpu_step_paths.json")
     args = parser.parse_args(argv)
-    out = check_output_file(args.out, "--out")  # before any work
+    out = check_result_file(parser, args)  # before any work
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     bf16 = bf16_is_fast("cpu") if args.precision == "auto" else args.precision == "bf16"

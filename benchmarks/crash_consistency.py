@@ -22,6 +22,7 @@ import crash_trials  # noqa: E402
 import torch  # noqa: E402
 
 from qkv.bench import timing
+from qkv.bench.results import add_result_options, check_result_file  # noqa: E402
 from qkv.bench.timing import environment  # noqa: E402
 from qkv.fileio import write_json  # noqa: E402
 
@@ -35,8 +36,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chains", type=int, default=10, help="runs, each killed --kills times (default 10)")
     parser.add_argument("--kills", type=int, default=10, help="kills per run (default 10)")
-    parser.add_argument("--out", default="benchmarks/results/crash_consistency.json")
+    add_result_options(parser, "benchmarks/results/crash_consistency.json")
     args = parser.parse_args()
+    check_result_file(parser, args)  # before any work
     torch.set_num_threads(1)
     start = time.time()
     load_before = os.getloadavg()

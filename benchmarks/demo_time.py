@@ -19,8 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
-from qkv.fileio import check_output_file, write_json
+from qkv.fileio import write_json
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -28,15 +29,12 @@ REPO = Path(__file__).resolve().parent.parent
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=1)
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "demo_time.json"))
+    add_result_options(p, REPO / "benchmarks" / "results" / "demo_time.json")
     p.add_argument("--demo-args", default="", help="extra arguments for qkv demo, e.g. '--threads 2'")
     args = p.parse_args()
     if args.runs < 1:
         p.error(f"--runs must be at least 1, got {args.runs}")
-    try:
-        check_output_file(args.out, "--out")  # before minutes of demos, not after
-    except OSError as err:
-        p.error(str(err))
+    check_result_file(p, args)  # before minutes of demos, not after
     runs = []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="qkv-demo-") as folder:

@@ -131,6 +131,7 @@ def projection() -> dict:
 
 def main() -> int:
     from qkv.bench.data import multi30k_data
+    from qkv.bench.results import add_result_options, check_result_file
     from qkv.bench.timing import environment
     from qkv.fileio import write_json
 
@@ -139,8 +140,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per round (2 batches a step)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default="benchmarks/results/distributed.json")
+    add_result_options(parser, "benchmarks/results/distributed.json")
     args = parser.parse_args()
+    check_result_file(parser, args)  # before any work
     data = multi30k_data(args.data_dir, max_tokens=4000, num_batches=16)
     modes = ("1x1", "1x2", "2x1")
     results = {m: [] for m in modes}

@@ -17,6 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.cli import main as qkv_main
 from qkv.fileio import write_json
@@ -33,8 +34,9 @@ def machine() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--top", type=int, default=5, help="heads to list (default 5)")
-    parser.add_argument("--output", type=Path, default=OUT, help=f"result JSON (default {OUT})")
+    add_result_options(parser, OUT, flag="--output")
     args = parser.parse_args(argv)
+    check_result_file(parser, args, flag="--output")  # before any work
     command = ["attend", *SENTENCES, "--compare"]
     with tempfile.TemporaryDirectory() as tmp:
         data_path = os.path.join(tmp, "compare.json")

@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.fileio import write_json
 
 REPO = Path(__file__).resolve().parent.parent
@@ -219,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="measurements of each figure (default 5)")
     parser.add_argument("--synthetic", action="store_true", help="a document of the same size, without the model")
     parser.add_argument("--packed-only", action="store_true", help="skip the page with the weights as JSON lists")
-    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "explorer_draw.json"))
+    add_result_options(parser, REPO / "benchmarks" / "results" / "explorer_draw.json", flag="--output")
     args = parser.parse_args(argv)
+    check_result_file(parser, args, flag="--output")  # before any work
     data, made_by = make_document(args)
     pages: dict = {}
     with tempfile.TemporaryDirectory() as folder:

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 
 import cpu_step_paths
 import qkv.models
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment, paired_ratio, ratio, time_interleaved
-from qkv.fileio import check_output_file, write_json
+from qkv.fileio import write_json
 from qkv.loss import fused_linear_cross_entropy
 from qkv.memory import limit_memory_growth
 from qkv.precision import bf16_is_fast
@@ -102,11 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30, help="timed rounds of the loss alone and of the step")
     parser.add_argument("--batches", type=int, default=30, help="real batches cycled through")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "fused_loss.json"))
+    add_result_options(parser, REPO / "benchmarks" / "results" / "fused_loss.json")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.batches < 1 or args.threads < 1:
         parser.error("--repeats, --batches and --threads must be at least 1")
-    out = check_output_file(args.out, "--out")  # before any work
+    out = check_result_file(parser, args)  # before any work
     start_up = limit_memory_growth()  # as the CLI and train_multi30k.py do, before the first oneDNN primitive
     torch.set_num_threads(args.threads)
     bf16 = bf16_is_fast("cpu") if args.precision == "auto" else args.precision == "bf16"

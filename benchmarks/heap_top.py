@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="timed steps a process")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "heap_top_steps.json"))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "heap_top_steps.json"),
+                        help="the result JSON; an existing file is kept unless --overwrite")
+    # declared here rather than by qkv.bench.results.add_result_options: a child imports nothing of qkv.bench
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="float32", help=argparse.SUPPRESS)
@@ -70,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from qkv.bench.timing import environment
-    from qkv.fileio import check_output_file, write_json
+    from qkv.bench.results import check_result_file
+    from qkv.fileio import write_json
     from qkv.precision import bf16_is_fast
 
     for name, value in (("--rounds", args.rounds), ("--steps", args.steps), ("--threads", args.threads)):
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown precision {unknown[0]!r}: use bf16, float32 or auto")
     if not Path(args.data).is_dir():
         parser.error(f"--data {args.data}: no such folder (Multi30k's task-1 files)")
-    out = check_output_file(args.out, "--out")
+    out = check_result_file(parser, args)
     results = {}
     for precision in names:
         rounds = []

@@ -18,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data.sources import load_split
 from qkv.evaluation import read_translations
@@ -37,8 +38,9 @@ def main() -> int:
     p.add_argument("--data-dir", default=None, help="the Multi30k files (default: as qkv train finds them)")
     p.add_argument("--run-dir", default=None, help="a run of benchmarks/train_multi30k.py whose saved translations "
                                                    "(val.hyp.<tgt>, test_2016.hyp.<tgt>) to measure too")
-    p.add_argument("--out", required=True)
+    add_result_options(p, required=True)
     args = p.parse_args()
+    check_result_file(p, args)  # before any work
     spec = {"source": "multi30k", "src_lang": args.src, "tgt_lang": args.tgt, "folder": args.data_dir}
     report = {"command": " ".join(["python"] + sys.argv), "pair": f"{args.src}-{args.tgt}", "splits": {}}
     for split, name in SPLITS:

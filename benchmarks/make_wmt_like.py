@@ -119,8 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bad-every", type=int, default=20_000, help="one bad pair in N (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gzip", action="store_true", help="write .gz files")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace train.* / valid.* files already in --out (refused otherwise: they may be a "
+                             "real corpus)")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    suffix = ".gz" if args.gzip else ""
+    taken = [str(out / f"{name}.{lang}{suffix}") for name in ("train", "valid") for lang in ("en", "de")
+             if (out / f"{name}.{lang}{suffix}").exists()]
+    if taken and not args.overwrite:  # before writing anything
+        parser.error(f"{', '.join(taken)} exist: pass --overwrite to replace them, or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     vocabularies = (make_vocabulary(np.random.default_rng([args.seed, 1]), args.vocab),

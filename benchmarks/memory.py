@@ -277,8 +277,11 @@ def main() -> int:
     p.add_argument("--onednn-capacity", type=int, default=ONEDNN_CACHE_CAPACITY,
                    help="primitives oneDNN may cache (the onednn measure; default: qkv's)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "memory.json"))
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "memory.json"),
+                   help="the result JSON; an existing file (or --figure) is kept unless --overwrite")
     p.add_argument("--figure", default=str(REPO / "docs" / "figures" / "memory.png"))
+    # declared here rather than by qkv.bench.results.add_result_options: a child imports nothing of qkv.bench
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out and --figure")
     p.add_argument("--replot", action="store_true", help="redraw --figure from the --out JSON; no training")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--precision", default="float32", help=argparse.SUPPRESS)
@@ -295,8 +298,12 @@ def main() -> int:
 
     import torch
 
+    from qkv.bench.results import check_result_file
     from qkv.fileio import write_json
     from qkv.precision import bf16_is_fast, slow_bf16_reason
+
+    check_result_file(p, args)  # before any work
+    check_result_file(p, args, flag="--figure")
 
     torch.set_num_threads(args.threads)
     fixes = [f.strip() for f in args.fixes.split(",") if f.strip()]

@@ -104,7 +104,7 @@ def generate(pairs: int, folder: Path) -> dict:
         return json.loads(done.read_text())
     start = time.perf_counter()
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_wmt_like.py"), "--pairs", str(pairs), "--out",
-                    str(folder)], check=True)
+                    str(folder), "--overwrite"], check=True)  # its own scratch folder: a killed generation is redone
     info = {"pairs": pairs, "seconds": round(time.perf_counter() - start, 1),
             "train_mib": round(sum((folder / f"train.{x}").stat().st_size for x in ("en", "de")) / 2**20, 1)}
     done.write_text(json.dumps(info))
@@ -178,14 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "rank":
         return rank_main(argv[1], argv[3:] if argv[2:3] == ["--"] else argv[2:])
+    from qkv.bench.results import add_result_options, check_result_file
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[500_000, 4_500_000])
     parser.add_argument("--work", default="/tmp/bench/paper_scale", help="scratch folder (corpora, prepared, runs)")
     parser.add_argument("--steps", type=int, default=300, help="training steps per corpus")
     parser.add_argument("--max-tokens", type=int, default=2000, help="padded tokens per batch and process")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "paper_scale.json"))
+    add_result_options(parser, ROOT / "benchmarks" / "results" / "paper_scale.json")
     args = parser.parse_args(argv)
+    check_result_file(parser, args)  # before any work
     from qkv.bench.timing import environment
     from qkv.fileio import write_json
 

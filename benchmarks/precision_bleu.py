@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from qkv import checkpoint as ckpt
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data import Tokenizer, load_multi30k, resolve_multi30k
 from qkv.evaluation import score_translations, translate_texts
@@ -56,9 +57,10 @@ def main() -> int:
     p.add_argument("--test-limit", type=int, default=0, help="score only the first N test pairs (smoke runs)")
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N training pairs (smoke runs)")
     p.add_argument("--run-dir", default=str(REPO / "runs" / "precision-bleu"))
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "precision_bleu.json"))
+    add_result_options(p, REPO / "benchmarks" / "results" / "precision_bleu.json")
     p.add_argument("--force", action="store_true", help="run even where bf16 is emulated (very slow)")
     args = p.parse_args()
+    check_result_file(p, args)  # before any work
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     slow = slow_bf16_reason("cpu") if args.compare == "bf16" else None

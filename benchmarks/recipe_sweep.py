@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from qkv import checkpoint as ckpt
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data.sources import load_split
 from qkv.device import pick_device
@@ -219,14 +220,16 @@ def main() -> int:
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N validation pairs (smoke tests)")
     p.add_argument("--no-bf16", action="store_true", help="float32 even where bf16 is fast")
     p.add_argument("--run-root", default=str(REPO / "runs" / "sweep"), help="one run folder per candidate under it")
-    p.add_argument("--out", default=None, help="default: benchmarks/results/recipe_sweep.json, with --collect "
-                   "recipe_sweep_hour.json (never the trained sweep's file by accident)")
+    add_result_options(p, what="the sweep's JSON (default benchmarks/results/recipe_sweep.json, with --collect "
+                       "recipe_sweep_hour.json: never the trained sweep's file by accident); a sweep adds its "
+                       "candidates to an existing one, and training a candidate it already holds needs --overwrite")
     p.add_argument("--collect", nargs="+", type=Path, metavar="JSON",
                    help="gather benchmarks/train_multi30k.py reports into one table and plot instead of training")
     args = p.parse_args()
     if args.collect:
+        out = check_result_file(p, args, args.out or REPO / "benchmarks" / "results" / "recipe_sweep_hour.json")
         try:
-            collect(args.collect, Path(args.out or REPO / "benchmarks" / "results" / "recipe_sweep_hour.json"))
+            collect(args.collect, out)
         except (OSError, ValueError, KeyError) as e:  # a missing file, not JSON, not a train_multi30k.py report
             p.error(f"--collect: {type(e).__name__}: {e}")
         return 0
@@ -249,6 +252,9 @@ def main() -> int:
             args.minutes, args.beam, f"{args.src}-{args.tgt}"):
         p.error(f"{out} holds a sweep with other settings (minutes {report.get('minutes')}, beam "
                 f"{report.get('beam')}, {report.get('pair')}); pass another --out")
+    again = [name for name in names if name in report.get("candidates", {})]
+    if again and not args.overwrite:
+        p.error(f"{out} already holds {', '.join(again)}: pass --overwrite to train them again, or another --out")
     report.update(task="Multi30k recipe sweep, scored on the validation split only", pair=f"{args.src}-{args.tgt}",
                   minutes=args.minutes, beam=args.beam, machine=machine(args.threads),
                   command=" ".join(["python"] + sys.argv))

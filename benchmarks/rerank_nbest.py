@@ -29,13 +29,14 @@ import sacrebleu
 import torch
 from tqdm.auto import tqdm
 
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data.batching import make_batch, pad_sequences
 from qkv.data.sources import load_split
 from qkv.decoding import beam_search
 from qkv.ensemble import load_translator, same_tokenizer
 from qkv.evaluation import length_batches, score_translations
-from qkv.fileio import check_output_file, write_json
+from qkv.fileio import write_json
 from qkv.precision import autocast_context
 
 
@@ -127,12 +128,12 @@ def main() -> int:
     p.add_argument("--bf16", action="store_true", help="decode and score under bf16 autocast")
     p.add_argument("--limit", type=non_negative, default=0, help="only the first N sentences of each split (0 = all)")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", required=True)
+    add_result_options(p, required=True)
     args = p.parse_args()
     if args.beam < 1 or not args.alphas or not args.lambdas:
         raise SystemExit("--beam must be >= 1 and --alphas / --lambdas non-empty")
     try:  # before any work: a bad --out or run folder is one line, not a traceback
-        check_output_file(args.out, "--out")
+        check_result_file(p, args)
         forward, tokenizer, config = load_translator(args.forward)
         channel = None
         if args.channel:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import sacremoses
 
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.checkpoint import read_run_config
 from qkv.data.sources import load_split
@@ -27,8 +28,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", required=True, help="a run folder trained by benchmarks/train_multi30k.py")
     p.add_argument("--benchmark", required=True, help="the JSON that benchmark wrote for this run")
-    p.add_argument("--out", required=True)
+    add_result_options(p, required=True)
     args = p.parse_args()
+    check_result_file(p, args)  # before any work
     run_dir = Path(args.run_dir)
     spec = read_run_config(run_dir)["data"]
     tgt = spec["tgt_lang"]

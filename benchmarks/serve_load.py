@@ -37,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.fileio import write_json
 
 SENTENCES = [
@@ -61,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=10.0, help="the server's --timeout (default 10)")
     parser.add_argument("--max-concurrent", type=int, default=32, help="the server's --max-concurrent (default 32)")
     parser.add_argument("--max-seconds", type=float, default=300.0, help="stop the clients after this long (300)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve_load.json"))
+    add_result_options(parser, Path(__file__).parent / "results" / "serve_load.json")
     args = parser.parse_args(argv)
+    check_result_file(parser, args)  # before any work
     for name in ("requests", "clients", "max_concurrent"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")

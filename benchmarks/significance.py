@@ -19,10 +19,11 @@ import json
 import sys
 from pathlib import Path
 
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data.sources import load_split
 from qkv.evaluation import paired_significance, read_translations, significance_lines
-from qkv.fileio import check_output_file, write_json
+from qkv.fileio import write_json
 
 REPO = Path(__file__).resolve().parent.parent
 SPLITS = {"val": "val", "test_2016": "test"}  # the name in a hypothesis file -> load_split's name
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resamples", type=int, default=1000, help="paired bootstrap resamples (default 1000)")
     p.add_argument("--trials", type=int, default=10000, help="approximate randomization trials (default 10000)")
     p.add_argument("--note", default=None, help="a remark stored in the JSON (e.g. where the runs trained)")
-    p.add_argument("--out", required=True, help="the JSON to write")
+    add_result_options(p, required=True)
     args = p.parse_args(argv)
     if len(args.run) < 2:
         p.error("give a baseline and at least one other --run")
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resamples < 100 or args.trials < 100:
         p.error("--resamples and --trials: at least 100 each")
     try:
-        out = check_output_file(args.out, "--out")
+        out = check_result_file(p, args)
         files = {name: translations_file(Path(path), args.split, args.tgt) for name, path in args.run}  # before data
         spec = {"source": "multi30k", "src_lang": args.src, "tgt_lang": args.tgt, "folder": args.data}
         references = load_split(spec, SPLITS[args.split]).tgt

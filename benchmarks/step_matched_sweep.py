@@ -50,9 +50,10 @@ from pathlib import Path
 import torch
 
 from qkv import checkpoint as ckpt
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.device import pick_device
-from qkv.fileio import check_output_file, write_json
+from qkv.fileio import write_json
 from qkv.memory import limit_memory_growth
 from qkv.recipes import decode_settings
 from qkv.runs import run_training, start_run
@@ -211,7 +212,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N val/test pairs (smoke tests)")
     p.add_argument("--run-root", default=str(REPO / "runs" / "step-matched"), help="one run folder per candidate")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "step_matched_sweep.json"))
+    add_result_options(p, REPO / "benchmarks" / "results" / "step_matched_sweep.json")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a worker: train and score this candidate
     p.add_argument("--label", default=None, help=argparse.SUPPRESS)  # the worker's run folder's name
     p.add_argument("--calibrating", action="store_true", help=argparse.SUPPRESS)
@@ -236,10 +237,7 @@ def main() -> int:
         return 0
 
     root = Path(args.run_root)
-    try:
-        check_output_file(args.out, "--out")
-    except OSError as err:
-        p.error(str(err))
+    check_result_file(p, args)
     taken = [str(root / f) for f in ("runs", "calibration") if (root / f).exists()]
     if taken:  # never train over an earlier sweep's runs
         p.error(f"{', '.join(taken)} exist (an earlier sweep's runs): give another --run-root or remove them")

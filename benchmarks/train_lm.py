@@ -57,6 +57,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from qkv.bench.results import check_result_file
 from qkv.bench.timing import environment
 from qkv.causal_lm import IGNORE, CausalLM, CausalLMConfig
 from qkv.data.text import load_text_splits, read_tokens, train_text_tokenizer
@@ -393,7 +394,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: every core)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", "--out", dest="out_dir", default=str(REPO / "benchmarks" / "results"),
-                   help="where lm_vs_hf.json, lm_tinyshakespeare.json and lm_tinyshakespeare.png go")
+                   help="where lm_vs_hf.json, lm_tinyshakespeare.json and lm_tinyshakespeare.png go (existing ones "
+                        "are kept unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace the result files already in --out-dir")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (default: float32)")
     recipe_model = ", ".join(f"{k} {v}" for k, v in RECIPE["model"].items())
     m = p.add_argument_group(f"model (default: the recipe's {recipe_model})")
@@ -444,6 +447,10 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out_dir)
+    results = (["lm_vs_hf.json"] if args.compare else []) + (
+        ["lm_tinyshakespeare.json", "lm_tinyshakespeare.png"] if args.minutes is not None else [])
+    for name in results:  # before any work
+        check_result_file(p, args, out_dir / name, flag="--out-dir")
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.compare:
         start = time.perf_counter()

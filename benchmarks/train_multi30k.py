@@ -10,15 +10,15 @@ papers' form (``bleu_papers_form``: lowercased, Moses-normalised and tokenized, 
 report it) and, for a German target, ``bleu_compound_split`` (qkv.bleu_forms), each labelled.
 
     python benchmarks/train_multi30k.py --minutes 60 --src en --tgt de \\
-        --run-dir runs/multi30k-en-de --out benchmarks/results/multi30k_en_de.json
+        --run-dir runs/multi30k-en-de --out runs/multi30k-en-de.json
 
 Defaults are the library's Multi30k recipe (qkv.recipes.RECIPES["multi30k"]): d_model 256, 4 heads,
 3+3 layers, d_ff 1024, joint byte-level BPE 8k with shared embeddings, label smoothing 0.1, bf16
 autocast where the hardware runs it fast, GELU, dropout 0.1, ~2k padded tokens a batch, warmup 800 x
 factor 0.7 (in fast bf16, where the hour holds ~3.5x the steps: ReLU, dropout 0.2, factor 0.5), the
 rate brought to zero over the budget's last 30%, checkpoints every 3 minutes with the last 2 averaged.
-Every option below overrides one field of it. Other processes sharing the CPU depress the figures; the
-JSON records the load average. Smoke test:
+Every option below overrides one field of it. An existing --out is kept unless --overwrite is given.
+Other processes sharing the CPU depress the figures; the JSON records the load average. Smoke test:
 
     python benchmarks/train_multi30k.py --minutes 1 --train-limit 3000 --eval-limit 40 --run-dir /tmp/smoke
 """
@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from qkv import checkpoint as ckpt
+from qkv.bench.results import add_result_options
 from qkv.bench.timing import environment
 from qkv.cli.train import (
     Terminated,
@@ -77,7 +78,7 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, di
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N training pairs (smoke tests)")
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N val/test pairs (smoke tests)")
     p.add_argument("--run-dir", default=None)
-    p.add_argument("--out", default=None)
+    add_result_options(p, what="the result JSON (default runs/multi30k_<src>_<tgt>.json, beside the default run folder)")
     p.add_argument("--note", default=None, help="a remark stored in the JSON (e.g. what else ran)")
     p.add_argument("--score-only", action="store_true",
                    help="score the finished run in --run-dir again and write the JSON, without training")
@@ -97,9 +98,9 @@ def main() -> int:
     torch.manual_seed(args.seed)
     pair = f"{args.src}_{args.tgt}"
     run_dir = Path(args.run_dir or REPO / "runs" / f"bench-multi30k-{pair}")
-    out = Path(args.out or REPO / "benchmarks" / "results" / f"multi30k_{pair}.json")
+    out = Path(args.out or REPO / "runs" / f"multi30k_{pair}.json")  # beside the run, not over a committed result
     try:
-        check_output_file(out, "--out")  # before the hour, not after it
+        check_output_file(out, "--out", overwrite=args.overwrite)  # before the hour, not after it
     except OSError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 
 from qkv import checkpoint as ckpt
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.ensemble import load_translator
-from qkv.fileio import check_output_file
 from qkv.recipes import decode_settings
 
 HERE = Path(__file__).resolve().parent
@@ -65,7 +65,7 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, li
     p.add_argument("--tgt", default="de")
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N val/test pairs (smoke tests)")
     p.add_argument("--run-dir", required=True, help="folder of the members' run folders (member0, member1, ...)")
-    p.add_argument("--out", required=True, help="the JSON to write")
+    add_result_options(p, required=True)
     p.add_argument("--note", default=None, help="a remark stored in the JSON (e.g. what else ran)")
     p.add_argument("--score-only", action="store_true", help="score the finished members again, without training")
     args, member_options = p.parse_known_args(argv)
@@ -79,10 +79,7 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, li
         p.error(f"--alphas takes numbers separated by commas, e.g. 0.6,1.0,1.4; got {args.alphas!r}")
     if not all(0 <= a <= 10 for a in args.alpha_list):
         p.error(f"--alphas: each length penalty must be from 0 to 10, got {args.alphas!r}")
-    try:  # before an hour of training, not after
-        check_output_file(args.out, "--out")
-    except OSError as err:
-        p.error(str(err))
+    check_result_file(p, args)  # before an hour of training, not after
     if not args.score_only:  # an hour of training per member must not be replaced by a rerun
         done = [str(Path(args.run_dir) / f"member{i}") for i in range(args.members)
                 if (Path(args.run_dir) / f"member{i}").exists()]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.checkpoint import average_weight_files, load_run, load_weights as load_weight_file, read_run_config
 from qkv.data.sources import load_split
@@ -60,8 +61,9 @@ def main() -> int:
     p.add_argument("--beams", type=ints, default=[4, 5, 8])
     p.add_argument("--alphas", type=floats, default=[0.6, 1.0, 1.4, 2.0])
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", required=True)
+    add_result_options(p, required=True)
     args = p.parse_args()
+    check_result_file(p, args)  # before any work
     if args.threads:
         torch.set_num_threads(args.threads)
     run_dir = Path(args.run_dir)

@@ -228,7 +228,7 @@ def test_attention_contenders_and_sizes_from_the_command_line(tmp_path, capsys):
     saved = json.loads((tmp_path / "attention.json").read_text())
     assert {(p["seq_len"], p["dtype"], p["pass"]) for p in saved["results"]} == {(24, "float32", "forward")}
     assert all(set(p["timings"]) == {"qkv_fast", "torch_sdpa"} for p in saved["results"])
-    assert main(["bench", "attention", "--contenders", "qkv_slow"]) == 2
+    assert main(["bench", "attention", "--contenders", "qkv_slow", "--out", str(tmp_path / "other")]) == 2
     assert "unknown attention contenders" in capsys.readouterr().err
 
 

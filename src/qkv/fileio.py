@@ -61,13 +61,17 @@ def atomic_path(path: str | Path, *, mode: int = 0o644) -> Iterator[Path]:
             os.remove(tmp)
 
 
-def check_output_file(path: str | Path, option: str = "output") -> Path:
+def check_output_file(path: str | Path, option: str = "output", *, overwrite: bool = True) -> Path:
     """Check, before any work, that ``path`` can be written as a file: not an existing directory,
-    and its parent is a directory (or can be made). Raises ``IsADirectoryError`` /
-    ``NotADirectoryError`` naming ``option``; writes nothing."""
+    and its parent is a directory (or can be made); with ``overwrite=False``, not an existing file
+    either (a benchmark's result JSON, which a rerun must not replace unasked). Raises
+    ``IsADirectoryError`` / ``NotADirectoryError`` / ``FileExistsError`` naming ``option``; writes
+    nothing."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path}: {option} names a directory, not a file")
+    if not overwrite and (path.exists() or path.is_symlink()):
+        raise FileExistsError(f"{path}: exists; pass --overwrite to replace it, or choose another {option}")
     for parent in path.resolve().parents:
         if parent.exists():
             if not parent.is_dir():

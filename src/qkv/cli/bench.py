@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -13,7 +14,9 @@ from qkv.bench.suites import SUITES
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("suite", choices=(*SUITES, "all"), help="what to time")
     parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (tiny sizes, few repeats)")
-    parser.add_argument("--out", default="benchmarks/results", help="folder for <suite>.json and <suite>.png")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for <suite>.json and <suite>.png (existing "
+                        "ones are kept unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the suites' files already in --out")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--data", default=None, help="folder with the Multi30k files (default: $QKV_DATA/multi30k)")
@@ -39,6 +42,7 @@ def _names(text: str) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     from qkv.bench.suites import run_suite
     from qkv.bench.timing import pick_device
+    from qkv.fileio import check_output_file
 
     if args.threads is not None:
         if args.threads < 1:
@@ -53,7 +57,11 @@ def run(args: argparse.Namespace) -> int:
             attention_options["seq_lens"] = tuple(int(x) for x in _names(args.seq_lens))
         except ValueError:
             raise ValueError(f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}") from None
-    for suite in SUITES if args.suite == "all" else (args.suite,):
+    suites = SUITES if args.suite == "all" else (args.suite,)
+    for suite in suites:  # before any timing: a rerun never replaces the results it is meant to sit beside
+        for suffix in (".json", ".png"):
+            check_output_file(Path(args.out) / f"{suite}{suffix}", "--out", overwrite=args.overwrite)
+    for suite in suites:
         _, summary = run_suite(suite, out_dir=args.out, device=device, quick=args.quick, data_dir=args.data,
                                compile_models=args.compile_models, attention_options=attention_options)
         print(summary, flush=True)
