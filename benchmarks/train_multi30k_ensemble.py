@@ -79,12 +79,12 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, li
         p.error(f"--alphas takes numbers separated by commas, e.g. 0.6,1.0,1.4; got {args.alphas!r}")
     if not all(0 <= a <= 10 for a in args.alpha_list):
         p.error(f"--alphas: each length penalty must be from 0 to 10, got {args.alphas!r}")
-    check_result_file(p, args)  # before an hour of training, not after
     if not args.score_only:  # an hour of training per member must not be replaced by a rerun
         done = [str(Path(args.run_dir) / f"member{i}") for i in range(args.members)
                 if (Path(args.run_dir) / f"member{i}").exists()]
         if done:
             p.error(f"{', '.join(done)} exist: score them with --score-only, or choose another --run-dir")
+    check_result_file(p, args)  # before an hour of training, not after
     return args, member_options
 
 
