@@ -237,10 +237,10 @@ def main() -> int:
         return 0
 
     root = Path(args.run_root)
-    check_result_file(p, args)
     taken = [str(root / f) for f in ("runs", "calibration") if (root / f).exists()]
     if taken:  # never train over an earlier sweep's runs
         p.error(f"{', '.join(taken)} exist (an earlier sweep's runs): give another --run-root or remove them")
+    check_result_file(p, args)
     t0 = time.perf_counter()
     recipe_steps, calibration = args.steps, None
     if args.fit_seconds:  # as many copies of the recipe as candidates, side by side: the pace of each
