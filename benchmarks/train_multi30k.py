@@ -78,7 +78,8 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, di
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N training pairs (smoke tests)")
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N val/test pairs (smoke tests)")
     p.add_argument("--run-dir", default=None)
-    add_result_options(p, what="the result JSON (default runs/multi30k_<src>_<tgt>.json, beside the default run folder)")
+    add_result_options(p, what="the result JSON (default runs/multi30k_<src>_<tgt>.json, beside the default run "
+                               "folder)")
     p.add_argument("--note", default=None, help="a remark stored in the JSON (e.g. what else ran)")
     p.add_argument("--score-only", action="store_true",
                    help="score the finished run in --run-dir again and write the JSON, without training")
