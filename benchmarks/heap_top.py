@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "heap_top_steps.json"),
                         help="the result JSON; an existing file is kept unless --overwrite")
-    # declared here rather than by qkv.bench.results.add_result_options: a child imports nothing of qkv.bench
+    # declared by hand, not by qkv.bench.results.add_result_options: importing qkv.bench imports torch, which a
+    # child must not do before its start-up memory settings (limit_memory_growth)
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)

@@ -73,14 +73,19 @@ def word_counts(rng, n, *, mean_words, sigma, max_words):
     return src, tgt
 
 
+def corpus_files(out: Path, name: str, use_gzip: bool) -> list[Path]:
+    """The English and German files of split ``name`` in ``out``."""
+    suffix = ".gz" if use_gzip else ""
+    return [out / f"{name}.en{suffix}", out / f"{name}.de{suffix}"]
+
+
 def write_corpus(out: Path, name: str, pairs: int, *, seed: int, vocabularies: tuple[np.ndarray, np.ndarray],
                  mean_words: float, sigma: float, max_words: int, bad_every: int, use_gzip: bool,
                  chunk: int = 50_000) -> dict:
     rng = np.random.default_rng(seed)
     en_vocab, de_vocab = vocabularies
     cdf = zipf_cdf(len(en_vocab))
-    suffix = ".gz" if use_gzip else ""
-    paths = [out / f"{name}.en{suffix}", out / f"{name}.de{suffix}"]
+    paths = corpus_files(out, name, use_gzip)
     opener = (lambda p: gzip.open(p, "wb", compresslevel=1)) if use_gzip else (lambda p: open(p, "wb"))
     bad = {"empty": 0, "not_utf8": 0, "too_long": 0}
     words = 0
@@ -124,9 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                              "real corpus)")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    suffix = ".gz" if args.gzip else ""
-    taken = [str(out / f"{name}.{lang}{suffix}") for name in ("train", "valid") for lang in ("en", "de")
-             if (out / f"{name}.{lang}{suffix}").exists()]
+    taken = [str(path) for name in ("train", "valid") for path in corpus_files(out, name, args.gzip) if path.exists()]
     if taken and not args.overwrite:  # before writing anything
         parser.error(f"{', '.join(taken)} exist: pass --overwrite to replace them, or choose another --out")
     out.mkdir(parents=True, exist_ok=True)

@@ -280,7 +280,8 @@ def main() -> int:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "memory.json"),
                    help="the result JSON; an existing file (or --figure) is kept unless --overwrite")
     p.add_argument("--figure", default=str(REPO / "docs" / "figures" / "memory.png"))
-    # declared here rather than by qkv.bench.results.add_result_options: a child imports nothing of qkv.bench
+    # declared by hand, not by qkv.bench.results.add_result_options: importing qkv.bench imports torch, which a
+    # child must not do before its start-up memory settings (limit_memory_growth)
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out and --figure")
     p.add_argument("--replot", action="store_true", help="redraw --figure from the --out JSON; no training")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
