@@ -24,8 +24,11 @@ previous step's checkpoint or the new one, never weights from one step with the 
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -35,6 +38,8 @@ from safetensors.torch import load_file, save_file, save_model
 from qkv.data.tokenizer import Tokenizer
 from qkv.fileio import atomic_folder, atomic_path, read_json, remove_stale_temporaries, write_json
 from qkv.models import Transformer, TransformerConfig
+from qkv.safe_load import (TensorInfo, build_within_weights, check_layer_counts, check_shapes, meta_shapes,
+                           weights_header)
 
 logger = logging.getLogger(__name__)
 
@@ -49,24 +54,6 @@ def save_weights(model: torch.nn.Module, path: str | Path, *, step: int | None =
         save_model(model, str(tmp), metadata=None if step is None else {"step": str(step)})
 
 
-def _check_weights_file(model: torch.nn.Module, path: Path) -> None:
-    """Compare a safetensors file's names and shapes with ``model`` before loading, so damage or a
-    config that does not match the weights is a one-line ``ValueError``."""
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"{path}: not a readable safetensors file ({str(err).splitlines()[0][:200]})") from None
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    for name, shape in shapes.items():
-        if name in expected and expected[name] != shape:
-            raise ValueError(f"{path}: {name} has shape {list(shape)} but the run's config.json gives "
-                             f"{list(expected[name])}; the weights and config.json do not belong together")
-    unknown = sorted(set(shapes) - set(expected))
-    if unknown:
-        raise ValueError(f"{path}: tensors the model does not have: {unknown[:5]}")
-
-
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Load safetensors weights into ``model``; every tensor must match (names and shapes).
 
@@ -75,18 +62,10 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
         ValueError: the file is damaged or does not fit the model (one line naming the first problem).
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: weights file not found")
-    _check_weights_file(model, path)
+    expected, tied = meta_shapes(model)  # tied weights are stored once: any name of a tied group stands for it
+    check_shapes(expected, weights_header(path), config_path="the model", weights_path=path, tied=tied)
     tensors = read_weights(path)
     state = model.state_dict()
-    # tied weights are stored once: a missing name is fine when the tensor it shares storage with is present
-    by_storage = {}
-    for name, tensor in state.items():
-        by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(name)
-    missing = [names for names in by_storage.values() if not any(n in tensors for n in names)]
-    if missing:
-        raise ValueError(f"{path}: weights missing for {[names[0] for names in missing][:5]}")
     with torch.no_grad():
         for name, tensor in tensors.items():
             state[name].copy_(tensor)
@@ -132,10 +111,16 @@ def save_checkpoint(run_dir: str | Path, model: torch.nn.Module, state: dict, *,
     save_weights(model, run_dir / "last.safetensors", step=step)
 
 
-def load_checkpoint(run_dir: str | Path, *, clean: bool = True) -> dict:
+def load_checkpoint(run_dir: str | Path, *, clean: bool = True, trust: bool = False) -> dict:
     """Read ``state.pt``: ``{"model": weights (absent in runs written before format 2), "optimizer",
     "train_state", "rng", ...}``. With ``clean``, stale temporary files of a killed writer are
     removed first (only the one process that writes may do that).
+
+    The file is read with ``torch.load(weights_only=True)``: tensors, numbers, strings and
+    containers, never a pickled object, whose loading could run any code (qkv writes nothing else).
+    A file holding such objects is refused, unless ``trust`` (``qkv train --resume
+    --trust-checkpoint``, for a run the user made with an older qkv): it is then loaded in full
+    once and rewritten in the safe form, or refused if even that form cannot hold it.
 
     Runs written before format 2 kept the weights only in ``last.safetensors``; for those its step
     must equal the state's, else the run is refused.
@@ -147,12 +132,17 @@ def load_checkpoint(run_dir: str | Path, *, clean: bool = True) -> dict:
     if clean:
         for stale in remove_stale_temporaries(run_dir):
             logger.info("removed %s, left by an interrupted write", stale)
-    try:  # our own file (optimizer and RNG states are pickled): full unpickling is allowed
-        saved = torch.load(path, weights_only=False, map_location="cpu")
+    try:
+        saved = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        if not trust:
+            raise ValueError(f"{path}: holds pickled Python objects ({_refused_global(err)}), which qkv never loads: "
+                             "loading them could run any code. If you made this run yourself with an older qkv, "
+                             "resume once with --trust-checkpoint to convert it") from None
+        saved = _convert_trusted_checkpoint(path)
     except Exception as err:  # noqa: BLE001 - torch raises many types for a damaged file
         raise ValueError(f"{path}: damaged training state ({type(err).__name__}); the run cannot be resumed") from None
-    if not isinstance(saved, dict) or "train_state" not in saved or "optimizer" not in saved:
-        raise ValueError(f"{path}: not a qkv training state")
+    _check_state_layout(saved, path)
     if "model" not in saved:
         weights = run_dir / "last.safetensors"
         with safe_open(str(weights), framework="pt") as handle:
@@ -160,6 +150,86 @@ def load_checkpoint(run_dir: str | Path, *, clean: bool = True) -> dict:
         if step is not None and int(step) != saved["train_state"]["step"]:
             raise ValueError(f"{weights} holds step {step} but {path} step {saved['train_state']['step']}")
     return saved
+
+
+def check_saved_weights(model: torch.nn.Module, weights: dict, path: str | Path) -> None:
+    """The weights a checkpoint holds fit ``model`` (names and shapes), else one ``ValueError`` line."""
+    expected, tied = meta_shapes(model)
+    header = {name: TensorInfo(tuple(t.shape), "F32" if t.is_floating_point() else str(t.dtype))
+              for name, t in weights.items()}
+    check_shapes(expected, header, config_path="config.json", weights_path=path, tied=tied)
+
+
+def saved_step(run_dir: str | Path) -> int | None:
+    """The step the run folder's ``state.pt`` holds, read back from the file (None if it cannot be
+    read): what a message after a failed save reports, rather than the step it meant to save."""
+    try:
+        saved = torch.load(Path(run_dir) / CHECKPOINT_FILE, weights_only=True, map_location="cpu")
+        return int(saved["train_state"]["step"])
+    except Exception:  # noqa: BLE001 - missing, damaged or foreign: nothing to report
+        return None
+
+
+def _refused_global(err: BaseException) -> str:
+    """The object torch's safe loader refused, from its long message (``posix.system``, ...)."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(err))
+    return f"e.g. {found.group(1)}" if found else "objects beyond tensors and plain values"
+
+
+def _convert_trusted_checkpoint(path: Path) -> dict:
+    """Load a ``state.pt`` the user vouched for in full, and rewrite it in the form the safe loader
+    reads (refused if that form cannot hold what it contains)."""
+    try:
+        saved = torch.load(path, weights_only=False, map_location="cpu")  # the user asked: --trust-checkpoint
+    except Exception as err:  # noqa: BLE001 - torch raises many types for a damaged file
+        raise ValueError(f"{path}: damaged training state ({type(err).__name__}); the run cannot be resumed") from None
+    saved = _plain_values(saved)
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(f"{path}: holds objects qkv never writes ({_refused_global(err)}); it cannot be converted "
+                         "to the safe form") from None
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(buffer.getvalue())
+    logger.warning("%s: converted to the safe checkpoint form (--trust-checkpoint); later resumes need no flag", path)
+    return saved
+
+
+def _plain_values(value):
+    """``value`` with numpy arrays as tensors, numpy scalars as numbers and dataclasses as dicts: the
+    forms an older checkpoint may hold that the safe loader reads once converted."""
+    import dataclasses
+
+    import numpy as np
+
+    if isinstance(value, dict):
+        return {key: _plain_values(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain_values(item) for item in value) if type(value) in (list, tuple) else [
+            _plain_values(item) for item in value]
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, np.generic):
+        return value.item()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plain_values(dataclasses.asdict(value))
+    return value
+
+
+def _check_state_layout(saved: object, path: Path) -> None:
+    """The keys and types resuming relies on, so a foreign file is one line, not a traceback later."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("train_state"), dict) or "optimizer" not in saved:
+        raise ValueError(f"{path}: not a qkv training state")
+    step = saved["train_state"].get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"{path}: train_state.step is {step!r}, not a step count")
+    weights = saved.get("model")
+    if weights is not None and not (isinstance(weights, dict) and all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items())):
+        raise ValueError(f"{path}: its model weights are not a mapping of names to tensors")
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -218,7 +288,6 @@ def load_run(run_dir: str | Path, weights: str = "model", *, task: str | None = 
     Raises:
         FileNotFoundError / ValueError: a missing or damaged file, in one line naming it.
     """
-    from qkv.causal_lm import CausalLM, CausalLMConfig
     from qkv.data.text import load_text_tokenizer
 
     run_dir = Path(run_dir)
@@ -228,28 +297,57 @@ def load_run(run_dir: str | Path, weights: str = "model", *, task: str | None = 
         hint = "qkv generate / qkv evaluate" if kind == "lm" else "qkv translate / qkv evaluate"
         what = "a language-model run" if kind == "lm" else "a translation run"
         raise ValueError(f"{run_dir}: {what}; use {hint} with it")
-    try:
-        if kind == "lm":
-            model_config = CausalLMConfig.from_dict(config["model"])
-            model = CausalLM(model_config)
-            vocab = model_config.vocab_size
-        else:
-            model_config = TransformerConfig.from_dict(config["model"])
-            model = Transformer(model_config)
-            vocab = min(model_config.src_vocab_size, model_config.tgt_vocab_size)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{run_dir / 'config.json'}: bad model section ({err})") from None
     path = run_dir / f"{weights}.safetensors"
     if weights == "model" and not path.is_file():
         path = run_dir / "last.safetensors"
-    load_weights(model, path)
-    model.eval()
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: weights file not found")
+    model_config = read_model_config(run_dir, config)
     tokenizer = load_text_tokenizer(run_dir / "tokenizer.json") if kind == "lm" else Tokenizer.load(
         run_dir / "tokenizer.json")
+    vocab = model_config.vocab_size if kind == "lm" else min(model_config.src_vocab_size, model_config.tgt_vocab_size)
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"{run_dir / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than the model's "
-                         f"vocabulary in config.json; the files do not belong together")
+                         f"vocabulary of {vocab} in config.json; the files do not belong together")
+    model = build_run_model(run_dir, model_config, path)
+    load_weights(model, path)
+    model.eval()
     return model, tokenizer, config
+
+
+def read_model_config(run_dir: str | Path, config: dict):
+    """The run's model configuration (:class:`~qkv.models.TransformerConfig` or
+    :class:`~qkv.causal_lm.CausalLMConfig`), checked field by field; one-line ``ValueError`` naming
+    ``config.json`` otherwise. Nothing is built."""
+    from qkv.causal_lm import CausalLMConfig
+
+    try:
+        if run_task(config) == "lm":
+            return CausalLMConfig.from_dict(config["model"])
+        return TransformerConfig.from_dict(config["model"])
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{Path(run_dir) / 'config.json'}: bad model section ({err})") from None
+
+
+def build_run_model(run_dir: str | Path, model_config, weights_path: str | Path) -> torch.nn.Module:
+    """Build the run's model (weights not loaded) once ``config.json`` has been compared with the
+    header of ``weights_path``: layer counts, then every tensor's shape and the memory the model
+    needs (:mod:`qkv.safe_load`), so a copied config asking for 10,000 layers or d_model 10^6 is a
+    one-line error in a fraction of a second, not minutes and gigabytes."""
+    from qkv.causal_lm import CausalLM, CausalLMConfig
+
+    config_path = Path(run_dir) / "config.json"
+    header = weights_header(weights_path)
+    if isinstance(model_config, CausalLMConfig):
+        layers = {"num_layers": ("decoder.layers.", model_config.num_layers)}
+        make = CausalLM
+    else:
+        layers = {"num_encoder_layers": ("encoder.layers.", model_config.num_encoder_layers),
+                  "num_decoder_layers": ("decoder.layers.", model_config.num_decoder_layers)}
+        make = Transformer
+    check_layer_counts(header, layers, config_path=config_path, weights_path=weights_path)
+    return build_within_weights(lambda: make(model_config), header, config_path=config_path, weights_path=weights_path,
+                                fields=vars(model_config))
 
 
 def check_new_run_dir(run_dir: str | Path, *, overwrite: bool, inputs: list[str | Path] = ()) -> None:

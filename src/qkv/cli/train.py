@@ -94,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--run-dir", required=True, help="the run folder (created; it must not exist unless "
                                                       "--resume or --overwrite)")
     run.add_argument("--resume", action="store_true", help="continue the run in --run-dir where it stopped")
+    run.add_argument("--trust-checkpoint", action="store_true",
+                     help="with --resume: load a state.pt that holds pickled Python objects (written by an older "
+                          "qkv) in full, once, and rewrite it in the safe form; loading such a file can run any "
+                          "code, so only for a run you made yourself")
     run.add_argument("--overwrite", action="store_true",
                      help="replace --run-dir if it is a qkv run folder (or empty), once every check has passed")
     model = parser.add_argument_group("model (defaults: the data set's recipe; fixed once a run exists)")
@@ -241,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
                              "drop these options, or start a new --run-dir")
         if not Path(args.run_dir).is_dir():
             raise FileNotFoundError(f"{args.run_dir}: no run folder to resume")
+    elif args.trust_checkpoint:
+        raise ValueError("--trust-checkpoint converts the checkpoint of a run being resumed: give it with --resume")
     else:
         spec = data_spec(args)
         model_options = model_options_from(args, is_lm=spec["source"] in TEXT_SOURCES)
@@ -260,7 +266,8 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("qkv.cli.train").info(recipe_note)
     try:
         if args.resume:
-            trainer = resume_run(args.run_dir, train_options=train_options, device=args.device, dist=dist)
+            trainer = resume_run(args.run_dir, train_options=train_options, device=args.device, dist=dist,
+                                 trust_checkpoint=args.trust_checkpoint)
         else:
             torch.manual_seed(args.seed or 0)
             lm_options = {k: getattr(args, k) for k in LM_OPTIONS if getattr(args, k) is not None}
@@ -334,6 +341,19 @@ def sigterm_saves_first():
         signal.signal(signal.SIGTERM, previous)
 
 
+def _what_is_saved(run_dir: str, step: int) -> str:
+    """What the run folder holds after a stop, read back from ``state.pt`` (a save that failed, on a
+    full disk or with a process gone, leaves the previous checkpoint: say which step that is)."""
+    from qkv.checkpoint import saved_step
+
+    on_disk = saved_step(run_dir)
+    if on_disk == step:
+        return f"checkpoint saved at step {step}"
+    if on_disk is None:
+        return f"the checkpoint of step {step} could not be saved and the run folder holds no readable one"
+    return f"the checkpoint of step {step} could not be saved; the run folder holds step {on_disk}"
+
+
 def _train(trainer, run_dir: str) -> int:
     """Run the loop; report Ctrl-C or SIGTERM and a failed step in one line each (rank 0 speaks for all)."""
     from qkv.runs import TrainingCrashed, run_training
@@ -344,11 +364,11 @@ def _train(trainer, run_dir: str) -> int:
     except KeyboardInterrupt as err:
         if trainer.dist.is_main:
             what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
-            print(f"{what}: checkpoint saved at step {trainer.state.step}; continue with "
+            print(f"{what}: {_what_is_saved(run_dir, trainer.state.step)}; continue with "
                   f"qkv train --run-dir {run_dir} --resume", file=sys.stderr)
         return 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
     except TrainingCrashed as err:
-        print(f"qkv train: error: {err}; the last whole step ({err.step}) is saved: after fixing the cause, "
+        print(f"qkv train: error: {err}; {_what_is_saved(run_dir, err.step)}: after fixing the cause, "
               f"continue with qkv train --run-dir {run_dir} --resume", file=sys.stderr)
         return 1
     s = trainer.state

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from qkv.dropout import Dropout
 from qkv.layers import EncoderLayer
+from qkv.safe_load import check_fits_weights
 
 logger = logging.getLogger(__name__)
 
@@ -301,8 +302,9 @@ def build_bert(config: BertConfig, state: Mapping[str, Tensor], *, source: str =
     with_pooler = "pooler.dense.weight" in state or "pooler.dense.bias" in state
     key_map = bert_key_map(config, with_pooler=with_pooler)
     check_key_sets(state, key_map, source, "BERT")
-    model = BertEncoder(config=config, with_pooler=with_pooler)
-    params = dict(model.named_parameters())
+    with torch.device("meta"):  # shapes first, no memory: config.json is compared before the model is built
+        probe = BertEncoder(config=config, with_pooler=with_pooler)
+    params = dict(probe.named_parameters())
     if set(params) != set(key_map.values()):  # the map itself is the contract; guard it
         raise RuntimeError(f"bert_key_map disagrees with BertEncoder: {sorted(set(params) ^ set(key_map.values()))}")
     wrong = [
@@ -312,6 +314,10 @@ def build_bert(config: BertConfig, state: Mapping[str, Tensor], *, source: str =
     ]
     if wrong:
         raise ValueError(f"{source}: tensor shapes disagree with config.json: {_short_list(wrong, 4)}")
+    check_fits_weights(probe, sum(t.numel() * 4 for t in state.values()), config_path="config.json",
+                       weights_path=source)
+    model = BertEncoder(config=config, with_pooler=with_pooler)
+    params = dict(model.named_parameters())
     with torch.no_grad():
         for hf, ours in key_map.items():
             tensor = state[hf]

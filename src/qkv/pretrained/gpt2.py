@@ -31,6 +31,8 @@ from qkv.causal_lm import CausalLM, CausalLMConfig
 from qkv.device import pick_device
 from qkv.fileio import atomic_path
 from qkv.pretrained.bert import _short_list, check_key_sets
+from qkv.pretrained.tokenizer import id_span
+from qkv.safe_load import check_fits_weights
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +166,9 @@ def build_gpt2(config: CausalLMConfig, state: Mapping[str, Tensor], *, source: s
     if tied_head is not None:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     check_key_sets(state, key_map, source, "GPT-2")
-    model = CausalLM(config)
-    params = dict(model.named_parameters())  # a tied output_proj.weight is listed once, as token_embedding
+    with torch.device("meta"):  # shapes first, no memory: config.json is compared before the model is built
+        probe = CausalLM(config)
+    params = dict(probe.named_parameters())  # a tied output_proj.weight is listed once, as token_embedding
     mapped = {t for entry in key_map.values() for t in entry.targets}
     if mapped != set(params):  # the map itself is the contract; guard it
         raise RuntimeError(f"gpt2_key_map disagrees with CausalLM: {sorted(mapped ^ set(params))}")
@@ -178,6 +181,10 @@ def build_gpt2(config: CausalLMConfig, state: Mapping[str, Tensor], *, source: s
              for hf, shape in expected.items() if tuple(given[hf].shape) != shape]
     if wrong:
         raise ValueError(f"{source}: tensor shapes disagree with config.json: {_short_list(wrong, 4)}")
+    check_fits_weights(probe, sum(t.numel() * 4 for t in state.values()), config_path="config.json",
+                       weights_path=source)
+    model = CausalLM(config)
+    params = dict(model.named_parameters())
     with torch.no_grad():
         for hf, entry in key_map.items():
             tensor = state[hf]
@@ -258,8 +265,8 @@ class GPT2Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of ids, added tokens included."""
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        """The ids an embedding must cover (the highest id plus one, added tokens included)."""
+        return id_span(self.backend)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (nothing added around it)."""

@@ -19,6 +19,12 @@ from qkv.fileio import read_json
 logger = logging.getLogger(__name__)
 
 
+def id_span(backend) -> int:
+    """The highest id of a ``tokenizers`` tokenizer plus one (added tokens included): the rows an
+    embedding needs, which is more than the token count when a file's ids leave gaps."""
+    return max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+
 @dataclass
 class EncodedBatch:
     """Token ids and masks for a batch, right-padded to the longest sequence."""
@@ -83,7 +89,8 @@ class WordPieceTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self.backend.get_vocab_size()
+        """The ids an embedding must cover: the highest id plus one (what the load checks compare)."""
+        return id_span(self.backend)
 
     def __call__(self, texts: str | list[str], pairs: list[str] | None = None) -> EncodedBatch:
         """Tokenize a text or a batch of texts (optionally text pairs) into padded tensors.

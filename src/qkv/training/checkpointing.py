@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
 import torch
@@ -49,11 +50,24 @@ class Checkpointing:
             remove_optimizer_shards(folder, keep=optim["shards"] if self.sharded and optim else None)
         self.dist.barrier()
 
-    def resume(self) -> None:
+    def resume(self, *, trust: bool = False) -> None:
         """Restore weights, optimizer, position and RNG from the run folder (saved by any number of
-        processes), cut ``metrics.jsonl`` back to that step and clear what a killed process left."""
-        saved = ckpt.load_checkpoint(self.run_dir, clean=self.dist.is_main)
+        processes), cut ``metrics.jsonl`` back to that step and clear what a killed process left.
+        ``trust``: see :func:`qkv.checkpoint.load_checkpoint` (rank 0 converts; the others wait)."""
+        if trust and self.dist.enabled:  # one process rewrites the file; the others then read the safe form
+            if self.dist.is_main:
+                ckpt.load_checkpoint(self.run_dir, clean=True, trust=True)
+            self.dist.barrier()
+        saved = ckpt.load_checkpoint(self.run_dir, clean=self.dist.is_main, trust=trust and not self.dist.enabled)
         weights = saved["model"] if "model" in saved else ckpt.read_weights(self.run_dir / "last.safetensors")
+        shapes_of = self._shadow if self.sharded else self.model  # the whole model's shapes (rank 0 under FSDP2)
+        if shapes_of is not None:
+            ckpt.check_saved_weights(shapes_of, weights, self.run_dir / ckpt.CHECKPOINT_FILE)
+        fields = saved["train_state"]
+        unknown = sorted(set(fields) - {f.name for f in dataclass_fields(TrainState)} - {"best_bleu"})
+        if unknown:
+            raise ValueError(f"{self.run_dir / ckpt.CHECKPOINT_FILE}: train_state holds fields qkv does not write: "
+                             f"{unknown[:5]}")
         optim = saved["optimizer"]
         shards = optim.get("shards") if isinstance(optim, dict) else None
         load_full_state(self.model, self.optimizer, weights, None if shards else optim, self.sharded)
@@ -116,7 +130,10 @@ class Checkpointing:
             else:
                 self.save()
         except Exception as save_err:  # e.g. a full disk: the previous checkpoint is still whole
-            logger.error("could not save the checkpoint (%s); the previous one is kept", save_err)
+            on_disk = ckpt.saved_step(self.run_dir)
+            logger.error("could not save the checkpoint of step %d (%s); %s", s.step,
+                         str(save_err).strip().splitlines()[0][:200] if str(save_err).strip() else type(save_err).__name__,
+                         f"the run folder keeps step {on_disk}" if on_disk is not None else "no readable one is kept")
 
     def _ema_state(self) -> dict:
         return {"ema": self.ema.state_dict()} if self.ema is not None else {}

@@ -268,13 +268,14 @@ def remove_optimizer_shards(folder: Path, keep: str | None) -> None:
 def load_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Read the folder :func:`save_optimizer_shards` wrote into ``optimizer``, resharded to this
     process's share (or whole, on one process). A collective when several processes run."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from qkv.safe_load import safe_dcp_load
 
     # the template: the optimizer's state laid out for this process (created here if still empty;
     # every value in it is then overwritten by the saved one)
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(path), no_dist=not (dist.is_available() and dist.is_initialized()))
+    safe_dcp_load(state, path, no_dist=not (dist.is_available() and dist.is_initialized()))  # runs no pickled code
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
