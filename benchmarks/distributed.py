@@ -37,16 +37,20 @@ PAPER = {
 
 
 def _worker(ctx, out: str, batches_path: str, mode: str, steps: int, warmup: int, threads: int) -> None:
+    from qkv.bench.data import BenchData
     from qkv.bench.training import multi30k_config
+    from qkv.data.batching import Batch
     from qkv.models import Transformer
     from qkv.training import Trainer, TrainConfig
 
     torch.set_num_threads(threads)
-    saved = torch.load(batches_path, weights_only=False)
+    saved = torch.load(batches_path, weights_only=True)  # tensors and numbers only: no pickled objects
+    data = BenchData([Batch(*fields) for fields in saved["batches"]], [], saved["vocab_size"], saved["pad_id"],
+                     saved["bos_id"], saved["eos_id"], "")
     torch.manual_seed(0)
-    model = Transformer(multi30k_config(saved["data"]))
+    model = Transformer(multi30k_config(data))
     trainer = Trainer(model, _Task(), TrainConfig(progress=False), dist=ctx)
-    batches, world = saved["data"].batches, ctx.world_size
+    batches, world = data.batches, ctx.world_size
     per_step = 2 // world
     times, tokens = [], []
     for k in range(warmup + steps):
@@ -88,7 +92,7 @@ def measure(mode: str, out: Path, batches_path: Path, steps: int, warmup: int) -
                 % (str(Path(__file__).parent), str(out), str(batches_path), mode, steps, warmup, threads))
         subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(Path(__file__).resolve().parent.parent / "tests"), os.environ.get("PYTHONPATH", "")])})
-    result = torch.load(out / f"{mode}.pt")
+    result = torch.load(out / f"{mode}.pt", weights_only=True)
     return {"tokens_per_s": sum(result["tokens"]) / sum(result["times"]), "step_s": result["times"],
             "tokens": sum(result["tokens"])}
 
@@ -148,7 +152,9 @@ def main() -> int:
     results = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         batches_path = Path(tmp, "batches.pt")
-        torch.save({"data": data}, batches_path)
+        torch.save({"batches": [(b.src, b.tgt_in, b.tgt_out, b.num_tgt_tokens) for b in data.batches],
+                    "vocab_size": data.vocab_size, "pad_id": data.pad_id, "bos_id": data.bos_id,
+                    "eos_id": data.eos_id}, batches_path)
         for round_ in range(args.rounds):
             for mode in modes:
                 results[mode].append(measure(mode, Path(tmp), batches_path, args.steps, args.warmup))

@@ -82,14 +82,14 @@ def terminate_after_steps(argv: list[str], run_dir: Path, logged: int) -> tuple[
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     state = run_dir / "state.pt"
-    saved = torch.load(state, weights_only=False, map_location="cpu")["train_state"]["step"] if state.is_file() else -1
+    saved = torch.load(state, weights_only=True, map_location="cpu")["train_state"]["step"] if state.is_file() else -1
     trained = max((json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line),
                   default=-1) if metrics.is_file() else -1
     return proc, err, saved, trained
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "state.pt", weights_only=False, map_location="cpu")["model"]
+    return torch.load(run_dir / "state.pt", weights_only=True, map_location="cpu")["model"]
 
 
 def uninterrupted(root: Path, src: Path, tgt: Path, steps: int = STEPS) -> dict[str, torch.Tensor]:
@@ -119,7 +119,7 @@ def classify(run_dir: Path) -> tuple[str, int | None]:
     """Where in the save sequence a kill landed, judged from the files it left."""
     if not run_dir.exists():
         return "before-run-folder", None
-    state = torch.load(run_dir / "state.pt", weights_only=False, map_location="cpu")
+    state = torch.load(run_dir / "state.pt", weights_only=True, map_location="cpu")
     step = int(state["train_state"]["step"])
     if list(run_dir.rglob(".*.tmp")):
         return "mid-write", step

@@ -107,7 +107,7 @@ def test_resume_continues_the_run(tmp_path, capsys):
     args = ["train", "--data", "dates", "--run-dir", str(run_dir), "--minutes", "0", *TINY]
     assert main([*args, "--max-steps", "4"]) == 0
     assert main(["train", "--run-dir", str(run_dir), "--resume", "--max-steps", "7", "--no-progress"]) == 0
-    state = json.loads(json.dumps(__import__("torch").load(run_dir / "state.pt", weights_only=False)["train_state"]))
+    state = json.loads(json.dumps(__import__("torch").load(run_dir / "state.pt", weights_only=True)["train_state"]))
     assert state["step"] == 7
     capsys.readouterr()
     assert main([*args, "--max-steps", "4"]) == 2  # exists: refuse, do not overwrite

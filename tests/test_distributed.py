@@ -39,7 +39,7 @@ EMA = {"ema_decay": 0.8}  # a short memory, so that 6 steps move the average wel
 
 
 def weights(path):
-    return torch.load(path, weights_only=False, map_location="cpu")["model"]
+    return torch.load(path, weights_only=True, map_location="cpu")["model"]
 
 
 def assert_close(a, b, atol, what):
@@ -160,9 +160,9 @@ def averaged_weights(ema_state):
 
 def test_the_moving_average_of_the_weights_on_two_ranks_equals_one_process(runs):
     root, _, _ = runs
-    reference = torch.load(root / "ema_1" / "state.pt", weights_only=False)["ema"]  # 1 process, 2 micro-batches
+    reference = torch.load(root / "ema_1" / "state.pt", weights_only=True)["ema"]  # 1 process, 2 micro-batches
     for name in ("ema_ddp", "ema_resumed_on_2"):
-        saved = torch.load(root / name / "state.pt", weights_only=False)["ema"]
+        saved = torch.load(root / name / "state.pt", weights_only=True)["ema"]
         assert int(saved["n_averaged"]) == int(reference["n_averaged"]) == 6, name
         assert_close(saved, reference, 1e-6, f"EMA: {name} vs 1 process")
         # the average the run hands on, written by rank 0 (tied tensors stored once)
@@ -186,16 +186,16 @@ def test_runs_resume_on_another_number_of_processes(runs):
     assert_close(weights(root / "resumed_on_1" / "state.pt"), reference, 1e-6, "2 processes, then 1")
     assert_close(weights(root / "resumed_on_2" / "state.pt"), reference, 1e-6, "1 process, then 2")
     for name in ("ddp", "resumed_on_1", "resumed_on_2"):
-        saved = torch.load(root / name / "state.pt", weights_only=False)
+        saved = torch.load(root / name / "state.pt", weights_only=True)
         assert saved["train_state"]["step"] == 6 and saved["optimizer"]["state"]  # Adam moments travelled
 
 
 def test_fsdp2_saves_its_optimizer_in_shards_that_resume_on_any_number_of_processes(runs):
     root, _, _ = runs
     # resumed from the step-3 shards on one process, which saves its optimizer whole in state.pt
-    one = torch.load(root / "fsdp_resumed_on_1" / "state.pt", weights_only=False)
+    one = torch.load(root / "fsdp_resumed_on_1" / "state.pt", weights_only=True)
     assert one["optimizer"]["state"] and not list((root / "fsdp_resumed_on_1").glob("optimizer-step*"))
-    saved = torch.load(root / "fsdp_resumed_on_2" / "state.pt", weights_only=False)
+    saved = torch.load(root / "fsdp_resumed_on_2" / "state.pt", weights_only=True)
     folder = root / "fsdp_resumed_on_2" / saved["optimizer"]["shards"]
     assert saved["train_state"]["step"] == 6 and "state" not in saved["optimizer"]
     assert len(list(folder.glob("*.distcp"))) == 2 and (folder / ".metadata").is_file()  # one shard per process
@@ -207,7 +207,7 @@ def test_fsdp2_saves_its_optimizer_in_shards_that_resume_on_any_number_of_proces
 
 def test_an_epoch_that_does_not_divide_among_ranks_finishes_like_one_process(runs):
     root, _, _ = runs
-    state = torch.load(root / "uneven" / "state.pt", weights_only=False)["train_state"]
+    state = torch.load(root / "uneven" / "state.pt", weights_only=True)["train_state"]
     assert state["epoch"] == 0 and state["step"] > 0  # one epoch, its last step half empty
     assert_close(weights(root / "uneven" / "state.pt"), weights(root / "uneven_1" / "state.pt"), 1e-6,
                  "uneven epoch on 2 processes vs 1 process accumulating 2")

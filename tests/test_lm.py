@@ -76,8 +76,8 @@ def test_a_resumed_language_model_run_equals_an_uninterrupted_one(corpus, tmp_pa
     run_training(start_run(tmp_path / "halves", data=data, model_options={**MODEL, "dropout": 0.1},
                            train_options={**TRAIN, "max_steps": 4}, device="cpu"))
     run_training(resume_run(tmp_path / "halves", train_options={"max_steps": 6}, device="cpu"))
-    a = torch.load(tmp_path / "straight" / "state.pt", weights_only=False)
-    b = torch.load(tmp_path / "halves" / "state.pt", weights_only=False)
+    a = torch.load(tmp_path / "straight" / "state.pt", weights_only=True)
+    b = torch.load(tmp_path / "halves" / "state.pt", weights_only=True)
     assert a["train_state"]["step"] == b["train_state"]["step"] == 6
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name

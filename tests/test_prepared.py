@@ -224,8 +224,8 @@ def test_a_run_resumed_mid_epoch_from_a_prepared_folder_equals_the_uninterrupted
     first.train()
     assert first.state.epoch == 0 and 0 < first.state.batch_in_epoch < len(first.task.batches(0, 400, 0))
     resume_run(tmp_path / "halves", train_options={"max_steps": 6}, device="cpu").train()
-    whole = torch.load(tmp_path / "whole" / "state.pt", weights_only=False)
-    halves = torch.load(tmp_path / "halves" / "state.pt", weights_only=False)
+    whole = torch.load(tmp_path / "whole" / "state.pt", weights_only=True)
+    halves = torch.load(tmp_path / "halves" / "state.pt", weights_only=True)
     assert whole["train_state"]["step"] == halves["train_state"]["step"] == 6
     for name, tensor in whole["model"].items():
         assert torch.equal(tensor, halves["model"][name]), name

@@ -112,7 +112,7 @@ def test_an_over_long_line_is_dropped_with_its_file_and_line(tmp_path, capsys, c
         assert main(train_args(src, tgt, run, "--max-len", "64", "--max-steps", "6", "--max-tokens", "30000")) == 0
     assert f"{src}:7" in caplog.text and "dropped 1 of 40 training pairs" in caplog.text
     assert main(["train", "--run-dir", str(run), "--resume", "--max-steps", "8", "--no-progress"]) == 0
-    assert torch.load(run / "state.pt", weights_only=False)["train_state"]["step"] == 8
+    assert torch.load(run / "state.pt", weights_only=True)["train_state"]["step"] == 8
 
 
 # ----------------------------------------------------------------- 3. weights and state from different steps
@@ -329,10 +329,10 @@ def test_a_failing_step_saves_the_last_whole_step_and_says_how_to_resume(tmp_pat
     code = main(train_args(src, tgt, run, "--max-steps", "6"))
     line = one_line_error(capsys, "train", code, expected_code=1)
     assert "simulated out of memory" in line and "--resume" in line
-    assert torch.load(run / "state.pt", weights_only=False)["train_state"]["step"] == 3
+    assert torch.load(run / "state.pt", weights_only=True)["train_state"]["step"] == 3
     monkeypatch.setattr(Transformer, "loss", original)
     assert main(["train", "--run-dir", str(run), "--resume", "--no-progress"]) == 0
-    assert torch.load(run / "state.pt", weights_only=False)["train_state"]["step"] == 6
+    assert torch.load(run / "state.pt", weights_only=True)["train_state"]["step"] == 6
 
 
 def test_an_absurd_length_penalty_is_refused_not_an_overflow(capsys, trained):

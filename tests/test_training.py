@@ -204,7 +204,7 @@ def test_a_run_saved_before_best_score_was_renamed_resumes_with_its_score(tmp_pa
     first = tiny_run(tmp_path, pairs, TrainConfig(**{**RESUME, "max_steps": 3}))
     first.train()
     state_file = first.run_dir / "state.pt"
-    saved = torch.load(state_file, weights_only=False)
+    saved = torch.load(state_file, weights_only=True)
     saved["train_state"]["best_bleu"] = 12.5  # the field's name in runs saved before
     del saved["train_state"]["best_score"]
     torch.save(saved, state_file)
@@ -339,7 +339,7 @@ def test_ctrl_c_mid_step_saves_and_resumes_exactly(tmp_path, uninterrupted, monk
     monkeypatch.setattr(first.model, "loss", loss_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         first.train()
-    saved = json.loads(json.dumps(torch.load(first.run_dir / "state.pt", weights_only=False)["train_state"]))
+    saved = json.loads(json.dumps(torch.load(first.run_dir / "state.pt", weights_only=True)["train_state"]))
     assert saved["step"] == 6  # the half-done step is dropped
     second = Trainer(Transformer(first.model.config), translation(first.task.tokenizer, pairs, first.model.config),
                      TrainConfig(**RESUME),

@@ -164,8 +164,8 @@ def saved_step(run_dir: str | Path) -> int | None:
     """The step the run folder's ``state.pt`` holds, read back from the file (None if it cannot be
     read): what a message after a failed save reports, rather than the step it meant to save."""
     try:
-        saved = torch.load(Path(run_dir) / CHECKPOINT_FILE, weights_only=True, map_location="cpu")
-        return int(saved["train_state"]["step"])
+        saved = torch.load(Path(run_dir) / CHECKPOINT_FILE, weights_only=True, map_location="cpu", mmap=True)
+        return int(saved["train_state"]["step"])  # mapped: the weights are not read to learn one number
     except Exception:  # noqa: BLE001 - missing, damaged or foreign: nothing to report
         return None
 

@@ -5,7 +5,10 @@ SIGTERM or a failed step, and the checkpoints kept for averaging. Every write go
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 from dataclasses import asdict
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
@@ -18,6 +21,23 @@ from qkv.training.distributed import (full_state, load_full_state, load_optimize
                                       save_optimizer_shards)
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def sigterm_held():
+    """SIGTERM waits while the block runs (in the main thread): a save after a failure finishes, then
+    the signal is delivered as it arrived. SIGKILL still ends the process at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if pending:
+            signal.raise_signal(signal.SIGTERM)
 
 
 class Checkpointing:
@@ -123,17 +143,22 @@ class Checkpointing:
             return
         logger.warning("stopping: saving a checkpoint at step %d", s.step)
         try:
-            if self.dist.enabled:
-                ckpt.save_checkpoint(self.run_dir, self.model, {
-                    "train_state": asdict(s), "rng": [ckpt.rng_state()], "optimizer": self.optimizer.state_dict(),
-                    "world_size": 1, **self._ema_state()})
-            else:
-                self.save()
+            with sigterm_held():  # torchrun's SIGTERM after a lost rank must not cut this save short
+                if self.dist.enabled:
+                    self._save_alone(s)
+                else:
+                    self.save()
         except Exception as save_err:  # e.g. a full disk: the previous checkpoint is still whole
             on_disk = ckpt.saved_step(self.run_dir)
             logger.error("could not save the checkpoint of step %d (%s); %s", s.step,
                          str(save_err).strip().splitlines()[0][:200] if str(save_err).strip() else type(save_err).__name__,
                          f"the run folder keeps step {on_disk}" if on_disk is not None else "no readable one is kept")
+
+    def _save_alone(self, s: TrainState) -> None:
+        """Rank 0's save without collectives (the other processes may be gone)."""
+        ckpt.save_checkpoint(self.run_dir, self.model, {
+            "train_state": asdict(s), "rng": [ckpt.rng_state()], "optimizer": self.optimizer.state_dict(),
+            "world_size": 1, **self._ema_state()})
 
     def _ema_state(self) -> dict:
         return {"ema": self.ema.state_dict()} if self.ema is not None else {}
