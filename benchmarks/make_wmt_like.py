@@ -12,7 +12,9 @@ test (benchmarks/paper_scale.py). Not a translation task: the point is the size 
 
     python benchmarks/make_wmt_like.py --pairs 4500000 --out /tmp/wmt_like   # train.en, train.de, valid.*
 
-Deterministic for a --seed. Writes plain text (``--gzip`` for .gz).
+Deterministic for a --seed. Writes plain text (``--gzip`` for .gz). Each file is written under a
+temporary name and renamed into place once whole (qkv.fileio), so a killed run never leaves a
+truncated train.en that looks complete.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from qkv.fileio import TMP_SUFFIX, atomic_path
 
 SYLLABLES = [c + v for c in "bdfghklmnprstvwz" for v in "aeiou"] + ["sch", "ei", "au", "ie", "th", "ch", "qu"]
 
@@ -89,7 +93,9 @@ def write_corpus(out: Path, name: str, pairs: int, *, seed: int, vocabularies: t
     opener = (lambda p: gzip.open(p, "wb", compresslevel=1)) if use_gzip else (lambda p: open(p, "wb"))
     bad = {"empty": 0, "not_utf8": 0, "too_long": 0}
     words = 0
-    with opener(paths[0]) as en_file, opener(paths[1]) as de_file:
+    # each file is written whole under a temporary name, then renamed onto its own (atomic_path)
+    with (atomic_path(paths[0]) as en_tmp, atomic_path(paths[1]) as de_tmp,
+          opener(en_tmp) as en_file, opener(de_tmp) as de_file):
         for start in range(0, pairs, chunk):
             n = min(chunk, pairs - start)
             src_len, tgt_len = word_counts(rng, n, mean_words=mean_words, sigma=sigma, max_words=max_words)
@@ -133,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     if taken and not args.overwrite:  # before writing anything
         parser.error(f"{', '.join(taken)} exist: pass --overwrite to replace them, or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
+    for name in ("train", "valid"):  # the temporary files of a killed earlier run (atomic_path's names)
+        for path in corpus_files(out, name, args.gzip):
+            for stale in out.glob(f".{path.name}.*{TMP_SUFFIX}"):
+                stale.unlink(missing_ok=True)
     start = time.perf_counter()
     vocabularies = (make_vocabulary(np.random.default_rng([args.seed, 1]), args.vocab),
                     make_vocabulary(np.random.default_rng([args.seed, 2]), args.vocab, capitalise_every=4))

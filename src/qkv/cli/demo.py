@@ -6,6 +6,10 @@ It generates dates in 18 surface forms ("Tuesday, 3 March 1998", "3/3/98", "the 
 1998", ...), trains until held-out exact match reaches 99.5% (or the time cap), prints the accuracy
 on 2,000 fresh held-out dates and some translations, and writes the cross-attention of a few
 examples as PNG heatmaps plus a self-contained HTML attention explorer.
+
+The output folder is marked as the demo's (a ``.qkv-demo`` file), so running the demo again
+replaces its own earlier output; a folder the demo did not make (a run folder from ``qkv train``,
+a folder holding other files, a file) is refused before any training, touching nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+DEMO_MARKER = ".qkv-demo"  # the file that marks an output folder as the demo's own
+DEMO_OUTPUTS = ("run", "heatmaps", "attention.html", "summary.json")  # what the demo writes in it
+SUMMARY_KEYS = {"exact_match", "test_dates", "steps", "samples"}  # in every summary.json the demo wrote
+
 SAMPLE_FORMATS = ["Tuesday, 3 March 1998", "3/3/98", "the third of March, 1998", "March 3rd, 1998", "3.3.1998",
                   "03-Mar-1998", "TUESDAY, MARCH 3, 1998", "19980303"]
 
@@ -37,6 +45,87 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "when other programs share the CPU)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _made_by_an_earlier_demo(out: Path) -> bool:
+    """An output folder of the demo from before the marker existed: nothing but the demo's outputs
+    (and the temporaries of an interrupted write), with a summary.json only the demo writes."""
+    names = {p.name for p in out.iterdir()}
+    leftovers = {n for n in names if n.startswith(".") and (n.endswith(".tmp") or n.startswith(".run."))}
+    if "summary.json" not in names or not names - leftovers <= set(DEMO_OUTPUTS):
+        return False
+    try:
+        summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and SUMMARY_KEYS <= set(summary)
+
+
+def is_demo_folder(out: str | Path) -> bool:
+    """True when ``out`` is a folder an earlier ``qkv demo`` made (marked, or from before the mark)."""
+    out = Path(out)
+    if not out.is_dir():
+        return False
+    return (out / DEMO_MARKER).is_file() or _made_by_an_earlier_demo(out)
+
+
+def check_output_folder(out: str | Path) -> None:
+    """Check, before any work, that the demo may write into ``out``: it does not exist yet, is an
+    empty folder, or is a folder an earlier demo made (whose ``run/`` must then be the demo's: a qkv
+    run on the date task, or empty). Anything else (a file, a run folder from ``qkv train``, a folder
+    holding other files) raises ``ValueError`` in one line; nothing is written or deleted."""
+    from qkv.checkpoint import is_run_folder, read_run_config
+
+    out = Path(out)
+    refuse = "qkv demo writes only into a new or empty folder or its own earlier output: choose another --out"
+    if out.is_symlink() and not out.exists():
+        raise ValueError(f"{out}: a broken link; {refuse}")
+    if not out.exists():
+        for parent in out.absolute().parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise NotADirectoryError(f"{out}: lies under {parent}, which is a file; {refuse}")
+                break
+        return
+    if not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a folder; {refuse}")
+    if not any(out.iterdir()):
+        return
+    if is_run_folder(out):
+        raise ValueError(f"{out}: a qkv run folder, not a demo's output folder; {refuse}")
+    if not is_demo_folder(out):
+        raise ValueError(f"{out}: holds files qkv demo did not make (no {DEMO_MARKER} file); {refuse}")
+    run_dir = out / "run"  # replaced by the new run: only a run the demo itself could have made
+    replace = "qkv demo would replace it: move it or choose another --out"
+    if run_dir.is_symlink() or (run_dir.exists() and not run_dir.is_dir()):
+        raise ValueError(f"{run_dir}: not a folder; {replace}")
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        if not is_run_folder(run_dir):
+            raise ValueError(f"{run_dir}: not a qkv run folder and not empty; {replace}")
+        data = read_run_config(run_dir).get("data")
+        source = data.get("source") if isinstance(data, dict) else None
+        if source != "dates":
+            raise ValueError(f"{run_dir}: a qkv run trained on {source!r}, not the demo's run on the date task; "
+                             f"{replace}")
+    cwd = Path.cwd().resolve()
+    if run_dir.exists() and (cwd == run_dir.resolve() or run_dir.resolve() in cwd.parents):
+        raise ValueError(f"{run_dir}: holds the current directory; qkv demo will not replace it")
+    if (out / "heatmaps").is_symlink() or ((out / "heatmaps").exists() and not (out / "heatmaps").is_dir()):
+        raise ValueError(f"{out / 'heatmaps'}: not a folder of its own; qkv demo writes its heatmaps there")
+    for name in ("attention.html", "summary.json"):
+        if (out / name).is_dir():
+            raise IsADirectoryError(f"{out / name}: is a folder; qkv demo writes this file")
+
+
+def mark_output_folder(out: str | Path) -> None:
+    """Make ``out`` (if needed) and mark it as the demo's, so a later demo may replace what it holds."""
+    from qkv.fileio import write_text
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / DEMO_MARKER).is_file():
+        write_text(out / DEMO_MARKER, "made by qkv demo: a later qkv demo --out here replaces run/, heatmaps/*.png, "
+                                      "attention.html and summary.json\n")
 
 
 def sample_sources(seed: int) -> list[str]:
@@ -56,12 +145,13 @@ def run(args: argparse.Namespace) -> int:
     from qkv.viz import Seq2SeqExplorer, explorer_data, save_heatmaps, write_html
 
     start = time.perf_counter()
+    out = Path(args.out)
+    check_output_folder(out)  # before anything is read, trained or written
     device = pick_device(args.device)  # before the output folder is made
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    mark_output_folder(out)
     data = {"source": "dates", "train_size": 20000, "valid_size": 1000, "seed": args.seed}
     options = {"max_minutes": args.minutes, "stop_at_exact_match": args.target, "seed": args.seed,
                "progress": not args.no_progress and sys.stderr.isatty()}

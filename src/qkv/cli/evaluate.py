@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from qkv.cli.options import add_ensemble_option, length_penalty, non_negative_int, positive_int, set_threads
+from qkv.cli.options import (MAX_BEAM, add_ensemble_option, beam_size, length_penalty, non_negative_int, positive_int,
+                             set_threads)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                            "(default: the run's Multi30k target, else the reference file's "
                                            "extension, e.g. de for newstest2014.de)")
     parser.add_argument("--text", help="a language model: score this UTF-8 text instead of the run's validation split")
-    parser.add_argument("--beam", type=positive_int, default=None,
-                        help="beam size (1 = greedy; default: the run's recipe's, else 5)")
+    parser.add_argument("--beam", type=beam_size, default=None,
+                        help=f"beam size, 1 to {MAX_BEAM} (1 = greedy; default: the run's recipe's, else 5)")
     parser.add_argument("--alpha", type=length_penalty, default=None,
                         help="length penalty exponent, 0 to 10 (default: the run's recipe's, else 0.6)")
     parser.add_argument("--weights", choices=["model", "best", "last", "ema"], default="model")

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from qkv.cli.options import positive_int, set_threads
+from qkv.cli.options import MAX_SAMPLES, num_samples, positive_int, set_threads
 from qkv.fileio import read_json
 
 
@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     parser.add_argument("--top-p", type=float, default=None, help="sample within the nucleus of probability p, (0, 1]")
-    parser.add_argument("--num-samples", type=positive_int, default=1, help="samples to generate (default 1)")
+    parser.add_argument("--num-samples", type=num_samples, default=1,
+                        help=f"samples to generate, together in one batch (default 1, at most {MAX_SAMPLES})")
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one each time)")
     parser.add_argument("--stop", action="append", default=[], help="stop a sample at this text (repeatable); "
                                                                     "the stop text is not printed")

@@ -29,6 +29,15 @@ positive_int = _number(int, 1, "an integer >= 1")
 non_negative_int = _number(int, 0, "an integer >= 0")
 length_penalty = _number(float, 0.0, "a number from 0 to 10", maximum=10.0)
 
+# Counts that size memory allocated up front: a huge value is refused here, in one line, rather
+# than ending in MemoryError (a length that is streamed, e.g. --max-new-tokens, is not bounded)
+MAX_SAMPLES = 100
+MAX_BEAM = 100
+num_samples = _number(int, 1, f"an integer from 1 to {MAX_SAMPLES} (the samples are generated together as one "
+                              "batch, so memory grows with their number)", maximum=MAX_SAMPLES)
+beam_size = _number(int, 1, f"an integer from 1 to {MAX_BEAM} (beam search decodes that many copies of each "
+                            "sentence at once, so memory grows with it)", maximum=MAX_BEAM)
+
 
 def set_threads(threads: int | None) -> None:
     """Use ``threads`` CPU threads (None: torch's default, all cores). Raises ``ValueError`` below 1."""

@@ -11,15 +11,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from qkv.cli.options import add_ensemble_option, length_penalty, positive_int, set_threads
+from qkv.cli.options import MAX_BEAM, add_ensemble_option, beam_size, length_penalty, positive_int, set_threads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run folder made by qkv train")
     parser.add_argument("input", nargs="?", help="file with one sentence a line (.gz allowed; default: stdin)")
     parser.add_argument("-o", "--output", help="write the translations here (default: stdout)")
-    parser.add_argument("--beam", type=positive_int, default=None,
-                        help="beam size (1 = greedy; default: the run's recipe's, else 5)")
+    parser.add_argument("--beam", type=beam_size, default=None,
+                        help=f"beam size, 1 to {MAX_BEAM} (1 = greedy; default: the run's recipe's, else 5)")
     parser.add_argument("--alpha", type=length_penalty, default=None,
                         help="length penalty exponent, 0 to 10 (default: the run's recipe's, else 0.6)")
     parser.add_argument("--weights", choices=["model", "best", "last"], default="model",
