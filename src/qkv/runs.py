@@ -7,9 +7,12 @@ then the run folder appears whole (config, tokenizer and the step-0 checkpoint) 
 
 A translation run reads its pairs from a prepared folder (:mod:`qkv.data.prepared`): the one it was
 started on (``--prepared DIR``, recorded with its fingerprint), or, for text files, Multi30k or the
-date task, its own copy in ``data/`` inside the run folder, written with it. The first session
-trains from the pairs it has just tokenised; resuming, and every process of a multi-process run,
-reads the prepared folder a batch at a time, so a process holds O(batch) token data.
+date task, its own copy in ``data/`` inside the run folder, written with it (its fingerprint
+recorded too). The first session trains from the pairs it has just tokenised; resuming, and every
+process of a multi-process run, reads the prepared folder a batch at a time, so a process holds
+O(batch) token data. A prepared folder is verified against its manifest (its arrays' SHA-256, their
+offsets, lengths and ids: :meth:`~qkv.data.prepared.PreparedCorpus.verify`) when a run starts on it
+and whenever a run resumes from one, so a fingerprint equal to the run's means the same bytes.
 """
 
 from __future__ import annotations
@@ -157,6 +160,7 @@ def start_run(
             logger.warning("a %d-token vocabulary asked for, but the prepared folder's tokenizer has %d ids: training "
                            "with those (prepare with --vocab-size %d to match)", vocab_size, tokenizer.vocab_size,
                            vocab_size)
+        corpus.verify(tokenizer.vocab_size)  # the arrays are what the manifest, and so the fingerprint, says
         train_data = corpus.split("train")
         valid_data = corpus.text("valid", tokenizer) if corpus.has("valid") else None
         fingerprint = {"pairs": len(train_data), "sha256": corpus.fingerprint}
@@ -190,7 +194,9 @@ def start_run(
 
     def write_initial(folder: Path) -> None:
         if data["source"] != "prepared":  # the run's own prepared copy: resuming and other processes read it
-            _write_run_data(folder / RUN_DATA_FOLDER, tokenizer, task.pairs, valid_data, data)
+            manifest = _write_run_data(folder / RUN_DATA_FOLDER, tokenizer, task.pairs, valid_data, data)
+            prepared["fingerprint"] = manifest["fingerprint"]  # known once the copy is written: a resume compares it
+            ckpt.write_config(folder, config)
         trainer.save(folder)
 
     ckpt.create_run(run_dir, config, tokenizer, overwrite=overwrite, write_initial=write_initial,
@@ -200,12 +206,13 @@ def start_run(
 
 
 RUN_DATA_FOLDER = "data"
+RESUME_REMEDY = "resuming would not continue the same run; restore the folder or start a new --run-dir"
 
 
 def _write_run_data(folder: Path, tokenizer: Tokenizer, pairs: TokenLists, valid: ParallelText | None,
-                    data: dict) -> None:
+                    data: dict) -> dict:
     """The training pairs a run starts with (already tokenised, over-long ones left out) and its
-    validation pairs, as a prepared folder inside the run folder."""
+    validation pairs, as a prepared folder inside the run folder. Returns its manifest."""
     folder.mkdir()
     splits = {"train": (pairs.src_ids, pairs.tgt_ids, pairs.lines)}
     sources = {"train": pairs.source}
@@ -213,14 +220,14 @@ def _write_run_data(folder: Path, tokenizer: Tokenizer, pairs: TokenLists, valid
         splits["valid"] = (tokenizer.encode_batch(valid.src), tokenizer.encode_batch(valid.tgt),
                            list(range(1, len(valid) + 1)))
         sources["valid"] = {"src": valid.src_path, "tgt": valid.tgt_path}
-    write_token_lists(folder, tokenizer, splits, sources=sources, data=data)
+    return write_token_lists(folder, tokenizer, splits, sources=sources, data=data)
 
 
 def _open_translation_task(run_dir: Path, config: dict, tokenizer: Tokenizer,
                            model_config: TransformerConfig) -> TranslationTask:
     """The task of a translation run: from its prepared folder (its own copy, or the one it was
-    started with, refused if it changed since), or for runs older than prepared folders from its
-    text, refused if that changed."""
+    started with, refused if it changed since: another fingerprint, or files that are not what the
+    manifest says), or for runs older than prepared folders from its text, refused if that changed."""
     prepared = config.get("prepared")
     two_ways = bool(config["data"].get("both_directions"))  # the run's own copy holds the pairs both ways too
     if prepared and config["data"]["source"] != "prepared":
@@ -231,6 +238,9 @@ def _open_translation_task(run_dir: Path, config: dict, tokenizer: Tokenizer,
             raise ValueError(f"the prepared folder {corpus.folder} changed since this run started (fingerprint "
                              f"{corpus.fingerprint[:12]}, the run's {prepared['fingerprint'][:12]}): resuming would not "
                              "continue the same run; restore it or start a new --run-dir")
+        # the run's own copy keeps no hash cache: nothing is written into a run folder by opening it
+        corpus.verify(min(model_config.src_vocab_size, model_config.tgt_vocab_size),
+                      cache=config["data"]["source"] == "prepared", remedy=RESUME_REMEDY)
         valid = corpus.text("valid", tokenizer) if corpus.has("valid") else None
         return TranslationTask(tokenizer, corpus.split("train"), valid, max_len=model_config.max_len,
                                pad_id=model_config.pad_id, both_directions=two_ways)
