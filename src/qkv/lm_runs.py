@@ -31,10 +31,6 @@ def lm_model_config(recipe: dict, model_options: dict | None, vocab_size: int) -
     return CausalLMConfig(**{**recipe["model"], **(model_options or {}), "vocab_size": vocab_size})
 
 
-def open_lm_model(config: dict) -> CausalLM:
-    return CausalLM(CausalLMConfig.from_dict(config["model"]))
-
-
 def open_lm_task(run_dir: Path, config: dict) -> LanguageModelTask:
     """The task of a language-model run, from the token arrays it keeps (memory-mapped)."""
     vocab = config["model"]["vocab_size"]

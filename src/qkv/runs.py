@@ -31,7 +31,7 @@ from qkv.data.sources import both_directions, check_spec, describe, load_train_v
 from qkv.data.text import TEXT_SOURCES
 from qkv.data.tokenizer import Tokenizer
 from qkv.device import pick_device
-from qkv.lm_runs import open_lm_model, open_lm_task, start_lm_run
+from qkv.lm_runs import open_lm_task, start_lm_run
 from qkv.models import Transformer, TransformerConfig
 from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST, decode_settings
 from qkv.training import Distributed, TrainConfig, Trainer, TrainingCrashed, TranslationTask
@@ -273,7 +273,8 @@ def _compare_fingerprint(config: dict, train_data: ParallelText) -> None:
 
 
 def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
-               device: str | torch.device | None = None, dist: Distributed | None = None) -> Trainer:
+               device: str | torch.device | None = None, dist: Distributed | None = None,
+               trust_checkpoint: bool = False) -> Trainer:
     """Reopen a run folder where it stopped (weights, optimizer, data position, RNG).
 
     Args:
@@ -283,6 +284,8 @@ def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
         device: where the model trains.
         dist: this process's place among several (default: alone); the run may have been saved
             by another number of processes.
+        trust_checkpoint: load a ``state.pt`` holding pickled objects (an older qkv's) in full, once,
+            and rewrite it safely (see :func:`qkv.checkpoint.load_checkpoint`); never for a run from others.
 
     Raises:
         ValueError / FileNotFoundError: not a run, a damaged checkpoint, bad options, or training
@@ -297,27 +300,24 @@ def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
     device = pick_device(device)
     try:
         train_config = TrainConfig.from_dict({**config.get("train", {}), **(train_options or {})})
-        if ckpt.run_task(config) != "lm":
-            TransformerConfig.from_dict(config["model"])
-        else:
-            open_lm_model(config)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{run_dir / 'config.json'}: {err}") from None
+    model_config = ckpt.read_model_config(run_dir, config)
     train_config.check_stops()
+    # the model is built only once config.json agrees with the weights saved with state.pt
+    model = ckpt.build_run_model(run_dir, model_config, run_dir / "last.safetensors").to(device)
     if ckpt.run_task(config) == "lm":
-        trainer = Trainer(open_lm_model(config).to(device), open_lm_task(run_dir, config), train_config, run_dir,
-                          dist=dist)
-        return _resumed(trainer, run_dir, config, train_config, train_options)
+        trainer = Trainer(model, open_lm_task(run_dir, config), train_config, run_dir, dist=dist)
+        return _resumed(trainer, run_dir, config, train_config, train_options, trust_checkpoint)
     tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
-    model_config = TransformerConfig.from_dict(config["model"])
     task = _open_translation_task(run_dir, config, tokenizer, model_config)
-    trainer = Trainer(Transformer(model_config).to(device), task, train_config, run_dir, dist=dist)
-    return _resumed(trainer, run_dir, config, train_config, train_options)
+    trainer = Trainer(model, task, train_config, run_dir, dist=dist)
+    return _resumed(trainer, run_dir, config, train_config, train_options, trust_checkpoint)
 
 
 def _resumed(trainer: Trainer, run_dir: Path, config: dict, train_config: TrainConfig,
-             train_options: dict | None) -> Trainer:
-    trainer.resume()
+             train_options: dict | None, trust_checkpoint: bool = False) -> Trainer:
+    trainer.resume(trust=trust_checkpoint)
     if train_options and asdict(train_config) != config.get("train") and trainer.dist.is_main:
         ckpt.write_config(run_dir, {**config, "train": asdict(train_config)})
     return trainer
