@@ -97,6 +97,7 @@ def load_split(spec: dict, split: str) -> ParallelText:
         corpus = PreparedCorpus(spec["folder"])
         if split not in names or not corpus.has(names[split]):
             raise ValueError(f"this run's prepared folder has no {split!r} split; pass --src and --ref files to score")
+        corpus.verify()  # a score is only as good as its references: the arrays are what the manifest says
         return corpus.text(names[split])
     if source == "multi30k":
         if split not in MULTI30K_SPLITS:
