@@ -11,8 +11,9 @@ the page makes no request but to itself.
 
 The page's Content-Security-Policy (a ``<meta>``, :mod:`qkv.viz.html`) is checked as written and
 as Chromium enforces it: remote scripts, styles, images, frames, ``fetch`` and ``eval`` are refused.
-It allows ``script-src 'unsafe-inline'``, so a script or handler that got into the DOM would run:
-escaping is the only defence against that (the xfail test below records it).
+Its ``script-src`` allows the page's one inline script by its SHA-256 only, so a script element or
+``on*`` handler that got into the DOM some other way does not run either: escaping is not the only
+defence. ``qkv serve`` adds ``frame-ancestors 'none'`` as a header (a meta cannot say it).
 """
 
 from __future__ import annotations
@@ -490,10 +491,6 @@ def test_csp_meta_is_enforced_by_chromium(browser, sentences_page):
         s.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the explorer's CSP has script-src 'unsafe-inline' (qkv/viz/html.py _CSP_STATIC), so a script element "
-    "or on* handler that reached the DOM would run; escaping is the only defence. Fix: in render_html, "
-    "script-src 'sha256-<base64 SHA-256 of the one inline <script>'s text>' in place of 'unsafe-inline'"))
 def test_csp_refuses_injected_inline_script_and_handlers(browser, sentences_page):
     path, _ = sentences_page
     s = Session(browser)
@@ -554,14 +551,14 @@ def get(url: str, data: bytes | None = None):
 
 def test_qkv_serve_with_hostile_text_models_and_errors(browser, served):
     origin = served
-    # the page: HTML with its CSP meta (live: requests back to the server only); the server sends no
-    # CSP header of its own, and if it ever does, it must be as strict
+    # the page: HTML with its CSP meta (live: requests back to the server only); the server's own
+    # header adds what a meta cannot say: no other site may frame the page
     status, headers, html = get(origin + "/")
     assert status == 200 and headers["Content-Type"] == "text/html; charset=utf-8"
     assert headers["X-Content-Type-Options"] == "nosniff"
     check_page_head(html, live=True)
-    if headers.get("Content-Security-Policy"):
-        check_policy(headers["Content-Security-Policy"], live=True)
+    assert parse_policy(headers["Content-Security-Policy"]) == {"frame-ancestors": ["'none'"]}
+    assert headers["X-Frame-Options"] == "DENY"
     for payload in (SERVE_TEXT, RUN_NAME, BERT_NAME):
         assert payload not in html
     # an API answer quoting hostile input is JSON, never sniffed as HTML

@@ -14,6 +14,7 @@ JSON text, 9 MB packed. core.js unpacks them into ``Float32Array`` rows before t
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import json
 import zlib
@@ -30,7 +31,10 @@ from qkv.viz.export import check_data
 SCRIPTS = ("core.js", "figure.js", "lines.js", "attention.js", "summary.js", "rollout.js", "saliency.js",
            "compare.js", "export.js", "main.js")
 
-_CSP_STATIC = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
+# The page's policy: nothing from anywhere, the one inline script allowed by its hash (so a script or
+# an on* handler that got into the page some other way would not run), styles inline, images as data.
+_CSP_STATIC = ("default-src 'none'; style-src 'unsafe-inline'; script-src '{script_hash}'; img-src data:; "
+               "base-uri 'none'; form-action 'none'")
 _CSP_LIVE = _CSP_STATIC + "; connect-src 'self'"
 _DATA_OPEN = '<script id="qkv-data" type="application/json">'
 
@@ -162,7 +166,9 @@ def render_html(data: dict, *, live: dict | None = None) -> str:
             raise ValueError(f"{name} contains {closing!r}, which would end its inline element")
     js = "".join(text if text.endswith("\n") else text + "\n" for _, text in scripts)
     title = html.escape(data.get("title", "qkv attention explorer"))
-    csp = _CSP_LIVE if live is not None else _CSP_STATIC
+    script = f"\n{js}"
+    script_hash = "sha256-" + base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
+    csp = (_CSP_LIVE if live is not None else _CSP_STATIC).format(script_hash=script_hash)
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
@@ -170,7 +176,7 @@ def render_html(data: dict, *, live: dict | None = None) -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
         f"<title>{title}</title>\n<style>\n{css}</style>\n</head>\n<body>\n{body}"
         f"{_DATA_OPEN}{json_for_script(data)}</script>\n"
-        f"<script>\n{js}</script>\n</body>\n</html>\n"
+        f"<script>{script}</script>\n</body>\n</html>\n"
     )
 
 

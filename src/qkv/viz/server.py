@@ -229,6 +229,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.send_header("X-Content-Type-Options", "nosniff")
         self.send_header("Cache-Control", "no-store")
+        # no other site may frame the explorer (a policy in the page's meta cannot say that)
+        self.send_header("Content-Security-Policy", "frame-ancestors 'none'")
+        self.send_header("X-Frame-Options", "DENY")
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         if self.close_connection:
