@@ -9,14 +9,8 @@ Writes benchmarks/results/attention.json and attention.png and prints the ratios
 """
 
 import sys
-from pathlib import Path
 
 from qkv.cli import main
 
-SHARED_MULTI30K = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "multi30k"
-
-if __name__ == "__main__":
-    args = sys.argv[1:]
-    if "--data" not in args and SHARED_MULTI30K.is_dir():
-        args += ["--data", str(SHARED_MULTI30K)]
-    sys.exit(main(["bench", "attention", *args]))
+if __name__ == "__main__":  # --data defaults to qkv's lookup: $QKV_DATA/multi30k, then the cache
+    sys.exit(main(["bench", "attention", *sys.argv[1:]]))

@@ -32,7 +32,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before tokenizers is imported:
 
 from qkv.bench.results import add_result_options, check_result_file  # noqa: E402
 from qkv.bench.timing import environment  # noqa: E402
-from qkv.data import cached_encoder  # noqa: E402
+from qkv.data import cached_encoder, resolve_multi30k  # noqa: E402
 from qkv.data.tokenizer import Tokenizer  # noqa: E402
 from qkv.fileio import write_json  # noqa: E402
 
@@ -62,14 +62,15 @@ def fast_path(latin: bool):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "multi30k"))
+    parser.add_argument("--data", default=None, help="Multi30k folder (default: $QKV_DATA/multi30k or the cache)")
     parser.add_argument("--repeats", type=int, default=3)
     add_result_options(parser, ROOT / "benchmarks" / "results" / "cached_encoder_multi30k.json")
     args = parser.parse_args()
     check_result_file(parser, args)  # before any work
+    folder = resolve_multi30k(args.data, download=False)  # --data, $QKV_DATA/multi30k or the cache
     texts = {}
     for lang in ("en", "de", "fr"):
-        with gzip.open(Path(args.data) / f"train.{lang}.gz", "rt", encoding="utf-8") as lines:
+        with gzip.open(folder / f"train.{lang}.gz", "rt", encoding="utf-8") as lines:
             texts[lang] = lines.read().splitlines()
     tokenizer = Tokenizer.train([t for lang in texts.values() for t in lang], vocab_size=8000)
     results = {}

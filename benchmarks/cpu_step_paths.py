@@ -40,7 +40,6 @@ from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_F
 from qkv.training import Trainer, TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
 BEFORE = {"attention": "fused attention kernel", "adam": "per-tensor Adam", "chunks": "1,024-row loss chunks"}
 
 
@@ -58,7 +57,7 @@ def paths_before(which: frozenset[str]):
         backends.PLAIN_MAX_LEN, qkv.models.fused_linear_cross_entropy = saved_plain, saved_loss
 
 
-def recipe_data_and_model(data_dir: str, bf16: bool, batches: int):
+def recipe_data_and_model(data_dir: str | None, bf16: bool, batches: int):
     """The Multi30k recipe's real batches and model config for a run in bf16 or float32 (the recipe's
     fields where bf16 is fast when ``bf16``), as a training run of it would have them."""
     recipe = RECIPES["multi30k"]
@@ -88,7 +87,8 @@ def make_step(data, config, train: TrainConfig, which: frozenset[str]):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default=str(SHARED_MULTI30K), help="folder with the Multi30k task-1 files")
+    parser.add_argument("--data", default=None, help="folder with the Multi30k task-1 files (default: "
+                        "$QKV_DATA/multi30k or the cache)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30, help="timed steps per variant")
     parser.add_argument("--batches", type=int, default=30, help="real batches cycled through")

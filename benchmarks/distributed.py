@@ -140,7 +140,7 @@ def main() -> int:
     from qkv.fileio import write_json
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared/data/multi30k"))
+    parser.add_argument("--data-dir", default=None, help="Multi30k folder (default: $QKV_DATA/multi30k or the cache)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per round (2 batches a step)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)

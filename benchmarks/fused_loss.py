@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", default="1f9dd2b", help="the commit whose src/qkv/loss.py is compared")
-    parser.add_argument("--data", default=str(cpu_step_paths.SHARED_MULTI30K), help="folder with Multi30k")
+    parser.add_argument("--data", default=None, help="folder with Multi30k (default: $QKV_DATA/multi30k or the cache)")
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="auto: bf16 autocast where bf16 products are fast (as the recipe), else float32")
     parser.add_argument("--threads", type=int, default=2)

@@ -53,7 +53,7 @@ def child(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "multi30k"))
+    parser.add_argument("--data", default=None, help="Multi30k folder (default: $QKV_DATA/multi30k or the cache)")
     parser.add_argument("--precisions", default="auto", help="comma list of bf16, float32; auto: bf16 where fast, "
                                                              "and float32")
     parser.add_argument("--rounds", type=int, default=3, help="pairs of processes per precision")
@@ -88,9 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in names if name not in ("bf16", "float32")]
     if unknown:
         parser.error(f"unknown precision {unknown[0]!r}: use bf16, float32 or auto")
-    if not Path(args.data).is_dir():
+    if args.data is not None and not Path(args.data).is_dir():
         parser.error(f"--data {args.data}: no such folder (Multi30k's task-1 files)")
     out = check_result_file(parser, args)
+    from qkv.data import resolve_multi30k
+
+    try:  # the children get the folder found: --data, $QKV_DATA/multi30k or the cache
+        args.data = str(resolve_multi30k(args.data, download=False))
+    except FileNotFoundError as err:
+        parser.error(str(err))
     results = {}
     for precision in names:
         rounds = []

@@ -262,7 +262,8 @@ def plot(runs: list[dict], path: Path, warmup_minutes: float, title: str) -> Non
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "multi30k"), help="Multi30k folder")
+    p.add_argument("--data", default=None,
+                   help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)")
     p.add_argument("--minutes", type=float, default=20.0, help="training minutes a run")
     p.add_argument("--interval", type=float, default=60.0, help="seconds between RSS samples")
     p.add_argument("--warmup-minutes", type=float, default=3.0, help="samples before this are warm-up")
@@ -305,6 +306,12 @@ def main() -> int:
 
     check_result_file(p, args)  # before any work
     check_result_file(p, args, flag="--figure")
+    from qkv.data import resolve_multi30k
+
+    try:  # the children get the folder found: --data, $QKV_DATA/multi30k or the cache (as qkv train)
+        args.data = str(resolve_multi30k(args.data).resolve())
+    except FileNotFoundError as err:
+        p.error(str(err))
 
     torch.set_num_threads(args.threads)
     fixes = [f.strip() for f in args.fixes.split(",") if f.strip()]

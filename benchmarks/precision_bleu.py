@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "multi30k"))
+    p.add_argument("--data", default=None, help="Multi30k folder (default: $QKV_DATA/multi30k or the cache)")
     p.add_argument("--compare", choices=("bf16", "compile", "seed"), default="bf16",
                    help="what the second run changes against the float32 eager one")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps of each run")

@@ -44,6 +44,7 @@ import torch
 from qkv import checkpoint as ckpt
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
+from qkv.data import resolve_multi30k
 from qkv.data.sources import load_split
 from qkv.device import pick_device
 from qkv.evaluation import score_translations, translate_texts
@@ -208,7 +209,8 @@ def collect(paths: list[Path], out: Path) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "multi30k"), help="Multi30k folder")
+    p.add_argument("--data", default=None,
+                   help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)")
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
     p.add_argument("--minutes", type=float, default=12.0, help="training wall time of each candidate")
@@ -245,7 +247,11 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     device = str(pick_device())  # CUDA where there is one, else the CPU
-    data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": args.src, "tgt_lang": args.tgt}
+    try:  # --data, $QKV_DATA/multi30k or the cache (downloaded there if missing, as qkv train does)
+        folder = resolve_multi30k(args.data).resolve()
+    except FileNotFoundError as err:
+        p.error(str(err))
+    data = {"source": "multi30k", "folder": str(folder), "src_lang": args.src, "tgt_lang": args.tgt}
     out = Path(args.out)
     report = json.loads(out.read_text()) if out.exists() else {}
     if report and (report.get("minutes"), report.get("beam"), report.get("pair")) != (

@@ -21,11 +21,11 @@ from pathlib import Path
 
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
+from qkv.data import resolve_multi30k
 from qkv.data.sources import load_split
 from qkv.evaluation import paired_significance, read_translations, significance_lines
 from qkv.fileio import write_json
 
-REPO = Path(__file__).resolve().parent.parent
 SPLITS = {"val": "val", "test_2016": "test"}  # the name in a hypothesis file -> load_split's name
 
 
@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", action="append", type=parse_run, required=True, metavar="NAME=PATH",
                    help="a run folder or a translations file; the first is the baseline (give two or more)")
     p.add_argument("--split", choices=tuple(SPLITS), default="val")
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "multi30k"), help="Multi30k folder")
+    p.add_argument("--data", default=None,
+                   help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)")
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
     p.add_argument("--resamples", type=int, default=1000, help="paired bootstrap resamples (default 1000)")
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = check_result_file(p, args)
         files = {name: translations_file(Path(path), args.split, args.tgt) for name, path in args.run}  # before data
-        spec = {"source": "multi30k", "src_lang": args.src, "tgt_lang": args.tgt, "folder": args.data}
+        folder = str(resolve_multi30k(args.data))  # --data, $QKV_DATA/multi30k or the cache
+        spec = {"source": "multi30k", "src_lang": args.src, "tgt_lang": args.tgt, "folder": folder}
         references = load_split(spec, SPLITS[args.split]).tgt
         results = paired_significance({name: read_translations(f) for name, f in files.items()}, references,
                                       resamples=args.resamples, trials=args.trials)

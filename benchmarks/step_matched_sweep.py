@@ -206,7 +206,8 @@ def main() -> int:
                    help="steps of each candidate's calibration run (the pace is read from the later half)")
     p.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
     p.add_argument("--list", action="store_true", help="list the candidates and exit")
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "multi30k"), help="Multi30k folder")
+    p.add_argument("--data", default=None,
+                   help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)")
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
     p.add_argument("--seed", type=int, default=0)
@@ -241,6 +242,12 @@ def main() -> int:
     if taken:  # never train over an earlier sweep's runs
         p.error(f"{', '.join(taken)} exist (an earlier sweep's runs): give another --run-root or remove them")
     check_result_file(p, args)
+    from qkv.data import resolve_multi30k
+
+    try:  # the workers get the folder found: --data, $QKV_DATA/multi30k or the cache (as qkv train)
+        args.data = str(resolve_multi30k(args.data).resolve())
+    except FileNotFoundError as err:
+        p.error(str(err))
     t0 = time.perf_counter()
     recipe_steps, calibration = args.steps, None
     if args.fit_seconds:  # as many copies of the recipe as candidates, side by side: the pace of each

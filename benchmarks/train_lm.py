@@ -389,8 +389,8 @@ def main() -> int:
     p.add_argument("--compare", action="store_true", help="qkv CausalLM vs HF GPT2LMHeadModel, tokens/s and val loss")
     p.add_argument("--minutes", type=float, nargs="?", const=RECIPE["train"]["max_minutes"], default=None,
                    help=f"a fixed-wall-time run of qkv's recipe (alone: {RECIPE['train']['max_minutes']:g} minutes)")
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "tinyshakespeare"),
-                   help="folder holding input.txt (else $QKV_DATA or the cache, downloaded if missing)")
+    p.add_argument("--data", default=None, help="folder holding input.txt (default: $QKV_DATA/tinyshakespeare or "
+                                                "the cache, downloaded if missing)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: every core)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", "--out", dest="out_dir", default=str(REPO / "benchmarks" / "results"),

@@ -47,7 +47,7 @@ from qkv.cli.train import (
     sigterm_saves_first,
     train_options_from,
 )
-from qkv.data.parallel import MULTI30K_LATER_TESTS, load_multi30k
+from qkv.data.parallel import MULTI30K_LATER_TESTS, load_multi30k, resolve_multi30k
 from qkv.data.sources import load_split
 from qkv.device import pick_device
 from qkv.evaluation import score_translations, translate_texts
@@ -61,7 +61,8 @@ REPO = Path(__file__).resolve().parent.parent
 def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict, dict]:
     """The command line, and the model and training fields it sets over the recipe's."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "multi30k"), help="Multi30k folder")
+    p.add_argument("--data", default=None,
+                   help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)")
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
     p.add_argument("--both-directions", action="store_true",
@@ -107,7 +108,11 @@ def main() -> int:
         return 2
     out.parent.mkdir(parents=True, exist_ok=True)
     device = str(pick_device())  # CUDA where there is one, else the CPU
-    data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": args.src, "tgt_lang": args.tgt,
+    try:  # --data, $QKV_DATA/multi30k or the cache; none: start_run looks again after checking every option
+        folder = str(resolve_multi30k(args.data, download=False).resolve())  # (and downloads, as qkv train does)
+    except FileNotFoundError:
+        folder = args.data
+    data = {"source": "multi30k", "folder": folder, "src_lang": args.src, "tgt_lang": args.tgt,
             **({"both_directions": True} if args.both_directions else {})}
 
     limit_memory_growth()  # as the CLI does, before the first oneDNN primitive (the bf16 probe is one)
@@ -199,7 +204,8 @@ def evaluation_splits(data: dict) -> tuple[dict, list[str]]:
     missing = []
     for stem in MULTI30K_LATER_TESTS:
         try:
-            splits[stem] = load_multi30k(data["folder"], stem, data["src_lang"], data["tgt_lang"])
+            folder = resolve_multi30k(data["folder"], download=False)  # None: qkv's lookup
+            splits[stem] = load_multi30k(folder, stem, data["src_lang"], data["tgt_lang"])
         except FileNotFoundError:
             missing.append(stem)
     if missing:

@@ -46,7 +46,7 @@ from qkv.recipes import decode_settings
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from train_multi30k import REPO, evaluation_splits, score_splits  # noqa: E402  (a sibling script)
+from train_multi30k import evaluation_splits, score_splits  # noqa: E402  (a sibling script)
 
 
 def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -60,7 +60,8 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, li
                         "test sets (default: the recipe's, 0.6, untried)")
     p.add_argument("--beam", type=int, default=None, help="beam size, the ensemble's and each member's "
                                                              "(default: the recipe's)")
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "multi30k"), help="Multi30k folder")
+    p.add_argument("--data", default=None,
+                   help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)")
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N val/test pairs (smoke tests)")
@@ -85,6 +86,13 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, li
         if done:
             p.error(f"{', '.join(done)} exist: score them with --score-only, or choose another --run-dir")
     check_result_file(p, args)  # before an hour of training, not after
+    if not args.score_only:
+        from qkv.data import resolve_multi30k
+
+        try:  # the members get the folder found: --data, $QKV_DATA/multi30k or the cache (as qkv train)
+            args.data = str(resolve_multi30k(args.data).resolve())
+        except FileNotFoundError as err:
+            p.error(str(err))
     return args, member_options
 
 

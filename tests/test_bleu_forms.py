@@ -129,18 +129,15 @@ def test_score_translations_keeps_sacrebleu_and_adds_the_forms():
         score_translations(hyps, refs, target_lang="German")
 
 
-def test_papers_form_token_counts_match_the_multi30k_release(shared_data):
+def test_papers_form_token_counts_match_the_multi30k_release(multi30k_file):
     """The Multi30k dataset's README gives the word counts of its lowercased, normalised, Moses-
     tokenized files (scripts/task1-tokenize.sh): test 2016 en 12,968, de 12,103, fr 13,988; val de 12,828."""
     from qkv.data.parallel import read_lines
 
-    folder = shared_data / "multi30k"
     published = {("test_2016_flickr", "en"): 12968, ("test_2016_flickr", "de"): 12103,
                  ("test_2016_flickr", "fr"): 13988, ("val", "de"): 12828}
     for (split, lang), words in published.items():
-        path = folder / f"{split}.{lang}.gz"
-        if not path.is_file():
-            pytest.skip(f"{path} not found")
+        path = multi30k_file(f"{split}.{lang}.gz")
         assert sum(len(papers_form(line, lang).split()) for line in read_lines(path)) == words, (split, lang)
 
 

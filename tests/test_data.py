@@ -71,8 +71,8 @@ def test_missing_and_fake_gz(tmp_path):
 
 
 # --------------------------------------------------------------------------- Multi30k
-def test_multi30k_loader_reads_shared_data(shared_data):
-    folder = shared_data / "multi30k"
+def test_multi30k_loader_reads_the_data_qkv_finds(multi30k_dir):
+    folder = multi30k_dir
     train = load_multi30k(folder, "train", "en", "de")
     val = load_multi30k(folder, "val", "en", "de")
     test = load_multi30k(folder, "test", "de", "en")
@@ -88,13 +88,13 @@ def test_multi30k_loader_reads_shared_data(shared_data):
         load_multi30k(folder, "dev")
 
 
-def test_resolve_multi30k_order(tmp_path, monkeypatch, shared_data):
+def test_resolve_multi30k_order(tmp_path, monkeypatch, multi30k_dir):
     monkeypatch.setenv("QKV_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("QKV_DATA", raising=False)
     with pytest.raises(FileNotFoundError, match="QKV_DATA"):
         resolve_multi30k(None, download=False)
-    monkeypatch.setenv("QKV_DATA", str(shared_data))
-    assert resolve_multi30k(None, download=False) == shared_data / "multi30k"
+    monkeypatch.setenv("QKV_DATA", str(multi30k_dir.parent))  # a folder holding multi30k/
+    assert resolve_multi30k(None, download=False) == multi30k_dir
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "train.en").write_text("x\n")
@@ -128,7 +128,7 @@ def test_download_multi30k_writes_whole_files_or_none(tmp_path, monkeypatch):
     assert oct((folder / "train.en.gz").stat().st_mode & 0o777) == oct(0o644)
 
 
-def test_later_test_sets_come_from_the_cache_and_leave_the_data_folder_alone(tmp_path, monkeypatch, shared_data):
+def test_later_test_sets_come_from_the_cache_and_leave_the_data_folder_alone(tmp_path, monkeypatch, multi30k_dir):
     import io
     import urllib.request
 
@@ -141,7 +141,7 @@ def test_later_test_sets_come_from_the_cache_and_leave_the_data_folder_alone(tmp
     monkeypatch.setattr(urllib.request, "urlopen", urlopen)
     monkeypatch.setenv("QKV_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "data"
-    shutil.copytree(shared_data / "multi30k", folder)
+    shutil.copytree(multi30k_dir, folder)
     before = sorted(p.name for p in folder.iterdir())
     with pytest.raises(FileNotFoundError, match="test_2017_mscoco.en.gz"):
         load_multi30k(folder, "test_2017_mscoco", "en", "de")  # no download unless asked
@@ -160,8 +160,8 @@ def test_later_test_sets_come_from_the_cache_and_leave_the_data_folder_alone(tmp
     assert len(load_split(spec, "test")) == 1000 and len(asked) == 2  # test 2016 as before
 
 
-def test_data_spec_multi30k_and_files(tmp_path, shared_data):
-    spec = {"source": "multi30k", "folder": str(shared_data / "multi30k"), "src_lang": "de", "tgt_lang": "en"}
+def test_data_spec_multi30k_and_files(tmp_path, multi30k_dir):
+    spec = {"source": "multi30k", "folder": str(multi30k_dir), "src_lang": "de", "tgt_lang": "en"}
     train, valid = load_train_valid(spec)
     assert len(train) == 29000 and len(valid) == 1014 and train.src_path.endswith("train.de.gz")
     assert len(load_split(spec, "test")) == 1000

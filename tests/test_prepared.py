@@ -114,10 +114,10 @@ def test_the_python_split_is_the_tokenizers_on_every_latin_character():
     assert checked == 9 * len(chars)
 
 
-def test_cached_encoder_equals_the_tokenizer_on_german_and_french(shared_data):
+def test_cached_encoder_equals_the_tokenizer_on_german_and_french(multi30k_file):
     texts = []
     for lang in ("de", "fr"):
-        with gzip.open(shared_data / "multi30k" / f"train.{lang}.gz", "rt", encoding="utf-8") as lines:
+        with gzip.open(multi30k_file(f"train.{lang}.gz"), "rt", encoding="utf-8") as lines:
             texts += lines.read().splitlines()[:1500]
     assert sum(not t.isascii() for t in texts) > 1500  # most take the Latin path, not the ASCII one
     tokenizer = Tokenizer.train(texts, vocab_size=1000)

@@ -16,7 +16,6 @@ import sacrebleu
 from bench_loader import load_benchmark
 
 REPO = Path(__file__).resolve().parent.parent
-DATA = REPO.parent / "shared" / "data" / "multi30k"
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +38,12 @@ def test_a_candidate_gets_the_steps_its_cost_allows_in_the_hour(sweep):
     assert abs(changes["rdrop_start"] * 9350 - 0.7 * 11000) < 0.01 * 11000
 
 
-def test_candidates_train_side_by_side_and_score_as_qkv_evaluate_does(tmp_path, capsys):
-    if not (DATA / "train.en.gz").is_file():
-        pytest.skip("needs ../shared/data/multi30k")
+def test_candidates_train_side_by_side_and_score_as_qkv_evaluate_does(tmp_path, capsys, multi30k_dir):
     from qkv.cli import main
 
     root, out = tmp_path / "sweep", tmp_path / "sweep.json"
-    argv = [sys.executable, str(REPO / "benchmarks" / "step_matched_sweep.py"), "--data", str(DATA), "--steps", "3",
-            "--only", "recipe,lr07", "--eval-limit", "6", "--run-root", str(root), "--out", str(out)]
+    argv = [sys.executable, str(REPO / "benchmarks" / "step_matched_sweep.py"), "--data", str(multi30k_dir),
+            "--steps", "3", "--only", "recipe,lr07", "--eval-limit", "6", "--run-root", str(root), "--out", str(out)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -63,7 +60,7 @@ def test_candidates_train_side_by_side_and_score_as_qkv_evaluate_does(tmp_path, 
     again = json.loads(capsys.readouterr().out)
     assert again["chrf"] == rows["lr07"]["val_chrf"] and again["bleu"] == rows["lr07"]["val_bleu"]
     # the translations each run keeps (for benchmarks/significance.py) are the ones its row scored
-    with gzip.open(DATA / "val.de.gz", "rt", encoding="utf-8") as f:
+    with gzip.open(multi30k_dir / "val.de.gz", "rt", encoding="utf-8") as f:
         refs = f.read().splitlines()[:6]
     for name, row in rows.items():
         assert "scored" not in row  # the row written before decoding was replaced by the finished one

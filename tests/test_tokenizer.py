@@ -117,10 +117,10 @@ def test_load_rejects_broken_files_in_one_line(tokenizer, tmp_path, name):
     assert "\n" not in message and len(message) < len(str(path)) + 300
 
 
-def test_split_digits_and_multi30k_round_trip(shared_data):
-    with gzip.open(shared_data / "multi30k" / "val.de.gz", "rt", encoding="utf-8") as f:
+def test_split_digits_and_multi30k_round_trip(multi30k_dir):
+    with gzip.open(multi30k_dir / "val.de.gz", "rt", encoding="utf-8") as f:
         german = f.read().splitlines()
-    with gzip.open(shared_data / "multi30k" / "val.en.gz", "rt", encoding="utf-8") as f:
+    with gzip.open(multi30k_dir / "val.en.gz", "rt", encoding="utf-8") as f:
         english = f.read().splitlines()
     tok = Tokenizer.train(german + english, vocab_size=1000, split_digits=True)
     assert all(tok.decode(tok.encode(line)) == line for line in german + english)

@@ -63,16 +63,14 @@ def test_explicit_encoder_or_decoder_layers_win_over_layers(bench):
     assert (model["num_encoder_layers"], model["num_decoder_layers"]) == (6, 3)
 
 
-def test_sigterm_saves_the_benchmark_run_and_says_how_to_go_on(tmp_path):
+def test_sigterm_saves_the_benchmark_run_and_says_how_to_go_on(tmp_path, multi30k_dir):
     """SIGTERM during the benchmark's training saves the last whole step (as qkv train does), exits 143
     and writes no report; before, the process died on the spot and lost everything since the last
     checkpoint."""
     import signal
     import sys
 
-    data = REPO.parent / "shared" / "data" / "multi30k"
-    if not (data / "train.en.gz").is_file():
-        pytest.skip("needs ../shared/data/multi30k")
+    data = multi30k_dir
     run, out = tmp_path / "run", tmp_path / "report.json"
     argv = [sys.executable, str(REPO / "benchmarks" / "train_multi30k.py"), "--data", str(data), "--minutes", "5",
             "--train-limit", "400", "--d-model", "32", "--heads", "2", "--layers", "1", "--d-ff", "64",
@@ -85,7 +83,7 @@ def test_sigterm_saves_the_benchmark_run_and_says_how_to_go_on(tmp_path):
     assert "Traceback" not in err and not out.exists()
 
 
-def test_the_ensemble_benchmark_trains_members_side_by_side_and_scores_them_together(tmp_path, capsys):
+def test_the_ensemble_benchmark_trains_members_side_by_side_and_scores_them_together(tmp_path, capsys, multi30k_dir):
     """benchmarks/train_multi30k_ensemble.py: two members (one thread each, seeds 0 and 1) get the
     options it does not know; the length penalty is the validation set's best; the ensemble's scores
     are what qkv evaluate --ensemble gives for the same runs."""
@@ -95,9 +93,7 @@ def test_the_ensemble_benchmark_trains_members_side_by_side_and_scores_them_toge
 
     from qkv.cli import main
 
-    data = REPO.parent / "shared" / "data" / "multi30k"
-    if not (data / "train.en.gz").is_file():
-        pytest.skip("needs ../shared/data/multi30k")
+    data = multi30k_dir
     run, out = tmp_path / "ensemble", tmp_path / "report.json"
     argv = [sys.executable, str(REPO / "benchmarks" / "train_multi30k_ensemble.py"), "--data", str(data),
             "--members", "2", "--threads", "2", "--alphas", "0.6,2.0", "--eval-limit", "12", "--run-dir", str(run),
