@@ -255,11 +255,11 @@ def test_a_pretrained_folder_asking_for_a_huge_model_is_refused_before_building(
     BertModel(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                          vocab_size=50, max_position_embeddings=32)).save_pretrained(bert)
     cases = [(gpt2, {"n_embd": 10**6}, "tensor shapes disagree with config.json"),
-             (gpt2, {"n_layer": 10_000}, "missing keys"),
+             (gpt2, {"n_layer": 10**9}, "config.json: n_layer is 1000000000"),
              (gpt2, {"n_positions": 10**9}, "tensor shapes disagree"),
              (bert, {"hidden_size": 10**6, "num_attention_heads": 1}, "tensor shapes disagree with config.json"),
              (bert, {"intermediate_size": 10**9}, "tensor shapes disagree"),
-             (bert, {"num_hidden_layers": 10_000}, "missing keys")]
+             (bert, {"num_hidden_layers": 10_000}, "config.json: num_hidden_layers is 10000")]
     for folder, change, expected in cases:
         copy = tmp_path / "copy"
         shutil.rmtree(copy, ignore_errors=True)

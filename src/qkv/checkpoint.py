@@ -132,6 +132,7 @@ def load_checkpoint(run_dir: str | Path, *, clean: bool = True, trust: bool = Fa
     if clean:
         for stale in remove_stale_temporaries(run_dir):
             logger.info("removed %s, left by an interrupted write", stale)
+    _check_zip(path)
     try:
         saved = torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as err:
@@ -158,6 +159,23 @@ def check_saved_weights(model: torch.nn.Module, weights: dict, path: str | Path)
     header = {name: TensorInfo(tuple(t.shape), "F32" if t.is_floating_point() else str(t.dtype))
               for name, t in weights.items()}
     check_shapes(expected, header, config_path="config.json", weights_path=path, tied=tied)
+
+
+def _check_zip(path: Path) -> None:
+    """``state.pt`` is a zip archive whose every member has its CRC-32 (``torch.load`` checks none,
+    so a changed byte would load as another training state) and none is marked a directory (which
+    makes torch read a tensor as uninitialized memory). Reads the file once."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            folders = [info.filename for info in archive.infolist() if info.is_dir() or info.external_attr & 0x10]
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError, NotImplementedError) as err:
+        raise ValueError(f"{path}: damaged training state ({type(err).__name__}); the run cannot be resumed") from None
+    if damaged is not None or folders:
+        raise ValueError(f"{path}: damaged training state ({damaged or folders[0]} does not match its checksum or "
+                         "type); the run cannot be resumed")
 
 
 def saved_step(run_dir: str | Path) -> int | None:
@@ -306,6 +324,9 @@ def load_run(run_dir: str | Path, weights: str = "model", *, task: str | None = 
     tokenizer = load_text_tokenizer(run_dir / "tokenizer.json") if kind == "lm" else Tokenizer.load(
         run_dir / "tokenizer.json")
     vocab = model_config.vocab_size if kind == "lm" else min(model_config.src_vocab_size, model_config.tgt_vocab_size)
+    if kind == "lm" and not isinstance(tokenizer, Tokenizer) and tokenizer.vocab_size != vocab:  # characters
+        raise ValueError(f"{run_dir / 'tokenizer.json'}: {tokenizer.vocab_size} characters but the model's vocabulary "
+                         f"in config.json has {vocab}; the files do not belong together")
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"{run_dir / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than the model's "
                          f"vocabulary of {vocab} in config.json; the files do not belong together")
@@ -319,12 +340,18 @@ def read_model_config(run_dir: str | Path, config: dict):
     """The run's model configuration (:class:`~qkv.models.TransformerConfig` or
     :class:`~qkv.causal_lm.CausalLMConfig`), checked field by field; one-line ``ValueError`` naming
     ``config.json`` otherwise. Nothing is built."""
+    from dataclasses import fields
+
     from qkv.causal_lm import CausalLMConfig
 
+    kind = CausalLMConfig if run_task(config) == "lm" else TransformerConfig
+    # qkv has written every field since its first run folder: a missing one is damage, not an older
+    # run, and its default would build another model without a word
+    missing = [item.name for item in fields(kind) if item.name not in config["model"]]
+    if missing:
+        raise ValueError(f"{Path(run_dir) / 'config.json'}: the model section lacks {', '.join(missing)}")
     try:
-        if run_task(config) == "lm":
-            return CausalLMConfig.from_dict(config["model"])
-        return TransformerConfig.from_dict(config["model"])
+        return kind.from_dict(config["model"])
     except (TypeError, ValueError) as err:
         raise ValueError(f"{Path(run_dir) / 'config.json'}: bad model section ({err})") from None
 

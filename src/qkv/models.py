@@ -35,11 +35,17 @@ def check_model_options(config, positive: tuple[str, ...]) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if config.d_model % config.num_heads != 0:
         raise ValueError(f"d_model ({config.d_model}) must be divisible by num_heads ({config.num_heads})")
+    for item in fields(config):  # types as declared: a bool is not a number, "false" not a bool
+        value, kind = getattr(config, item.name), str(item.type)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if (kind == "bool" and not isinstance(value, bool)) or (kind == "float" and not number) or (
+                kind == "int" and not (number and isinstance(value, int))) or (kind == "str" and not isinstance(value, str)):
+            raise ValueError(f"{item.name} must be a {kind}, got {value!r}")
     for name in ("dropout", "attention_dropout"):
         value = getattr(config, name)
         if not 0.0 <= value < 1.0:  # also rejects NaN
             raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-    if not config.layer_norm_eps > 0:
+    if not 0 < config.layer_norm_eps < 1:  # also rejects NaN and infinity
         raise ValueError(f"layer_norm_eps must be positive, got {config.layer_norm_eps!r}")
     if config.activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {config.activation!r}; choose one of {sorted(ACTIVATIONS)}")

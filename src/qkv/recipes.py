@@ -88,12 +88,21 @@ RECIPES["text"] = RECIPES["tinyshakespeare"]
 # How a translation run decodes when qkv evaluate / translate get no --beam / --alpha: a recipe's
 # "decode" (stored in the run's config.json when it starts), else this.
 DEFAULT_DECODE = {"beam_size": 5, "alpha": 0.6}
+MAX_SAVED_BEAM = 100  # as qkv translate --beam: beam search holds that many copies of each sentence
 
 
 def decode_settings(config: dict, *, beam_size: int | None = None, alpha: float | None = None) -> dict:
     """Beam size and length penalty for a run: the ones given, else the run's own (its recipe's),
     else :data:`DEFAULT_DECODE`."""
-    settings = {**DEFAULT_DECODE, **(config.get("decode") or {})}
+    saved = config.get("decode") or {}
+    if not isinstance(saved, dict) or set(saved) - set(DEFAULT_DECODE):
+        raise ValueError(f"config.json: decode must be an object with {sorted(DEFAULT_DECODE)}, got {saved!r}"[:300])
+    settings = {**DEFAULT_DECODE, **saved}
+    beam, penalty = settings["beam_size"], settings["alpha"]
+    if not isinstance(beam, int) or isinstance(beam, bool) or not 1 <= beam <= MAX_SAVED_BEAM:
+        raise ValueError(f"config.json: decode.beam_size must be an integer from 1 to {MAX_SAVED_BEAM}, got {beam!r}")
+    if not isinstance(penalty, (int, float)) or isinstance(penalty, bool) or not 0 <= penalty <= 10:
+        raise ValueError(f"config.json: decode.alpha must be a number from 0 to 10, got {penalty!r}")
     if beam_size is not None:
         settings["beam_size"] = beam_size
     if alpha is not None:

@@ -329,6 +329,11 @@ def _check_manifest(path: Path, manifest) -> None:
         missing = [f for f in split_files(name) if not isinstance(hashes, dict) or not isinstance(hashes.get(f), str)]
         if missing:
             raise bad(f"splits.{name}.sha256", f"lists no hash for {', '.join(missing)}")
+    sources = manifest.get("sources")  # where each split's text came from (for messages); qkv always writes it
+    if not isinstance(sources, dict) or not all(
+            isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, (str, type(None)))
+                                            for k, v in files.items()) for files in sources.values()):
+        raise bad("sources", "is not an object of splits, each naming its source and target files")
 
 
 def split_files(split: str) -> list[str]:

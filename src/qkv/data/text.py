@@ -161,9 +161,10 @@ def load_text_tokenizer(path: str | Path) -> CharTokenizer | Tokenizer:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         data = None
     if isinstance(data, dict) and data.get("qkv_tokenizer") == "char":
-        if not isinstance(data.get("chars"), str):
-            raise ValueError(f"{path}: not a valid character tokenizer")
-        return CharTokenizer(data["chars"])
+        chars = data.get("chars")
+        if not isinstance(chars, str) or not chars or len(set(chars)) != len(chars):
+            raise ValueError(f"{path}: not a valid character tokenizer ('chars' must list distinct characters)")
+        return CharTokenizer(chars)
     return Tokenizer.load(path)
 
 

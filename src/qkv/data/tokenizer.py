@@ -97,12 +97,13 @@ class Tokenizer:
             raise invalid(f"not JSON: {err}") from None
         try:
             backend = _HFTokenizer.from_str(text)
-        except Exception as err:  # the tokenizers library raises a bare Exception for a bad layout
+            tokenizer = cls(backend)
+            tokenizer.decode(tokenizer.encode("a probe: ÄÖ 12 <s>"))  # some layouts load, then fail at first use
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # noqa: BLE001 - a bare Exception for a bad layout; a Rust panic is a BaseException
             raise invalid(err) from None
-        try:
-            return cls(backend)
-        except ValueError as err:
-            raise invalid(err) from None
+        return tokenizer
 
     def save(self, path: str | Path) -> None:
         """Write ``tokenizer.json`` atomically (see :mod:`qkv.fileio`)."""

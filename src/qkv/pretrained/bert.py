@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from qkv.dropout import Dropout
 from qkv.layers import EncoderLayer
-from qkv.safe_load import check_fits_weights
+from qkv.safe_load import check_fits_weights, check_layer_counts
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,20 @@ class BertConfig:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "intermediate_size", "max_position_embeddings", "type_vocab_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"config {name} must be a positive integer, got {value!r}")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "layer_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"config {name} must be a number, got {value!r}")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            if not 0 <= getattr(self, name) < 1:  # also rejects NaN
+                raise ValueError(f"config {name} must be in [0, 1), got {getattr(self, name)!r}")
+        if not 0 < self.layer_norm_eps < 1:
+            raise ValueError(f"config layer_norm_eps must be in (0, 1), got {self.layer_norm_eps!r}")
+        pad = self.pad_token_id
+        if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < self.vocab_size:
+            raise ValueError(f"config pad_token_id must be an id below vocab_size, got {pad!r}")
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
@@ -300,10 +312,16 @@ def build_bert(config: BertConfig, state: Mapping[str, Tensor], *, source: str =
     """
     state = normalize_checkpoint_keys(state)
     with_pooler = "pooler.dense.weight" in state or "pooler.dense.bias" in state
+    # layer counts first: the key map (and the model) grow with config.json's num_hidden_layers
+    check_layer_counts(state, {"num_hidden_layers": ("encoder.layer.", config.num_hidden_layers)},
+                       config_path="config.json", weights_path=source)
     key_map = bert_key_map(config, with_pooler=with_pooler)
     check_key_sets(state, key_map, source, "BERT")
-    with torch.device("meta"):  # shapes first, no memory: config.json is compared before the model is built
-        probe = BertEncoder(config=config, with_pooler=with_pooler)
+    try:
+        with torch.device("meta"):  # shapes first, no memory: config.json is compared before the model is built
+            probe = BertEncoder(config=config, with_pooler=with_pooler)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as err:
+        raise ValueError(f"{source}: config.json describes no model qkv can build ({str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__})") from None
     params = dict(probe.named_parameters())
     if set(params) != set(key_map.values()):  # the map itself is the contract; guard it
         raise RuntimeError(f"bert_key_map disagrees with BertEncoder: {sorted(set(params) ^ set(key_map.values()))}")

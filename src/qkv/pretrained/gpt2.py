@@ -31,8 +31,8 @@ from qkv.causal_lm import CausalLM, CausalLMConfig
 from qkv.device import pick_device
 from qkv.fileio import atomic_path
 from qkv.pretrained.bert import _short_list, check_key_sets
-from qkv.pretrained.tokenizer import id_span
-from qkv.safe_load import check_fits_weights
+from qkv.pretrained.tokenizer import id_span, read_backend
+from qkv.safe_load import check_fits_weights, check_layer_counts
 
 logger = logging.getLogger(__name__)
 
@@ -161,13 +161,18 @@ def build_gpt2(config: CausalLMConfig, state: Mapping[str, Tensor], *, source: s
             naming them.
     """
     state = normalize_gpt2_keys(state)
+    # layer counts first: the key map (and the model) grow with config.json's n_layer
+    check_layer_counts(state, {"n_layer": ("h.", config.num_layers)}, config_path="config.json", weights_path=source)
     key_map = gpt2_key_map(config)
     tied_head = state.get("lm_head.weight") if config.tie_output else None
     if tied_head is not None:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     check_key_sets(state, key_map, source, "GPT-2")
-    with torch.device("meta"):  # shapes first, no memory: config.json is compared before the model is built
-        probe = CausalLM(config)
+    try:
+        with torch.device("meta"):  # shapes first, no memory: config.json is compared before the model is built
+            probe = CausalLM(config)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as err:
+        raise ValueError(f"{source}: config.json describes no model qkv can build ({_first_line(err)})") from None
     params = dict(probe.named_parameters())  # a tied output_proj.weight is listed once, as token_embedding
     mapped = {t for entry in key_map.values() for t in entry.targets}
     if mapped != set(params):  # the map itself is the contract; guard it
@@ -220,10 +225,7 @@ class GPT2Tokenizer:
         folder = Path(folder)
         single, vocab, merges = folder / "tokenizer.json", folder / "vocab.json", folder / "merges.txt"
         if single.is_file():
-            try:
-                return cls(_RustTokenizer.from_file(str(single)))
-            except Exception as err:  # the tokenizers library raises a bare Exception for a bad file
-                raise ValueError(f"{single}: not a valid tokenizer file ({_first_line(err)})") from None
+            return cls(read_backend(single))
         if vocab.is_file() and merges.is_file():
             return cls.from_vocab_merges(vocab, merges, folder / "tokenizer_config.json")
         raise FileNotFoundError(f"{folder}: no tokenizer.json, nor vocab.json and merges.txt")

@@ -19,6 +19,20 @@ from qkv.fileio import read_json
 logger = logging.getLogger(__name__)
 
 
+def read_backend(path: Path) -> _RustTokenizer:
+    """A ``tokenizer.json`` read with the ``tokenizers`` library and tried once on a probe text (a
+    pair, unknown characters), so a file that loads and then fails at first use, or makes the
+    library panic (a Rust panic is a ``BaseException``), is one ``ValueError`` naming it."""
+    try:
+        backend = _RustTokenizer.from_file(str(path))
+        backend.decode(backend.encode("A probe: \u00c4\u00f6 12 \u4e2d \U0001f600", "and a pair").ids)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001 - a bare Exception for a bad layout; a panic is a BaseException
+        raise ValueError(f"{path}: not a valid tokenizer file ({_first_line(err)})") from None
+    return backend
+
+
 def id_span(backend) -> int:
     """The highest id of a ``tokenizers`` tokenizer plus one (added tokens included): the rows an
     embedding needs, which is more than the token count when a file's ids leave gaps."""
@@ -68,10 +82,7 @@ class WordPieceTokenizer:
         settings = _read_json(folder / "tokenizer_config.json")
         max_length = min(max_length, int(settings.get("model_max_length", max_length) or max_length))
         if tokenizer_json.is_file():
-            try:
-                backend = _RustTokenizer.from_file(str(tokenizer_json))
-            except Exception as err:  # the Rust error type is not exported
-                raise ValueError(f"{tokenizer_json}: cannot read tokenizer ({_first_line(err)})") from err
+            backend = read_backend(tokenizer_json)
         elif vocab_txt.is_file():
             from tokenizers.implementations import BertWordPieceTokenizer
 
@@ -134,9 +145,19 @@ class WordPieceTokenizer:
 
 
 def _read_json(path: Path) -> dict:
+    """``tokenizer_config.json`` ({} if absent): an object whose settings qkv reads have their types."""
     if not path.is_file():
         return {}
-    return read_json(path)
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    length = data.get("model_max_length")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, (int, float)) or not length >= 1):
+        raise ValueError(f"{path}: model_max_length is {length!r}, not a positive number")
+    for key in ("do_lower_case", "strip_accents", "tokenize_chinese_chars"):
+        if data.get(key) is not None and not isinstance(data[key], bool):
+            raise ValueError(f"{path}: {key} is {data[key]!r}, not true or false")
+    return data
 
 
 def _first_line(err: BaseException) -> str:
