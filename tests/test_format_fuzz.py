@@ -60,6 +60,7 @@ import copy
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 import signal
@@ -607,7 +608,10 @@ def runs(tmp_path_factory):
 
 def read_all(folder: Path, vocab_limit: int | None = None):
     """What a prepared folder gives to training once verified: every pair of every split, the
-    text of the validation split, where a pair came from, the tokenizer's vocabulary."""
+    text of the validation split, the tokenizer's vocabulary. Where a pair came from
+    (``PreparedSplit.where``) must be a string but is not compared: the manifest's ``sources`` are
+    provenance for messages, outside the fingerprint, and a source path deleted from them reads
+    as ``source:<line>``, which is right."""
     corpus = PreparedCorpus(folder)
     corpus.verify(cache=False)
     tokenizer = corpus.tokenizer()
@@ -616,7 +620,8 @@ def read_all(folder: Path, vocab_limit: int | None = None):
         split = corpus.split(name)
         try:
             src, tgt = split.read(range(len(split)))
-            out["splits"][name] = (src, tgt, split.lengths().tolist(), split.where(0) if len(split) else "")
+            assert not len(split) or isinstance(split.where(0), str)
+            out["splits"][name] = (src, tgt, split.lengths().tolist())
             assert all(0 <= i < corpus.manifest["vocab_size"] for ids in (*src, *tgt) for i in ids)
         finally:
             split.close()
@@ -758,6 +763,18 @@ def test_run_config_json(runs, kind, tmp_path, record_property):
 # language model's chars (test_lm_chars_edit_is_refused); what makes the
 # tokenizers library panic or fail at use (test_tokenizer_panics_and_use_errors_are_one_line).
 TOKENIZER_KNOWN_BUGS = {"translation": [], "lm": [], "gpt2": [], "bert": []}  # none left
+
+
+def special_id_past_vocab(m: Mutation) -> bool:
+    """A post-processor special token's id past the WordPiece vocabulary: the known defect of
+    :func:`test_known_bug_bert_special_token_id_past_the_vocabulary_loads`."""
+    try:
+        data = json.loads(m.text)
+        size = len(data["model"]["vocab"])
+        return any(isinstance(i, int) and i >= size
+                   for token in data["post_processor"]["special_tokens"].values() for i in token["ids"])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return False
 
 
 def wordpiece_unk_missing(m: Mutation) -> bool:
@@ -1322,7 +1339,7 @@ def test_pretrained_tokenizer(hf, family, name, tmp_path, record_property):
     doc = json.loads((hf[family] / name).read_text(encoding="utf-8"))
 
     @fuzz(100)
-    @given(json_mutations(doc, exclude=TOKENIZER_KNOWN_BUGS[family], skip=None))
+    @given(json_mutations(doc, exclude=TOKENIZER_KNOWN_BUGS[family], skip=special_id_past_vocab))
     def mutate(mutation):
         text, what_kind, what, _ = mutation
         note(what)
@@ -1349,7 +1366,7 @@ def test_tokenizer_panics_and_use_errors_are_one_line(runs, hf, kind, path, valu
     doc = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
 
     @fuzz(20)
-    @given(json_mutations(doc, start=[path[:2]]))
+    @given(json_mutations(doc, start=[path[:2]], skip=special_id_past_vocab))
     @example(edited(doc, path, value, "delete" if value is DELETE else "revalue"))
     def mutate(mutation):
         note(mutation.what)
@@ -1367,12 +1384,67 @@ def test_tokenizer_panics_and_use_errors_are_one_line(runs, hf, kind, path, valu
     mutate()
 
 
+def max_length_not_finite(m: Mutation) -> bool:
+    """tokenizer_config.json's model_max_length is Infinity or NaN: the known defect of
+    :func:`test_known_bug_bert_model_max_length_infinity_is_an_overflow_error`."""
+    try:
+        value = json.loads(m.text).get("model_max_length")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+@pytest.mark.xfail(strict=True, reason="KNOWN BUG: tokenizer_config.json's model_max_length Infinity (or NaN) is an "
+                   "OverflowError (ValueError for NaN, naming no file) from int() in WordPieceTokenizer.from_folder; "
+                   "fix: a model_max_length that is not a finite number >= 2 is one line naming the file")
+def test_known_bug_bert_model_max_length_infinity_is_an_overflow_error(hf, tmp_path):
+    name = "tokenizer_config.json"
+    doc = json.loads((hf["bert"] / name).read_text(encoding="utf-8"))
+
+    @fuzz(20)
+    @given(json_mutations(doc, start=[("model_max_length",)], skip=lambda m: not max_length_not_finite(m)))
+    @example(edited(doc, ("model_max_length",), float("inf")))
+    def mutate(mutation):
+        note(mutation.what)
+        folder = fresh(tmp_path, hf["bert"])
+        write_text(folder / name, mutation.text)
+        outcome, value = attempt(lambda: pretrained_result(qkv.load_pretrained(folder, device="cpu")), folder, name)
+        if outcome == "loaded":
+            judge_loaded(value, hf["bert_result"], mutation.kind, {"neutral", "retype"}, Tally(name))
+
+    mutate()
+
+
+@pytest.mark.xfail(strict=True, reason="KNOWN BUG: a BERT tokenizer.json whose post-processor gives a special token "
+                   "an id past the model's vocabulary (post_processor.special_tokens.[CLS].ids [10**9]) loads (the "
+                   "probe encode does not compare ids with the model), then every batch is a ValueError 'input_ids "
+                   "must lie in [0, 24)' naming no file; fix: in load_pretrained, the probe's ids (or the template's "
+                   "special token ids) must be below config.json's vocab_size, one line naming tokenizer.json")
+def test_known_bug_bert_special_token_id_past_the_vocabulary_loads(hf, tmp_path):
+    doc = json.loads((hf["bert"] / "tokenizer.json").read_text(encoding="utf-8"))
+
+    @fuzz(20)
+    @given(json_mutations(doc, start=[("post_processor", "special_tokens")],
+                          skip=lambda m: not special_id_past_vocab(m)))
+    @example(edited(doc, ("post_processor", "special_tokens", "[CLS]", "ids"), [10**9], "revalue"))
+    def mutate(mutation):
+        note(mutation.what)
+        folder = fresh(tmp_path, hf["bert"])
+        write_text(folder / "tokenizer.json", mutation.text)
+        outcome, value = attempt(lambda: pretrained_result(qkv.load_pretrained(folder, device="cpu")), folder,
+                                 "tokenizer.json")
+        if outcome == "loaded":
+            judge_loaded(value, hf["bert_result"], mutation.kind, {"neutral", "retype"}, Tally("special tokens"))
+
+    mutate()
+
+
 def test_bert_tokenizer_config_is_checked(hf, tmp_path):
     name = "tokenizer_config.json"
     doc = json.loads((hf["bert"] / name).read_text(encoding="utf-8"))
 
     @fuzz(40)
-    @given(json_mutations(doc, start=[(), ("model_max_length",)]))
+    @given(json_mutations(doc, start=[(), ("model_max_length",)], skip=max_length_not_finite))
     @example(edited(doc, (), None))
     def mutate(mutation):
         text, what_kind, what, _ = mutation
