@@ -50,7 +50,9 @@ GPT-2's huge sizes were built before they were checked (n_layer 10**9: minutes a
 BERT's config values were not checked; tokenizer files that made the tokenizers library panic (a
 BaseException) or fail at the first encode; BERT's tokenizer_config.json was not checked. A new
 defect gets a strict xfail test named ``test_known_bug_*`` and its region left out of the main
-tests until it is fixed.
+tests until it is fixed. Open now (a random run of 800 mutations a format found them after the
+fixes): a BERT post-processor special token id past the vocabulary, and tokenizer_config.json's
+model_max_length Infinity.
 """
 
 from __future__ import annotations
