@@ -208,7 +208,7 @@ def test_bad_folders_are_one_line_errors(tmp_path, bpe):
         (dict(config, add_cross_attention=True), "add_cross_attention"),
         (dict(config, scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
         (dict(config, n_embd=30), "divisible"),
-        (dict(config, n_layer=3), "missing keys: h.2."),
+        (dict(config, n_layer=3), "config.json: n_layer is 3 but"),
         (dict(config, vocab_size=100), "wte.weight (320, 32) vs expected (100, 32)"),
     ]:
         (tmp_path / "config.json").write_text(json.dumps(bad))

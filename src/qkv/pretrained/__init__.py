@@ -169,10 +169,12 @@ def load_pretrained(path: str | Path, *, device: str | torch.device | None = Non
         except (KeyError, TypeError, ValueError, json.JSONDecodeError):
             logger.warning("%s: ignoring an unreadable max_seq_length", st_config)
     model.tokenizer = WordPieceTokenizer.from_folder(folder, max_length=max_length)
-    if model.tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(
-            f"{folder}: tokenizer has {model.tokenizer.vocab_size} tokens but config vocab_size is {config.vocab_size}"
-        )
+    probe = model.tokenizer.backend.encode("a probe", "and a pair").ids  # the template's special ids included
+    widest = max(model.tokenizer.vocab_size, max(probe, default=0) + 1)
+    if widest > config.vocab_size:
+        named = folder / "tokenizer.json" if (folder / "tokenizer.json").is_file() else folder / "vocab.txt"
+        raise ValueError(f"{named}: the tokenizer gives ids up to {widest - 1} but config.json's "
+                         f"vocab_size is {config.vocab_size}; the files do not belong together")
     model.name = folder.name
     logger.debug("loaded %s (%d layers, %d heads, d=%d) from %s", folder.name, config.num_hidden_layers,
                  config.num_attention_heads, config.hidden_size, weights_file)

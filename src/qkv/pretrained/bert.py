@@ -314,7 +314,8 @@ def build_bert(config: BertConfig, state: Mapping[str, Tensor], *, source: str =
     with_pooler = "pooler.dense.weight" in state or "pooler.dense.bias" in state
     # layer counts first: the key map (and the model) grow with config.json's num_hidden_layers
     check_layer_counts(state, {"num_hidden_layers": ("encoder.layer.", config.num_hidden_layers)},
-                       config_path="config.json", weights_path=source)
+                       config_path="config.json", weights_path=source,
+                       only_more=True)
     key_map = bert_key_map(config, with_pooler=with_pooler)
     check_key_sets(state, key_map, source, "BERT")
     try:

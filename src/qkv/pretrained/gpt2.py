@@ -162,7 +162,8 @@ def build_gpt2(config: CausalLMConfig, state: Mapping[str, Tensor], *, source: s
     """
     state = normalize_gpt2_keys(state)
     # layer counts first: the key map (and the model) grow with config.json's n_layer
-    check_layer_counts(state, {"n_layer": ("h.", config.num_layers)}, config_path="config.json", weights_path=source)
+    check_layer_counts(state, {"n_layer": ("h.", config.num_layers)}, config_path="config.json", weights_path=source,
+                       only_more=True)
     key_map = gpt2_key_map(config)
     tied_head = state.get("lm_head.weight") if config.tie_output else None
     if tied_head is not None:
