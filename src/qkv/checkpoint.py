@@ -28,7 +28,6 @@ import io
 import json
 import logging
 import pickle
-import re
 from pathlib import Path
 
 import torch
@@ -38,8 +37,8 @@ from safetensors.torch import load_file, save_file, save_model
 from qkv.data.tokenizer import Tokenizer
 from qkv.fileio import atomic_folder, atomic_path, read_json, remove_stale_temporaries, write_json
 from qkv.models import Transformer, TransformerConfig
-from qkv.safe_load import (TensorInfo, build_within_weights, check_layer_counts, check_shapes, meta_shapes,
-                           weights_header)
+from qkv.safe_load import (TensorInfo, build_within_weights, check_layer_counts, check_shapes, check_zip_members,
+                           meta_shapes, plain_values, refused_global, weights_header)
 
 logger = logging.getLogger(__name__)
 
@@ -132,12 +131,12 @@ def load_checkpoint(run_dir: str | Path, *, clean: bool = True, trust: bool = Fa
     if clean:
         for stale in remove_stale_temporaries(run_dir):
             logger.info("removed %s, left by an interrupted write", stale)
-    _check_zip(path)
+    check_zip_members(path)
     try:
         saved = torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as err:
         if not trust:
-            raise ValueError(f"{path}: holds pickled Python objects ({_refused_global(err)}), which qkv never loads: "
+            raise ValueError(f"{path}: holds pickled Python objects ({refused_global(err)}), which qkv never loads: "
                              "loading them could run any code. If you made this run yourself with an older qkv, "
                              "resume once with --trust-checkpoint to convert it") from None
         saved = _convert_trusted_checkpoint(path)
@@ -161,23 +160,6 @@ def check_saved_weights(model: torch.nn.Module, weights: dict, path: str | Path)
     check_shapes(expected, header, config_path="config.json", weights_path=path, tied=tied)
 
 
-def _check_zip(path: Path) -> None:
-    """``state.pt`` is a zip archive whose every member has its CRC-32 (``torch.load`` checks none,
-    so a changed byte would load as another training state) and none is marked a directory (which
-    makes torch read a tensor as uninitialized memory). Reads the file once."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(path) as archive:
-            folders = [info.filename for info in archive.infolist() if info.is_dir() or info.external_attr & 0x10]
-            damaged = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError, NotImplementedError) as err:
-        raise ValueError(f"{path}: damaged training state ({type(err).__name__}); the run cannot be resumed") from None
-    if damaged is not None or folders:
-        raise ValueError(f"{path}: damaged training state ({damaged or folders[0]} does not match its checksum or "
-                         "type); the run cannot be resumed")
-
-
 def saved_step(run_dir: str | Path) -> int | None:
     """The step the run folder's ``state.pt`` holds, read back from the file (None if it cannot be
     read): what a message after a failed save reports, rather than the step it meant to save."""
@@ -188,12 +170,6 @@ def saved_step(run_dir: str | Path) -> int | None:
         return None
 
 
-def _refused_global(err: BaseException) -> str:
-    """The object torch's safe loader refused, from its long message (``posix.system``, ...)."""
-    found = re.search(r"GLOBAL ([\w.]+)", str(err))
-    return f"e.g. {found.group(1)}" if found else "objects beyond tensors and plain values"
-
-
 def _convert_trusted_checkpoint(path: Path) -> dict:
     """Load a ``state.pt`` the user vouched for in full, and rewrite it in the form the safe loader
     reads (refused if that form cannot hold what it contains)."""
@@ -201,40 +177,19 @@ def _convert_trusted_checkpoint(path: Path) -> dict:
         saved = torch.load(path, weights_only=False, map_location="cpu")  # the user asked: --trust-checkpoint
     except Exception as err:  # noqa: BLE001 - torch raises many types for a damaged file
         raise ValueError(f"{path}: damaged training state ({type(err).__name__}); the run cannot be resumed") from None
-    saved = _plain_values(saved)
+    saved = plain_values(saved)
     buffer = io.BytesIO()
     torch.save(saved, buffer)
     buffer.seek(0)
     try:
         torch.load(buffer, weights_only=True)
     except pickle.UnpicklingError as err:
-        raise ValueError(f"{path}: holds objects qkv never writes ({_refused_global(err)}); it cannot be converted "
+        raise ValueError(f"{path}: holds objects qkv never writes ({refused_global(err)}); it cannot be converted "
                          "to the safe form") from None
     with atomic_path(path) as tmp:
         tmp.write_bytes(buffer.getvalue())
     logger.warning("%s: converted to the safe checkpoint form (--trust-checkpoint); later resumes need no flag", path)
     return saved
-
-
-def _plain_values(value):
-    """``value`` with numpy arrays as tensors, numpy scalars as numbers and dataclasses as dicts: the
-    forms an older checkpoint may hold that the safe loader reads once converted."""
-    import dataclasses
-
-    import numpy as np
-
-    if isinstance(value, dict):
-        return {key: _plain_values(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain_values(item) for item in value) if type(value) in (list, tuple) else [
-            _plain_values(item) for item in value]
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value))
-    if isinstance(value, np.generic):
-        return value.item()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _plain_values(dataclasses.asdict(value))
-    return value
 
 
 def _check_state_layout(saved: object, path: Path) -> None:

@@ -200,6 +200,53 @@ def build_within_weights(build: Callable[[], nn.Module], header: Mapping[str, Te
     return build()
 
 
+# --- state.pt (a zip of pickled tensors) -------------------------------------------------------------
+
+
+def check_zip_members(path: Path) -> None:
+    """``state.pt`` is a zip archive whose every member has its CRC-32 (``torch.load`` checks none,
+    so a changed byte would load as another training state) and none is marked a directory (which
+    makes torch read a tensor as uninitialized memory). Reads the file once."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            folders = [info.filename for info in archive.infolist() if info.is_dir() or info.external_attr & 0x10]
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError, NotImplementedError) as err:
+        raise ValueError(f"{path}: damaged training state ({type(err).__name__}); the run cannot be resumed") from None
+    if damaged is not None or folders:
+        raise ValueError(f"{path}: damaged training state ({damaged or folders[0]} does not match its checksum or "
+                         "type); the run cannot be resumed")
+
+
+def refused_global(err: BaseException) -> str:
+    """The object torch's safe loader refused, from its long message (``posix.system``, ...)."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(err))
+    return f"e.g. {found.group(1)}" if found else "objects beyond tensors and plain values"
+
+
+def plain_values(value):
+    """``value`` with numpy arrays as tensors, numpy scalars as numbers and dataclasses as dicts: the
+    forms an older checkpoint may hold that the safe loader reads once converted."""
+    import dataclasses
+
+    import numpy as np
+
+    if isinstance(value, dict):
+        return {key: plain_values(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain_values(item) for item in value) if type(value) in (list, tuple) else [
+            plain_values(item) for item in value]
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, np.generic):
+        return value.item()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return plain_values(dataclasses.asdict(value))
+    return value
+
+
 # --- torch.distributed.checkpoint (FSDP optimizer shards) --------------------------------------------
 
 # Exactly what torch.distributed.checkpoint pickles into a folder's .metadata (besides torch dtypes).
