@@ -325,7 +325,10 @@ class Terminated(KeyboardInterrupt):
 @contextlib.contextmanager
 def sigterm_saves_first():
     """While training, SIGTERM raises :class:`Terminated` in the main thread; a second SIGTERM is
-    ignored so that it cannot cut the checkpoint short (SIGKILL still ends the process)."""
+    ignored so that it cannot cut the checkpoint short (SIGKILL still ends the process). Once the
+    block is left, SIGTERM stays ignored until the caller's ``finally`` restores the old handler:
+    the line that says what the run folder holds is printed even when torchrun's SIGTERM (after a
+    lost rank) lands while it is being written."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -334,7 +337,20 @@ def sigterm_saves_first():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def sigterm_restored():
+    """Put back the SIGTERM handler found on entry when the block ends (see :func:`sigterm_saves_first`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
     try:
         yield
     finally:
@@ -358,21 +374,22 @@ def _train(trainer, run_dir: str) -> int:
     """Run the loop; report Ctrl-C or SIGTERM and a failed step in one line each (rank 0 speaks for all)."""
     from qkv.runs import TrainingCrashed, run_training
 
-    try:
-        with sigterm_saves_first():
-            path = run_training(trainer)
-    except KeyboardInterrupt as err:
+    with sigterm_restored():
+        try:
+            with sigterm_saves_first():
+                path = run_training(trainer)
+        except KeyboardInterrupt as err:
+            if trainer.dist.is_main:
+                what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
+                print(f"{what}: {_what_is_saved(run_dir, trainer.state.step)}; continue with "
+                      f"qkv train --run-dir {run_dir} --resume", file=sys.stderr)
+            return 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
+        except TrainingCrashed as err:
+            print(f"qkv train: error: {err}; {_what_is_saved(run_dir, err.step)}: after fixing the cause, "
+                  f"continue with qkv train --run-dir {run_dir} --resume", file=sys.stderr)
+            return 1
+        s = trainer.state
         if trainer.dist.is_main:
-            what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
-            print(f"{what}: {_what_is_saved(run_dir, trainer.state.step)}; continue with "
-                  f"qkv train --run-dir {run_dir} --resume", file=sys.stderr)
-        return 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
-    except TrainingCrashed as err:
-        print(f"qkv train: error: {err}; {_what_is_saved(run_dir, err.step)}: after fixing the cause, "
-              f"continue with qkv train --run-dir {run_dir} --resume", file=sys.stderr)
-        return 1
-    s = trainer.state
-    if trainer.dist.is_main:
-        print(f"trained {s.step} steps ({s.seconds / 60:.1f} min, {s.tokens / max(s.seconds, 1e-9):.0f} target "
-              f"tokens/s) on {trainer.dist.world_size} process(es); wrote {path}", file=sys.stderr)
-    return 0
+            print(f"trained {s.step} steps ({s.seconds / 60:.1f} min, {s.tokens / max(s.seconds, 1e-9):.0f} "
+                  f"target tokens/s) on {trainer.dist.world_size} process(es); wrote {path}", file=sys.stderr)
+        return 0
