@@ -6,7 +6,8 @@
     qkv evaluate runs/dates --split test            # also prints exact-match accuracy
     qkv evaluate runs/en-de --ensemble runs/en-de-seed1   # two runs decoding as one (qkv.ensemble)
     qkv evaluate runs/en-de --split val --against runs/en-de-wd   # is the difference larger than chance?
-    qkv evaluate runs/shakespeare                   # a language model: its validation text
+    qkv evaluate runs/shakespeare                   # a language model: its validation and test splits
+    qkv evaluate runs/shakespeare --split test      # ... one of them
     qkv evaluate runs/shakespeare --text other.txt  # ... or any UTF-8 text
 
 Translation: sacreBLEU BLEU (cased, detokenised, 13a) and chrF, printed with their signatures;
@@ -18,8 +19,13 @@ With ``--against OTHER`` (a run folder, decoded here, or a file of its translati
 system's BLEU beside this run's, with two-sided p-values from sacreBLEU's paired bootstrap and
 approximate randomization (:func:`qkv.evaluation.paired_significance`): whether a difference is
 larger than what the choice of test sentences alone would give.
-A language model: the loss in nats per token, perplexity and bits per character over the text's
-non-overlapping windows of the model's context.
+A language model: the loss in nats per token, perplexity and bits per character over the
+non-overlapping windows of the model's context in each split scored: by default validation, then
+test (the split training never read; see :mod:`qkv.data.text`), ``--split val|test`` for one, or
+``--text FILE``. ``--json`` prints one JSON object a line, one per split scored, each naming it
+(``"split": "val"``, ``"test"`` or ``"text"``). A run without a test split (trained with
+``--val-text`` and no ``--test-text``, or a run folder made before qkv kept one) reports validation
+alone with a note on stderr, and ``--split test`` on it is an error.
 """
 
 from __future__ import annotations
@@ -40,13 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default=None,
                         help="a split of the run's data: Multi30k train/val/test (test 2016) or a later test set "
                              "(test_2017_flickr, test_2017_mscoco, test_2018_flickr: fetched into the cache when "
-                             "missing), dates val/test, files val (default: test, or val for files)")
+                             "missing), dates val/test, files val, a language model val/test (default: test, or "
+                             "val for files; a language model: val then test)")
     parser.add_argument("--src", help="score this source file instead of a split (needs --ref)")
     parser.add_argument("--ref", help="reference translations of --src, line-aligned")
     parser.add_argument("--tgt-lang", help="the references' language, for the Moses rules of the papers' BLEU forms "
                                            "(default: the run's Multi30k target, else the reference file's "
                                            "extension, e.g. de for newstest2014.de)")
-    parser.add_argument("--text", help="a language model: score this UTF-8 text instead of the run's validation split")
+    parser.add_argument("--text", help="a language model: score this UTF-8 text instead of the run's splits")
     parser.add_argument("--beam", type=beam_size, default=None,
                         help=f"beam size, 1 to {MAX_BEAM} (1 = greedy; default: the run's recipe's, else 5)")
     parser.add_argument("--alpha", type=length_penalty, default=None,
@@ -55,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=non_negative_int, default=0,
                         help="score only the first N sentences (a language model: windows) (0 = all)")
     parser.add_argument("--hyp-out", help="also write the translations to this file")
-    parser.add_argument("--json", action="store_true", help="print the scores as one JSON object")
+    parser.add_argument("--json", action="store_true", help="print the scores as one JSON object (a language model: "
+                                                              "one a line per split scored, each with its split)")
     parser.add_argument("--bf16", action="store_true", help="decode under bfloat16 autocast")
     add_ensemble_option(parser)
     parser.add_argument("--against", action="append", default=[], metavar="RUN_OR_FILE",
@@ -244,32 +252,67 @@ def target_language(spec: dict, ref: str | None) -> str | None:
     return suffix if re.fullmatch(r"[a-z]{2,3}", suffix) else None
 
 
-def _evaluate_language_model(args: argparse.Namespace, model, tokenizer, config: dict) -> int:
-    from qkv.data.text import read_text, read_tokens
-    from qkv.training.tasks import LanguageModelTask
+LM_SPLIT_NAMES = {"val": "validation split", "test": "test split"}
 
-    if args.src or args.ref or args.split not in (None, "val"):
-        raise ValueError("a language-model run is scored on its validation text (the default) or on --text FILE")
-    context = model.config.context
+
+def _evaluate_language_model(args: argparse.Namespace, model, tokenizer, config: dict) -> int:
+    """Score a language-model run on its validation and test splits (or ``--split``'s, or ``--text``)."""
+    from qkv.data.text import read_text
+    from qkv.lm_runs import missing_test_split
+
+    if args.src or args.ref:
+        raise ValueError("a language-model run is scored on its splits (--split val or test) or on --text FILE, not "
+                         "--src/--ref")
+    if args.text and args.split:
+        raise ValueError("give either --split or --text, not both")
+    if args.split not in (None, *LM_SPLIT_NAMES):
+        raise ValueError(f"--split {args.split}: a language-model run has the splits val and test")
+    missing = missing_test_split(config)
+    if args.split == "test" and missing:
+        raise ValueError(f"{args.run_dir}: {missing}: score --split val, or a text training never saw with --text FILE")
     if args.text:
         text = read_text(args.text)
         tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)  # unknown characters: one line
-        name, chars_per_token = args.text, len(text) / max(1, len(tokens))
+        jobs = [("text", args.text, tokens, len(text) / max(1, len(tokens)))]
     else:
-        tokens = read_tokens(Path(args.run_dir) / "val.bin", model.config.vocab_size)
-        name, chars_per_token = "validation split", config.get("lm", {}).get("chars_per_token", 1.0)
+        names = [args.split] if args.split else ["val"] + ([] if missing else ["test"])
+        jobs = [(name, LM_SPLIT_NAMES[name], *_split_tokens(Path(args.run_dir), config, name)) for name in names]
+    for split, name, tokens, chars_per_token in jobs:
+        scores = _score_tokens(args, model, tokenizer, tokens, chars_per_token)
+        scores = {"split": split, "text": name, **scores}
+        if args.json:
+            print(json.dumps(scores), flush=True)
+        else:
+            print(f"{name}: {scores['tokens']} tokens in {scores['windows']} windows of {scores['context']}, "
+                  f"{args.weights} weights")
+            print(f"loss {scores['loss']:.4f} nats/token  perplexity {scores['perplexity']:.3f}  "
+                  f"{scores['bits_per_char']:.4f} bits/char", flush=True)
+    if not args.text and not args.split and missing:
+        print(f"note: {missing}; only the validation split is scored", file=sys.stderr)
+    return 0
+
+
+def _split_tokens(run_dir: Path, config: dict, name: str) -> tuple[np.ndarray, float]:
+    """A split's token array (memory-mapped, checked against config.json's count) and its characters
+    per token."""
+    from qkv.data.text import read_tokens
+    from qkv.lm_runs import SPLIT_FILES, check_lm_arrays
+
+    check_lm_arrays(run_dir, config, names=(name,))
+    lm = config.get("lm", {})
+    split = (lm.get("splits") or {}).get(name)
+    chars_per_token = split["chars_per_token"] if split else lm.get("chars_per_token", 1.0)
+    return read_tokens(run_dir / SPLIT_FILES[name], config["model"]["vocab_size"]), chars_per_token
+
+
+def _score_tokens(args: argparse.Namespace, model, tokenizer, tokens: np.ndarray, chars_per_token: float) -> dict:
+    from qkv.training.tasks import LanguageModelTask
+
+    context = model.config.context
     task = LanguageModelTask(tokenizer, tokens, tokens, context=context, chars_per_token=chars_per_token)
     windows = (len(tokens) - 1) // context
     if args.limit:
         windows = min(windows, args.limit)
     figures = task.validate(model, windows, args.bf16)
-    scores = {"text": name, "tokens": windows * context, "windows": windows, "context": context,
-              "weights": args.weights, "loss": figures["val_loss"], "perplexity": figures["val_ppl"],
-              "bits_per_char": figures["val_bpc"]}
-    if args.json:
-        print(json.dumps(scores))
-        return 0
-    print(f"{name}: {scores['tokens']} tokens in {windows} windows of {context}, {args.weights} weights")
-    print(f"loss {scores['loss']:.4f} nats/token  perplexity {scores['perplexity']:.3f}  "
-          f"{scores['bits_per_char']:.4f} bits/char")
-    return 0
+    return {"tokens": windows * context, "windows": windows, "context": context, "weights": args.weights,
+            "loss": figures["val_loss"], "perplexity": figures["val_ppl"], "bits_per_char": figures["val_bpc"]}

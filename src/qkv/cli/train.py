@@ -51,7 +51,7 @@ MODEL_OPTIONS = {
 LM_OPTIONS = ("tokenizer", "windows")  # language-model options that are neither model nor TrainConfig fields
 TASKS = ("translation", "lm")
 DATA_OPTIONS = ("task", "data", "prepared", "data_dir", "src_lang", "tgt_lang", "train_src", "train_tgt", "val_src",
-                "val_tgt", "train_text", "val_text", "vocab_size", "recipe", "both_directions", *LM_OPTIONS)
+                "val_tgt", "train_text", "val_text", "test_text", "vocab_size", "recipe", "both_directions", *LM_OPTIONS)
 
 
 def _train_fields():
@@ -85,7 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--val-src", help="validation source file (optional)")
     data.add_argument("--val-tgt", help="validation target file")
     data.add_argument("--train-text", help="UTF-8 text to train a language model on")
-    data.add_argument("--val-text", help="validation text (default: the last 10%% of --train-text)")
+    data.add_argument("--val-text", help="validation text (default: --train-text is cut by position: its first 90%% "
+                                         "of characters train, the next 5%% validate, the last 5%% are the test split)")
+    data.add_argument("--test-text", help="test text, with --val-text (without it, the run has no test split); "
+                                          "training never reads it: qkv evaluate scores it")
     data.add_argument("--tokenizer", choices=["char", "bpe"], help="a language model's tokens: characters "
                                                                   "(default) or byte-level BPE (--vocab-size)")
     data.add_argument("--windows", choices=["random", "strided"],
@@ -185,7 +188,7 @@ def _data_spec(args: argparse.Namespace) -> dict:
 
 def _source_spec(args: argparse.Namespace) -> dict:
     files = [args.train_src, args.train_tgt, args.val_src, args.val_tgt]
-    texts = [args.train_text, args.val_text]
+    texts = [args.train_text, args.val_text, args.test_text]
     if sum(bool(x) for x in (args.data, args.prepared, any(files), any(texts))) > 1:
         raise ValueError("give one of --data, --prepared, --train-src/--train-tgt files or --train-text, not several")
     is_lm = args.data == "tinyshakespeare" or any(texts)
@@ -205,9 +208,12 @@ def _source_spec(args: argparse.Namespace) -> dict:
         return {"source": "prepared", "folder": _prepared_folder(args.prepared)}
     if any(texts):
         if not args.train_text:
-            raise ValueError("--val-text needs --train-text")
-        return {"source": "text", "train_text": str(Path(args.train_text).resolve()),
-                "val_text": str(Path(args.val_text).resolve()) if args.val_text else None}
+            raise ValueError(f"{'--val-text' if args.val_text else '--test-text'} needs --train-text")
+        if args.test_text and not args.val_text:
+            raise ValueError("--test-text needs --val-text (without --val-text, the last 5% of --train-text is the "
+                             "test split and the 5% before it validates)")
+        return {"source": "text", **{k: (str(Path(f).resolve()) if f else None)
+                                     for k, f in zip(("train_text", "val_text", "test_text"), texts)}}
     if args.data == "multi30k":
         folder = _data_dir(args)
         src, tgt = args.src_lang or "en", args.tgt_lang or "de"

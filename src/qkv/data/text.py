@@ -3,12 +3,22 @@
 A language-model data spec is one of::
 
     {"source": "tinyshakespeare", "folder": null}
-    {"source": "text", "train_text": "corpus.txt", "val_text": null}
+    {"source": "text", "train_text": "corpus.txt", "val_text": null, "test_text": null}
 
-Without a validation file the last 10% of the training text is the validation split. The text
-is tokenised once, when a run starts, into ``train.bin`` / ``val.bin`` in the run folder: flat
-arrays of token ids (uint16, or uint32 for vocabularies over 65,536), memory-mapped while
-training, the layout of nanoGPT's ``.bin`` files.
+Three splits (:func:`read_text_splits`). Without a validation file (tiny Shakespeare, or
+``--train-text`` alone) the text is cut by position, on characters (Unicode code points, as Python
+indexes a ``str``): with ``n`` characters, ``text[:n * 90 // 100]`` trains,
+``text[n * 90 // 100 : n * 95 // 100]`` validates and ``text[n * 95 // 100:]`` is the test split
+(:func:`split_positions`). With ``val_text`` the whole training file trains, that file validates,
+and ``test_text`` (optional, and only beside ``val_text``) is the test split; without it a run has
+none. Each split is tokenised on its own, so no token and no window crosses a cut.
+
+The text is tokenised once, when a run starts, into ``train.bin`` / ``val.bin`` / ``test.bin`` in
+the run folder: flat arrays of token ids (uint16, or uint32 for vocabularies over 65,536),
+memory-mapped, the layout of nanoGPT's ``.bin`` files. Training reads the first two (validation
+is what early stopping and the best checkpoint are chosen on); ``test.bin`` is read only by
+``qkv evaluate``. A run folder made before the test split existed holds ``train.bin`` and
+``val.bin`` alone (its validation split was the last 10% of the text).
 
 Tokenizers: :class:`CharTokenizer` (one id per character of the training text) and the byte-level
 BPE :class:`~qkv.data.tokenizer.Tokenizer` (``--tokenizer bpe --vocab-size N``).
@@ -23,6 +33,7 @@ import shutil
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,7 +46,8 @@ logger = logging.getLogger(__name__)
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TEXT_SOURCES = ("tinyshakespeare", "text")
 TOKENIZER_KINDS = ("char", "bpe")
-VALID_FRACTION = 0.1
+SPLIT_PERCENT = (90, 5, 5)  # train, validation, test: the cut by position of a text without --val-text
+SPLIT_NAMES = ("train", "val", "test")
 
 
 def read_text(path: str | Path) -> str:
@@ -83,25 +95,76 @@ def resolve_tinyshakespeare(root: str | Path | None = None, *, download: bool = 
 
 
 def check_text_spec(spec: dict) -> dict:
+    """``spec`` when it is a language-model data spec qkv can read; ``ValueError`` saying what is wrong."""
     if spec.get("source") not in TEXT_SOURCES:
         raise ValueError(f"unknown text source {spec.get('source')!r}; choose one of {TEXT_SOURCES}")
-    if spec["source"] == "text" and not spec.get("train_text"):
-        raise ValueError("training a language model on a file needs --train-text FILE")
+    if spec["source"] == "text":
+        if not spec.get("train_text"):
+            raise ValueError("training a language model on a file needs --train-text FILE")
+        if spec.get("test_text") and not spec.get("val_text"):
+            raise ValueError("--test-text needs --val-text (without --val-text, the last 5% of --train-text is the "
+                             "test split and the 5% before it validates)")
+        named = {"--train-text": spec["train_text"], "--val-text": spec.get("val_text"),
+                 "--test-text": spec.get("test_text")}
+        seen = {}
+        for flag, path in named.items():
+            if not path:
+                continue
+            key = Path(path).resolve()
+            if key in seen:
+                raise ValueError(f"{flag} {path}: the same file as {seen[key]}; each split needs its own text")
+            seen[key] = flag
+    elif spec.get("test_text") or spec.get("val_text"):
+        raise ValueError("--val-text and --test-text go with --train-text; tiny Shakespeare is cut by position")
     return spec
 
 
-def load_text_splits(spec: dict) -> tuple[str, str, str]:
-    """``(training text, validation text, where they came from)`` of a text data spec."""
+def split_positions(length: int) -> tuple[int, int]:
+    """Where a text of ``length`` characters is cut: ``(a, b)`` with ``text[:a]`` training,
+    ``text[a:b]`` validation and ``text[b:]`` the test split (90%, 5%, 5%, by
+    :data:`SPLIT_PERCENT`, rounded down in integers: exact and the same on every machine)."""
+    train, val, _ = SPLIT_PERCENT
+    return length * train // 100, length * (train + val) // 100
+
+
+class TextSplits(NamedTuple):
+    """A language model's texts: ``test`` is None where there is no test split (``--val-text``
+    without ``--test-text``); ``chars`` gives each split's character range ``[start, end)`` in
+    the text it was cut from (its own file for a split given as a file); ``where`` says where
+    they came from."""
+
+    train: str
+    val: str
+    test: str | None
+    where: str
+    chars: dict
+
+
+def read_text_splits(spec: dict) -> TextSplits:
+    """The training, validation and test texts of a text data spec (see the module docstring)."""
     check_text_spec(spec)
     if spec["source"] == "tinyshakespeare":
-        train_path, val_path = resolve_tinyshakespeare(spec.get("folder")), None
+        train_path, val_path, test_path = resolve_tinyshakespeare(spec.get("folder")), None, None
     else:
-        train_path, val_path = spec["train_text"], spec.get("val_text")
+        train_path, val_path, test_path = spec["train_text"], spec.get("val_text"), spec.get("test_text")
     text = read_text(train_path)
     if val_path:
-        return text, read_text(val_path), f"{train_path} (validation {val_path})"
-    cut = int(len(text) * (1 - VALID_FRACTION))
-    return text[:cut], text[cut:], f"{train_path} (its last {VALID_FRACTION:.0%} for validation)"
+        val = read_text(val_path)
+        test = read_text(test_path) if test_path else None
+        where = f"{train_path} (validation {val_path}, " + (f"test {test_path})" if test_path else "no test split)")
+        chars = {"train": [0, len(text)], "val": [0, len(val)], "test": [0, len(test)] if test is not None else None}
+        return TextSplits(text, val, test, where, chars)
+    a, b = split_positions(len(text))
+    where = (f"{train_path} (by position: characters [0, {a}) train, [{a}, {b}) validation, [{b}, {len(text)}) "
+             "test)")
+    return TextSplits(text[:a], text[a:b], text[b:], where, {"train": [0, a], "val": [a, b], "test": [b, len(text)]})
+
+
+def load_text_splits(spec: dict) -> tuple[str, str, str]:
+    """``(training text, validation text, where they came from)`` of a text data spec: the first
+    two splits of :func:`read_text_splits` (the test split is left out)."""
+    splits = read_text_splits(spec)
+    return splits.train, splits.val, splits.where
 
 
 class CharTokenizer:
