@@ -67,7 +67,8 @@ def greedy_decode(
     Args:
         model: a :class:`Transformer` (put in eval mode by the caller).
         src: ``(b, s_src)`` padded source ids (padding = ``model.config.pad_id``).
-        bos_id, eos_id: start and end tokens of the target.
+        bos_id: the target's start token.
+        eos_id: the target's end token.
         extra_len: a sentence stops after ``source length + extra_len`` tokens without EOS.
         use_cache: decode incrementally with the KV cache (else recompute the prefix each step).
 
@@ -120,7 +121,8 @@ def beam_search(
     Args:
         model: a :class:`Transformer` in eval mode.
         src: ``(b, s_src)`` padded source ids.
-        bos_id, eos_id: target start and end tokens.
+        bos_id: the target's start token.
+        eos_id: the target's end token.
         beam_size: ``k``; 1 gives exactly greedy decoding.
         alpha: length penalty exponent (0 = raw log-probability).
         extra_len: length limit beyond the source length.
