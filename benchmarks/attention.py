@@ -2,15 +2,22 @@
 MultiHeadAttention, torch.nn.MultiheadAttention, with and without need_weights), s in {128, 512,
 2048, 8192}, fp32 and bf16, causal and not, forward and forward+backward; times and peak memory.
 
-Writes benchmarks/results/attention.json and attention.png and prints the ratios; the same as
-`qkv bench attention`. Arguments are those of `qkv bench` (--quick, --threads, --device, --out, --data).
+Writes benchmarks/results/performance/attention.json and attention.png and prints the ratios; the same as
+`qkv bench attention`. Arguments are those of `qkv bench` (--quick, --threads, --device, --out, --data);
+without --out it writes into benchmarks/results/performance/.
 
     python benchmarks/attention.py --threads 2
 """
 
 import sys
+from pathlib import Path
 
 from qkv.cli import main
 
+OUT = Path(__file__).resolve().parent / "results" / "performance"
+
 if __name__ == "__main__":  # --data defaults to qkv's lookup: $QKV_DATA/multi30k, then the cache
-    sys.exit(main(["bench", "attention", *sys.argv[1:]]))
+    argv = sys.argv[1:]
+    if not any(a == "--out" or a.startswith("--out=") for a in argv):
+        argv += ["--out", str(OUT)]
+    sys.exit(main(["bench", "attention", *argv]))

@@ -9,7 +9,7 @@ ran one after the other on the same, otherwise idle machine (the JSON names this
 ``--note`` if the runs were elsewhere).
 
     python benchmarks/compare_runs.py --run "oneDNN cache 8=runs/a/metrics.jsonl" \\
-        --run "oneDNN cache 1024=runs/b/metrics.jsonl" --out benchmarks/results/compare.json
+        --run "oneDNN cache 1024=runs/b/metrics.jsonl" --out benchmarks/results/performance/compare.json
 """
 
 from __future__ import annotations

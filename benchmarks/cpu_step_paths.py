@@ -13,7 +13,7 @@ The paths:
   (``qkv.loss.FUSED_CHUNK_ROWS``).
 
     python benchmarks/cpu_step_paths.py                       # bf16 where fast, else float32
-    python benchmarks/cpu_step_paths.py --repeats 40 --out benchmarks/results/cpu_step_paths.json
+    python benchmarks/cpu_step_paths.py --repeats 40 --out benchmarks/results/performance/cpu_step_paths.json
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=30, help="real batches cycled through")
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="auto: bf16 autocast where bf16 products are fast (as the recipe), else float32")
-    add_result_options(parser, REPO / "benchmarks" / "results" / "cpu_step_paths.json")
+    add_result_options(parser, REPO / "benchmarks" / "results" / "performance" / "cpu_step_paths.json")
     args = parser.parse_args(argv)
     out = check_result_file(parser, args)  # before any work
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -1,5 +1,5 @@
 """Crash consistency of training runs: SIGKILL at random moments, 10 kills per run (see
-tests/crash_trials.py for the procedure). Writes benchmarks/results/crash_consistency.json.
+tests/crash_trials.py for the procedure). Writes benchmarks/results/reliability/crash_consistency.json.
 
     python benchmarks/crash_consistency.py --chains 10          # 100 kills (the README's figure)
 """
@@ -36,7 +36,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chains", type=int, default=10, help="runs, each killed --kills times (default 10)")
     parser.add_argument("--kills", type=int, default=10, help="kills per run (default 10)")
-    add_result_options(parser, "benchmarks/results/crash_consistency.json")
+    add_result_options(parser, "benchmarks/results/reliability/crash_consistency.json")
     args = parser.parse_args()
     check_result_file(parser, args)  # before any work
     torch.set_num_threads(1)

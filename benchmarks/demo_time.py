@@ -1,6 +1,6 @@
 """Time ``qkv demo`` end to end (a fresh process: imports, data, training, evaluation, heatmaps).
 
-    python benchmarks/demo_time.py --out benchmarks/results/demo_time.json [--runs 3]
+    python benchmarks/demo_time.py --out benchmarks/results/demo/demo_time.json [--runs 3]
 
 The goal (issue 3): >= 99% exact match on held-out generated dates within 3 minutes of wall time
 on a 2-core CPU. The JSON records, for each run, the wall time of the whole command, the
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=1)
-    add_result_options(p, REPO / "benchmarks" / "results" / "demo_time.json")
+    add_result_options(p, REPO / "benchmarks" / "results" / "demo" / "demo_time.json")
     p.add_argument("--demo-args", default="", help="extra arguments for qkv demo, e.g. '--threads 2'")
     args = p.parse_args()
     if args.runs < 1:

@@ -21,7 +21,7 @@ each ``--repeats`` times (medians reported):
   (its lines and the shading), a saliency output, a compare entry;
 * Save SVG and Save PNG of the head view (every head) and of the model view, once each.
 
-Writes ``benchmarks/results/explorer_draw.json`` with the machine. Nothing is asserted.
+Writes ``benchmarks/results/explorer/explorer_draw.json`` with the machine. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="measurements of each figure (default 5)")
     parser.add_argument("--synthetic", action="store_true", help="a document of the same size, without the model")
     parser.add_argument("--packed-only", action="store_true", help="skip the page with the weights as JSON lists")
-    add_result_options(parser, REPO / "benchmarks" / "results" / "explorer_draw.json", flag="--output")
+    add_result_options(parser, REPO / "benchmarks" / "results" / "explorer" / "explorer_draw.json", flag="--output")
     args = parser.parse_args(argv)
     check_result_file(parser, args, flag="--output")  # before any work
     data, made_by = make_document(args)

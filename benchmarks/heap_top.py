@@ -8,7 +8,7 @@ builds it) with qkv's start-up settings (``qkv.memory.limit_memory_growth``) wit
 top kept, alternated A, B, A, B, ... so that a host whose speed drifts touches both alike. Reports
 target tokens/s, minor page faults a step, and the ratio of each round's pair.
 
-    python benchmarks/heap_top.py --rounds 3 --out benchmarks/results/heap_top_steps.json
+    python benchmarks/heap_top.py --rounds 3 --out benchmarks/results/performance/heap_top_steps.json
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="timed steps a process")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "heap_top_steps.json"),
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "performance" / "heap_top_steps.json"),
                         help="the result JSON; an existing file is kept unless --overwrite")
     # declared by hand, not by qkv.bench.results.add_result_options: importing qkv.bench imports torch, which a
     # child must not do before its start-up memory settings (limit_memory_growth)

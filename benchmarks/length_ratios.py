@@ -8,7 +8,7 @@ Words are whitespace-separated (what the references' lengths mean to a reader; s
 penalty counts its own tokens, close to these).
 
     python benchmarks/length_ratios.py --src en --tgt de --run-dir runs/bench-multi30k-en_de \\
-        --out benchmarks/results/multi30k_length_ratios.json
+        --out benchmarks/results/multi30k/multi30k_length_ratios.json
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ within ``--tolerance`` (10%).
     python benchmarks/memory.py --fixes none,fix,fix+mmap        # ... and with big blocks mmapped
     python benchmarks/memory.py --minutes 2 --interval 10 --out /tmp/m.json --figure /tmp/m.png  # trial
 
-Writes benchmarks/results/memory.json and docs/figures/memory.png (RSS in MB against minutes, one
+Writes benchmarks/results/performance/memory.json and docs/figures/memory.png (RSS in MB against minutes, one
 line per run: sampled at the end of a step, activations freed, and at the sampling moment itself).
 Other processes sharing the CPU slow the steps (the JSON records the load average), not the memory
 figures.
@@ -278,7 +278,7 @@ def main() -> int:
     p.add_argument("--onednn-capacity", type=int, default=ONEDNN_CACHE_CAPACITY,
                    help="primitives oneDNN may cache (the onednn measure; default: qkv's)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "memory.json"),
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "performance" / "memory.json"),
                    help="the result JSON; an existing file (or --figure) is kept unless --overwrite")
     p.add_argument("--figure", default=str(REPO / "docs" / "figures" / "memory.png"))
     # declared by hand, not by qkv.bench.results.add_result_options: importing qkv.bench imports torch, which a

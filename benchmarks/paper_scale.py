@@ -18,7 +18,7 @@ Targets (the issue's): prepare >= 20k pairs/s on 2 cores; each training process'
 pairs within 10% of its peak at 0.5M.
 
     nohup python benchmarks/paper_scale.py > /tmp/bench/paper_scale.log 2>&1 &
-    # writes benchmarks/results/paper_scale.json
+    # writes benchmarks/results/paper-scale/paper_scale.json
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300, help="training steps per corpus")
     parser.add_argument("--max-tokens", type=int, default=2000, help="padded tokens per batch and process")
     parser.add_argument("--workers", type=int, default=2)
-    add_result_options(parser, ROOT / "benchmarks" / "results" / "paper_scale.json")
+    add_result_options(parser, ROOT / "benchmarks" / "results" / "paper-scale" / "paper_scale.json")
     args = parser.parse_args(argv)
     check_result_file(parser, args)  # before any work
     from qkv.bench.timing import environment

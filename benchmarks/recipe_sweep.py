@@ -19,10 +19,11 @@ after about 30 epochs, which a 12-minute run never reaches), so hour-long candid
 table and one plot of their validation curves; the first JSON is the reference the others' changes are
 named against:
 
-    python benchmarks/recipe_sweep.py --collect benchmarks/results/multi30k_en_de_xeon_bf16.json \
-        benchmarks/results/multi30k_en_de_xeon_bf16_dropout03.json --out benchmarks/results/recipe_sweep_hour.json
+    python benchmarks/recipe_sweep.py --collect benchmarks/results/multi30k/multi30k_en_de_xeon_bf16.json \
+        benchmarks/results/multi30k/multi30k_en_de_xeon_bf16_dropout03.json \
+        --out benchmarks/results/multi30k/sweeps/recipe_sweep_hour.json
 
-Results are merged into the JSON (``--out``, default benchmarks/results/recipe_sweep.json) by
+Results are merged into the JSON (``--out``, default benchmarks/results/multi30k/sweeps/recipe_sweep.json) by
 candidate name, so candidates can be run in several sessions. Smoke test (seconds):
 
     python benchmarks/recipe_sweep.py --minutes 0.1 --only baseline --eval-limit 20 --out /tmp/sweep.json \\
@@ -52,6 +53,7 @@ from qkv.fileio import write_json
 from qkv.runs import run_training, start_run
 
 REPO = Path(__file__).resolve().parent.parent
+SWEEPS = REPO / "benchmarks" / "results" / "multi30k" / "sweeps"
 
 # name -> (what it tests, TransformerConfig overrides, TrainConfig overrides, joint BPE vocabulary or None)
 CANDIDATES: dict[str, tuple[str, dict, dict, int | None]] = {
@@ -222,20 +224,21 @@ def main() -> int:
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N validation pairs (smoke tests)")
     p.add_argument("--no-bf16", action="store_true", help="float32 even where bf16 is fast")
     p.add_argument("--run-root", default=str(REPO / "runs" / "sweep"), help="one run folder per candidate under it")
-    add_result_options(p, what="the sweep's JSON (default benchmarks/results/recipe_sweep.json, with --collect "
-                       "recipe_sweep_hour.json: never the trained sweep's file by accident); a sweep adds its "
-                       "candidates to an existing one, and training a candidate it already holds needs --overwrite")
+    add_result_options(p, what="the sweep's JSON (default benchmarks/results/multi30k/sweeps/recipe_sweep.json, "
+                       "with --collect recipe_sweep_hour.json: never the trained sweep's file by accident); a "
+                       "sweep adds its candidates to an existing one, and training a candidate it already holds "
+                       "needs --overwrite")
     p.add_argument("--collect", nargs="+", type=Path, metavar="JSON",
                    help="gather benchmarks/train_multi30k.py reports into one table and plot instead of training")
     args = p.parse_args()
     if args.collect:
-        out = check_result_file(p, args, args.out or REPO / "benchmarks" / "results" / "recipe_sweep_hour.json")
+        out = check_result_file(p, args, args.out or SWEEPS / "recipe_sweep_hour.json")
         try:
             collect(args.collect, out)
         except (OSError, ValueError, KeyError) as e:  # a missing file, not JSON, not a train_multi30k.py report
             p.error(f"--collect: {type(e).__name__}: {e}")
         return 0
-    args.out = args.out or str(REPO / "benchmarks" / "results" / "recipe_sweep.json")
+    args.out = args.out or str(SWEEPS / "recipe_sweep.json")
     if args.list:
         for name, (about, model, train, vocab) in CANDIDATES.items():
             print(f"{name:14s} {about}  model={model} train={train} vocab={vocab}")

@@ -13,7 +13,7 @@ against the others of its list. Every setting is chosen on the validation split;
 decoded once and read only at the chosen settings.
 
     python benchmarks/rerank_nbest.py --forward RUN_EN_DE_A RUN_EN_DE_B --channel RUN_DE_EN_A RUN_DE_EN_B \\
-        --beam 8 --alpha 1.0 --bf16 --mbr --out benchmarks/results/multi30k_en_de_rerank_val.json
+        --beam 8 --alpha 1.0 --bf16 --mbr --out benchmarks/results/multi30k/ensembles/multi30k_en_de_rerank_val.json
 
 The runs must share one tokenizer (trained on the same data), as for an ensemble.
 """

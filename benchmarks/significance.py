@@ -9,7 +9,8 @@ of a difference between two settings one validation set of 1,014 sentences can t
 Seconds of CPU, no decoding.
 
     python benchmarks/significance.py --split val --run recipe=runs/multi30k-en-de \\
-        --run "weight decay 0.1=runs/multi30k-en-de-wd01" --out benchmarks/results/val_significance.json
+        --run "weight decay 0.1=runs/multi30k-en-de-wd01" \\
+        --out benchmarks/results/multi30k/significance/val_significance.json
 """
 
 from __future__ import annotations

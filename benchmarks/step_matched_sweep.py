@@ -15,7 +15,7 @@ hour's; use the table to rank candidates, then confirm the winner with a real ho
 (``benchmarks/train_multi30k.py --minutes 60``).
 
     python benchmarks/step_matched_sweep.py --steps 11000 --only recipe,recipe_seed1,lr07 \\
-        --run-root /tmp/sweep --out benchmarks/results/step_matched_sweep.json
+        --run-root /tmp/sweep --out benchmarks/results/multi30k/sweeps/step_matched_sweep.json
     python benchmarks/step_matched_sweep.py --fit-seconds 360 ...   # --steps as large as fits 360 s
     python benchmarks/step_matched_sweep.py --list
 
@@ -65,7 +65,7 @@ from train_multi30k import REPO, evaluation_splits, score_splits  # noqa: E402  
 # name: (options changed from the recipe, cost of a step relative to the recipe's on the CPU). Only
 # candidates whose cost is known are here: the changes below leave the products' shapes alone (1.0),
 # and an R-Drop step runs the batch twice (~2x: 10,848 steps in the hour with R-Drop over its last 30%
-# against 13,265 without, benchmarks/results/multi30k_en_de_epyc_zen5_bf16_*). A candidate that changes
+# against 13,265 without, benchmarks/results/multi30k/multi30k_en_de_epyc_zen5_bf16_*). A candidate that changes
 # the model's shape needs its cost measured on the CPU first.
 CANDIDATES: dict[str, tuple[dict, float]] = {
     "recipe": ({}, 1.0),
@@ -199,7 +199,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=11000,
                    help="the recipe's optimizer steps in the CPU hour being matched (default 11000: an AVX512-BF16 "
-                        "2-core machine's hour, 10,800-13,300 in benchmarks/results)")
+                        "2-core machine's hour, 10,800-13,300 in benchmarks/results/multi30k)")
     p.add_argument("--fit-seconds", type=float, default=0.0,
                    help="measure first, then lower --steps so that every candidate trains within this many seconds")
     p.add_argument("--calibrate-steps", type=int, default=400,
@@ -213,7 +213,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N val/test pairs (smoke tests)")
     p.add_argument("--run-root", default=str(REPO / "runs" / "step-matched"), help="one run folder per candidate")
-    add_result_options(p, REPO / "benchmarks" / "results" / "step_matched_sweep.json")
+    add_result_options(p, REPO / "benchmarks" / "results" / "multi30k" / "sweeps" / "step_matched_sweep.json")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a worker: train and score this candidate
     p.add_argument("--label", default=None, help=argparse.SUPPRESS)  # the worker's run folder's name
     p.add_argument("--calibrating", action="store_true", help=argparse.SUPPRESS)

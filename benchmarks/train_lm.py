@@ -28,9 +28,9 @@ nothing over a 65-character vocabulary) and the curve as a PNG beside the JSON.
 
 The real runs (an otherwise idle machine; each JSON records the load average):
 
-    python benchmarks/train_lm.py --compare           # benchmarks/results/lm_vs_hf.json
-    python benchmarks/train_lm.py --minutes 30        # benchmarks/results/lm_tinyshakespeare.json + .png,
-                                                      # run folder runs/lm-tinyshakespeare
+    python benchmarks/train_lm.py --compare     # benchmarks/results/language-model/lm_vs_hf.json
+    python benchmarks/train_lm.py --minutes 30  # benchmarks/results/language-model/lm_tinyshakespeare.json + .png,
+                                                # run folder runs/lm-tinyshakespeare
 
 Smoke tests (seconds; results into /tmp, never into benchmarks/results):
 
@@ -393,7 +393,8 @@ def main() -> int:
                                                 "the cache, downloaded if missing)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: every core)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", "--out", dest="out_dir", default=str(REPO / "benchmarks" / "results"),
+    p.add_argument("--out-dir", "--out", dest="out_dir",
+                   default=str(REPO / "benchmarks" / "results" / "language-model"),
                    help="where lm_vs_hf.json, lm_tinyshakespeare.json and lm_tinyshakespeare.png go (existing ones "
                         "are kept unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace the result files already in --out-dir")

@@ -11,7 +11,7 @@ length penalty 0.6, or with the length penalty that scores best on the validatio
 member's own scores are in its JSON (and summarised in this one).
 
     python benchmarks/train_multi30k_ensemble.py --members 2 --minutes 60 --src en --tgt de \\
-        --run-dir runs/multi30k-en-de-ensemble --out benchmarks/results/multi30k_en_de_ensemble.json
+        --run-dir runs/multi30k-en-de-ensemble --out benchmarks/results/multi30k/ensembles/multi30k_en_de_ensemble.json
 
 Options this script does not know (``--minutes``, ``--dropout``, any model or training option) go
 to every member's train_multi30k.py. Smoke test:

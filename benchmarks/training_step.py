@@ -2,15 +2,22 @@
 torch.nn.Transformer and a randomly initialised Hugging Face MarianMT of the same size, fp32 and
 bf16 autocast, same batches, same loss and optimiser.
 
-Writes benchmarks/results/training.json and training.png and prints the ratios; the same as
-`qkv bench training`. Arguments are those of `qkv bench` (--quick, --threads, --device, --out, --data).
+Writes benchmarks/results/performance/training.json and training.png and prints the ratios; the same as
+`qkv bench training`. Arguments are those of `qkv bench` (--quick, --threads, --device, --out, --data);
+without --out it writes into benchmarks/results/performance/.
 
     python benchmarks/training_step.py --threads 2
 """
 
 import sys
+from pathlib import Path
 
 from qkv.cli import main
 
+OUT = Path(__file__).resolve().parent / "results" / "performance"
+
 if __name__ == "__main__":  # --data defaults to qkv's lookup: $QKV_DATA/multi30k, then the cache
-    sys.exit(main(["bench", "training", *sys.argv[1:]]))
+    argv = sys.argv[1:]
+    if not any(a == "--out" or a.startswith("--out=") for a in argv):
+        argv += ["--out", str(OUT)]
+    sys.exit(main(["bench", "training", *argv]))

@@ -12,8 +12,8 @@ RESULTS = REPO / "benchmarks" / "results"
 
 
 def test_collect_names_each_run_by_what_it_changed_and_keeps_validation_only(tmp_path):
-    reference = RESULTS / "multi30k_en_de_xeon_bf16.json"
-    candidate = RESULTS / "multi30k_en_de_xeon_bf16_dropout03.json"
+    reference = RESULTS / "multi30k" / "multi30k_en_de_xeon_bf16.json"
+    candidate = RESULTS / "multi30k" / "multi30k_en_de_xeon_bf16_dropout03.json"
     out = tmp_path / "sweep.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "recipe_sweep.py"), "--collect", str(reference),
                     str(candidate), "--out", str(out)], check=True, capture_output=True, text=True)
@@ -42,8 +42,9 @@ def test_collect_refuses_a_file_that_is_not_a_run_report_and_writes_nothing(tmp_
 
 
 def test_a_field_newer_than_the_reference_counts_only_where_it_differs_from_its_default(tmp_path):
-    reference = RESULTS / "multi30k_en_de_xeon_bf16.json"  # written before ema_decay and subword_dropout existed
-    candidate = RESULTS / "multi30k_en_de_xeon_bf16_subword_dropout01.json"  # ema_decay 0.0, subword_dropout 0.1
+    # the reference was written before ema_decay and subword_dropout existed
+    reference = RESULTS / "multi30k" / "multi30k_en_de_xeon_bf16.json"
+    candidate = RESULTS / "multi30k" / "multi30k_en_de_xeon_bf16_subword_dropout01.json"  # ema_decay 0, subword 0.1
     assert "ema_decay" not in json.loads(reference.read_text())["train"]
     out = tmp_path / "sweep.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "recipe_sweep.py"), "--collect", str(reference),
@@ -55,8 +56,9 @@ def test_a_field_newer_than_the_reference_counts_only_where_it_differs_from_its_
 def test_two_runs_of_the_same_settings_keep_a_row_each(tmp_path):
     """Seeds, machines and dates are not settings: two such runs used to share a name and the second
     silently replaced the first in the table."""
-    reference = RESULTS / "multi30k_en_de_epyc_zen5_bf16_ensemble2_member0.json"
-    again = RESULTS / "multi30k_en_de_epyc_zen5_bf16_ensemble2_member1.json"  # seed 1, otherwise the same
+    reference = RESULTS / "multi30k" / "ensembles" / "multi30k_en_de_epyc_zen5_bf16_ensemble2_member0.json"
+    # seed 1, otherwise the same
+    again = RESULTS / "multi30k" / "ensembles" / "multi30k_en_de_epyc_zen5_bf16_ensemble2_member1.json"
     out = tmp_path / "sweep.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "recipe_sweep.py"), "--collect", str(reference),
                     str(again), "--out", str(out)], check=True, capture_output=True, text=True)

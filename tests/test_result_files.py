@@ -55,8 +55,8 @@ REFUSALS = [
      "{dir}/ens"),
     ("demo_time", ["--out", "{out}"], None),
     ("significance", ["--run", "a={dir}/a", "--run", "b={dir}/b", "--out", "{out}"], None),
-    ("recipe_sweep", ["--collect", str(BENCHMARKS / "results" / "multi30k_en_de_xeon_bf16.json"), "--out", "{out}"],
-     None),
+    ("recipe_sweep", ["--collect", str(BENCHMARKS / "results" / "multi30k" / "multi30k_en_de_xeon_bf16.json"),
+                      "--out", "{out}"], None),
     ("explorer_draw", ["--output", "{out}"], None),
     ("heap_top", ["--data", "{dir}", "--out", "{out}"], None),
     ("cpu_step_paths", ["--out", "{out}"], None),
@@ -124,7 +124,7 @@ def test_every_benchmark_that_writes_a_result_declares_overwrite():
     declares --overwrite (add_result_options, or by hand where a child process must not import
     qkv.bench). Wrappers of qkv bench inherit it from there."""
     missing = []
-    for path in sorted(BENCHMARKS.glob("*.py")):
+    for path in sorted(BENCHMARKS.glob("**/*.py")):  # the suites and benchmarks/studies/
         text = path.read_text()
         writes = "write_json(" in text or ".savefig(" in text
         if writes and "add_result_options" not in text and '"--overwrite"' not in text:

@@ -3,8 +3,9 @@
 sacreBLEU (which must equal the benchmark JSON's own figures, checked), the papers' form and, for
 German, tokenized BLEU with compound splitting (qkv.bleu_forms). Minutes of CPU, not an hour.
 
-    python benchmarks/rescore_bleu.py --run-dir runs/bench-multi30k-en_de \\
-        --benchmark benchmarks/results/multi30k_en_de.json --out benchmarks/results/multi30k_en_de_papers_bleu.json
+    python benchmarks/studies/rescore_bleu.py --run-dir runs/bench-multi30k-en_de \\
+        --benchmark benchmarks/results/multi30k/multi30k_en_de.json \
+        --out benchmarks/results/multi30k/multi30k_en_de_papers_bleu.json
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ the same two Multi30k batches (one process accumulates both, two processes take 
 in alternating rounds; and a projection, from floating-point operations counted per step, of
 what the paper's base and big models cost on N GPUs.
 
-    python benchmarks/distributed.py                      # writes benchmarks/results/distributed.json
+    python benchmarks/studies/distributed.py      # writes benchmarks/results/distributed/distributed.json
 
 Every step is :meth:`qkv.training.Trainer.step`, as in ``qkv train``.
 """
@@ -24,7 +24,7 @@ import torch
 
 from qkv.training.tasks import TranslationTask, translation_loss
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 # Peak dense bf16 tensor throughput per GPU (vendor data sheets), and the utilisation assumed.
 GPUS = {"A100 (312 TFLOP/s bf16)": 312e12, "H100 SXM (989 TFLOP/s bf16)": 989e12}
@@ -91,7 +91,7 @@ def measure(mode: str, out: Path, batches_path: Path, steps: int, warmup: int) -
         code = ("import sys; sys.path.insert(0, %r); import distributed as d; d._alone(%r, %r, %r, %d, %d, %d)"
                 % (str(Path(__file__).parent), str(out), str(batches_path), mode, steps, warmup, threads))
         subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parent.parent / "tests"), os.environ.get("PYTHONPATH", "")])})
+            [str(Path(__file__).resolve().parents[2] / "tests"), os.environ.get("PYTHONPATH", "")])})
     result = torch.load(out / f"{mode}.pt", weights_only=True)
     return {"tokens_per_s": sum(result["tokens"]) / sum(result["times"]), "step_s": result["times"],
             "tokens": sum(result["tokens"])}
@@ -144,7 +144,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per round (2 batches a step)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    add_result_options(parser, "benchmarks/results/distributed.json")
+    add_result_options(parser, "benchmarks/results/distributed/distributed.json")
     args = parser.parse_args()
     check_result_file(parser, args)  # before any work
     data = multi30k_data(args.data_dir, max_tokens=4000, num_batches=16)

@@ -1,8 +1,8 @@
 """Load test for ``qkv serve``: valid requests from many clients while slow clients hold connections.
 
-    python benchmarks/serve_load.py                       # 2,000 requests, 32 clients, 16 stalled connections
-    python benchmarks/serve_load.py --requests 200        # a quick look
-    python benchmarks/serve_load.py --model path/to/bert  # another model (default: all-MiniLM-L6-v2)
+    python benchmarks/studies/serve_load.py                       # 2,000 requests, 32 clients, 16 stalled connections
+    python benchmarks/studies/serve_load.py --requests 200        # a quick look
+    python benchmarks/studies/serve_load.py --model path/to/bert  # another model (default: all-MiniLM-L6-v2)
 
 The server runs as a subprocess (``qkv serve --port 0``) on 127.0.0.1, so its memory
 is its own and the clients do not share its interpreter. Meanwhile:
@@ -15,7 +15,7 @@ is its own and the clients do not share its interpreter. Meanwhile:
   20 bytes of body, and then wait; when the server closes it (408 after ``--timeout``), they open
   another, until the valid requests are done.
 
-Writes ``benchmarks/results/serve_load.json`` (the figures, the server's memory before and after,
+Writes ``benchmarks/results/reliability/serve_load.json`` (the figures, the server's memory before and after,
 the machine) and exits 1 if a valid request went unanswered or the server answered 5xx other than
 503. Bounded: the clients stop after ``--max-seconds``.
 """
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=10.0, help="the server's --timeout (default 10)")
     parser.add_argument("--max-concurrent", type=int, default=32, help="the server's --max-concurrent (default 32)")
     parser.add_argument("--max-seconds", type=float, default=300.0, help="stop the clients after this long (300)")
-    add_result_options(parser, Path(__file__).parent / "results" / "serve_load.json")
+    add_result_options(parser, Path(__file__).resolve().parents[1] / "results" / "reliability" / "serve_load.json")
     args = parser.parse_args(argv)
     check_result_file(parser, args)  # before any work
     for name in ("requests", "clients", "max_concurrent"):
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     server_5xx = load["other_statuses"].get("5xx", 0)
     result = {
         "benchmark": "qkv serve under load with stalled connections (benchmarks/serve_load.py)",
-        "command": " ".join(["python benchmarks/serve_load.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python benchmarks/studies/serve_load.py", *(argv if argv is not None else sys.argv[1:])]),
         "server_command": " ".join(["qkv"] + command[3:]),
         "model": args.model or "all-MiniLM-L6-v2 (the qkv serve default)",
         "settings": {"requests": args.requests, "clients": args.clients, "stalled_connections": args.stalled,

@@ -6,8 +6,8 @@ Either on a folder you have (``--prepared DIR``), or on a WMT 2014-sized corpus 
 (``--pairs 4500000``: ``benchmarks/make_wmt_like.py`` then ``qkv prepare --workers 2`` into
 ``--scratch``, which is never committed; about 8 minutes on 2 cores)::
 
-    python benchmarks/verify_prepared.py --pairs 4500000 --scratch /tmp/verify_bench
-    # writes benchmarks/results/verify_prepared.json
+    python benchmarks/studies/verify_prepared.py --pairs 4500000 --scratch /tmp/verify_bench
+    # writes benchmarks/results/paper-scale/verify_prepared.json
 
 "First" times are with the files in the page cache (this script cannot drop it); the cache file
 is deleted before each of them.
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_folder(pairs: int, scratch: Path) -> tuple[Path, dict]:
@@ -56,7 +56,7 @@ def main() -> None:
     where.add_argument("--pairs", type=int, help="make a WMT-like corpus of this many pairs and prepare it")
     parser.add_argument("--scratch", default="/tmp/verify_bench", help="where --pairs writes its corpus and folder")
     parser.add_argument("--repeats", type=int, default=3, help="timings of each kind")
-    add_result_options(parser, "benchmarks/results/verify_prepared.json")
+    add_result_options(parser, "benchmarks/results/paper-scale/verify_prepared.json")
     args = parser.parse_args()
     out = check_result_file(parser, args)  # before any work
 

@@ -12,7 +12,7 @@ encoder (``cold``: every piece is new to its cache, as at the start of a corpus)
 the same one (``warm``: the pieces cached, as deep into a large corpus). Every result is checked
 against ``tokenizer.encode``. An 8k joint BPE learned on the three languages' training text.
 
-    python benchmarks/cached_encoder.py        # benchmarks/results/cached_encoder_multi30k.json
+    python benchmarks/studies/cached_encoder.py   # benchmarks/results/performance/cached_encoder_multi30k.json
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from qkv.data import cached_encoder, resolve_multi30k  # noqa: E402
 from qkv.data.tokenizer import Tokenizer  # noqa: E402
 from qkv.fileio import write_json  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ASCII_ONLY = re.compile("[\x00-\x7f]*")
 
 
@@ -64,7 +64,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=None, help="Multi30k folder (default: $QKV_DATA/multi30k or the cache)")
     parser.add_argument("--repeats", type=int, default=3)
-    add_result_options(parser, ROOT / "benchmarks" / "results" / "cached_encoder_multi30k.json")
+    add_result_options(parser, ROOT / "benchmarks" / "results" / "performance" / "cached_encoder_multi30k.json")
     args = parser.parse_args()
     check_result_file(parser, args)  # before any work
     folder = resolve_multi30k(args.data, download=False)  # --data, $QKV_DATA/multi30k or the cache

@@ -7,7 +7,7 @@ as benchmarks/cpu_step_paths.py builds it), with qkv's start-up memory settings
 (``qkv.memory.limit_memory_growth``) as a training run has them. Reports each one's time and today's speed over the
 earlier one's (plain and paired per round), and how far each loss and gradient lies from float64.
 
-    python benchmarks/fused_loss.py --before 1f9dd2b --out benchmarks/results/fused_loss.json
+    python benchmarks/studies/fused_loss.py --before 1f9dd2b --out benchmarks/results/performance/fused_loss.json
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import cpu_step_paths
-import qkv.models
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: cpu_step_paths, a sibling suite
+
+import cpu_step_paths  # noqa: E402
+import qkv.models  # noqa: E402
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment, paired_ratio, ratio, time_interleaved
 from qkv.fileio import write_json
@@ -33,7 +35,7 @@ from qkv.memory import limit_memory_growth
 from qkv.precision import bf16_is_fast
 from qkv.training import TrainConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SMOOTHING = 0.1
 
 
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30, help="timed rounds of the loss alone and of the step")
     parser.add_argument("--batches", type=int, default=30, help="real batches cycled through")
-    add_result_options(parser, REPO / "benchmarks" / "results" / "fused_loss.json")
+    add_result_options(parser, REPO / "benchmarks" / "results" / "performance" / "fused_loss.json")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.batches < 1 or args.threads < 1:
         parser.error("--repeats, --batches and --threads must be at least 1")

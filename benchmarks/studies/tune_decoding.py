@@ -2,8 +2,8 @@
 length penalty alpha for a finished Multi30k run, then score test 2016 once with the setting
 that won on validation (test is never used to choose).
 
-    python benchmarks/tune_decoding.py --run-dir runs/m30k-en-de-budget-1555 \\
-        --out benchmarks/results/multi30k_en_de_decoding.json
+    python benchmarks/studies/tune_decoding.py --run-dir runs/m30k-en-de-budget-1555 \\
+        --out benchmarks/results/multi30k/multi30k_en_de_decoding.json
 
 Beam search ranks finished hypotheses by ``log p / ((5 + len) / 6) ** alpha`` (qkv.decoding);
 short output (a BLEU brevity penalty below 1) is what a larger alpha counters.

@@ -13,9 +13,9 @@ tokens/s are not interleaved: the interleaved step speed-up is the ``precision``
 Compiled code draws other dropout masks than eager code, so its BLEU change includes that noise;
 ``--compare seed`` measures it.
 
-    python benchmarks/precision_bleu.py --steps 200 --out benchmarks/results/precision_bleu.json
-    python benchmarks/precision_bleu.py --compare compile --out benchmarks/results/compile_bleu.json
-    python benchmarks/precision_bleu.py --compare seed --out benchmarks/results/seed_bleu.json
+    python benchmarks/studies/precision_bleu.py --steps 200 --out benchmarks/results/performance/precision_bleu.json
+    python benchmarks/studies/precision_bleu.py --compare compile --out benchmarks/results/performance/compile_bleu.json
+    python benchmarks/studies/precision_bleu.py --compare seed --out benchmarks/results/performance/seed_bleu.json
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from qkv.models import Transformer, TransformerConfig
 from qkv.precision import slow_bf16_reason
 from qkv.training import TrainConfig, Trainer, TranslationTask
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> int:
@@ -57,7 +57,7 @@ def main() -> int:
     p.add_argument("--test-limit", type=int, default=0, help="score only the first N test pairs (smoke runs)")
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N training pairs (smoke runs)")
     p.add_argument("--run-dir", default=str(REPO / "runs" / "precision-bleu"))
-    add_result_options(p, REPO / "benchmarks" / "results" / "precision_bleu.json")
+    add_result_options(p, REPO / "benchmarks" / "results" / "performance" / "precision_bleu.json")
     p.add_argument("--force", action="store_true", help="run even where bf16 is emulated (very slow)")
     args = p.parse_args()
     check_result_file(p, args)  # before any work

