@@ -48,7 +48,8 @@ def lm_run(corpus, tmp_path_factory):
 
 def test_token_arrays_hold_what_the_tokenizer_gives(lm_run, corpus):
     train_text, valid_text, _ = load_text_splits({"source": "text", "train_text": str(corpus / "train.txt")})
-    assert train_text + valid_text == TEXT and len(valid_text) == len(TEXT) - int(len(TEXT) * 0.9)
+    n = len(TEXT)  # 90% train, the next 5% validation (the last 5%, the test split: tests/test_lm_splits.py)
+    assert (train_text, valid_text) == (TEXT[: n * 90 // 100], TEXT[n * 90 // 100: n * 95 // 100])
     tokenizer = load_text_tokenizer(lm_run / "tokenizer.json")
     assert isinstance(tokenizer, CharTokenizer) and tokenizer.chars == sorted(set(TEXT))
     vocab = tokenizer.vocab_size
@@ -122,9 +123,10 @@ def test_finish_writes_the_best_weights_only_when_asked(tmp_path, final_weights)
 
 
 def test_evaluate_reports_the_loss_an_independent_loop_computes(lm_run):
-    result = qkv_cli("evaluate", str(lm_run), "--json", "--threads", "1")
+    result = qkv_cli("evaluate", str(lm_run), "--split", "val", "--json", "--threads", "1")
     assert result.returncode == 0, result.stderr
     scores = json.loads(result.stdout)
+    assert scores["split"] == "val"
     model, tokenizer, config = load_run(lm_run)
     tokens = torch.from_numpy(np.asarray(read_tokens(lm_run / "val.bin", tokenizer.vocab_size), dtype=np.int64))
     context, total, count = model.config.context, 0.0, 0
@@ -217,6 +219,8 @@ def test_a_bpe_language_model_trains_and_generates(corpus, tmp_path):
     assert result.returncode == 0, result.stderr
     model, tokenizer, config = load_run(tmp_path / "bpe")
     assert config["task"] == "lm" and config["lm"]["tokenizer"] == "bpe" and tokenizer.vocab_size == 300
-    assert tokenizer.decode(read_tokens(tmp_path / "bpe" / "val.bin", 300)) == TEXT[int(len(TEXT) * 0.9):]
+    n = len(TEXT)
+    assert tokenizer.decode(read_tokens(tmp_path / "bpe" / "val.bin", 300)) == TEXT[n * 90 // 100: n * 95 // 100]
+    assert tokenizer.decode(read_tokens(tmp_path / "bpe" / "test.bin", 300)) == TEXT[n * 95 // 100:]
     result = qkv_cli("generate", str(tmp_path / "bpe"), "--prompt", "To be", "--max-new-tokens", "5", "--seed", "0")
     assert result.returncode == 0 and result.stdout.startswith("To be"), result.stderr
