@@ -20,9 +20,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
-from qkv.fileio import write_json
 
 
 def read_train_records(path: Path) -> list[dict]:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"benchmark": "training speed and resident memory of runs side by side (from their metrics.jsonl)",
               "command": " ".join(["python"] + sys.argv), "sources": dict(item.partition("=")[::2] for item in args.run),
               "note": args.note, **compare(runs, args.window), "machine": environment()}
-    write_json(args.out, report)
+    write_result(args.out, report)
     for label, row in report["runs"].items():
         print(f"{label}: step {row['step_at_common_minutes']} at {report['common_minutes']} min "
               f"(x{row['steps_ratio']}), {row['tokens_per_s_median']} tokens/s (x{row['tokens_per_s_ratio']}), "

@@ -30,10 +30,10 @@ import torch
 import qkv.models
 from qkv.attention import backends
 from qkv.bench.data import multi30k_data
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment, paired_ratio, ratio, time_interleaved
 from qkv.bench.training import _ContenderTask, multi30k_config
-from qkv.fileio import write_json
 from qkv.loss import fused_linear_cross_entropy
 from qkv.precision import bf16_is_fast
 from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
               "model": {"d_model": config.d_model, "layers": [config.num_encoder_layers, config.num_decoder_layers],
                         "d_ff": config.d_ff, "vocab": config.tgt_vocab_size},
               "results": results, "ratios": ratios, "machine": environment()}
-    write_json(out, report)
+    write_result(out, report)
     for name, r in results.items():
         extra = "" if name == "today" else f"  today is {ratios[name]['today_over_it']:.2f}x (paired {ratios[name]['paired']:.2f}x)"
         print(f"{name:32s} {r['tokens_per_s']:8.0f} target tokens/s{extra}")

@@ -22,9 +22,9 @@ import crash_trials  # noqa: E402
 import torch  # noqa: E402
 
 from qkv.bench import timing
+from qkv.bench.provenance import write_result  # noqa: E402
 from qkv.bench.results import add_result_options, check_result_file  # noqa: E402
 from qkv.bench.timing import environment  # noqa: E402
-from qkv.fileio import write_json  # noqa: E402
 
 
 def cpu_flags() -> dict:
@@ -70,7 +70,7 @@ def main() -> int:
         "machine": {**environment(), **cpu_flags(), "load_average_before": load_before,
                     "load_average_after": os.getloadavg(), "platform": platform.platform()},
     }
-    write_json(args.out, result)
+    write_result(args.out, result)
     print(f"{len(ok)}/{len(kills)} kills: loadable and resumed exactly; moments {result['kill_moments']}")
     return 0 if len(ok) == len(kills) and all(chains_equal) else 1
 

@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
-from qkv.fileio import write_json
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -63,7 +63,7 @@ def main() -> int:
         # in the child processes above, with their own thread count: --demo-args)
         "machine": environment(),
     }
-    print(f"wrote {write_json(args.out, report)}")
+    print(f"wrote {write_result(args.out, report)}")
     return 0
 
 

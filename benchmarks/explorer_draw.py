@@ -35,8 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
-from qkv.fileio import write_json
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         **pages,
         "machine": machine(),
     }
-    write_json(args.output, result)
+    write_result(args.output, result)
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
 

@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args)))
         return 0
 
+    from qkv.bench.provenance import write_result
     from qkv.bench.timing import environment
     from qkv.bench.results import check_result_file
-    from qkv.fileio import write_json
     from qkv.precision import bf16_is_fast
 
     for name, value in (("--rounds", args.rounds), ("--steps", args.steps), ("--threads", args.threads)):
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                               "median_kept_over_default": statistics.median(p["kept_over_default"] for p in rounds)}
         print(f"{precision}: heap top kept / glibc's default, median of {args.rounds} rounds: "
               f"{results[precision]['median_kept_over_default']}x")
-    write_json(out, {"what": __doc__.split("\n\n")[0], "command": " ".join(["python"] + sys.argv),
+    write_result(out, {"what": __doc__.split("\n\n")[0], "command": " ".join(["python"] + sys.argv),
                      "results": results, "machine": environment()})
     print(f"wrote {out}")
     return 0

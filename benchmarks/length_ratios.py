@@ -18,11 +18,11 @@ import json
 import sys
 from pathlib import Path
 
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data.sources import load_split
 from qkv.evaluation import read_translations
-from qkv.fileio import write_json
 
 SPLITS = (("train", "train"), ("val", "val"), ("test", "test_2016"))
 
@@ -64,7 +64,7 @@ def main() -> int:
     if args.run_dir:
         report["run_dir"] = args.run_dir
     report["machine"] = environment()
-    write_json(args.out, report)
+    write_result(args.out, report)
     print(json.dumps(report["splits"], indent=1))
     return 0
 

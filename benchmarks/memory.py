@@ -300,8 +300,8 @@ def main() -> int:
 
     import torch
 
+    from qkv.bench.provenance import write_result
     from qkv.bench.results import check_result_file
-    from qkv.fileio import write_json
     from qkv.precision import bf16_is_fast, slow_bf16_reason
 
     check_result_file(p, args)  # before any work
@@ -369,7 +369,7 @@ def main() -> int:
         "machine": machine,
         "runs": runs,
     }
-    write_json(args.out, report)
+    write_result(args.out, report)
     plot(runs, Path(args.figure), args.warmup_minutes, plot_title(machine))
     for run in runs:
         f = run["flatness"]

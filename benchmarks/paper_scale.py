@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     add_result_options(parser, ROOT / "benchmarks" / "results" / "paper-scale" / "paper_scale.json")
     args = parser.parse_args(argv)
     check_result_file(parser, args)  # before any work
+    from qkv.bench.provenance import write_result
     from qkv.bench.timing import environment
-    from qkv.fileio import write_json
 
     work = Path(args.work)
     logs = work / "logs"
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{name}] prepare {json.dumps(entry['prepare'])}", flush=True)
         entry["train"] = train(work / f"prepared_{name}", work / f"run_{name}", logs, args.steps, args.max_tokens)
         print(f"[{name}] train {json.dumps(entry['train'])}", flush=True)
-        write_json(Path(args.out), result)  # what is measured so far
+        write_result(Path(args.out), result)  # what is measured so far
     names = list(result["corpora"])
     if len(names) >= 2:
         small, large = (result["corpora"][n]["train"]["ranks"] for n in (names[0], names[-1]))
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             f"peak_rss_ratio_{names[-1]}_over_{names[0]}_per_rank": ratios,
             "rss_target_within_10_percent_met": all(abs(r - 1) <= 0.10 for r in ratios)}
     result["environment"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    write_json(Path(args.out), result)
+    write_result(Path(args.out), result)
     print(json.dumps(result.get("summary", {}), indent=1), flush=True)
     return 0
 

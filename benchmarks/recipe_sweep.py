@@ -43,13 +43,13 @@ from pathlib import Path
 import torch
 
 from qkv import checkpoint as ckpt
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data import resolve_multi30k
 from qkv.data.sources import load_split
 from qkv.device import pick_device
 from qkv.evaluation import score_translations, translate_texts
-from qkv.fileio import write_json
 from qkv.runs import run_training, start_run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -201,7 +201,7 @@ def collect(paths: list[Path], out: Path) -> dict:
                       "bf16": run["train"]["bf16"]}
     report = {"task": "Multi30k recipe sweep of hour-long runs, validation only (the first is the reference)",
               "command": " ".join(["python"] + sys.argv), "candidates": rows}
-    write_json(out, report)
+    write_result(out, report)
     plot_curves(rows, out.with_suffix(".png"))
     for name, r in rows.items():
         bleu = r[f"val_bleu_beam{r['beam']}"]
@@ -270,7 +270,7 @@ def main() -> int:
     report.setdefault("candidates", {})
     for name in names:
         report["candidates"][name] = run_candidate(name, args, data, device)
-        write_json(out, report)  # after every candidate: a crash loses at most the one running
+        write_result(out, report)  # after every candidate: a crash loses at most the one running
     plot(report, out.with_suffix(".png"))
     key = f"val_bleu_beam{args.beam}"
     for name, r in sorted(report["candidates"].items(), key=lambda kv: -kv[1][key]):

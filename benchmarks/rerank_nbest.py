@@ -29,6 +29,7 @@ import sacrebleu
 import torch
 from tqdm.auto import tqdm
 
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data.batching import make_batch, pad_sequences
@@ -36,7 +37,6 @@ from qkv.data.sources import load_split
 from qkv.decoding import beam_search
 from qkv.ensemble import load_translator, same_tokenizer
 from qkv.evaluation import length_batches, score_translations
-from qkv.fileio import write_json
 from qkv.precision import autocast_context
 
 
@@ -183,7 +183,7 @@ def main() -> int:
     }
     if args.mbr:
         report["mbr_val_bleu"] = round(sacrebleu.corpus_bleu(val.mbr(), [val.refs]).score, 2)
-    write_json(args.out, report)
+    write_result(args.out, report)
     print(json.dumps({k: report[k] for k in ("beam_top_val_bleu", "mbr_val_bleu") if k in report}))
     for key in ("chosen_without_channel", "chosen"):
         row = report[key]

@@ -20,12 +20,12 @@ import json
 import sys
 from pathlib import Path
 
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data import resolve_multi30k
 from qkv.data.sources import load_split
 from qkv.evaluation import paired_significance, read_translations, significance_lines
-from qkv.fileio import write_json
 
 SPLITS = {"val": "val", "test_2016": "test"}  # the name in a hypothesis file -> load_split's name
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.note:
         report["note"] = args.note
     report["machine"] = environment()
-    write_json(out, report)
+    write_result(out, report)
     for line in significance_lines(results):
         print(line)
     print(json.dumps({"wrote": str(out)}))

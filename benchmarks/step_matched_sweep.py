@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from qkv import checkpoint as ckpt
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.device import pick_device
@@ -277,7 +278,7 @@ def main() -> int:
         "rows": rows,
         "machine": {**environment(), "device": device, "processes": len(names)},
     }
-    write_json(Path(args.out), report)
+    write_result(Path(args.out), report)
     print(f"{'candidate':20s} {'steps':>6s} {'val':>6s} {'test16':>6s}")
     for name, r in sorted(rows.items(), key=lambda kv: -kv[1].get("val_bleu", -1)):
         print(f"{name:20s} {r.get('steps', '-'):>6} {r.get('val_bleu', '-'):>6} {r.get('test_2016_bleu', '-'):>6}"

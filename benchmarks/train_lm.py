@@ -57,6 +57,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from qkv.bench.provenance import git_commit, utc_now, write_result
 from qkv.bench.results import check_result_file
 from qkv.bench.timing import environment
 from qkv.causal_lm import IGNORE, CausalLM, CausalLMConfig
@@ -438,6 +439,8 @@ def main() -> int:
         report["best_validation"] = best_weights_validation(run_dir, tokens, chars_per_token, report["train"]["bf16"],
                                                             report["sample"])
         report["best_validation"]["command"] = " ".join(["python", *sys.argv])
+        # added to a finished run's result: the run's own date and commit stay, the rescoring's go here
+        report["best_validation"].update(date=utc_now(), commit=git_commit())
         write_json(Path(args.rescore_best), report)
         print(f"best weights, whole split: {report['best_validation']['whole_split']['nats_per_char']:.4f} nats/char")
         return 0
@@ -457,7 +460,7 @@ def main() -> int:
         start = time.perf_counter()
         report = compare(args, out_dir)
         report["wall_seconds"] = round(time.perf_counter() - start, 1)
-        write_json(out_dir / "lm_vs_hf.json", report)
+        write_result(out_dir / "lm_vs_hf.json", report)
         print(f"median tokens/s: qkv {report['tokens_per_s_median']['qkv']:.0f}, hf "
               f"{report['tokens_per_s_median']['hf']:.0f}, qkv/hf {report['ratio_qkv_over_hf_median']:.3f}; "
               f"val loss after {report['steps']['total_per_model']} steps: " + ", ".join(
@@ -467,7 +470,7 @@ def main() -> int:
         start = time.perf_counter()
         report = fixed_time_run(args, out_dir)
         report["wall_seconds"] = round(time.perf_counter() - start, 1)
-        write_json(out_dir / "lm_tinyshakespeare.json", report)
+        write_result(out_dir / "lm_tinyshakespeare.json", report)
     return 0
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from qkv import checkpoint as ckpt
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options
 from qkv.bench.timing import environment
 from qkv.cli.train import (
@@ -190,7 +191,7 @@ def main() -> int:
         "note": args.note,
         "run_dir": str(run_dir),
     }
-    ckpt.write_json(out, report)
+    write_result(out, report)
     print(json.dumps({k: report[k] for k in ("train_wall_seconds", "steps", "target_tokens_per_s")}))
     print(json.dumps({k: {s: [v["bleu"], v["bleu_papers_form"]["bleu"]] for s, v in e.items()}
                       for k, e in results.items()}))  # sacreBLEU, papers' form

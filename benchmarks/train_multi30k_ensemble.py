@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from qkv import checkpoint as ckpt
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.ensemble import load_translator
@@ -192,7 +193,7 @@ def main() -> int:
         "note": args.note,
         "run_dir": str(run_dir),
     }
-    ckpt.write_json(out, report)
+    write_result(out, report)
     print(json.dumps({k: [v["bleu"], v["bleu_papers_form"]["bleu"]] for k, v in scores.items()}))
     return 0
 

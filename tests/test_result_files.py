@@ -126,7 +126,7 @@ def test_every_benchmark_that_writes_a_result_declares_overwrite():
     missing = []
     for path in sorted(BENCHMARKS.glob("**/*.py")):  # the suites and benchmarks/studies/
         text = path.read_text()
-        writes = "write_json(" in text or ".savefig(" in text
+        writes = "write_json(" in text or "write_result(" in text or ".savefig(" in text
         if writes and "add_result_options" not in text and '"--overwrite"' not in text:
             missing.append(path.name)
     assert missing == []

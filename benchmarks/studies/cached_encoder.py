@@ -30,11 +30,11 @@ import numpy as np
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before tokenizers is imported: one thread, as a worker
 
+from qkv.bench.provenance import write_result  # noqa: E402
 from qkv.bench.results import add_result_options, check_result_file  # noqa: E402
 from qkv.bench.timing import environment  # noqa: E402
 from qkv.data import cached_encoder, resolve_multi30k  # noqa: E402
 from qkv.data.tokenizer import Tokenizer  # noqa: E402
-from qkv.fileio import write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ASCII_ONLY = re.compile("[\x00-\x7f]*")
@@ -104,7 +104,7 @@ def main() -> int:
               "command": "python benchmarks/cached_encoder.py", "vocab_size": tokenizer.vocab_size,
               "repeats": args.repeats, "languages": results,
               "machine": {**environment(), "load_average_end": list(os.getloadavg())}}
-    write_json(args.out, report)
+    write_result(args.out, report)
     return 0
 
 

@@ -135,9 +135,9 @@ def projection() -> dict:
 
 def main() -> int:
     from qkv.bench.data import multi30k_data
+    from qkv.bench.provenance import write_result
     from qkv.bench.results import add_result_options, check_result_file
     from qkv.bench.timing import environment
-    from qkv.fileio import write_json
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default=None, help="Multi30k folder (default: $QKV_DATA/multi30k or the cache)")
@@ -171,7 +171,7 @@ def main() -> int:
         "projection": projection(),
         "machine": {**environment(), "load_average": os.getloadavg(), "platform": platform.platform()},
     }
-    write_json(args.out, report)
+    write_result(args.out, report)
     print({k: round(v, 1) for k, v in median.items()}, "2x1/1x2 =", round(report["two_processes_vs_two_threads"], 3),
           "efficiency", round(report["scaling_efficiency_2_processes"], 3))
     return 0

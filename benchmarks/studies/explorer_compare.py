@@ -17,10 +17,10 @@ import os
 import tempfile
 from pathlib import Path
 
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.cli import main as qkv_main
-from qkv.fileio import write_json
 
 SENTENCES = ("time flies like an arrow", "fruit flies like a banana")
 TOKEN = "flies"
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    / len(compare["heads"]), 4),
         "machine": machine(),
     }
-    write_json(args.output, result)
+    write_result(args.output, result)
     print(f"wrote {args.output}")
     for h in result[f"top_heads_for_{TOKEN}"]:
         print(f"layer {h['layer']} head {h['head']}: {TOKEN} differs by {h['difference']:.3f} "

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: cpu
 
 import cpu_step_paths  # noqa: E402
 import qkv.models  # noqa: E402
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment, paired_ratio, ratio, time_interleaved
-from qkv.fileio import write_json
 from qkv.loss import fused_linear_cross_entropy
 from qkv.memory import limit_memory_growth
 from qkv.precision import bf16_is_fast
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
               "loss_alone": summarise(alone, [n] * args.repeats, "positions"),
               "training_step": summarise(whole, tokens, "target_tokens"),
               "relative_error_vs_float64": errors, "start_up_settings": start_up, "machine": environment()}
-    write_json(out, report)
+    write_result(out, report)
     for part in ("loss_alone", "training_step"):
         r = report[part]
         print(f"{part:14s} today {r['today_over_before']:.3f}x the speed of {args.before}'s "

@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 from qkv import checkpoint as ckpt
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data import Tokenizer, load_multi30k, resolve_multi30k
 from qkv.evaluation import score_translations, translate_texts
-from qkv.fileio import write_json
 from qkv.models import Transformer, TransformerConfig
 from qkv.precision import slow_bf16_reason
 from qkv.training import TrainConfig, Trainer, TranslationTask
@@ -136,7 +136,7 @@ def main() -> int:
     }
     if other == "bf16":
         report["bleu_change_bf16_model_fp32_decoding"] = round(runs["bf16"]["test_bleu_fp32_decoding"] - fp32_bleu, 2)
-    write_json(args.out, report)
+    write_result(args.out, report)
     print({k: v for k, v in report.items() if k.startswith(("bleu_change", "sequential_speedup"))})
     print({name: {k: v for k, v in r.items() if k != "bleu_signature"} for name, r in runs.items()})
     return 0

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import sacremoses
 
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.checkpoint import read_run_config
 from qkv.data.sources import load_split
 from qkv.evaluation import read_translations, score_translations
-from qkv.fileio import write_json
 
 
 def main() -> int:
@@ -48,7 +48,7 @@ def main() -> int:
             raise SystemExit(f"{name}: sacreBLEU {scores['bleu']} here, {published} in {args.benchmark}")
         report["scores"][f"{name}_beam5"] = scores
     report["machine"] = {**environment(), "sacremoses": sacremoses.__version__}
-    write_json(args.out, report)
+    write_result(args.out, report)
     print(json.dumps({k: {"sacrebleu": v["bleu"], "papers_form": v["bleu_papers_form"]["bleu"],
                           "compound_split": v.get("bleu_compound_split", {}).get("bleu")}
                       for k, v in report["scores"].items()}))

@@ -37,8 +37,8 @@ import threading
 import time
 from pathlib import Path
 
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
-from qkv.fileio import write_json
 
 SENTENCES = [
     "time flies like an arrow",
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     result["ok"] = (answered == args.requests and server_5xx == 0 and result["server_log_tracebacks"] == 0
                     and load["stalled"]["longest_held_s"] is not None
                     and load["stalled"]["longest_held_s"] < args.timeout + 5)
-    write_json(args.out, result)
+    write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("valid_requests_answered_200", "server_errors_5xx_except_503",
                                              "busy_503", "latency_ms", "requests_per_s", "server_rss_mib", "ok")}))
     print(f"wrote {args.out}")

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
+from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.checkpoint import average_weight_files, load_run, load_weights as load_weight_file, read_run_config
 from qkv.data.sources import load_split
 from qkv.evaluation import score_translations, translate_texts
-from qkv.fileio import write_json
 
 
 def floats(text: str) -> list[float]:
@@ -89,7 +89,7 @@ def main() -> int:
     report = {"command": " ".join(["python"] + sys.argv), "run_dir": str(run_dir), "chosen_on": "val",
               "grid": rows, "chosen": {k: best[k] for k in ("weights", "beam", "alpha", "val_bleu")},
               "test_2016": test_scores, "machine": environment()}
-    write_json(args.out, report)
+    write_result(args.out, report)
     print(json.dumps({"chosen": report["chosen"], "test_2016_bleu": test_scores["bleu"],
                       "test_2016_papers_form": test_scores["bleu_papers_form"]["bleu"]}))
     return 0

@@ -60,8 +60,8 @@ def main() -> None:
     args = parser.parse_args()
     out = check_result_file(parser, args)  # before any work
 
+    from qkv.bench.provenance import write_result
     from qkv.data.prepared import CACHE_FILE, PreparedCorpus
-    from qkv.fileio import write_json
 
     made = {}
     folder = Path(args.prepared) if args.prepared else None
@@ -97,7 +97,7 @@ def main() -> None:
         "peak_rss_added_mib": round(peak_rss_mib() - rss_before, 1),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, result)
+    write_result(out, result)
     print(json.dumps({k: result[k] for k in ("folder", "seconds_first", "seconds_cached", "mib_per_s_first",
                                              "peak_rss_added_mib")}))
 

@@ -16,7 +16,7 @@ import torch
 
 from qkv.bench.data import BenchData, multi30k_data, synthetic_data
 from qkv.bench.timing import environment
-from qkv.fileio import write_json
+from qkv.bench.provenance import write_result
 from qkv.precision import slow_bf16_reason
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def run_suite(
             report["skipped"] = skipped
             plot = plot_training
     report = {"suite": name, "quick": quick, "command": " ".join(sys.argv), "environment": env, **report}
-    json_path = write_json(out_dir / f"{name}.json", report)
+    json_path = write_result(out_dir / f"{name}.json", report)
     png_path = out_dir / f"{name}.png"
     plot(report, png_path)
     logger.info("wrote %s and %s", json_path, png_path)
