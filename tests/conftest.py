@@ -16,6 +16,10 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    # one thread per test, again: a CLI call made in-process (main([...])) sets torch's threads to all cores
+    # (qkv.cli.options), which would leave later tests on this worker with two threads each on two cores,
+    # spin-waiting on each other (a 600-step test went from ~30 s to 240 s)
+    torch.set_num_threads(1)
 
 
 # --------------------------------------------------------------------------- data sets
