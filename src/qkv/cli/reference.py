@@ -16,7 +16,7 @@ import re
 #: the line in ``docs/reference/cli.md`` that the documentation build replaces with the reference
 MARKER = "<!-- qkv-cli-reference: generated from the parsers at build time -->"
 
-_USAGE_WIDTH = 100  # fixed, so the page does not depend on the terminal that built it
+_USAGE_WIDTH = 78  # fixed, so the page does not depend on the terminal that built it (and fits its code box)
 
 
 def full_parser() -> argparse.ArgumentParser:
@@ -79,13 +79,18 @@ def _default(action: argparse.Action) -> str | None:
         return None
     if isinstance(default, (list, tuple)):
         return " ".join(str(d) for d in default)
+    if isinstance(default, str) and (default != default.strip() or not default.isprintable()):
+        return repr(default)  # a newline or a space shown as Python writes it
     return str(default)
 
 
 def _option_line(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
-    invocation = _formatter(parser)._format_action_invocation(action)
-    parts = [", ".join(_code(part) for part in invocation.split(", "))
-             if action.option_strings else _code(invocation)]
+    if action.option_strings:
+        invocation = _formatter(parser)._format_action_invocation(action)
+        parts = [", ".join(_code(part) for part in invocation.split(", "))]
+    else:  # a positional by its name; its choices, if any, follow
+        metavar = action.metavar if isinstance(action.metavar, str) else None
+        parts = [_code(metavar or action.dest)]
     details = []
     if action.required and action.option_strings:
         details.append("required")
