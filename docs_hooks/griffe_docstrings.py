@@ -1,6 +1,6 @@
 """Griffe extension for qkv's documentation site: qkv's docstrings made to render as Markdown.
 
-Two things in them are not Markdown. Doctest lines (``>>> ...``) would become nested block quotes:
+Three things in them are not what mkdocstrings expects. Doctest lines (``>>> ...``) would become nested block quotes:
 each run of them (with the output lines that follow, up to a blank line) becomes a ``pycon`` code
 block. And Sphinx-style roles would show as text:
 
@@ -8,7 +8,9 @@ qkv's docstrings are Google style with reStructuredText cross-reference roles
 (:class:`Transformer`, :func:`~qkv.decoding.beam_search`, :mod:`qkv.runs`); each role is rewritten to an optional autorefs reference: a link to the
 object where the API page documents it, its name in code font where it does not. The name is
 resolved in the scope of the docstring's object (its module's imports and members), as Sphinx does;
-a leading ``~`` shows only the last component.
+a leading ``~`` shows only the last component. And a ``Returns:`` or ``Yields:`` section is prose
+(the type is the signature's), but the Google parser takes whatever precedes the first colon of
+its first line as a type: that colon is written as ``&#58;`` (shown as a colon) so it stays text.
 """
 
 from __future__ import annotations
@@ -71,6 +73,19 @@ def fence_doctests(text: str) -> str:
     return "\n".join(out[:-1])
 
 
+RETURNS = re.compile(r"^(?P<indent>\s*)(?:Returns|Yields):\s*$")
+
+
+def returns_as_prose(text: str) -> str:
+    """The first line of each Returns/Yields section with its colons (outside code spans) as ``&#58;``."""
+    lines = text.split("\n")
+    for i, line in enumerate(lines[:-1]):
+        if RETURNS.match(line) and ":" in lines[i + 1]:
+            parts = re.split(r"(`+[^`]*`+)", lines[i + 1])  # code spans keep their colons
+            lines[i + 1] = "".join(p if p.startswith("`") else p.replace(":", "&#58;") for p in parts)
+    return "\n".join(lines)
+
+
 class QkvDocstrings(griffe.Extension):
     def on_object(self, *, obj: griffe.Object, loader: griffe.GriffeLoader, **kwargs) -> None:
         if obj.docstring is None:
@@ -79,5 +94,5 @@ class QkvDocstrings(griffe.Extension):
         if ">>>" in text:
             text = fence_doctests(text)
         if ":" in text:
-            text = rewrite(text, obj)
+            text = returns_as_prose(rewrite(text, obj))
         obj.docstring.value = text
