@@ -7,9 +7,20 @@ so the built site always shows the parsers of the code it was built from.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from mkdocs.exceptions import PluginError
 
 CLI_PAGE = "reference/cli.md"
+
+
+def on_config(config, **kwargs):
+    # the parsers of the checkout being built, even where another qkv is installed
+    src = str(Path(config.config_file_path).resolve().parent / "src")
+    if src not in sys.path:
+        sys.path.insert(0, src)
+    return config
 
 
 def on_page_markdown(markdown, page, config, files, **kwargs):

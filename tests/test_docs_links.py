@@ -318,8 +318,7 @@ def test_the_checks_find_every_broken_reference(scratch: Path):
     results = results_problems(scratch)
     assert results == [
         "docs/index.md:4: 'benchmarks/results/missing.json' does not exist",
-        "docs/index.md:4: 'benchmarks/results/demo/demo_time{,_seed1}.json' is an elided form; write each file "
-        "name out",
+        "docs/index.md:4: 'benchmarks/results/demo/demo_time{,_seed1}.json' is an elided form; write each file name out",
         "docs/index.md:5: 'benchmarks/results/demo/*.txt' matches no file",
         "docs/index.md:5: `..._wd01.json` is an elided file name; write it out in full",
     ], "\n".join(results)
