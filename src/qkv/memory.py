@@ -17,7 +17,7 @@ program no longer uses:
   than its trim threshold free there (twice the sliding mmap threshold: 32 MiB once a 16 MiB block
   has been freed), and a training step frees ~100 MB of activations at once: the next step
   page-faults them all in again (14,000-22,500 minor faults a bf16 Multi30k step on a 2-core AMX
-  Xeon, benchmarks/results/heap_top_steps_xeon_amx_bf16.json).
+  Xeon, benchmarks/results/performance/heap_top_steps_xeon_amx_bf16.json).
   :func:`keep_heap_top` raises that threshold so freed memory stays for the next step, and leaves
   the returning to :class:`HeapTrimmer`.
   :func:`mmap_large_allocations` goes further and keeps big blocks out of the heaps altogether
@@ -52,16 +52,16 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 * _MIB  # glibc's limit on 64-bit (HEAP_MAX_SIZE / 2)
 # free memory glibc may keep at the top of a heap (keep_heap_top): above a step's ~100 MB of activations
 # (256 MiB left 266-576 minor faults a bf16 Multi30k step on an AMX Xeon, against 14,000-22,500 without;
-# benchmarks/results/heap_top_steps_xeon_amx_bf16.json; 128 MiB still left ~11,000 in a trial)
+# benchmarks/results/performance/heap_top_steps_xeon_amx_bf16.json; 128 MiB still left ~11,000 in a trial)
 HEAP_TRIM_THRESHOLD = 256 * _MIB
 # the user's own malloc settings, which keep_heap_top leaves alone
 _MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
 # oneDNN primitives kept (~1 MB each for a Multi30k product): room for every product shape of a
 # training run once qkv.shapes pads the rows of linear layers (a few hundred), so no step compiles
 # again; 8 made every bf16 product of a step compile anew (padding and 512 make 1.18x the steps on
-# an AMX Xeon, benchmarks/results/memory_xeon_bf16.json), and
+# an AMX Xeon, benchmarks/results/performance/memory_xeon_bf16.json), and
 # oneDNN's own 1024 filled up with the unpadded shapes (RSS to 7.5 GB) without being faster after
-# 12 minutes (benchmarks/results/onednn_cache_xeon_bf16.json)
+# 12 minutes (benchmarks/results/performance/onednn_cache_xeon_bf16.json)
 ONEDNN_CACHE_CAPACITY = 512
 
 

@@ -37,13 +37,13 @@ RECIPES: dict[str, dict] = {
         # Where the run is in bf16 and bf16 is fast, the hour is ~3.5x the steps (~45 epochs on a 2-core
         # AVX512-BF16/AMX Xeon), and dropout 0.1 stops gaining at ~30 epochs: dropout 0.2 over the hour
         # there: validation BLEU (beam 5) 38.99 / 39.92 / 38.09 for dropout 0.1 / 0.2 / 0.3, an hour each
-        # (benchmarks/results/recipe_sweep_hour_xeon.json).
+        # (benchmarks/results/multi30k/sweeps/recipe_sweep_hour_xeon.json).
         # ReLU stays there: GELU's lead of the hour's first quarter was gone by its end (7,000 steps on a Xeon:
         # validation 39.68 against 40.05-40.85, multi30k_en_de_xeon_amx_bf16_gelu.json)
         MODEL_WHERE_BF16_IS_FAST: dict(dropout=0.2, activation="relu"),
         # and there a lower peak rate (1.6e-3 at 4k tokens): validation BLEU 40.58 against 39.92 for factor 0.7, with
         # the validation loss below at every validation; factor 1.0 fell behind from the start
-        # (benchmarks/results/multi30k_en_de_xeon_bf16_dropout02_lr05.json, ..._lr10_stopped.json)
+        # (benchmarks/results/multi30k/multi30k_en_de_xeon_bf16_dropout02_lr05.json, ..._lr10_stopped.json)
         TRAIN_WHERE_BF16_IS_FAST: dict(lr_factor=0.5),
         # The recipe's half-size batches were found there first: ~1.85k target tokens with warmup 800 and a peak
         # rate of 1.1e-3 (1.6e-3 over sqrt 2) made 1.7x the steps, validation loss 1.507 against 1.551 at minute 54

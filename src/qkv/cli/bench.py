@@ -14,7 +14,7 @@ from qkv.bench.suites import SUITES
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("suite", choices=(*SUITES, "all"), help="what to time")
     parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (tiny sizes, few repeats)")
-    parser.add_argument("--out", default="benchmarks/results", help="folder for <suite>.json and <suite>.png (existing "
+    parser.add_argument("--out", default="benchmarks/results/performance", help="folder for <suite>.json and <suite>.png (existing "
                         "ones are kept unless --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace the suites' files already in --out")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
