@@ -159,6 +159,28 @@ def best_weights_validation(run_dir: Path, valid_tokens: np.ndarray, chars_per_t
             "sample": write_sample(model, tokenizer, sample)}
 
 
+def test_split(run_dir: Path, bf16: bool) -> dict | None:
+    """The test split (the text's last 5%, which training, validation and checkpoint choice never
+    read) scored once, whole, with the weights ``qkv evaluate`` uses (the recipe's ``best.safetensors``);
+    None for a run without one (trained with --val-text and no --test-text)."""
+    from qkv.checkpoint import load_run, read_run_config
+
+    splits = read_run_config(run_dir).get("lm", {}).get("splits") or {}
+    if not splits.get("test"):
+        return None
+    model, _, _ = load_run(run_dir, "best", task="lm")
+    tokens = read_tokens(run_dir / "test.bin", model.config.vocab_size)
+    whole = whole_split_loss(model, language_model_loss, tokens, model.config.context, bf16=bf16)
+    chars_per_token = splits["test"]["chars_per_token"]
+    nats = whole["loss_nats_per_token"] / chars_per_token
+    print(f"test split (whole, {whole['tokens']} tokens), best weights: {nats:.4f} nats/char, "
+          f"{nats / math.log(2):.4f} bits/char", flush=True)
+    return {"weights": "best.safetensors", "whole_split": {**whole, "nats_per_char": nats,
+                                                            "bits_per_char": nats / math.log(2),
+                                                            "chars_per_token": chars_per_token},
+            "splits": splits}
+
+
 # ------------------------------------------------------------------ the comparison
 def hf_loss(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor, *,
             label_smoothing: float = 0.0) -> torch.Tensor:
@@ -365,6 +387,7 @@ def fixed_time_run(args: argparse.Namespace, out_dir: Path) -> dict:
         },
         "best_validation": best_weights_validation(run_dir, task.valid_tokens, task.chars_per_token, config.bf16,
                                                    settings),
+        "test": test_split(run_dir, config.bf16),
         "sample": {"weights": "final", **sample},
         "curve_png": str(png),
         "model": asdict(model.config),

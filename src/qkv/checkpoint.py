@@ -5,9 +5,11 @@ A run folder holds::
 
     config.json          {"qkv_run": 2, "model": TransformerConfig fields, "train": TrainConfig fields,
                           "data": {...}, "data_fingerprint": {...}}; a language model's also has
-                          "task": "lm", CausalLMConfig fields as "model", and "lm": {tokenizer, windows}
+                          "task": "lm", CausalLMConfig fields as "model", and "lm": {tokenizer, windows,
+                          splits: where each split came from and its token count}
     tokenizer.json       the joint BPE tokenizer (a language model's: character or BPE)
-    train.bin, val.bin   a language model's token arrays (qkv.data.text)
+    train.bin, val.bin,  a language model's token arrays (qkv.data.text); test.bin is never read by
+    test.bin             training (only qkv evaluate scores it)
     state.pt             the resumable checkpoint, ONE file: weights, optimizer, step, epoch, position
                          in the epoch, RNG states (what --resume reads)
     last.safetensors     the weights at the last saved step (written after state.pt, from the same step)
