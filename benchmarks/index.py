@@ -90,7 +90,9 @@ def headline(rel: str, d: dict) -> str:
     """The file's headline: a few figures read from it, labelled."""
     parts: list[str] = []
     name = Path(rel).name
-    if get(d, "scores.averaged") is not None:  # a train_multi30k.py run
+    if isinstance(d.get("headline"), dict):  # a result that names its own headline figures
+        parts = [f"{k.replace('_', ' ')} {fmt(v)}" for k, v in d["headline"].items()]
+    elif get(d, "scores.averaged") is not None:  # a train_multi30k.py run
         parts = pick(d, ("val BLEU", "scores.averaged.val_beam5.bleu"),
                      ("test 2016 BLEU", "scores.averaged.test_2016_beam5.bleu"))
         parts = [", ".join(parts) + " (beam 5, averaged weights)"] if parts else []
