@@ -38,6 +38,7 @@ def test_a_candidate_gets_the_steps_its_cost_allows_in_the_hour(sweep):
     assert abs(changes["rdrop_start"] * 9350 - 0.7 * 11000) < 0.01 * 11000
 
 
+@pytest.mark.slow  # minutes of subprocess training and decoding: run with -m slow
 def test_candidates_train_side_by_side_and_score_as_qkv_evaluate_does(tmp_path, capsys, multi30k_dir):
     from qkv.cli import main
 

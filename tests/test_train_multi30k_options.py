@@ -83,6 +83,7 @@ def test_sigterm_saves_the_benchmark_run_and_says_how_to_go_on(tmp_path, multi30
     assert "Traceback" not in err and not out.exists()
 
 
+@pytest.mark.slow  # minutes of subprocess training and decoding: run with -m slow
 def test_the_ensemble_benchmark_trains_members_side_by_side_and_scores_them_together(tmp_path, capsys, multi30k_dir):
     """benchmarks/train_multi30k_ensemble.py: two members (one thread each, seeds 0 and 1) get the
     options it does not know; the length penalty is the validation set's best; the ensemble's scores
