@@ -11,12 +11,9 @@ without --out it writes into benchmarks/results/performance/.
 import sys
 from pathlib import Path
 
-from qkv.cli import main
+from qkv.bench.results import run_bench_suite
 
 OUT = Path(__file__).resolve().parent / "results" / "performance"
 
 if __name__ == "__main__":  # --data defaults to qkv's lookup: $QKV_DATA/multi30k, then the cache
-    argv = sys.argv[1:]
-    if not any(a == "--out" or a.startswith("--out=") for a in argv):
-        argv += ["--out", str(OUT)]
-    sys.exit(main(["bench", "decoding", *argv]))
+    sys.exit(run_bench_suite("decoding", OUT, sys.argv[1:]))

@@ -30,7 +30,7 @@ def test_missing_data_skips_naming_the_data_and_how_to_get_it(fixture, nowhere, 
     reason = str(skipped.value)
     assert reason.startswith(FIXTURES[fixture])
     assert str(nowhere / "data") in reason and str(nowhere / "cache") in reason  # where it looked
-    assert "set QKV_DATA" in reason and "QKV_DATA=../shared/data" in reason and "python -c 'from qkv.data" in reason
+    assert "set QKV_DATA" in reason and "QKV_DATA=FOLDER" in reason and "python -c 'from qkv.data" in reason
     assert not (nowhere / "cache").exists()  # nothing downloaded, no cache folder made
 
 
@@ -67,7 +67,7 @@ def test_the_cache_is_searched_after_qkv_data(nowhere, request):
 
 
 def test_the_data_sets_qkv_finds_are_the_ones_the_tests_read(multi30k_dir, tinyshakespeare_dir):
-    """Where the data is (CI: QKV_DATA=../shared/data), the fixtures hand the tests what qkv's own
+    """Where the data is (CI: QKV_DATA set by .ci/run), the fixtures hand the tests what qkv's own
     loaders read: Multi30k's splits and tiny Shakespeare's text."""
     from qkv.data import load_multi30k
     from qkv.data.text import load_text_splits

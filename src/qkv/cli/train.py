@@ -353,14 +353,13 @@ def sigterm_saves_first():
 @contextlib.contextmanager
 def sigterm_restored():
     """Put back the SIGTERM handler found on entry when the block ends (see :func:`sigterm_saves_first`)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _what_is_saved(run_dir: str, step: int) -> str:
