@@ -10,7 +10,7 @@ The paths:
   float32 instead of PyTorch's fused kernel in float32 (``upcast_for_cpu_backward`` for bf16);
 * ``fused Adam``: ``torch.optim.Adam(fused=True)`` instead of the default per-tensor loop;
 * ``512-row loss chunks``: the fused loss projects 512 rows at a time instead of 1,024
-  (``qkv.loss.FUSED_CHUNK_ROWS``).
+  (``qkv.nn.loss.FUSED_CHUNK_ROWS``).
 
     python benchmarks/cpu_step_paths.py                       # bf16 where fast, else float32
     python benchmarks/cpu_step_paths.py --repeats 40 --out benchmarks/results/performance/cpu_step_paths.json
@@ -27,16 +27,16 @@ from pathlib import Path
 
 import torch
 
-import qkv.models
+import qkv.models.transformer
 from qkv.attention import backends
 from qkv.bench.data import multi30k_data
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment, paired_ratio, ratio, time_interleaved
 from qkv.bench.training import _ContenderTask, multi30k_config
-from qkv.loss import fused_linear_cross_entropy
-from qkv.precision import bf16_is_fast
-from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST
+from qkv.nn.loss import fused_linear_cross_entropy
+from qkv.runtime.precision import bf16_is_fast
+from qkv.runs.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST
 from qkv.training import Trainer, TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,15 +46,15 @@ BEFORE = {"attention": "fused attention kernel", "adam": "per-tensor Adam", "chu
 @contextlib.contextmanager
 def paths_before(which: frozenset[str]):
     """Turn the named fast paths back to what they replaced, for the duration of one step."""
-    saved_plain, saved_loss = backends.PLAIN_MAX_LEN, qkv.models.fused_linear_cross_entropy
+    saved_plain, saved_loss = backends.PLAIN_MAX_LEN, qkv.models.transformer.fused_linear_cross_entropy
     try:
         if "attention" in which:
             backends.PLAIN_MAX_LEN = 0
         if "chunks" in which:
-            qkv.models.fused_linear_cross_entropy = functools.partial(fused_linear_cross_entropy, chunk_rows=1024)
+            qkv.models.transformer.fused_linear_cross_entropy = functools.partial(fused_linear_cross_entropy, chunk_rows=1024)
         yield
     finally:
-        backends.PLAIN_MAX_LEN, qkv.models.fused_linear_cross_entropy = saved_plain, saved_loss
+        backends.PLAIN_MAX_LEN, qkv.models.transformer.fused_linear_cross_entropy = saved_plain, saved_loss
 
 
 def recipe_data_and_model(data_dir: str | None, bf16: bool, batches: int):
@@ -70,7 +70,7 @@ def recipe_data_and_model(data_dir: str | None, bf16: bool, batches: int):
 
 def make_step(data, config, train: TrainConfig, which: frozenset[str]):
     torch.manual_seed(0)  # every variant starts from the same weights
-    model = qkv.models.Transformer(config)
+    model = qkv.models.transformer.Transformer(config)
     trainer = Trainer(model, _ContenderTask(model, data.pad_id), train, d_model=config.d_model)
     if "adam" in which:
         trainer.optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=train.adam_betas, eps=train.adam_eps)

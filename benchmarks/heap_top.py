@@ -1,10 +1,10 @@
-"""What keeping freed memory at the top of glibc's heaps (qkv.memory.keep_heap_top) buys a training step.
+"""What keeping freed memory at the top of glibc's heaps (qkv.runtime.heap.keep_heap_top) buys a training step.
 
 glibc gives the top of a heap back to the OS on a ``free`` that leaves more than its trim threshold
 free there; a training step frees ~100 MB of activations at once, so the next step page-faults them in
 again. The setting is process-wide, so each variant runs in its own fresh process: the Multi30k
 recipe's step (``qkv.training.Trainer.step`` on real 2,000-token batches, as benchmarks/cpu_step_paths.py
-builds it) with qkv's start-up settings (``qkv.memory.limit_memory_growth``) with and without the heap
+builds it) with qkv's start-up settings (``qkv.runtime.heap.limit_memory_growth``) with and without the heap
 top kept, alternated A, B, A, B, ... so that a host whose speed drifts touches both alike. Reports
 target tokens/s, minor page faults a step, and the ratio of each round's pair.
 
@@ -27,7 +27,7 @@ VARIANTS = {"heap top kept": True, "glibc's default": False}
 
 
 def child(args: argparse.Namespace) -> dict:
-    from qkv.memory import limit_memory_growth
+    from qkv.runtime.heap import limit_memory_growth
 
     applied = limit_memory_growth(heap_trim_threshold=None) if not args.keep else limit_memory_growth()
     import torch
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from qkv.bench.provenance import write_result
     from qkv.bench.timing import environment
     from qkv.bench.results import check_result_file
-    from qkv.precision import bf16_is_fast
+    from qkv.runtime.precision import bf16_is_fast
 
     for name, value in (("--rounds", args.rounds), ("--steps", args.steps), ("--threads", args.threads)):
         if value < 1:

@@ -22,7 +22,7 @@ from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data.sources import load_split
-from qkv.evaluation import read_translations
+from qkv.metrics.scores import read_translations
 
 SPLITS = (("train", "train"), ("val", "val"), ("test", "test_2016"))
 

@@ -13,7 +13,7 @@ test (benchmarks/paper_scale.py). Not a translation task: the point is the size 
     python benchmarks/make_wmt_like.py --pairs 4500000 --out /tmp/wmt_like   # train.en, train.de, valid.*
 
 Deterministic for a --seed. Writes plain text (``--gzip`` for .gz). Each file is written under a
-temporary name and renamed into place once whole (qkv.fileio), so a killed run never leaves a
+temporary name and renamed into place once whole (qkv.runtime.fileio), so a killed run never leaves a
 truncated train.en that looks complete.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qkv.fileio import TMP_SUFFIX, atomic_path
+from qkv.runtime.fileio import TMP_SUFFIX, atomic_path
 
 SYLLABLES = [c + v for c in "bdfghklmnprstvwz" for v in "aeiou"] + ["sch", "ei", "au", "ie", "th", "ch", "qu"]
 

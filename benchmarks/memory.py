@@ -1,20 +1,20 @@
 """Resident memory over a long Multi30k training run: does it stay flat after warm-up?
 
-Trains the library's Multi30k recipe (qkv.recipes.RECIPES["multi30k"], En->De) for ``--minutes``
-in float32 and, where this machine runs bfloat16 fast (qkv.precision.bf16_is_fast), in bf16 autocast
+Trains the library's Multi30k recipe (qkv.runs.recipes.RECIPES["multi30k"], En->De) for ``--minutes``
+in float32 and, where this machine runs bfloat16 fast (qkv.runtime.precision.bf16_is_fast), in bf16 autocast
 too (else the JSON says why it was skipped). Validation and checkpoints are off inside the window,
 so nothing but training steps runs. A thread samples the process's resident set size (VmRSS) and its
 peak (VmHWM) every ``--interval`` seconds with the step reached. Each (precision, fix) pair trains in
 a fresh child process, so one run's memory cannot leak into the next one's figures.
 
 ``--fixes`` lists the variants to run, each ``none`` or a ``+``-joined set of measures from
-qkv.memory: ``trim`` returns freed heap memory to the OS every ``--trim-every`` steps
-(qkv.memory.HeapTrimmer), ``onednn`` caps oneDNN's primitive cache at ``--onednn-capacity`` (``onednn=N``:
-at N) before the first primitive (qkv.memory.cap_onednn_primitive_cache; without it oneDNN holds up to
-1024), ``pad`` pads the rows of linear layers' bf16 products (qkv.shapes; without it
-``qkv.shapes.PAD_ROWS`` is off), ``top`` lets glibc keep freed memory at the top of its heaps for the
-next step instead of returning it on every free (qkv.memory.keep_heap_top), ``mmap`` serves allocations
-of ``--mmap-threshold`` bytes or more with mmap (qkv.memory.mmap_large_allocations); ``fix`` is
+qkv.runtime.heap: ``trim`` returns freed heap memory to the OS every ``--trim-every`` steps
+(qkv.runtime.heap.HeapTrimmer), ``onednn`` caps oneDNN's primitive cache at ``--onednn-capacity`` (``onednn=N``:
+at N) before the first primitive (qkv.runtime.heap.cap_onednn_primitive_cache; without it oneDNN holds up to
+1024), ``pad`` pads the rows of linear layers' bf16 products (qkv.runtime.padded_linear; without it
+``qkv.runtime.padded_linear.PAD_ROWS`` is off), ``top`` lets glibc keep freed memory at the top of its heaps for the
+next step instead of returning it on every free (qkv.runtime.heap.keep_heap_top), ``mmap`` serves allocations
+of ``--mmap-threshold`` bytes or more with mmap (qkv.runtime.heap.mmap_large_allocations); ``fix`` is
 ``onednn+trim+pad+top``, what training does by default. Process-wide settings are applied first thing,
 as the CLI does.
 
@@ -45,7 +45,7 @@ import threading
 import time
 from pathlib import Path
 
-from qkv.memory import HEAP_TRIM_THRESHOLD, ONEDNN_CACHE_CAPACITY
+from qkv.runtime.heap import HEAP_TRIM_THRESHOLD, ONEDNN_CACHE_CAPACITY
 
 REPO = Path(__file__).resolve().parent.parent
 MEASURES = ("trim", "mmap", "onednn", "pad", "top")
@@ -84,7 +84,7 @@ def measures_of(fix: str) -> dict[str, int | None]:
 
 def child(args: argparse.Namespace) -> int:
     measures = measures_of(args.fix)
-    from qkv.memory import limit_memory_growth
+    from qkv.runtime.heap import limit_memory_growth
 
     capacity = measures.get("onednn") or args.onednn_capacity
     applied = limit_memory_growth(onednn_cache_capacity=capacity if "onednn" in measures else None,
@@ -92,12 +92,12 @@ def child(args: argparse.Namespace) -> int:
                                   mmap_threshold=args.mmap_threshold if "mmap" in measures else None)
     import torch
 
-    import qkv.shapes
+    import qkv.runtime.padded_linear
 
-    qkv.shapes.PAD_ROWS = "pad" in measures
+    qkv.runtime.padded_linear.PAD_ROWS = "pad" in measures
 
-    from qkv.memory import HeapTrimmer, heap_stats, peak_resident_memory_bytes, resident_memory_bytes
-    from qkv.runs import start_run
+    from qkv.runtime.heap import HeapTrimmer, heap_stats, peak_resident_memory_bytes, resident_memory_bytes
+    from qkv.runs.translation import start_run
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -173,7 +173,7 @@ def child(args: argparse.Namespace) -> int:
     result = {
         "precision": args.precision,
         "fix": args.fix,
-        "settings": {**applied, "rows_padded": qkv.shapes.PAD_ROWS},
+        "settings": {**applied, "rows_padded": qkv.runtime.padded_linear.PAD_ROWS},
         "trim_every_steps": trimmer.every_steps,
         "trim_calls": trimmer.calls,
         "trim_ms_per_call": round(1000 * trimmer.seconds / trimmer.calls, 2) if trimmer.calls else None,
@@ -214,7 +214,7 @@ def label(run: dict) -> str:
     cache = f"oneDNN cache {(run.get('settings') or {}).get('onednn_primitive_cache') or '?'}"
     names = {"fix": f"trim every {run.get('trim_every_steps', '?')} steps + {cache} + rows padded + heap top kept",
              "trim": f"trim every {run.get('trim_every_steps', '?')} steps", "onednn": cache,
-             "pad": "rows padded (qkv.shapes)", "top": "heap top kept (qkv.memory.keep_heap_top)",
+             "pad": "rows padded (qkv.runtime.padded_linear)", "top": "heap top kept (qkv.runtime.heap.keep_heap_top)",
              "mmap": f"mmap >= {(run.get('settings') or {}).get('mmap_threshold') or 0:,} B"}
     parts = [part.partition("=")[0] for part in run["fix"].split("+")]
     return f"{run['precision']}, " + " + ".join(names.get(part, part) for part in parts)
@@ -234,7 +234,7 @@ def plot(runs: list[dict], path: Path, warmup_minutes: float, title: str) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from qkv.fileio import atomic_path
+    from qkv.runtime.fileio import atomic_path
 
     fig, ax = plt.subplots(figsize=(8, 6))
     for index, run in enumerate(runs):
@@ -302,7 +302,7 @@ def main() -> int:
 
     from qkv.bench.provenance import write_result
     from qkv.bench.results import check_result_file
-    from qkv.precision import bf16_is_fast, slow_bf16_reason
+    from qkv.runtime.precision import bf16_is_fast, slow_bf16_reason
 
     check_result_file(p, args)  # before any work
     check_result_file(p, args, flag="--figure")

@@ -1,7 +1,7 @@
 """What buys the most BLEU in a fixed time: short Multi30k runs of candidate settings, scored on
 the VALIDATION split only (test sets are never used to choose anything).
 
-Each candidate is the library's Multi30k recipe (``qkv.recipes.RECIPES["multi30k"]``) with a few
+Each candidate is the library's Multi30k recipe (``qkv.runs.recipes.RECIPES["multi30k"]``) with a few
 fields changed; each trains for ``--minutes`` of wall time from scratch (same seed, same data) and is
 scored with beam ``--beam`` on the averaged last checkpoints, sacreBLEU on the whole validation split.
 The JSON (and a bar chart beside it) lists, per candidate, the changes, the minutes it trained, its
@@ -42,15 +42,17 @@ from pathlib import Path
 
 import torch
 
-from qkv import checkpoint as ckpt
+from qkv.runs import folder as ckpt
+from qkv.runtime.fileio import atomic_path
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data import resolve_multi30k
 from qkv.data.sources import load_split
-from qkv.device import pick_device
-from qkv.evaluation import score_translations, translate_texts
-from qkv.runs import run_training, start_run
+from qkv.runtime.device import pick_device
+from qkv.metrics.scores import score_translations
+from qkv.decoding.translate import translate_texts
+from qkv.runs.translation import run_training, start_run
 
 REPO = Path(__file__).resolve().parent.parent
 SWEEPS = REPO / "benchmarks" / "results" / "multi30k" / "sweeps"
@@ -130,7 +132,7 @@ def plot(report: dict, png: Path) -> None:
     ax.set_xlabel(f"validation sacreBLEU (beam {report['beam']}) after {report['minutes']:g} minutes")
     ax.set_xlim(min(values) - 2, max(values) + 2)
     fig.tight_layout()
-    with ckpt.atomic_path(png) as tmp:
+    with atomic_path(png) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
 
@@ -152,7 +154,7 @@ def plot_curves(rows: dict, png: Path) -> None:
     # below the axes: over them, a long list hides the early minutes
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, -0.14), frameon=False)
     fig.tight_layout()
-    with ckpt.atomic_path(png) as tmp:
+    with atomic_path(png) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
 
@@ -161,7 +163,7 @@ def _changes(reference: dict, run: dict) -> dict:
     """The model and training fields in which ``run`` differs from ``reference`` (budgets aside)."""
     from dataclasses import MISSING, fields
 
-    from qkv.models import TransformerConfig
+    from qkv.models.transformer import TransformerConfig
     from qkv.training import TrainConfig
 
     skip = {"max_minutes", "progress", "seed"}
@@ -175,7 +177,7 @@ def _changes(reference: dict, run: dict) -> dict:
 def collect(paths: list[Path], out: Path) -> dict:
     """Gather hour-long runs of benchmarks/train_multi30k.py into one sweep report (validation only:
     test scores stay in the runs' own JSONs) and plot their validation curves beside it."""
-    from qkv.fileio import read_json
+    from qkv.runtime.fileio import read_json
 
     runs = [(path, read_json(path)) for path in paths]
     reference = runs[0][1]

@@ -34,10 +34,12 @@ from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data.batching import make_batch, pad_sequences
 from qkv.data.sources import load_split
-from qkv.decoding import beam_search
-from qkv.ensemble import load_translator, same_tokenizer
-from qkv.evaluation import length_batches, score_translations
-from qkv.precision import autocast_context
+from qkv.decoding.search import beam_search
+from qkv.runs.folder import load_translator
+from qkv.decoding.ensemble import same_tokenizer
+from qkv.decoding.translate import length_batches
+from qkv.metrics.scores import score_translations
+from qkv.runtime.precision import autocast_context
 
 
 def floats(text: str) -> list[float]:

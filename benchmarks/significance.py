@@ -1,5 +1,5 @@
 """Which differences in Multi30k BLEU between finished runs are larger than chance: sacreBLEU's paired
-bootstrap resampling and approximate randomization (qkv.evaluation.paired_significance) on the
+bootstrap resampling and approximate randomization (qkv.metrics.significance.paired_significance) on the
 translations the runs saved, every run against the first.
 
 A run is ``NAME=PATH``: PATH is a run folder of benchmarks/train_multi30k.py (or of
@@ -25,7 +25,8 @@ from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data import resolve_multi30k
 from qkv.data.sources import load_split
-from qkv.evaluation import paired_significance, read_translations, significance_lines
+from qkv.metrics.significance import paired_significance, significance_lines
+from qkv.metrics.scores import read_translations
 
 SPLITS = {"val": "val", "test_2016": "test"}  # the name in a hypothesis file -> load_split's name
 

@@ -49,15 +49,15 @@ from pathlib import Path
 
 import torch
 
-from qkv import checkpoint as ckpt
+from qkv.runs import folder as ckpt
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
-from qkv.device import pick_device
-from qkv.fileio import write_json
-from qkv.memory import limit_memory_growth
-from qkv.recipes import decode_settings
-from qkv.runs import run_training, start_run
+from qkv.runtime.device import pick_device
+from qkv.runtime.fileio import write_json
+from qkv.runtime.heap import limit_memory_growth
+from qkv.runs.recipes import decode_settings
+from qkv.runs.translation import run_training, start_run
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

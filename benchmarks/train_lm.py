@@ -3,7 +3,7 @@ GPT-2 (training tokens/s and validation loss), and a fixed-wall-time run of qkv'
 
 Two parts, chosen by flags (both may be given; the comparison runs first):
 
-``--compare``: qkv's :class:`~qkv.causal_lm.CausalLM` and ``transformers.GPT2LMHeadModel`` of the
+``--compare``: qkv's :class:`~qkv.models.causal_lm.CausalLM` and ``transformers.GPT2LMHeadModel`` of the
 same size (the recipe's d_model, heads, layers, d_ff, context, dropout and the character
 vocabulary; random weights; HF with ``attn_implementation="sdpa"``) train side by side on the
 same batches, made by qkv's own data path (``CharTokenizer``, ``LanguageModelTask.batches`` /
@@ -18,7 +18,7 @@ model training ``--steps`` timed steps a round after ``--warmup`` untimed ones. 
 tokens/s per model per round, the medians and the ratio qkv/HF, and the validation loss of each
 on the whole validation split before and after the same steps.
 
-``--minutes M``: qkv's recipe (``qkv.recipes.RECIPES["tinyshakespeare"]``) through ``start_run`` +
+``--minutes M``: qkv's recipe (``qkv.runs.recipes.RECIPES["tinyshakespeare"]``) through ``start_run`` +
 ``run_training`` for M minutes of wall time (``--minutes`` alone: the recipe's 30), then the
 validation loss against minutes (from the run's metrics.jsonl; the engine validates on the first
 ``eval_sentences`` windows), the final validation loss in nats/char and bits/char over the WHOLE
@@ -60,16 +60,16 @@ import torch.nn.functional as F
 from qkv.bench.provenance import git_commit, utc_now, write_result
 from qkv.bench.results import check_result_file
 from qkv.bench.timing import environment
-from qkv.causal_lm import IGNORE, CausalLM, CausalLMConfig
+from qkv.models.causal_lm import IGNORE, CausalLM, CausalLMConfig
 from qkv.data.text import load_text_splits, read_tokens, train_text_tokenizer
-from qkv.device import pick_device
-from qkv.fileio import read_json, write_json
-from qkv.precision import autocast_context
-from qkv.recipes import RECIPES
-from qkv.runs import run_training, start_run
+from qkv.runtime.device import pick_device
+from qkv.runtime.fileio import read_json, write_json
+from qkv.runtime.precision import autocast_context
+from qkv.runs.recipes import RECIPES
+from qkv.runs.translation import run_training, start_run
 from qkv.training import LanguageModelTask, TrainConfig, Trainer
 from qkv.training.tasks import language_model_loss
-from qkv.viz.curves import plot_metrics, read_metrics
+from qkv.runs.curves import plot_metrics, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = RECIPES["tinyshakespeare"]
@@ -149,7 +149,7 @@ def best_weights_validation(run_dir: Path, valid_tokens: np.ndarray, chars_per_t
     engine's best validation during training, on its first ``eval_sentences`` windows; the recipe's
     ``model.safetensors``, what ``qkv generate/evaluate`` use), and a sample from them with the
     ``sample`` settings (prompt, new_chars, temperature, top_k, seed)."""
-    from qkv.checkpoint import load_run
+    from qkv.runs.folder import load_run
 
     model, tokenizer, _ = load_run(run_dir, "best", task="lm")
     whole = whole_split_loss(model, language_model_loss, valid_tokens, model.config.context, bf16=bf16)
@@ -163,7 +163,7 @@ def test_split(run_dir: Path, bf16: bool) -> dict | None:
     """The test split (the text's last 5%, which training, validation and checkpoint choice never
     read) scored once, whole, with the weights ``qkv evaluate`` uses (the recipe's ``best.safetensors``);
     None for a run without one (trained with --val-text and no --test-text)."""
-    from qkv.checkpoint import load_run, read_run_config
+    from qkv.runs.folder import load_run, read_run_config
 
     splits = read_run_config(run_dir).get("lm", {}).get("splits") or {}
     if not splits.get("test"):
@@ -322,7 +322,7 @@ def compare(args: argparse.Namespace, out_dir: Path) -> dict:
 
 # ------------------------------------------------------------------ the fixed-wall-time run
 def fixed_time_run(args: argparse.Namespace, out_dir: Path) -> dict:
-    from qkv.memory import limit_memory_growth
+    from qkv.runtime.heap import limit_memory_growth
 
     run_dir = Path(args.run_dir or REPO / "runs" / "lm-tinyshakespeare")
     device = str(pick_device())  # CUDA where there is one, else the CPU
@@ -365,7 +365,7 @@ def fixed_time_run(args: argparse.Namespace, out_dir: Path) -> dict:
           f"{nats_per_char / math.log(2):.4f} bits/char", flush=True)
     print(sample["text"], flush=True)
     return {
-        "task": "tiny Shakespeare, character level, qkv's recipe (qkv.recipes.RECIPES['tinyshakespeare'])",
+        "task": "tiny Shakespeare, character level, qkv's recipe (qkv.runs.recipes.RECIPES['tinyshakespeare'])",
         "command": " ".join(["python", *sys.argv]),
         "train_minutes_budget": args.minutes,
         "train_wall_seconds": round(train_wall, 1),

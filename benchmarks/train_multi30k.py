@@ -7,12 +7,12 @@ and MSCOCO, test 2018 Flickr) are scored too when the data folder or qkv's cache
 evaluate RUN --split test_2017_flickr`` fetches one); they are named under ``test_sets_not_found``
 otherwise. Every score also carries BLEU in the
 papers' form (``bleu_papers_form``: lowercased, Moses-normalised and tokenized, as Multi30k papers
-report it) and, for a German target, ``bleu_compound_split`` (qkv.bleu_forms), each labelled.
+report it) and, for a German target, ``bleu_compound_split`` (qkv.metrics.bleu_forms), each labelled.
 
     python benchmarks/train_multi30k.py --minutes 60 --src en --tgt de \\
         --run-dir runs/multi30k-en-de --out runs/multi30k-en-de.json
 
-Defaults are the library's Multi30k recipe (qkv.recipes.RECIPES["multi30k"]): d_model 256, 4 heads,
+Defaults are the library's Multi30k recipe (qkv.runs.recipes.RECIPES["multi30k"]): d_model 256, 4 heads,
 3+3 layers, d_ff 1024, joint byte-level BPE 8k with shared embeddings, label smoothing 0.1, bf16
 autocast where the hardware runs it fast, GELU, dropout 0.1, ~2k padded tokens a batch, warmup 800 x
 factor 0.7 (in fast bf16, where the hour holds ~3.5x the steps: ReLU, dropout 0.2, factor 0.5), the
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from qkv import checkpoint as ckpt
+from qkv.runs import folder as ckpt
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options
 from qkv.bench.timing import environment
@@ -50,12 +50,13 @@ from qkv.cli.train import (
 )
 from qkv.data.parallel import MULTI30K_LATER_TESTS, load_multi30k, resolve_multi30k
 from qkv.data.sources import load_split
-from qkv.device import pick_device
-from qkv.evaluation import score_translations, translate_texts
-from qkv.fileio import check_output_file, write_text
-from qkv.memory import limit_memory_growth
-from qkv.recipes import decode_settings
-from qkv.runs import resume_run, run_training, start_run
+from qkv.runtime.device import pick_device
+from qkv.metrics.scores import score_translations
+from qkv.decoding.translate import translate_texts
+from qkv.runtime.fileio import check_output_file, write_text
+from qkv.runtime.heap import limit_memory_growth
+from qkv.runs.recipes import decode_settings
+from qkv.runs.translation import resume_run, run_training, start_run
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -71,12 +72,12 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, di
     p.add_argument("--threads", type=int, default=2)
     # the model and training options are qkv train's own (declared once, in qkv.cli.train), defaulting
     # to the recipe's values; --layers is this script's shorthand for as many encoder as decoder layers
-    model = p.add_argument_group("model (default: the recipe's, qkv.recipes)")
+    model = p.add_argument_group("model (default: the recipe's, qkv.runs.recipes)")
     add_model_arguments(model, translation_only=True)
     model.add_argument("--layers", dest="both_layers", type=int, help="encoder and decoder layers each")
     add_train_arguments(p.add_argument_group("training (default: the recipe's; see qkv train --help)"))
     p.set_defaults(max_minutes=60.0, seed=0, eval_sentences=300, log_every_steps=10)
-    p.add_argument("--beam", type=int, default=None, help="beam size (default: the recipe's, qkv.recipes)")
+    p.add_argument("--beam", type=int, default=None, help="beam size (default: the recipe's, qkv.runs.recipes)")
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N training pairs (smoke tests)")
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N val/test pairs (smoke tests)")
     p.add_argument("--run-dir", default=None)

@@ -5,7 +5,7 @@ share of the CPU threads (2 cores, 2 members: one thread each), all starting tog
 at the same deadline, so the ensemble costs the same hour as one model. On 2 cores two one-thread
 processes do more work together than one two-thread process (the small matrices of a d 256 model
 do not split well over threads). When they are done, the members decode together
-(:class:`qkv.ensemble.Ensemble`, their next-token probabilities averaged) with the recipe's beam 5 and
+(:class:`qkv.decoding.ensemble.Ensemble`, their next-token probabilities averaged) with the recipe's beam 5 and
 length penalty 0.6, or with the length penalty that scores best on the validation set among
 ``--alphas`` (never chosen on a test set); then every test set is scored once with it. Each
 member's own scores are in its JSON (and summarised in this one).
@@ -38,12 +38,11 @@ from pathlib import Path
 
 import torch
 
-from qkv import checkpoint as ckpt
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
-from qkv.ensemble import load_translator
-from qkv.recipes import decode_settings
+from qkv.runs.folder import load_translator
+from qkv.runs.recipes import decode_settings
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

@@ -5,7 +5,7 @@ each run of them (with the output lines that follow, up to a blank line) becomes
 block. And Sphinx-style roles would show as text:
 
 qkv's docstrings are Google style with reStructuredText cross-reference roles
-(:class:`Transformer`, :func:`~qkv.decoding.beam_search`, :mod:`qkv.runs`); each role is rewritten to an optional autorefs reference: a link to the
+(:class:`Transformer`, :func:`~qkv.decoding.search.beam_search`, :mod:`qkv.runs.translation`); each role is rewritten to an optional autorefs reference: a link to the
 object where the API page documents it, its name in code font where it does not. The name is
 resolved in the scope of the docstring's object (its module's imports and members), as Sphinx does;
 a leading ``~`` shows only the last component. And a ``Returns:`` or ``Yields:`` section is prose

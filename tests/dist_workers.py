@@ -57,7 +57,7 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
 
 def step_scenario(ctx, out: str, run_dir: str, steps: list[list[list[int]]], strategy: str, name: str) -> None:
     """``Trainer.step`` on explicit batches: process r takes ``steps[k][r]`` at step k."""
-    from qkv.runs import resume_run
+    from qkv.runs.translation import resume_run
 
     trainer = resume_run(run_dir, train_options={"strategy": strategy, "progress": False}, device="cpu", dist=ctx)
     for group in steps:
@@ -73,7 +73,7 @@ def run_scenarios(ctx, out: str, plan: list[tuple]) -> None:
     does) or ``("copy", run_dir, new_dir)`` (rank 0 copies the folder)."""
     import shutil
 
-    from qkv.runs import resume_run
+    from qkv.runs.translation import resume_run
 
     for entry in plan:
         if entry[0] == "steps":

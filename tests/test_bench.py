@@ -17,7 +17,7 @@ from qkv.bench.competitors import TorchTransformerMT, count_parameters
 from qkv.bench.data import synthetic_data
 from qkv.bench.suites import run_suite, summarize
 from qkv.bench.training import parse_contender, training_benchmark
-from qkv.device import pick_device
+from qkv.runtime.device import pick_device
 
 CPU = torch.device("cpu")
 

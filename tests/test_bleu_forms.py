@@ -1,4 +1,4 @@
-"""BLEU in the published forms (qkv.bleu_forms) against independent references: a direct n-gram
+"""BLEU in the published forms (qkv.metrics.bleu_forms) against independent references: a direct n-gram
 count loop (multi-bleu.perl's formula), sacremoses called directly, the Moses outputs for known
 strings, sacrebleu on detokenised text, and the word counts the Multi30k dataset publishes for its
 own lowercased, normalised, Moses-tokenized files."""
@@ -15,9 +15,9 @@ import pytest
 import sacrebleu
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
-from qkv.bleu_forms import (compound_split_form, moses_tokenize, papers_form, published_forms, split_compounds,
+from qkv.metrics.bleu_forms import (compound_split_form, moses_tokenize, papers_form, published_forms, split_compounds,
                             token_bleu)
-from qkv.evaluation import score_translations
+from qkv.metrics.scores import score_translations
 
 
 def multi_bleu(hypotheses: list[str], references: list[str]) -> float:
@@ -145,12 +145,12 @@ def test_evaluate_json_carries_both_forms(tmp_path, capsys, monkeypatch):
     """qkv evaluate --src/--ref on a tiny run: the JSON has sacreBLEU and both labelled forms, the
     language taken from the reference's name; equal to scoring the written translations directly.
     The translations are fixed (an untrained model's would score 0 in every form)."""
-    import qkv.evaluation
+    import qkv.decoding.translate
     from qkv.cli import main
-    from qkv.runs import start_run
+    from qkv.runs.translation import start_run
 
     fixed = ["a small-scale test!", "one more sentence", "that is good."]
-    monkeypatch.setattr(qkv.evaluation, "translate_texts", lambda model, tokenizer, texts, **kw: fixed[:len(texts)])
+    monkeypatch.setattr(qkv.decoding.translate, "translate_texts", lambda model, tokenizer, texts, **kw: fixed[:len(texts)])
 
     src = ["ein kleiner test .", "noch ein satz hier .", "das ist gut ."] * 20
     tgt = ["a small-scale test.", "one more sentence here.", "that is good."] * 20

@@ -37,7 +37,8 @@ import torch
 from test_browser import ARGS, CHROMIUM, Watch, offline_page, sync_api, texts, wait_renders
 
 from qkv import Transformer, TransformerConfig
-from qkv.checkpoint import create_run, save_weights
+from qkv.runs.folder import create_run
+from qkv.training.checkpoint_files import save_weights
 from qkv.cli import main
 from qkv.data.tokenizer import Tokenizer
 from qkv.viz.lm_explorer import visible

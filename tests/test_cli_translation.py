@@ -72,9 +72,9 @@ def test_evaluate_split_and_files(dates_run, tmp_path, capsys):
 def test_evaluate_and_translate_decode_as_the_run_says(dates_run, tmp_path, capsys):
     """A run keeps its recipe's beam and length penalty in config.json; evaluate and translate use
     them unless --beam/--alpha say otherwise (checked against translate_texts called directly)."""
-    from qkv.checkpoint import load_run
-    from qkv.evaluation import translate_texts
-    from qkv.recipes import DEFAULT_DECODE, RECIPES
+    from qkv.runs.folder import load_run
+    from qkv.decoding.translate import translate_texts
+    from qkv.runs.recipes import DEFAULT_DECODE, RECIPES
 
     config = json.loads((dates_run / "config.json").read_text())
     assert config["decode"] == {**DEFAULT_DECODE, **RECIPES["dates"].get("decode", {})}

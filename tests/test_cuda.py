@@ -21,11 +21,11 @@ import qkv
 from qkv.attention import select_backend
 from qkv.attention.functional import attention_reference
 from qkv.data.dates import generate_dates
-from qkv.decoding import beam_search, greedy_decode
-from qkv.loss import (fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy, label_smoothed_cross_entropy,
+from qkv.decoding.search import beam_search, greedy_decode
+from qkv.nn.loss import (fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy, label_smoothed_cross_entropy,
                       rdrop_cross_entropy)
-from qkv.models import Transformer, TransformerConfig
-from qkv.runs import resume_run, start_run
+from qkv.models.transformer import Transformer, TransformerConfig
+from qkv.runs.translation import resume_run, start_run
 from test_loss import _tiny_transformer_and_batch, check_transformer_rdrop_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -139,7 +139,7 @@ def test_transformer_logits_and_cached_decoding_on_cuda_match_the_cpu(untrained)
 def test_an_ensemble_on_cuda_decodes_as_on_the_cpu(untrained):
     import copy
 
-    from qkv.ensemble import Ensemble
+    from qkv.decoding.ensemble import Ensemble
 
     model, src = untrained
     torch.manual_seed(4)

@@ -11,9 +11,10 @@ import torch
 from qkv.data.batching import pad_sequences
 from qkv.data.dates import generate_dates
 from qkv.data.tokenizer import Tokenizer
-from qkv.decoding import beam_search, greedy_decode, length_penalty
-from qkv.evaluation import exact_match, length_batches, score_translations, translate_texts
-from qkv.models import Transformer, TransformerConfig
+from qkv.decoding.search import beam_search, greedy_decode, length_penalty
+from qkv.metrics.scores import exact_match, score_translations
+from qkv.decoding.translate import length_batches, translate_texts
+from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.training import TrainConfig, Trainer, TranslationTask
 
 BOS, EOS = 1, 2

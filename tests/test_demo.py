@@ -6,9 +6,10 @@ import json
 import subprocess
 import sys
 
-from qkv.checkpoint import load_run
+from qkv.runs.folder import load_run
 from qkv.data.sources import load_split
-from qkv.evaluation import exact_match, translate_texts
+from qkv.metrics.scores import exact_match
+from qkv.decoding.translate import translate_texts
 
 
 def test_qkv_demo_runs_end_to_end(tmp_path):

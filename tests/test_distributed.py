@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 import dist_workers
 from qkv.data.dates import generate_dates
-from qkv.runs import resume_run, start_run
+from qkv.runs.translation import resume_run, start_run
 
 # ReLU, not the float32 recipe's GELU: GELU's gradients for negative inputs are tiny but not zero, so, like the
 # key bias's, their rounding noise reaches Adam (4e-6 after 3 steps here); ReLU's are exactly zero
@@ -247,7 +247,7 @@ def test_fsdp2_shards_on_a_mesh_of_the_processes_own_device(monkeypatch):
     import torch.distributed.device_mesh as device_mesh
     import torch.distributed.fsdp as fsdp
 
-    from qkv.models import Transformer, TransformerConfig
+    from qkv.models.transformer import Transformer, TransformerConfig
     from qkv.training.distributed import Distributed, wrap
 
     meshes, sharded = [], []

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.dropout import Dropout, dropout, dropout_off
+from qkv.nn.dropout import Dropout, dropout, dropout_off
 
 
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.9])

@@ -1,4 +1,4 @@
-"""Ensembles (qkv.ensemble): next-token log-probabilities against the average of the members'
+"""Ensembles (qkv.decoding.ensemble): next-token log-probabilities against the average of the members'
 softmaxes computed in float64 from their full forward passes; greedy decoding against a
 from-scratch loop over the members; beam scores against teacher-forced ensemble log-probabilities;
 cached = uncached; the commands' --ensemble; mismatched runs refused."""
@@ -13,9 +13,10 @@ from qkv.cli import main
 from qkv.data.batching import pad_sequences
 from qkv.data.dates import generate_dates
 from qkv.data.tokenizer import Tokenizer
-from qkv.decoding import beam_search, greedy_decode
-from qkv.ensemble import Ensemble, load_translator
-from qkv.models import Transformer, TransformerConfig
+from qkv.decoding.search import beam_search, greedy_decode
+from qkv.decoding.ensemble import Ensemble
+from qkv.runs.folder import load_translator
+from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.training import TrainConfig, Trainer, TranslationTask
 
 BOS, EOS = 1, 2

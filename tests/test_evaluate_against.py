@@ -9,7 +9,7 @@ import sacrebleu
 
 from qkv.cli import main
 from qkv.data.sources import load_split
-from qkv.evaluation import paired_significance
+from qkv.metrics.significance import paired_significance
 
 TINY = ["--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--d-ff", "64",
         "--max-tokens", "800", "--no-progress", "--threads", "1", "--max-steps", "30", "--minutes", "0"]

@@ -15,8 +15,7 @@ from qkv.experiments import long_range, scaling, softmax_scaling, vit_digits
 from qkv.experiments.common import fit_power_law
 from qkv.experiments.permutation import offset_spread
 from qkv.experiments.report import build_report
-from qkv.layers import EncoderLayer
-from qkv.positional import sinusoidal_table
+from qkv.nn.positional import sinusoidal_table
 
 
 def _written(result, out):

@@ -5,7 +5,7 @@ Formats, and what reads them here:
 
 * a translation run and a language-model run (``qkv train``, 2 steps): ``config.json``,
   ``tokenizer.json`` (BPE; the language model's: characters), ``model.safetensors``
-  (:func:`qkv.checkpoint.load_run`), ``state.pt`` (:func:`qkv.checkpoint.load_checkpoint`); the
+  (:func:`qkv.runs.folder.load_run`), ``state.pt`` (:func:`qkv.training.checkpoint_files.load_checkpoint`); the
   run's ``config.json`` also through ``qkv translate`` / ``qkv generate`` (:func:`qkv.cli.main`);
 * a prepared folder (``qkv prepare``): its arrays (``.bin``/``.idx``/``.len``/``.lines``) and
   ``tokenizer.json``, ``manifest.json``, the hash cache ``verified.json``
@@ -80,10 +80,11 @@ from hypothesis import HealthCheck, event, example, given, note, settings
 from hypothesis import strategies as st
 
 import qkv
-from qkv.checkpoint import load_checkpoint, load_run
+from qkv.training.checkpoint_files import load_checkpoint
+from qkv.runs.folder import load_run
 from qkv.cli import main
 from qkv.data.prepared import PreparedCorpus, folder_fingerprint, split_files
-from qkv.decoding import greedy_decode
+from qkv.decoding.search import greedy_decode
 from test_reliability import train_args, write_pairs
 
 try:

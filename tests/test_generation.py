@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qkv import CausalLM, CausalLMConfig
-from qkv.causal_lm import check_sampling, sample_next
+from qkv.models.causal_lm import check_sampling, sample_next
 
 PROBS = [0.5, 0.3, 0.1, 0.05, 0.05]
 

@@ -2,7 +2,7 @@ import json
 
 from bench_loader import load_benchmark
 
-from qkv.memory import HEAP_TRIM_THRESHOLD, _libc
+from qkv.runtime.heap import HEAP_TRIM_THRESHOLD, _libc
 
 
 def test_heap_top_benchmark_alternates_processes_and_reports_each(multi30k_dir, tmp_path):

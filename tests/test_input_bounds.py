@@ -29,7 +29,7 @@ def no_training(monkeypatch):
         calls.append((run_dir, kwargs))
         raise _Trained
 
-    monkeypatch.setattr("qkv.runs.start_run", start_run)
+    monkeypatch.setattr("qkv.runs.translation.start_run", start_run)
     return calls
 
 

@@ -89,7 +89,7 @@ def test_layer_output_is_a_pytree_node_whose_tensors_torch_finds():
     pre-backward hook on them; a LayerOutput that pytree saw as one opaque leaf left that hook out."""
     from torch.utils._pytree import tree_flatten
 
-    from qkv.layers import LayerOutput
+    from qkv.nn.layers import LayerOutput
 
     out, weights = torch.randn(2, 3, 4, requires_grad=True), torch.rand(2, 1, 3, 3)
     leaves, _ = tree_flatten(LayerOutput(out, self_weights=weights))

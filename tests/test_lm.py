@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from qkv.causal_lm import CausalLM, CausalLMConfig
-from qkv.checkpoint import load_run
+from qkv.models.causal_lm import CausalLM, CausalLMConfig
+from qkv.runs.folder import load_run
 from qkv.data.text import CharTokenizer, load_text_splits, load_text_tokenizer, read_text, read_tokens
-from qkv.runs import resume_run, run_training, start_run
+from qkv.runs.translation import resume_run, run_training, start_run
 
 MODEL = dict(d_model=32, num_heads=4, num_layers=2, d_ff=64, context=32, dropout=0.0)
 TRAIN = dict(max_steps=6, max_minutes=0.0, max_tokens=256, warmup_steps=4, lr_factor=1.0, progress=False,
@@ -102,7 +102,7 @@ def test_the_runs_model_is_its_best_validation(lm_run):
 @pytest.mark.parametrize("final_weights", ["best", "average"])
 def test_finish_writes_the_best_weights_only_when_asked(tmp_path, final_weights):
     """Trainer.finish with a best.safetensors that differs from the final weights (here: zeros)."""
-    from qkv.checkpoint import save_weights
+    from qkv.training.checkpoint_files import save_weights
     from qkv.training import LanguageModelTask, TrainConfig, Trainer
 
     tokenizer = CharTokenizer(sorted(set(TEXT)))

@@ -13,10 +13,10 @@ import pytest
 import torch
 from test_viz_page import assert_page_holds
 
-from qkv.checkpoint import load_run
+from qkv.runs.folder import load_run
 from qkv.cli import main
 from qkv.data.text import CharTokenizer
-from qkv.runs import run_training, start_run
+from qkv.runs.translation import run_training, start_run
 from qkv.viz import CausalLMExplorer, check_data, explorer_data, open_explorer
 from qkv.viz.html import page_document
 from qkv.viz.lm_explorer import BYTE_ALPHABET, lm_token_labels, visible

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.checkpoint import load_run
+from qkv.runs.folder import load_run
 from qkv.cli import main
 from qkv.data.text import read_text_splits
-from qkv.runs import resume_run, run_training, start_run
+from qkv.runs.translation import resume_run, run_training, start_run
 
 MODEL = dict(d_model=32, num_heads=2, num_layers=1, d_ff=64, context=16, dropout=0.0)
 TRAIN = dict(max_steps=4, max_minutes=0.0, max_tokens=128, warmup_steps=2, lr_factor=1.0, progress=False,

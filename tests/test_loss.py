@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.loss import (fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy, label_smoothed_cross_entropy,
+from qkv.nn.loss import (fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy, label_smoothed_cross_entropy,
                       rdrop_cross_entropy)
-from qkv.models import Transformer, TransformerConfig
+from qkv.models.transformer import Transformer, TransformerConfig
 
 
 def _reference(hidden, weight, target, smoothing, pad):
@@ -199,7 +199,7 @@ def test_transformer_rdrop_loss_runs_two_dropout_passes():
 
 @pytest.mark.parametrize("vocab", [20, 100])  # below and above d_model: the plain and the fused path
 def test_causal_lm_rdrop_loss_against_the_reference(vocab):
-    from qkv.causal_lm import IGNORE, CausalLM, CausalLMConfig
+    from qkv.models.causal_lm import IGNORE, CausalLM, CausalLMConfig
 
     config = CausalLMConfig(vocab_size=vocab, d_model=32, num_heads=4, num_layers=2, d_ff=64, context=16,
                             dropout=0.2)

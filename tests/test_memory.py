@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-from qkv import memory
+from qkv.runtime import heap as memory
 
 linux = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc/self/status (Linux)")
 
@@ -154,7 +154,7 @@ libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 if sys.argv[1] == "keep":
-    from qkv.memory import keep_heap_top
+    from qkv.runtime.heap import keep_heap_top
     assert keep_heap_top() is True
 def round_trip(size):
     blocks = [libc.malloc(size) for _ in range(8)]

@@ -41,7 +41,7 @@ def test_the_fixtures_are_as_qkv_0_1_wrote_them():
 def test_an_old_translation_run_loads_with_its_weights(old_run):
     from safetensors.torch import load_file
 
-    from qkv.checkpoint import load_run
+    from qkv.runs.folder import load_run
 
     folder = old_run("translation_run")
     model, tokenizer, config = load_run(folder)

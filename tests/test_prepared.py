@@ -23,7 +23,7 @@ from qkv.data.parallel import read_parallel
 from qkv.data.prepared import PreparedCorpus
 from qkv.data.preparing import prepare_corpus
 from qkv.data.tokenizer import Tokenizer
-from qkv.runs import resume_run, start_run
+from qkv.runs.translation import resume_run, start_run
 from qkv.training.tasks import TranslationTask
 
 MODEL = dict(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64, dropout=0.1, max_len=48)

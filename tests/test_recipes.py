@@ -1,4 +1,4 @@
-"""The paper's recipes (qkv.recipes) and `qkv train --recipe`: sizes against Table 3 and the
+"""The paper's recipes (qkv.runs.recipes) and `qkv train --recipe`: sizes against Table 3 and the
 parameter counts the paper states (computed here from the layer formulas), the split of a step's
 tokens over processes, that a recipe replaces the data's recipe whole, and the CLI."""
 
@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from qkv.models import Transformer, TransformerConfig
-from qkv.recipes import (MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST, recipe_overrides, step_batches,
+from qkv.models.transformer import Transformer, TransformerConfig
+from qkv.runs.recipes import (MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST, recipe_overrides, step_batches,
                          translation_recipes)
 from qkv.training import TrainConfig
 
@@ -129,7 +129,7 @@ TINY = ["--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-l
 
 
 def test_cli_trains_with_the_named_recipe(tmp_path, corpus):
-    from qkv.precision import bf16_is_fast
+    from qkv.runtime.precision import bf16_is_fast
 
     run = tmp_path / "run"
     assert _run_cli(["train", *corpus, "--run-dir", run, "--recipe", "paper-big", *TINY, "--max-tokens", "3000"]) == 0

@@ -121,7 +121,7 @@ class Killed(BaseException):
 
 
 def test_a_kill_between_checkpoint_files_never_mixes_steps(tmp_path, monkeypatch):
-    from qkv.runs import resume_run, start_run
+    from qkv.runs.translation import resume_run, start_run
 
     src, tgt = write_pairs(tmp_path / "data", n=80)
     spec = {"source": "files", "train_src": str(src), "train_tgt": str(tgt), "val_src": None, "val_tgt": None}
@@ -233,10 +233,10 @@ def test_bad_numbers_are_one_line_errors(tmp_path, capsys, option, message):
 
 
 def test_translate_output_naming_a_directory_fails_before_translating(tmp_path, capsys, trained, monkeypatch):
-    import qkv.evaluation
+    import qkv.decoding.translate
 
     calls = []
-    monkeypatch.setattr(qkv.evaluation, "translate_texts", lambda *a, **k: calls.append(1) or [])
+    monkeypatch.setattr(qkv.decoding.translate, "translate_texts", lambda *a, **k: calls.append(1) or [])
     source = tmp_path / "in.txt"
     source.write_text("3 March 1998\n", encoding="utf-8")
     (tmp_path / "outdir").mkdir()
@@ -313,7 +313,7 @@ def test_a_missing_data_dir_is_an_error_not_a_download(tmp_path, capsys, monkeyp
 
 # ----------------------------------------------------------------- a crash inside a step
 def test_a_failing_step_saves_the_last_whole_step_and_says_how_to_resume(tmp_path, capsys, monkeypatch):
-    from qkv.models import Transformer
+    from qkv.models.transformer import Transformer
 
     src, tgt = write_pairs(tmp_path / "data", n=60)
     run = tmp_path / "run"
@@ -346,12 +346,12 @@ def test_an_absurd_length_penalty_is_refused_not_an_overflow(capsys, trained):
 # ----------------------------------------------------------------- damaged JSON, one reader
 @pytest.mark.parametrize("damage", [b'{"model": {"d_model": 3', '{"model": "caf\u00e9"}'.encode("latin-1"), b"\xff\xfe"])
 def test_every_json_reader_names_a_damaged_file_in_one_line(tmp_path, damage):
-    """Run configs, prepared manifests and checkpoint configs are read by qkv.fileio.read_json: a
+    """Run configs, prepared manifests and checkpoint configs are read by qkv.runtime.fileio.read_json: a
     file cut short or not UTF-8 is a ValueError naming it, on one line."""
-    from qkv.checkpoint import read_run_config
+    from qkv.runs.folder import read_run_config
     from qkv.cli.generate import open_language_model
     from qkv.data.prepared import PreparedCorpus
-    from qkv.fileio import read_json
+    from qkv.runtime.fileio import read_json
     from qkv.pretrained import load_pretrained, read_config_dict
     from qkv.viz.explorers import open_explorer
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from bench_loader import load_benchmark
 
-from qkv.models import Transformer, TransformerConfig
+from qkv.models.transformer import Transformer, TransformerConfig
 
 rerank = load_benchmark("rerank_nbest")
 BOS, EOS = 1, 2

@@ -12,7 +12,7 @@ import pytest
 from bench_loader import BENCHMARKS, load_benchmark
 
 from qkv.bench.results import add_result_options, check_result_file
-from qkv.fileio import check_output_file
+from qkv.runtime.fileio import check_output_file
 
 OLD = '{"a figure": "someone measured for an hour"}\n'
 

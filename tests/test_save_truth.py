@@ -89,15 +89,15 @@ def assert_tells_the_truth(text, run, what):
 
 # ----------------------------------------------------------------- 1. a failed step whose save fails too
 class DiskFull:
-    """``qkv.checkpoint``'s atomic writes, failing with ENOSPC once ``full``: the file is written
+    """``qkv.training.checkpoint_files``'s atomic writes, failing with ENOSPC once ``full``: the file is written
     under its temporary name, then flushing it fails (the temporary is removed, the old file stays)."""
 
     def __init__(self, monkeypatch):
-        import qkv.checkpoint
+        import qkv.training.checkpoint_files
 
         self.full = False
         self.failed_writes = []
-        real = qkv.checkpoint.atomic_path
+        real = qkv.training.checkpoint_files.atomic_path
 
         @contextlib.contextmanager
         def atomic_path(path, **kwargs):
@@ -107,7 +107,7 @@ class DiskFull:
                     self.failed_writes.append(os.path.basename(path))
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
 
-        monkeypatch.setattr(qkv.checkpoint, "atomic_path", atomic_path)
+        monkeypatch.setattr(qkv.training.checkpoint_files, "atomic_path", atomic_path)
 
 
 STOPS = {  # what ends step 4: the exception, the exit code and how the last line starts
@@ -122,7 +122,7 @@ def test_a_stop_whose_save_fails_names_the_step_on_disk(tmp_path, capsys, caplog
     """Step 4 fails (or Ctrl-C / SIGTERM lands in it); the last whole step is 3, the kept checkpoint
     of step 2 is on disk. With the disk full, saving step 3 fails: the messages must say step 2,
     never that step 3 is saved (the old ones did). With room on the disk, step 3 is saved and said."""
-    from qkv.models import Transformer
+    from qkv.models.transformer import Transformer
 
     src, tgt = write_pairs(tmp_path / "data")
     run = tmp_path / "run"
@@ -246,9 +246,9 @@ def test_a_full_disk_reports_the_step_on_disk_and_the_files_resume(tmp_path, tmp
 HOOKED_QKV = textwrap.dedent("""
     import os, signal, sys, time
 
-    import qkv.checkpoint as ckpt
+    import qkv.training.checkpoint_files as ckpt
     from qkv.cli import main
-    from qkv.fileio import atomic_path
+    from qkv.runtime.fileio import atomic_path
     from qkv.training.engine import Trainer
 
     stall = "--stall-lone-save" in sys.argv

@@ -1,4 +1,4 @@
-"""qkv.shapes pads the rows of bf16 CPU products to few shapes: the results and gradients must be
+"""qkv.runtime.padded_linear pads the rows of bf16 CPU products to few shapes: the results and gradients must be
 those of the unpadded product (checked against float64 references and against F.linear), and only
 the products that compile in oneDNN are padded."""
 
@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv.attention.multihead import MultiHeadAttention, _fusable
-from qkv.loss import fused_linear_cross_entropy, label_smoothed_cross_entropy
-from qkv import shapes
-from qkv.shapes import ROW_MULTIPLE, Linear, linear, padded_rows, pads_rows
+from qkv.nn.loss import fused_linear_cross_entropy, label_smoothed_cross_entropy
+from qkv.runtime import padded_linear as shapes
+from qkv.runtime.padded_linear import ROW_MULTIPLE, Linear, linear, padded_rows, pads_rows
 
 
 def test_padded_rows():

@@ -1,4 +1,4 @@
-"""Paired significance of BLEU differences (qkv.evaluation.paired_significance, sacreBLEU's tests) and
+"""Paired significance of BLEU differences (qkv.metrics.significance.paired_significance, sacreBLEU's tests) and
 benchmarks/significance.py, against direct sacreBLEU scores and properties any such test must have."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 import sacrebleu
 from bench_loader import load_benchmark
 
-from qkv.evaluation import paired_significance, read_translations
+from qkv.metrics.significance import paired_significance
+from qkv.metrics.scores import read_translations
 
 WORDS = "ein mann eine frau zwei hunde spielen im park auf der straße mit einem ball und lachen laut".split()
 

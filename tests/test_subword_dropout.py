@@ -10,7 +10,7 @@ import pytest
 from qkv.data.dates import generate_dates
 from qkv.data.subword_dropout import SubwordDropout, merge_parts
 from qkv.data.tokenizer import Tokenizer
-from qkv.runs import start_run
+from qkv.runs.translation import start_run
 from qkv.training import TrainConfig, TranslationTask
 
 SENTENCES = [

@@ -10,15 +10,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from qkv import checkpoint as ckpt
+from qkv.runs import folder
+from qkv.training import checkpoint_files
 from qkv.data.dates import generate_dates
 from qkv.data.parallel import ParallelText
 from qkv.data.tokenizer import Tokenizer
-from qkv.evaluation import translate_texts
-from qkv.loss import label_smoothed_cross_entropy
-from qkv.models import Transformer, TransformerConfig
-from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST
-from qkv.runs import resume_run, start_run
+from qkv.decoding.translate import translate_texts
+from qkv.nn.loss import label_smoothed_cross_entropy
+from qkv.models.transformer import Transformer, TransformerConfig
+from qkv.runs.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST
+from qkv.runs.translation import resume_run, start_run
 from qkv.training import TrainConfig, Trainer, TranslationTask, inverse_sqrt_lr
 
 TINY = dict(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64, max_len=64,
@@ -30,7 +31,7 @@ def tiny_run(tmp_path, pairs: ParallelText, train: TrainConfig, name="run", drop
     config = TransformerConfig(src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size,
                                dropout=dropout, pad_id=tokenizer.pad_id, **{**TINY, **model})
     run_dir = tmp_path / name
-    ckpt.create_run(run_dir, {"model": asdict(config), "train": asdict(train), "data": {"source": "dates"}},
+    folder.create_run(run_dir, {"model": asdict(config), "train": asdict(train), "data": {"source": "dates"}},
                     tokenizer)
     torch.manual_seed(0)
     return Trainer(Transformer(config), translation(tokenizer, pairs, config), train, run_dir)
@@ -244,9 +245,9 @@ def test_a_resumed_run_keeps_its_moving_average_and_writes_it(tmp_path):
     expected = params(full.ema.module)
     assert all(torch.equal(params(second.ema.module)[k], v) for k, v in expected.items())
     for name in ("ema.safetensors", "model.safetensors"):  # final_weights ema: the run's model is the average
-        written = ckpt.read_weights(second.run_dir / name)  # (tied weights are stored once)
+        written = checkpoint_files.read_weights(second.run_dir / name)  # (tied weights are stored once)
         assert written and all(torch.equal(v, expected[k]) for k, v in written.items()), name
-    model, _, _ = ckpt.load_run(second.run_dir, "ema")
+    model, _, _ = folder.load_run(second.run_dir, "ema")
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
     assert not all(torch.equal(v, expected[k]) for k, v in params(second.model).items())
 
@@ -365,7 +366,7 @@ def test_checkpoint_averaging_and_best(tmp_path):
     averaged = load_file(model_path)
     for name, tensor in averaged.items():
         torch.testing.assert_close(tensor, sum(f[name] for f in files) / 3)
-    model, tokenizer, config = ckpt.load_run(trainer.run_dir)  # loads (tied weights stored once)
+    model, tokenizer, config = folder.load_run(trainer.run_dir)  # loads (tied weights stored once)
     assert config["model"]["d_model"] == 32 and not model.training
     state = model.state_dict()
     for name, tensor in averaged.items():
@@ -395,7 +396,7 @@ def test_stop_at_exact_match(tmp_path):
 
 
 def test_bf16_autocast_training(tmp_path):
-    from qkv.precision import autocast_context
+    from qkv.runtime.precision import autocast_context
 
     pairs = generate_dates(64, seed=5)
     train = TrainConfig(max_tokens=2000, warmup_steps=10, max_steps=20, bf16=True, progress=False,
@@ -489,9 +490,9 @@ def test_start_and_resume_run_from_files(tmp_path):
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_recipe_bf16_only_where_it_is_fast(tmp_path, monkeypatch, fast):
-    import qkv.precision
+    import qkv.runtime.precision
 
-    monkeypatch.setattr(qkv.precision, "bf16_is_fast", lambda device: fast)
+    monkeypatch.setattr(qkv.runtime.precision, "bf16_is_fast", lambda device: fast)
     pairs = generate_dates(60, seed=3)
     (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
@@ -526,7 +527,7 @@ def test_recipe_bf16_only_where_it_is_fast(tmp_path, monkeypatch, fast):
 
 
 def test_bf16_probe_reports_its_figures():
-    from qkv.precision import bf16_is_fast, cpu_bf16_probe, slow_bf16_reason
+    from qkv.runtime.precision import bf16_is_fast, cpu_bf16_probe, slow_bf16_reason
 
     fp32, bf16 = cpu_bf16_probe()
     assert fp32 > 0 and bf16 > 0 and cpu_bf16_probe() == (fp32, bf16)  # probed once per process
@@ -560,10 +561,10 @@ def test_first_step_after_the_step0_checkpoint_equals_a_hand_written_adam_step(t
 
 
 def test_the_loop_returns_freed_heap_memory_and_logs_resident_memory(tmp_path, monkeypatch):
-    import qkv.memory
+    import qkv.runtime.heap
 
     calls = []
-    monkeypatch.setattr(qkv.memory, "trim_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr(qkv.runtime.heap, "trim_heap", lambda: calls.append(1) or True)
     pairs = generate_dates(64, seed=5)
     train = TrainConfig(max_tokens=400, warmup_steps=4, max_steps=100, progress=False, average_last=1,
                         log_every_steps=50)
@@ -596,7 +597,7 @@ def test_bf16_probe_outlasts_one_hiccup(monkeypatch):
     """Where bf16 is fast the probe's products take ~0.1 ms: one slow timing (a scheduler hiccup, 10x
     longer) must not turn bf16 off; the best of several decides. Emulated bf16 (30 ms a product)
     stops the repeats at the 50 ms budget."""
-    import qkv.precision as precision
+    import qkv.runtime.precision as precision
 
     probe = precision.cpu_bf16_probe.__wrapped__  # not the per-process cache
     _fake_clock(monkeypatch, precision, [1e-4] * 5 + [1e-3] + [5e-5] * 4)  # float32 x5, then bf16 x5

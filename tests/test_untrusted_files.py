@@ -111,7 +111,7 @@ def test_optimizer_shard_metadata_and_items_never_unpickle_code(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from qkv.safe_load import read_dcp_metadata, safe_dcp_load
+    from qkv.runtime.safe_load import read_dcp_metadata, safe_dcp_load
 
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     model = torch.nn.Linear(3, 2)

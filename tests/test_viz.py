@@ -178,7 +178,7 @@ def test_seq2seq_explorer_views(tiny_seq2seq):
     causal = torch.tensor(dec["attention"])
     assert causal.triu(diagonal=1).abs().max() == 0  # no position attends to a later one
     # the shown translation is the model's greedy output: check against qkv's decoder
-    decoding = pytest.importorskip("qkv.decoding")
+    decoding = pytest.importorskip("qkv.decoding.search")
     src = torch.tensor([tokenizer.encode("a dog runs", add_eos=True)])
     greedy = decoding.greedy_decode(model, src, bos_id=1, eos_id=2, extra_len=5, use_cache=False)[0]
     assert example["output"] == tokenizer.decode(greedy[:5])
@@ -246,7 +246,8 @@ def test_attend_cli_writes_html_json_and_png(tmp_path, capsys):
 
 
 def test_attend_cli_on_a_translation_run_folder(tmp_path, tiny_seq2seq):
-    checkpoint = pytest.importorskip("qkv.checkpoint")
+    checkpoint = pytest.importorskip("qkv.training.checkpoint_files")
+    folder = pytest.importorskip("qkv.runs.folder")
     data = pytest.importorskip("qkv.data.tokenizer")
     model, _ = tiny_seq2seq
     tokenizer = data.Tokenizer.train(["a dog runs on the beach", "ein hund läuft am strand"] * 5, vocab_size=300)
@@ -254,7 +255,7 @@ def test_attend_cli_on_a_translation_run_folder(tmp_path, tiny_seq2seq):
         src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size, d_model=32, num_heads=4,
         num_encoder_layers=2, num_decoder_layers=2, d_ff=64, max_len=32, share_embeddings=True,
     )
-    run = checkpoint.create_run(tmp_path / "run", {"model": config.__dict__}, tokenizer)
+    run = folder.create_run(tmp_path / "run", {"model": config.__dict__}, tokenizer)
     checkpoint.save_weights(Transformer(config), run / "model.safetensors")
     html = tmp_path / "t.html"
     assert main(["attend", "a dog runs", "--model", str(run), "-o", str(html)]) == 0

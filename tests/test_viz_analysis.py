@@ -18,7 +18,7 @@ import torch
 
 import qkv
 from qkv import Transformer, TransformerConfig
-from qkv.causal_lm import CausalLM, CausalLMConfig
+from qkv.models.causal_lm import CausalLM, CausalLMConfig
 from qkv.cli import main
 from qkv.data.text import CharTokenizer
 from qkv.pretrained import mean_pool

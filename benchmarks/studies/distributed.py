@@ -40,7 +40,7 @@ def _worker(ctx, out: str, batches_path: str, mode: str, steps: int, warmup: int
     from qkv.bench.data import BenchData
     from qkv.bench.training import multi30k_config
     from qkv.data.batching import Batch
-    from qkv.models import Transformer
+    from qkv.models.transformer import Transformer
     from qkv.training import Trainer, TrainConfig
 
     torch.set_num_threads(threads)
@@ -104,7 +104,7 @@ def projection() -> dict:
     the paper's schedule cost on N GPUs at UTILISATION of their peak: a projection."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from qkv.models import Transformer, TransformerConfig
+    from qkv.models.transformer import Transformer, TransformerConfig
 
     rows = {}
     sentences, length = 1000, 25  # ~25k source and ~25k target tokens a step (section 5.2)

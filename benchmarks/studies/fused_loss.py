@@ -1,10 +1,10 @@
-"""Today's fused loss (qkv.loss.fused_linear_cross_entropy) against the one of an earlier commit, in one
-process: the earlier ``src/qkv/loss.py`` is read with ``git show`` and loaded as a module of its own,
+"""Today's fused loss (qkv.nn.loss.fused_linear_cross_entropy) against the one of an earlier commit, in one
+process: the earlier ``src/qkv/nn/loss.py`` is read with ``git show`` and loaded as a module of its own,
 and both are timed interleaved (:func:`qkv.bench.timing.time_interleaved`), first alone (forward and
 backward of the recipe's real target positions against its 8k-token output projection) and then
 inside the Multi30k recipe's whole training step (:meth:`qkv.training.Trainer.step` on real batches,
 as benchmarks/cpu_step_paths.py builds it), with qkv's start-up memory settings
-(``qkv.memory.limit_memory_growth``) as a training run has them. Reports each one's time and today's speed over the
+(``qkv.runtime.heap.limit_memory_growth``) as a training run has them. Reports each one's time and today's speed over the
 earlier one's (plain and paired per round), and how far each loss and gradient lies from float64.
 
     python benchmarks/studies/fused_loss.py --before 1f9dd2b --out benchmarks/results/performance/fused_loss.json
@@ -26,13 +26,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: cpu_step_paths, a sibling suite
 
 import cpu_step_paths  # noqa: E402
-import qkv.models  # noqa: E402
+import qkv.models.transformer  # noqa: E402
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment, paired_ratio, ratio, time_interleaved
-from qkv.loss import fused_linear_cross_entropy
-from qkv.memory import limit_memory_growth
-from qkv.precision import bf16_is_fast
+from qkv.nn.loss import fused_linear_cross_entropy
+from qkv.runtime.heap import limit_memory_growth
+from qkv.runtime.precision import bf16_is_fast
 from qkv.training import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,8 +40,8 @@ SMOOTHING = 0.1
 
 
 def loss_of_commit(revision: str):
-    """``fused_linear_cross_entropy`` as ``src/qkv/loss.py`` had it at ``revision``."""
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:src/qkv/loss.py"], capture_output=True,
+    """``fused_linear_cross_entropy`` as ``src/qkv/nn/loss.py`` had it at ``revision``."""
+    source = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:src/qkv/nn/loss.py"], capture_output=True,
                             text=True)
     if source.returncode != 0:
         raise ValueError(f"--before {revision}: {source.stderr.strip()}")
@@ -76,13 +76,13 @@ def distance_from_float64(loss_fn, rows, weight, target, bf16: bool) -> dict:
 
 @contextlib.contextmanager
 def models_use(loss_fn):
-    """The Transformer's loss (qkv.models imports it by name) replaced for the duration of a step."""
-    saved = qkv.models.fused_linear_cross_entropy
-    qkv.models.fused_linear_cross_entropy = loss_fn
+    """The Transformer's loss (qkv.models.transformer imports it by name) replaced for the duration of a step."""
+    saved = qkv.models.transformer.fused_linear_cross_entropy
+    qkv.models.transformer.fused_linear_cross_entropy = loss_fn
     try:
         yield
     finally:
-        qkv.models.fused_linear_cross_entropy = saved
+        qkv.models.transformer.fused_linear_cross_entropy = saved
 
 
 def summarise(timings: dict, work: list[float], unit: str) -> dict:
@@ -98,7 +98,7 @@ def summarise(timings: dict, work: list[float], unit: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", default="1f9dd2b", help="the commit whose src/qkv/loss.py is compared")
+    parser.add_argument("--before", default="1f9dd2b", help="the commit whose src/qkv/nn/loss.py is compared")
     parser.add_argument("--data", default=None, help="folder with Multi30k (default: $QKV_DATA/multi30k or the cache)")
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="auto: bf16 autocast where bf16 products are fast (as the recipe), else float32")

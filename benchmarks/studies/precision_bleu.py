@@ -31,14 +31,15 @@ from pathlib import Path
 
 import torch
 
-from qkv import checkpoint as ckpt
+from qkv.runs import folder as ckpt
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data import Tokenizer, load_multi30k, resolve_multi30k
-from qkv.evaluation import score_translations, translate_texts
-from qkv.models import Transformer, TransformerConfig
-from qkv.precision import slow_bf16_reason
+from qkv.metrics.scores import score_translations
+from qkv.decoding.translate import translate_texts
+from qkv.models.transformer import Transformer, TransformerConfig
+from qkv.runtime.precision import slow_bf16_reason
 from qkv.training import TrainConfig, Trainer, TranslationTask
 
 REPO = Path(__file__).resolve().parents[2]

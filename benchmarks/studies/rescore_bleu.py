@@ -1,7 +1,7 @@
 """Score the translations a finished Multi30k benchmark run saved (``val.hyp.<tgt>``,
 ``test_2016.hyp.<tgt>``: beam 5, averaged weights) in every BLEU form, without decoding again:
 sacreBLEU (which must equal the benchmark JSON's own figures, checked), the papers' form and, for
-German, tokenized BLEU with compound splitting (qkv.bleu_forms). Minutes of CPU, not an hour.
+German, tokenized BLEU with compound splitting (qkv.metrics.bleu_forms). Minutes of CPU, not an hour.
 
     python benchmarks/studies/rescore_bleu.py --run-dir runs/bench-multi30k-en_de \\
         --benchmark benchmarks/results/multi30k/multi30k_en_de.json \
@@ -20,9 +20,9 @@ import sacremoses
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
-from qkv.checkpoint import read_run_config
+from qkv.runs.folder import read_run_config
 from qkv.data.sources import load_split
-from qkv.evaluation import read_translations, score_translations
+from qkv.metrics.scores import read_translations, score_translations
 
 
 def main() -> int:

@@ -5,7 +5,7 @@ that won on validation (test is never used to choose).
     python benchmarks/studies/tune_decoding.py --run-dir runs/m30k-en-de-budget-1555 \\
         --out benchmarks/results/multi30k/multi30k_en_de_decoding.json
 
-Beam search ranks finished hypotheses by ``log p / ((5 + len) / 6) ** alpha`` (qkv.decoding);
+Beam search ranks finished hypotheses by ``log p / ((5 + len) / 6) ** alpha`` (qkv.decoding.search);
 short output (a BLEU brevity penalty below 1) is what a larger alpha counters.
 """
 
@@ -24,9 +24,11 @@ import torch
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
-from qkv.checkpoint import average_weight_files, load_run, load_weights as load_weight_file, read_run_config
+from qkv.training.checkpoint_files import average_weight_files, load_weights as load_weight_file
+from qkv.runs.folder import load_run, read_run_config
 from qkv.data.sources import load_split
-from qkv.evaluation import score_translations, translate_texts
+from qkv.metrics.scores import score_translations
+from qkv.decoding.translate import translate_texts
 
 
 def floats(text: str) -> list[float]:

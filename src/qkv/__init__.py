@@ -12,17 +12,17 @@ from qkv.attention import (
     scaled_dot_product_attention,
     use_backend,
 )
-from qkv.dropout import Dropout
-from qkv.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOutput
-from qkv.causal_lm import CausalLM, CausalLMConfig, CausalLMOutput
-from qkv.models import (
+from qkv.nn.dropout import Dropout
+from qkv.nn.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOutput
+from qkv.models.causal_lm import CausalLM, CausalLMConfig, CausalLMOutput
+from qkv.models.transformer import (
     DecoderOutput,
     EncoderModel,
     EncoderOutput,
     Transformer,
     TransformerConfig,
 )
-from qkv.positional import LearnedPositionalEncoding, SinusoidalPositionalEncoding, sinusoidal_table
+from qkv.nn.positional import LearnedPositionalEncoding, SinusoidalPositionalEncoding, sinusoidal_table
 
 __version__ = "0.1.0"
 

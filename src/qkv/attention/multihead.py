@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from qkv.attention.functional import scaled_dot_product_attention
 from qkv.attention.masks import combine_masks
-from qkv.shapes import Linear, linear
+from qkv.runtime.padded_linear import Linear, linear
 
 
 @dataclass

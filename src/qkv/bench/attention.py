@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from qkv.attention import MultiHeadAttention, scaled_dot_product_attention, use_backend
 from qkv.bench.timing import available_memory_bytes, paired_ratio, ratio, time_interleaved
-from qkv.precision import slow_bf16_reason
+from qkv.runtime.precision import slow_bf16_reason
 
 logger = logging.getLogger(__name__)
 

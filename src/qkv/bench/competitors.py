@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor, nn
 
-from qkv.models import TransformerConfig
-from qkv.positional import sinusoidal_table
+from qkv.models.transformer import TransformerConfig
+from qkv.nn.positional import sinusoidal_table
 
 
 class TorchTransformerMT(nn.Module):

@@ -21,8 +21,8 @@ import torch
 from qkv.bench.competitors import build_marian
 from qkv.bench.data import BenchData
 from qkv.bench.timing import ratio, time_interleaved
-from qkv.models import Transformer, TransformerConfig
-from qkv.precision import autocast_context
+from qkv.models.transformer import Transformer, TransformerConfig
+from qkv.runtime.precision import autocast_context
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def decoding_benchmark(
     Returns:
         ``{"config", "contenders": {name: timing and tokens generated}, "ratios"}``.
     """
-    from qkv.decoding import beam_search, greedy_decode
+    from qkv.decoding.search import beam_search, greedy_decode
 
     if new_tokens < src_len or new_tokens >= config.max_len:
         raise ValueError(f"need src_len <= new_tokens < max_len, got {src_len}, {new_tokens}, {config.max_len}")

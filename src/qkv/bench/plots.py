@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from qkv.fileio import atomic_path
+from qkv.runtime.fileio import atomic_path
 
 
 def _save(fig, path: str | Path) -> Path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qkv.fileio import check_output_file
+from qkv.runtime.fileio import check_output_file
 
 
 def add_result_options(parser: argparse.ArgumentParser, default: str | Path | None = None, *, flag: str = "--out",

@@ -17,7 +17,7 @@ import torch
 from qkv.bench.data import BenchData, multi30k_data, synthetic_data
 from qkv.bench.timing import environment
 from qkv.bench.provenance import write_result
-from qkv.precision import slow_bf16_reason
+from qkv.runtime.precision import slow_bf16_reason
 
 logger = logging.getLogger(__name__)
 

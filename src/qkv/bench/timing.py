@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from qkv.device import pick_device  # noqa: F401  (re-exported: qkv.bench.pick_device, qkv bench)
-from qkv.precision import cpu_bf16_probe
+from qkv.runtime.device import pick_device  # noqa: F401  (re-exported: qkv.bench.pick_device, qkv bench)
+from qkv.runtime.precision import cpu_bf16_probe
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ def memory_gib() -> float | None:
 
 def environment(*, probe_bf16: bool = False) -> dict:
     """What the figures were measured on, with whether the CPU has AVX512-BF16 and AMX (where bf16
-    matrix products are fast, qkv.precision). ``probe_bf16``: also time qkv.precision's 256 x 256
+    matrix products are fast, qkv.runtime.precision). ``probe_bf16``: also time qkv.runtime.precision's 256 x 256
     product probe in float32 and bf16 (10-100 ms), for figures that depend on bf16's speed."""
     cpu = cpuinfo_fields("flags", "model name", "cpu family", "model")
     flags = cpu_flags(cpu["flags"] or "")

@@ -5,7 +5,7 @@ One training step is qkv's own, :meth:`qkv.training.Trainer.step`, for every con
 gradients, forward (under bfloat16 autocast for ``+bf16`` contenders), label-smoothed
 cross-entropy summed over real target tokens divided by their count, backward, gradient clipping
 at 1.0, the paper's schedule and Adam. Only the loss call differs: qkv computes it as its trainer
-does, with ``Transformer.loss`` (the output projection fused with the loss, :mod:`qkv.loss`); the
+does, with ``Transformer.loss`` (the output projection fused with the loss, :mod:`qkv.nn.loss`); the
 others from their logits with the same label-smoothed cross-entropy. ``+compile`` compiles the
 loss call (for qkv the encoder and decoder; for the others forward and loss). Round ``r`` of the interleaved timing
 gives every contender the same batch, so tokens/s are comparable; a contender's figure is target
@@ -27,8 +27,8 @@ from torch import nn
 from qkv.bench.competitors import TorchTransformerMT, build_marian, count_parameters
 from qkv.bench.data import BenchData
 from qkv.bench.timing import paired_ratio, ratio, time_interleaved
-from qkv.loss import label_smoothed_cross_entropy
-from qkv.models import Transformer, TransformerConfig
+from qkv.nn.loss import label_smoothed_cross_entropy
+from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.training import Trainer, TrainConfig
 from qkv.training.tasks import TranslationTask, translation_loss
 

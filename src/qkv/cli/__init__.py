@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from qkv.memory import limit_memory_growth
+    from qkv.runtime.heap import limit_memory_growth
 
     # before the first oneDNN primitive: bf16 on AVX512-BF16/AMX CPUs compiles one per product shape
-    # (qkv.memory.ONEDNN_CACHE_CAPACITY; a user's own ONEDNN_PRIMITIVE_CACHE_CAPACITY wins)
+    # (qkv.runtime.heap.ONEDNN_CACHE_CAPACITY; a user's own ONEDNN_PRIMITIVE_CACHE_CAPACITY wins)
     limit_memory_growth()
     module = importlib.import_module(COMMANDS[args.command][0])
     try:

@@ -42,7 +42,7 @@ def _names(text: str) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     from qkv.bench.suites import run_suite
     from qkv.bench.timing import pick_device
-    from qkv.fileio import check_output_file
+    from qkv.runtime.fileio import check_output_file
 
     if args.threads is not None:
         if args.threads < 1:

@@ -74,7 +74,7 @@ def check_output_folder(out: str | Path) -> None:
     empty folder, or is a folder an earlier demo made (whose ``run/`` must then be the demo's: a qkv
     run on the date task, or empty). Anything else (a file, a run folder from ``qkv train``, a folder
     holding other files) raises ``ValueError`` in one line; nothing is written or deleted."""
-    from qkv.checkpoint import is_run_folder, read_run_config
+    from qkv.runs.folder import is_run_folder, read_run_config
 
     out = Path(out)
     refuse = "qkv demo writes only into a new or empty folder or its own earlier output: choose another --out"
@@ -119,7 +119,7 @@ def check_output_folder(out: str | Path) -> None:
 
 def mark_output_folder(out: str | Path) -> None:
     """Make ``out`` (if needed) and mark it as the demo's, so a later demo may replace what it holds."""
-    from qkv.fileio import write_text
+    from qkv.runtime.fileio import write_text
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,10 +138,11 @@ def sample_sources(seed: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from qkv.data.sources import load_split
-    from qkv.device import pick_device
-    from qkv.evaluation import exact_match, translate_texts
-    from qkv.fileio import write_json
-    from qkv.runs import run_training, start_run
+    from qkv.runtime.device import pick_device
+    from qkv.metrics.scores import exact_match
+    from qkv.decoding.translate import translate_texts
+    from qkv.runtime.fileio import write_json
+    from qkv.runs.translation import run_training, start_run
     from qkv.viz import Seq2SeqExplorer, explorer_data, save_heatmaps, write_html
 
     start = time.perf_counter()

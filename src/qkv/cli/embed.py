@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from qkv.fileio import check_output_file, write_bytes, write_text
+    from qkv.runtime.fileio import check_output_file, write_bytes, write_text
     from qkv.pretrained import default_model_path, load_pretrained, sentence_embeddings
 
     out = Path(args.output) if args.output else None

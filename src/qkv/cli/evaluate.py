@@ -4,7 +4,7 @@
     qkv evaluate runs/mine --src test.en --ref test.de --beam 5
     qkv evaluate runs/wmt --src newstest2014.en --ref newstest2014.de   # --recipe paper-base: beam 4, alpha 0.6
     qkv evaluate runs/dates --split test            # also prints exact-match accuracy
-    qkv evaluate runs/en-de --ensemble runs/en-de-seed1   # two runs decoding as one (qkv.ensemble)
+    qkv evaluate runs/en-de --ensemble runs/en-de-seed1   # two runs decoding as one (qkv.decoding.ensemble)
     qkv evaluate runs/en-de --split val --against runs/en-de-wd   # is the difference larger than chance?
     qkv evaluate runs/shakespeare                   # a language model: its validation and test splits
     qkv evaluate runs/shakespeare --split test      # ... one of them
@@ -13,11 +13,11 @@
 Translation: sacreBLEU BLEU (cased, detokenised, 13a) and chrF, printed with their signatures;
 then, labelled, BLEU in the papers' form (lowercased, Moses-normalised and Moses-tokenized, as
 Multi30k papers report) and for a German target tokenized BLEU with compound splitting (the
-Transformer paper's WMT En-De metric), see :mod:`qkv.bleu_forms`. The target language comes from
+Transformer paper's WMT En-De metric), see :mod:`qkv.metrics.bleu_forms`. The target language comes from
 --tgt-lang, else the run's Multi30k pair, else the reference file's name (``newstest2014.de``).
 With ``--against OTHER`` (a run folder, decoded here, or a file of its translations): each other
 system's BLEU beside this run's, with two-sided p-values from sacreBLEU's paired bootstrap and
-approximate randomization (:func:`qkv.evaluation.paired_significance`): whether a difference is
+approximate randomization (:func:`qkv.metrics.significance.paired_significance`): whether a difference is
 larger than what the choice of test sentences alone would give.
 A language model: the loss in nats per token, perplexity and bits per character over the
 non-overlapping windows of the model's context in each split scored: by default validation, then
@@ -76,15 +76,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qkv.checkpoint import load_run, run_task
-    from qkv.device import pick_device
-    from qkv.fileio import check_output_file, write_text
+    from qkv.runs.folder import load_run, run_task
+    from qkv.runtime.device import pick_device
+    from qkv.runtime.fileio import check_output_file, write_text
     from qkv.data.parallel import read_parallel
     from qkv.data.sources import load_split
-    from qkv.ensemble import load_translator
-    from qkv.bleu_forms import check_lang
-    from qkv.evaluation import exact_match, score_translations, translate_texts
-    from qkv.recipes import decode_settings
+    from qkv.runs.folder import load_translator
+    from qkv.metrics.bleu_forms import check_lang
+    from qkv.metrics.scores import exact_match, score_translations
+    from qkv.decoding.translate import translate_texts
+    from qkv.runs.recipes import decode_settings
 
     if bool(args.src) != bool(args.ref):
         raise ValueError("give both --src and --ref, or a --split")
@@ -169,8 +170,8 @@ def _read_against(args: argparse.Namespace, others: list[str], config: dict, sen
     """Each --against as what it holds, checked before anything is decoded: a translations file's lines
     (``sentences`` of them, the first ones under --limit), a run folder's config (a translation run of
     this run's language pair, where both name one)."""
-    from qkv.checkpoint import read_run_config, run_task
-    from qkv.evaluation import read_translations
+    from qkv.runs.folder import read_run_config, run_task
+    from qkv.metrics.scores import read_translations
 
     held = {}
     for path in others:
@@ -197,9 +198,10 @@ def _compare(args: argparse.Namespace, against: dict, hyps: list[str], src: list
              device) -> dict:
     """This run's translations against each of ``against``'s (from :func:`_read_against`): a run is
     decoded here on ``src`` (its own recipe's beam and alpha unless given); then the paired tests."""
-    from qkv.checkpoint import load_run
-    from qkv.evaluation import paired_significance, translate_texts
-    from qkv.recipes import decode_settings
+    from qkv.runs.folder import load_run
+    from qkv.metrics.significance import paired_significance
+    from qkv.decoding.translate import translate_texts
+    from qkv.runs.recipes import decode_settings
 
     name = " + ".join([args.run_dir, *args.ensemble])
     systems = {name: hyps}
@@ -225,7 +227,7 @@ def _direction(config: dict) -> tuple[str, str] | None:
 
 
 def _print_comparison(comparison: dict) -> None:
-    from qkv.evaluation import significance_lines
+    from qkv.metrics.significance import significance_lines
 
     print(f"against the others ({comparison['tests']}):")
     for line in significance_lines(comparison["results"]):
@@ -258,7 +260,7 @@ LM_SPLIT_NAMES = {"val": "validation split", "test": "test split"}
 def _evaluate_language_model(args: argparse.Namespace, model, tokenizer, config: dict) -> int:
     """Score a language-model run on its validation and test splits (or ``--split``'s, or ``--text``)."""
     from qkv.data.text import read_text
-    from qkv.lm_runs import missing_test_split
+    from qkv.runs.language_model import missing_test_split
 
     if args.src or args.ref:
         raise ValueError("a language-model run is scored on its splits (--split val or test) or on --text FILE, not "
@@ -296,7 +298,7 @@ def _split_tokens(run_dir: Path, config: dict, name: str) -> tuple[np.ndarray, f
     """A split's token array (memory-mapped, checked against config.json's count) and its characters
     per token."""
     from qkv.data.text import read_tokens
-    from qkv.lm_runs import SPLIT_FILES, check_lm_arrays
+    from qkv.runs.language_model import SPLIT_FILES, check_lm_arrays
 
     check_lm_arrays(run_dir, config, names=(name,))
     lm = config.get("lm", {})

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from qkv.cli.options import MAX_SAMPLES, num_samples, positive_int, set_threads
-from qkv.fileio import read_json
+from qkv.runtime.fileio import read_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +52,7 @@ def open_language_model(path: str | Path, weights: str = "model"):
         if not hasattr(model, "generate"):
             raise ValueError(f"{folder}: a {config.get('model_type')} encoder, not a language model")
         return model, model.tokenizer
-    from qkv.checkpoint import load_run
+    from qkv.runs.folder import load_run
 
     model, tokenizer, _ = load_run(folder, weights, task="lm")
     return model, tokenizer
@@ -101,8 +101,8 @@ class _Streamer:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from qkv.causal_lm import check_sampling
-    from qkv.device import pick_device
+    from qkv.models.causal_lm import check_sampling
+    from qkv.runtime.device import pick_device
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     if any(not s for s in args.stop):

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from qkv.cli.options import non_negative_int, positive_int
-from qkv.recipes import RECIPES
+from qkv.runs.recipes import RECIPES
 
 DEFAULT_VOCAB = RECIPES["files"]["vocab_size"]
 DEFAULT_MAX_LEN = RECIPES["files"]["model"]["max_len"]

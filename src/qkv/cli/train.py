@@ -27,7 +27,7 @@ import torch
 
 from qkv.cli.options import positive_int, set_threads
 from qkv.data.text import TEXT_SOURCES
-from qkv.recipes import RECIPES, translation_recipes
+from qkv.runs.recipes import RECIPES, translation_recipes
 
 # command-line option -> (TransformerConfig field, CausalLMConfig field, type, help); None where the
 # option does not apply to that kind of model (None everywhere = keep the recipe's value)
@@ -233,8 +233,8 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    from qkv.device import pick_device
-    from qkv.runs import resume_run, start_run
+    from qkv.runtime.device import pick_device
+    from qkv.runs.translation import resume_run, start_run
     from qkv.training.distributed import init_distributed, shutdown
 
     set_threads(args.threads)  # under torchrun, OMP_NUM_THREADS (1 by default) sets each process's share
@@ -292,7 +292,7 @@ def _with_recipe(args: argparse.Namespace, spec: dict, model_options: dict,
     import os
 
     from qkv.data.sources import recipe_source
-    from qkv.recipes import recipe_overrides
+    from qkv.runs.recipes import recipe_overrides
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     recipe_model, recipe_train, recipe_vocab = recipe_overrides(
@@ -365,7 +365,7 @@ def sigterm_restored():
 def _what_is_saved(run_dir: str, step: int) -> str:
     """What the run folder holds after a stop, read back from ``state.pt`` (a save that failed, on a
     full disk or with a process gone, leaves the previous checkpoint: say which step that is)."""
-    from qkv.checkpoint import saved_step
+    from qkv.training.checkpoint_files import saved_step
 
     on_disk = saved_step(run_dir)
     if on_disk == step:
@@ -377,7 +377,7 @@ def _what_is_saved(run_dir: str, step: int) -> str:
 
 def _train(trainer, run_dir: str) -> int:
     """Run the loop; report Ctrl-C or SIGTERM and a failed step in one line each (rank 0 speaks for all)."""
-    from qkv.runs import TrainingCrashed, run_training
+    from qkv.runs.translation import TrainingCrashed, run_training
 
     with sigterm_restored():
         try:

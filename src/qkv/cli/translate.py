@@ -32,11 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from qkv.data.parallel import decode_lines, read_lines
-    from qkv.device import pick_device
-    from qkv.ensemble import load_translator
-    from qkv.evaluation import translate_texts
-    from qkv.fileio import check_output_file, write_text
-    from qkv.recipes import decode_settings
+    from qkv.runtime.device import pick_device
+    from qkv.runs.folder import load_translator
+    from qkv.decoding.translate import translate_texts
+    from qkv.runtime.fileio import check_output_file, write_text
+    from qkv.runs.recipes import decode_settings
 
     if args.output:  # checked before translating: a bad path must not cost the work
         check_output_file(args.output, "-o/--output")

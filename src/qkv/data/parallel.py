@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from qkv.fileio import atomic_path
+from qkv.runtime.fileio import atomic_path
 
 logger = logging.getLogger(__name__)
 

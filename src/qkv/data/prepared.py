@@ -50,7 +50,7 @@ import numpy as np
 
 from qkv.data.parallel import ParallelText
 from qkv.data.tokenizer import Tokenizer
-from qkv.fileio import atomic_folder, read_json, write_json
+from qkv.runtime.fileio import atomic_folder, read_json, write_json
 
 logger = logging.getLogger(__name__)
 

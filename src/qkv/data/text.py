@@ -39,7 +39,7 @@ import numpy as np
 
 from qkv.data.parallel import default_cache_dir
 from qkv.data.tokenizer import Tokenizer
-from qkv.fileio import atomic_path, write_json
+from qkv.runtime.fileio import atomic_path, write_json
 
 logger = logging.getLogger(__name__)
 

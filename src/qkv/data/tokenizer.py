@@ -14,7 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from qkv.fileio import atomic_path
+from qkv.runtime.fileio import atomic_path
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]
@@ -106,7 +106,7 @@ class Tokenizer:
         return tokenizer
 
     def save(self, path: str | Path) -> None:
-        """Write ``tokenizer.json`` atomically (see :mod:`qkv.fileio`)."""
+        """Write ``tokenizer.json`` atomically (see :mod:`qkv.runtime.fileio`)."""
         with atomic_path(path) as tmp:
             self.backend.save(str(tmp))
 

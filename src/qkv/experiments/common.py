@@ -18,8 +18,8 @@ import torch
 
 # qkv's one device picker and atomic writers; the experiments (and qkv explain/report) import them from here
 from qkv.bench.timing import environment  # noqa: F401  (the one description of a machine, with its CPU's bf16 units)
-from qkv.device import pick_device  # noqa: F401
-from qkv.fileio import atomic_path, write_json, write_text  # noqa: F401
+from qkv.runtime.device import pick_device  # noqa: F401
+from qkv.runtime.fileio import atomic_path, write_json, write_text  # noqa: F401
 
 SCHEMA = "qkv-experiment/1"
 
@@ -94,7 +94,7 @@ def new_figure(width: float, height: float):
 
 
 def save_figure(fig, path: str | Path, *, dpi: int = 110) -> Path:
-    """Save a matplotlib figure as PNG, atomically (see :mod:`qkv.fileio`)."""
+    """Save a matplotlib figure as PNG, atomically (see :mod:`qkv.runtime.fileio`)."""
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=dpi, format="png")
     return Path(path)

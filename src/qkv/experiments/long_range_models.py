@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.experiments.common import Stopwatch
-from qkv.layers import EncoderLayer
-from qkv.positional import sinusoidal_table
+from qkv.nn.layers import EncoderLayer
+from qkv.nn.positional import sinusoidal_table
 
 
 @dataclass(frozen=True)

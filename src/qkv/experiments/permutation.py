@@ -30,8 +30,8 @@ from qkv.experiments.common import (
     seeded,
     write_results,
 )
-from qkv.models import EncoderModel, TransformerConfig
-from qkv.positional import sinusoidal_table
+from qkv.models.transformer import EncoderModel, TransformerConfig
+from qkv.nn.positional import sinusoidal_table
 
 NAME = "permutation"
 ENCODINGS = ("none", "sinusoidal", "learned")

@@ -37,7 +37,7 @@ from qkv.experiments.common import (
     seeded,
     write_results,
 )
-from qkv.layers import EncoderLayer
+from qkv.nn.layers import EncoderLayer
 
 logger = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from qkv.causal_lm import CausalLM
-from qkv.device import pick_device
-from qkv.fileio import read_json
+from qkv.models.causal_lm import CausalLM
+from qkv.runtime.device import pick_device
+from qkv.runtime.fileio import read_json
 from qkv.pretrained.bert import BertConfig, BertEncoder, BertOutput, bert_key_map, build_bert
 from qkv.pretrained.gpt2 import GPT2Tokenizer, build_gpt2, gpt2_config, gpt2_key_map, load_gpt2
 from qkv.pretrained.tokenizer import EncodedBatch, WordPieceTokenizer
@@ -129,7 +129,7 @@ def load_pretrained(path: str | Path, *, device: str | torch.device | None = Non
     Args:
         path: the checkpoint folder.
         device: where to put the model; defaults to CUDA when available, else CPU
-            (:func:`qkv.device.pick_device`).
+            (:func:`qkv.runtime.device.pick_device`).
 
     Returns:
         In eval mode, with its tokenizer as ``model.tokenizer``: for ``bert`` a

@@ -2,7 +2,7 @@
 
 BERT (Devlin et al. 2019) is the Transformer encoder of "Attention Is All You Need" with post-LN
 layers, GELU feed-forward networks, learned absolute positions and token-type (segment)
-embeddings. Every layer here is a :class:`qkv.layers.EncoderLayer`, so the attention that runs is
+embeddings. Every layer here is a :class:`qkv.nn.layers.EncoderLayer`, so the attention that runs is
 qkv's :class:`qkv.MultiHeadAttention`; no Hugging Face modelling code is used.
 
 Shape legend: ``b`` batch, ``s`` sequence length, ``d`` hidden size, ``h`` heads, ``V`` vocabulary.
@@ -17,13 +17,13 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
-from qkv.dropout import Dropout
-from qkv.layers import EncoderLayer
-from qkv.safe_load import check_fits_weights, check_layer_counts
+from qkv.nn.dropout import Dropout
+from qkv.nn.layers import EncoderLayer
+from qkv.runtime.safe_load import check_fits_weights, check_layer_counts
 
 logger = logging.getLogger(__name__)
 
-# Hugging Face ``hidden_act`` names -> qkv.layers activation names.
+# Hugging Face ``hidden_act`` names -> qkv.nn.layers activation names.
 HF_ACTIVATIONS = {
     "gelu": "gelu",  # exact (erf) GELU
     "gelu_new": "gelu_tanh",
@@ -143,7 +143,7 @@ class BertPooler(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    """A BERT-family encoder built from qkv's post-LN :class:`~qkv.layers.EncoderLayer`.
+    """A BERT-family encoder built from qkv's post-LN :class:`~qkv.nn.layers.EncoderLayer`.
 
     Args:
         config: the architecture (see :class:`BertConfig`).

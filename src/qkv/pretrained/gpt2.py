@@ -27,16 +27,16 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _RustTokenizer
 from torch import Tensor
 
-from qkv.causal_lm import CausalLM, CausalLMConfig
-from qkv.device import pick_device
-from qkv.fileio import atomic_path
+from qkv.models.causal_lm import CausalLM, CausalLMConfig
+from qkv.runtime.device import pick_device
+from qkv.runtime.fileio import atomic_path
 from qkv.pretrained.bert import _short_list, check_key_sets
 from qkv.pretrained.tokenizer import id_span, read_backend
-from qkv.safe_load import check_fits_weights, check_layer_counts
+from qkv.runtime.safe_load import check_fits_weights, check_layer_counts
 
 logger = logging.getLogger(__name__)
 
-# Hugging Face ``activation_function`` names -> qkv.layers activation names.
+# Hugging Face ``activation_function`` names -> qkv.nn.layers activation names.
 GPT2_ACTIVATIONS = {
     "gelu_new": "gelu_tanh",  # GPT-2's: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
     "gelu_pytorch_tanh": "gelu_tanh",
@@ -286,7 +286,7 @@ class GPT2Tokenizer:
         return [self.decode([i]) for i in self.encode(text)]
 
     def save(self, path: str | Path) -> None:
-        """Write ``tokenizer.json`` atomically (see :mod:`qkv.fileio`)."""
+        """Write ``tokenizer.json`` atomically (see :mod:`qkv.runtime.fileio`)."""
         with atomic_path(path) as tmp:
             self.backend.save(str(tmp))
 
@@ -311,7 +311,7 @@ def load_gpt2(folder: str | Path, device: str | torch.device | None = None) -> t
             ``pytorch_model.bin`` (``GPT2Model`` or ``GPT2LMHeadModel``), and ``tokenizer.json``
             or ``vocab.json`` + ``merges.txt``.
         device: where to put the model; defaults to CUDA when available, else CPU
-            (:func:`qkv.device.pick_device`).
+            (:func:`qkv.runtime.device.pick_device`).
 
     Returns:
         ``(model in eval mode, tokenizer)``; the tokenizer is also ``model.tokenizer``.

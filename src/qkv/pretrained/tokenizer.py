@@ -14,7 +14,7 @@ import torch
 from tokenizers import Tokenizer as _RustTokenizer
 from torch import Tensor
 
-from qkv.fileio import read_json
+from qkv.runtime.fileio import read_json
 
 logger = logging.getLogger(__name__)
 

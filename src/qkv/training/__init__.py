@@ -9,7 +9,7 @@
   whole step after a stop or failure, the checkpoints kept for averaging);
 - :mod:`qkv.training.distributed`: torchrun's process group, DDP and FSDP2.
 
-Run folders (creating, resuming, recipes) are in :mod:`qkv.runs`.
+Run folders (creating, resuming, recipes) are in :mod:`qkv.runs.translation`.
 """
 
 from qkv.training.config import TrainConfig, TrainState, inverse_sqrt_lr

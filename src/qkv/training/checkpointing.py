@@ -1,7 +1,7 @@
 """The run folder's checkpoints, for :class:`~qkv.training.engine.Trainer`: the resumable state
 (:meth:`~Checkpointing.save`, :meth:`~Checkpointing.resume`), the last whole step saved after Ctrl-C,
 SIGTERM or a failed step, and the checkpoints kept for averaging. Every write goes through
-:mod:`qkv.checkpoint` (atomic files, written in an order that a crash at any point leaves consistent)."""
+:mod:`qkv.training.checkpoint_files` (atomic files, written in an order that a crash at any point leaves consistent)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from qkv import checkpoint as ckpt
+from qkv.training import checkpoint_files as ckpt
 from qkv.training.config import TrainState
 from qkv.training.distributed import (full_state, load_full_state, load_optimizer_shards, remove_optimizer_shards,
                                       save_optimizer_shards)
@@ -73,7 +73,7 @@ class Checkpointing:
     def resume(self, *, trust: bool = False) -> None:
         """Restore weights, optimizer, position and RNG from the run folder (saved by any number of
         processes), cut ``metrics.jsonl`` back to that step and clear what a killed process left.
-        ``trust``: see :func:`qkv.checkpoint.load_checkpoint` (rank 0 converts; the others wait)."""
+        ``trust``: see :func:`qkv.training.checkpoint_files.load_checkpoint` (rank 0 converts; the others wait)."""
         if trust and self.dist.enabled:  # one process rewrites the file; the others then read the safe form
             if self.dist.is_main:
                 ckpt.load_checkpoint(self.run_dir, clean=True, trust=True)

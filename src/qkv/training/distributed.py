@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qkv.device import pick_device
-from qkv.fileio import fsync_dir
+from qkv.runtime.device import pick_device
+from qkv.runtime.fileio import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ def load_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, pa
     process's share (or whole, on one process). A collective when several processes run."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    from qkv.safe_load import safe_dcp_load
+    from qkv.runtime.safe_load import safe_dcp_load
 
     # the template: the optimizer's state laid out for this process (created here if still empty;
     # every value in it is then overwritten by the saved one)

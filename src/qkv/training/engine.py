@@ -29,12 +29,12 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from tqdm.auto import tqdm
 
-from qkv import checkpoint as ckpt
+from qkv.training import checkpoint_files as ckpt
 from qkv.data.batching import Batch
-from qkv.dropout import dropout_off
-from qkv.fileio import write_bytes
-from qkv.memory import HeapTrimmer, resident_memory_bytes, trim_heap
-from qkv.precision import autocast_context
+from qkv.nn.dropout import dropout_off
+from qkv.runtime.fileio import write_bytes
+from qkv.runtime.heap import HeapTrimmer, resident_memory_bytes, trim_heap
+from qkv.runtime.precision import autocast_context
 from qkv.training.checkpointing import Checkpointing
 from qkv.training.config import TrainConfig, TrainState, budget_progress, learning_rate
 from qkv.training.distributed import Distributed, full_state, gradient_sync, plain_copy, wrap
@@ -248,7 +248,7 @@ class Trainer(Checkpointing):
                    disable=not (c.progress and self.dist.is_main))
         step_start = None
         # every batch has another shape: give the heap's freed holes back to the OS now and then,
-        # so resident memory stays flat over hours (qkv.memory; ~0.15 s every 50 steps)
+        # so resident memory stays flat over hours (qkv.runtime.heap; ~0.15 s every 50 steps)
         trimmer = HeapTrimmer(every_steps=50)
         try:
             while not self._done():

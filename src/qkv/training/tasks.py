@@ -6,7 +6,7 @@ the optimizer, checkpoints and processes; a task supplies
 - ``make_batch(indices, epoch)``: a padded :class:`~qkv.data.batching.Batch` (``epoch`` lets a task
   vary an example from pass to pass: subword dropout);
 - ``loss(model, batch, label_smoothing, rdrop)``: the summed loss over the batch's target tokens
-  (R-Drop's when ``rdrop > 0``, :mod:`qkv.loss`);
+  (R-Drop's when ``rdrop > 0``, :mod:`qkv.nn.loss`);
 - ``validate(model, sentences, bf16)``: a record of validation figures, with ``score`` (higher is
   better; picks ``best.safetensors``) and ``exact_match``.
 
@@ -29,9 +29,10 @@ from qkv.data.batching import Batch, BatchPlan, bucket_batches, make_batch, toke
 from qkv.data.parallel import ParallelText
 from qkv.data.subword_dropout import SubwordDropout
 from qkv.data.tokenizer import Tokenizer
-from qkv.device import model_device
-from qkv.evaluation import exact_match, score_translations, translate_texts
-from qkv.precision import autocast_context
+from qkv.runtime.device import model_device
+from qkv.metrics.scores import exact_match, score_translations
+from qkv.decoding.translate import translate_texts
+from qkv.runtime.precision import autocast_context
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def _rdrop(alpha: float) -> dict:
 def translation_loss(model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *,
                      label_smoothing: float = 0.0, rdrop: float = 0.0) -> Tensor:
     """The summed label-smoothed loss of a batch, R-Drop's with ``rdrop > 0``
-    (:meth:`qkv.models.Transformer.loss`)."""
+    (:meth:`qkv.models.transformer.Transformer.loss`)."""
     return model.loss(src, tgt_in, tgt_out, label_smoothing=label_smoothing, rdrop=rdrop)
 
 
@@ -94,7 +95,7 @@ class TokenLists:
 
 
 class TranslationTask:
-    """Parallel text for an encoder-decoder :class:`~qkv.models.Transformer`.
+    """Parallel text for an encoder-decoder :class:`~qkv.models.transformer.Transformer`.
 
     The training pairs are text (tokenised when the task is built, held in memory) or a split of a
     prepared folder (:class:`~qkv.data.prepared.PreparedSplit`: read a batch at a time, so a
@@ -260,12 +261,12 @@ class WindowBatch:
 
 def language_model_loss(model: nn.Module, ids: Tensor, targets: Tensor, *, label_smoothing: float = 0.0,
                         rdrop: float = 0.0) -> Tensor:
-    """The summed next-token loss of a batch, R-Drop's with ``rdrop > 0`` (:meth:`qkv.causal_lm.CausalLM.loss`)."""
+    """The summed next-token loss of a batch, R-Drop's with ``rdrop > 0`` (:meth:`qkv.models.causal_lm.CausalLM.loss`)."""
     return model.loss(ids, targets, label_smoothing=label_smoothing, rdrop=rdrop)
 
 
 class LanguageModelTask:
-    """Next-token prediction over one long token array, for a :class:`~qkv.causal_lm.CausalLM`.
+    """Next-token prediction over one long token array, for a :class:`~qkv.models.causal_lm.CausalLM`.
 
     An epoch is as many windows of ``context`` tokens as fit the training array end to end;
     ``windows="random"`` starts each at a random offset (nanoGPT's sampling), ``"strided"`` takes

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from tokenizers import decoders
 
-from qkv.device import model_device, pick_device
-from qkv.fileio import read_json
+from qkv.runtime.device import model_device, pick_device
+from qkv.runtime.fileio import read_json
 from qkv.viz.analysis import rollout, view_fields
 from qkv.viz.capture import AttentionRecorder
 from qkv.viz.export import AttentionView, check_text, make_example
@@ -250,7 +250,7 @@ def open_explorer(path: str | Path | None = None):
         raise FileNotFoundError(f"{config_path}: not found; pass a BERT checkpoint folder or a qkv run folder")
     config = read_json(config_path)
     if isinstance(config, dict) and isinstance(config.get("model"), dict) and "d_model" in config["model"]:
-        from qkv.checkpoint import load_run, run_task
+        from qkv.runs.folder import load_run, run_task
 
         model, tokenizer, run_config = load_run(folder)
         model.to(pick_device())

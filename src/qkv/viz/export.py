@@ -52,7 +52,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from qkv.fileio import write_text
+from qkv.runtime.fileio import write_text
 from qkv.viz.analysis import BROAD_LABEL, LABELS
 
 FORMAT = "qkv-attention/1"
@@ -281,5 +281,5 @@ def _check_corpus(corpus) -> None:
 
 
 def write_json(data: dict, path: str | Path) -> Path:
-    """Write the document as compact UTF-8 JSON, atomically (see :mod:`qkv.fileio`)."""
+    """Write the document as compact UTF-8 JSON, atomically (see :mod:`qkv.runtime.fileio`)."""
     return write_text(path, json.dumps(data, ensure_ascii=False))

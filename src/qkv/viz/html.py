@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qkv.fileio import write_text
+from qkv.runtime.fileio import write_text
 from qkv.viz.export import check_data
 
 # The page's JavaScript, inlined in this order into one <script> (core.js first: it makes the
@@ -181,5 +181,5 @@ def render_html(data: dict, *, live: dict | None = None) -> str:
 
 
 def write_html(data: dict, path: str | Path) -> Path:
-    """Write the self-contained explorer page for ``data`` to ``path`` (atomically, see :mod:`qkv.fileio`)."""
+    """Write the self-contained explorer page for ``data`` to ``path`` (atomically, see :mod:`qkv.runtime.fileio`)."""
     return write_text(path, render_html(data))

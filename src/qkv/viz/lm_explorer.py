@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from qkv.device import model_device
+from qkv.runtime.device import model_device
 from qkv.viz.analysis import view_fields
 from qkv.viz.export import AttentionView, check_text, make_example
 from qkv.viz.saliency import next_token_saliency, saliency_field

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from qkv.fileio import atomic_path
+from qkv.runtime.fileio import atomic_path
 from qkv.viz.export import check_data
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import json
 import logging
 from pathlib import Path
 
-from qkv.fileio import atomic_path
+from qkv.runtime.fileio import atomic_path
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Models built from qkv's layers: the encoder-decoder Transformer and an encoder-only model (the
-decoder-only language model is :mod:`qkv.causal_lm`). Reads top to bottom.
+decoder-only language model is :mod:`qkv.models.causal_lm`). Reads top to bottom.
 
 Shape legend: ``b`` batch, ``s_src`` source length, ``s_tgt`` target length, ``d`` d_model,
 ``V`` vocabulary size, ``h`` heads.
@@ -15,19 +15,19 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache
-from qkv.dropout import Dropout
-from qkv.fileio import read_json, write_json
-from qkv.layers import DecoderLayer, EncoderLayer
-from qkv.loss import fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy
-from qkv.positional import build_positional_encoding
+from qkv.nn.dropout import Dropout
+from qkv.runtime.fileio import read_json, write_json
+from qkv.nn.layers import DecoderLayer, EncoderLayer
+from qkv.nn.loss import fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy
+from qkv.nn.positional import build_positional_encoding
 
 
 def check_model_options(config, positive: tuple[str, ...]) -> None:
     """The checks every model config shares (``ValueError`` naming the field): the ``positive``
     integer fields, heads dividing ``d_model``, dropouts in [0, 1), ``layer_norm_eps``, the
     activation and the positional encoding."""
-    from qkv.layers import ACTIVATIONS
-    from qkv.positional import POSITIONAL_KINDS
+    from qkv.nn.layers import ACTIVATIONS
+    from qkv.nn.positional import POSITIONAL_KINDS
 
     for name in positive:
         value = getattr(config, name)
@@ -104,7 +104,7 @@ class TransformerConfig:
         )
 
     def to_json(self, path: str | Path) -> None:
-        """Write the config to ``path`` as JSON, atomically (:func:`qkv.fileio.write_json`)."""
+        """Write the config to ``path`` as JSON, atomically (:func:`qkv.runtime.fileio.write_json`)."""
         write_json(path, asdict(self))
 
     @classmethod
@@ -313,9 +313,9 @@ class Transformer(nn.Module):
         target positions (``tgt_out != pad_id``): what training minimises.
 
         Equal to ``label_smoothed_cross_entropy(self(src, tgt_in), tgt_out, ...)`` but computed by
-        :func:`qkv.loss.fused_linear_cross_entropy`, which never builds the ``(b, s_tgt, V)`` logits.
+        :func:`qkv.nn.loss.fused_linear_cross_entropy`, which never builds the ``(b, s_tgt, V)`` logits.
         With ``rdrop > 0`` the batch runs twice in one pass (stacked, so each copy draws its own
-        dropout) and the loss is R-Drop's (:func:`qkv.loss.fused_linear_rdrop_cross_entropy`).
+        dropout) and the loss is R-Drop's (:func:`qkv.nn.loss.fused_linear_rdrop_cross_entropy`).
 
         Args:
             src: ``(b, s_src)`` source ids.

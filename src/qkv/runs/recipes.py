@@ -6,7 +6,7 @@ Each recipe is declared once, here."""
 from __future__ import annotations
 
 # A recipe's model and training fields for runs in bf16 on hardware where bf16 is fast
-# (qkv.precision.bf16_is_fast): such runs make several times the steps in the same minutes, so they
+# (qkv.runtime.precision.bf16_is_fast): such runs make several times the steps in the same minutes, so they
 # can afford more regularisation and a gentler rate. Options given explicitly still win.
 MODEL_WHERE_BF16_IS_FAST = "model_where_bf16_is_fast"
 TRAIN_WHERE_BF16_IS_FAST = "train_where_bf16_is_fast"
@@ -30,7 +30,7 @@ RECIPES: dict[str, dict] = {
         # The rate decays to zero over the budget's last 30% and the last 2 checkpoints are averaged:
         # on validation, for the 1,555 steps an idle 2-core CPU makes in the hour, 38.15 against 37.09
         # for the inverse square root with the last 5 averaged (benchmarks/results/multi30k_en_de_*).
-        # bf16 autocast only where it is fast (qkv.precision.bf16_is_fast); start_run turns it off elsewhere.
+        # bf16 autocast only where it is fast (qkv.runtime.precision.bf16_is_fast); start_run turns it off elsewhere.
         "train": dict(max_tokens=2000, warmup_steps=800, lr_factor=0.7, schedule="budget", decay_fraction=0.3,
                       bf16=True, max_minutes=60.0, eval_every_minutes=6.0, checkpoint_every_minutes=3.0,
                       average_last=2),
@@ -128,7 +128,7 @@ def decode_settings(config: dict, *, beam_size: int | None = None, alpha: float 
 #   kept here in steps, so the averaged stretch of training is the paper's on any hardware; the
 #   last 5 (base) / 20 (big) averaged (section 6.1);
 # - beam 4, length penalty alpha 0.6 at evaluation ("decode", section 6.1): GNMT's
-#   ((5 + length) / 6) ** alpha, the EOS token counted in the length (qkv.decoding.length_penalty);
+#   ((5 + length) / 6) ** alpha, the EOS token counted in the length (qkv.decoding.search.length_penalty);
 #   output up to the input length + 50 tokens (decoding's extra_len default);
 # - bf16 autocast where bf16 matrix products are fast (GPUs); training pairs longer than 256 tokens
 #   are dropped, with a count.
@@ -192,7 +192,7 @@ def step_batches(tokens_per_step: int, world_size: int, *, max_tokens: int | Non
 
 def recipe_overrides(name: str, source: str, *, world_size: int = 1, max_tokens: int | None = None,
                      accum_steps: int | None = None) -> tuple[dict, dict, int]:
-    """What makes :func:`qkv.runs.start_run` train data of ``source`` with recipe ``name`` in place
+    """What makes :func:`qkv.runs.translation.start_run` train data of ``source`` with recipe ``name`` in place
     of the data's own: the model and training fields where the two recipes differ (a field either
     leaves out counts as the library default, so nothing of the data's recipe stays behind), and
     the vocabulary size. A recipe with ``tokens_per_step`` gets ``max_tokens``/``accum_steps``
@@ -208,7 +208,7 @@ def recipe_overrides(name: str, source: str, *, world_size: int = 1, max_tokens:
     """
     from dataclasses import fields
 
-    from qkv.models import TransformerConfig
+    from qkv.models.transformer import TransformerConfig
     from qkv.training.config import TrainConfig
 
     if name not in translation_recipes():

@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache
-from qkv.fileio import write_json
-from qkv.layers import EncoderLayer
-from qkv.loss import fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy, rdrop_cross_entropy
-from qkv.models import check_model_options
-from qkv.positional import build_positional_encoding
+from qkv.runtime.fileio import write_json
+from qkv.nn.layers import EncoderLayer
+from qkv.nn.loss import fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy, rdrop_cross_entropy
+from qkv.models.transformer import check_model_options
+from qkv.nn.positional import build_positional_encoding
 
 IGNORE = -100  # a target id that adds nothing to the loss
 
@@ -67,7 +67,7 @@ class CausalLMConfig:
         return cls(**data)
 
     def to_json(self, path: str | Path) -> None:
-        """Write the config to ``path`` as JSON, atomically (:func:`qkv.fileio.write_json`)."""
+        """Write the config to ``path`` as JSON, atomically (:func:`qkv.runtime.fileio.write_json`)."""
         write_json(path, asdict(self))
 
 
@@ -81,7 +81,7 @@ class CausalLMOutput:
 
 class CausalDecoder(nn.Module):
     """The stack: ``num_layers`` blocks of masked self-attention and feed-forward (each an
-    :class:`~qkv.layers.EncoderLayer` run with ``is_causal=True``), then a LayerNorm when pre-LN."""
+    :class:`~qkv.nn.layers.EncoderLayer` run with ``is_causal=True``), then a LayerNorm when pre-LN."""
 
     def __init__(self, config: CausalLMConfig) -> None:
         super().__init__()
@@ -166,11 +166,11 @@ class CausalLM(nn.Module):
         one; ``-100`` where nothing is predicted) from ``ids (b, s)``.
 
         With a vocabulary larger than ``d_model`` it is the fused loss
-        (:func:`qkv.loss.fused_linear_cross_entropy`: the ``(b, s, V)`` logits are never stored);
+        (:func:`qkv.nn.loss.fused_linear_cross_entropy`: the ``(b, s, V)`` logits are never stored);
         with a smaller one (e.g. characters) the logits are no larger than the hidden states and
         one plain product and ``F.cross_entropy`` are faster (measured: 3% of a step at V = 65).
         With ``rdrop > 0`` the windows run twice in one pass (stacked: each copy draws its own
-        dropout) and the loss is R-Drop's with weight ``rdrop`` (:mod:`qkv.loss`)."""
+        dropout) and the loss is R-Drop's with weight ``rdrop`` (:mod:`qkv.nn.loss`)."""
         hidden = self(torch.cat([ids, ids]) if rdrop else ids, project=False).hidden
         fused = self.config.vocab_size > self.config.d_model
         if rdrop:

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache, MultiHeadAttention
-from qkv.dropout import Dropout
-from qkv.shapes import Linear
+from qkv.nn.dropout import Dropout
+from qkv.runtime.padded_linear import Linear
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 

@@ -1,7 +1,7 @@
 """Decode with several translation models at once: an ensemble averages their next-token probabilities.
 
-:class:`Ensemble` looks like one :class:`~qkv.models.Transformer` to :mod:`qkv.decoding` and
-:func:`qkv.evaluation.translate_texts`: ``encode`` runs every member's encoder and ``decode`` every
+:class:`Ensemble` looks like one :class:`~qkv.models.transformer.Transformer` to :mod:`qkv.decoding.search` and
+:func:`qkv.decoding.translate.translate_texts`: ``encode`` runs every member's encoder and ``decode`` every
 member's decoder, and the returned ``logits`` are ``log(mean_i p_i)``, the log of the members'
 averaged probabilities (normalised log-probabilities, so greedy picks and beam scores work on them
 unchanged). Members must share the tokenizer: the same vocabulary sizes, padding id and
@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from qkv.models import DecoderOutput, EncoderOutput, Transformer
+from qkv.models.transformer import DecoderOutput, EncoderOutput, Transformer
 
 
 class Ensemble(nn.Module):
@@ -69,35 +68,6 @@ def _split(items: list, counts: list[int]) -> list[list]:
         parts.append(items[start : start + n])
         start += n
     return parts
-
-
-def load_translator(run_dirs: list[str | Path], weights: str = "model"):
-    """Load one translation run, or several as an :class:`Ensemble`.
-
-    Args:
-        run_dirs: run folders made by ``qkv train``; the first one's tokenizer and config (its
-            recipe's beam and length penalty, its data) speak for the ensemble.
-        weights: which weights of every run (see :func:`qkv.checkpoint.load_run`).
-
-    Returns:
-        ``(model, tokenizer, config)`` as :func:`~qkv.checkpoint.load_run` returns them.
-
-    Raises:
-        ValueError: a run is not a translation run, or its tokenizer differs from the first's.
-    """
-    from qkv.checkpoint import load_run
-
-    model, tokenizer, config = load_run(run_dirs[0], weights, task="translation")
-    if len(run_dirs) == 1:
-        return model, tokenizer, config
-    models = [model]
-    for run_dir in run_dirs[1:]:
-        other, other_tokenizer, _ = load_run(run_dir, weights, task="translation")
-        if not same_tokenizer(tokenizer, other_tokenizer):
-            raise ValueError(f"{run_dir}: its tokenizer differs from {run_dirs[0]}'s; an ensemble decodes one "
-                             "vocabulary, so its runs must be trained on the same data (one tokenizer.json)")
-        models.append(other)
-    return Ensemble(models), tokenizer, config
 
 
 def same_tokenizer(a, b) -> bool:

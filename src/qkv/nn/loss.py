@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv.shapes import pad_rows, padded_rows, pads_rows
+from qkv.runtime.padded_linear import pad_rows, padded_rows, pads_rows
 
 # rows of logits made at once by the fused loss: (512, 8000) is 16 MiB in fp32, 8 in bf16. 1,024-row chunks
 # were slower: forward + backward of 1,900 rows, bf16, 2 threads of a Zen 5 EPYC, 48-65 ms against 64-82 ms
@@ -81,7 +81,7 @@ def fused_linear_cross_entropy(
 
 def _padded_chunks(rows: tuple[Tensor, ...], target: Tensor, chunk_rows: int):
     """``(start, real, row chunks, target chunk)`` over ``chunk_rows`` positions at a time, each chunk
-    padded to few shapes (qkv.shapes) when the product would run in bf16 on CPU: the padding's rows are
+    padded to few shapes (qkv.runtime.padded_linear) when the product would run in bf16 on CPU: the padding's rows are
     zero (nothing added to the weight's gradient), its targets 0, and the caller keeps the first ``real``
     rows of the loss and of the input's gradient."""
     pads = pads_rows(rows[0], rows[0].size(0))

@@ -5,7 +5,7 @@ compiles a kernel ("primitive") for every new shape: about 5 ms for a (3,700 x 2
 product that then takes 1 ms (2-core Xeon, torch 2.13). Token-count batches give the linear layers a
 different number of rows (``b * s``) on almost every step, and a step has ~30 distinct products
 forward and backward, so without help every step pays for ~30 compilations, or the primitive cache
-grows without bound (qkv.memory caps it). Here the rows of a linear layer's input are padded with
+grows without bound (qkv.runtime.heap caps it). Here the rows of a linear layer's input are padded with
 zeros up to a multiple of :data:`ROW_MULTIPLE` before the product and the padding sliced off after:
 rows are independent in ``x @ W.T + b``, so the real rows' results are the same products, the
 gradient of the padding rows is dropped by the slice, and ``W``'s gradient gets zero from them. A

@@ -24,19 +24,21 @@ from pathlib import Path
 
 import torch
 
-from qkv import checkpoint as ckpt, precision
+from qkv.runs import folder as run_folder
+from qkv.runtime import precision
+from qkv.training.checkpoint_files import CHECKPOINT_FILE
 from qkv.data.parallel import ParallelText
 from qkv.data.prepared import PreparedCorpus, write_token_lists
 from qkv.data.sources import both_directions, check_spec, describe, load_train_valid, recipe_source
 from qkv.data.text import TEXT_SOURCES
 from qkv.data.tokenizer import Tokenizer
-from qkv.device import pick_device
-from qkv.lm_runs import open_lm_task, start_lm_run
-from qkv.models import Transformer, TransformerConfig
-from qkv.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST, decode_settings
+from qkv.runtime.device import pick_device
+from qkv.runs.language_model import open_lm_task, start_lm_run
+from qkv.models.transformer import Transformer, TransformerConfig
+from qkv.runs.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST, decode_settings
 from qkv.training import Distributed, TrainConfig, Trainer, TrainingCrashed, TranslationTask
 from qkv.training.tasks import TokenLists
-from qkv.viz.curves import plot_metrics
+from qkv.runs.curves import plot_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ def _model_config(recipe: dict, model_options: dict | None, vocab_size: int, pad
 
 def _where_bf16_is_fast(recipe: dict, model_options: dict | None, train_options: dict | None) -> tuple[dict, dict]:
     """The recipe's model and training fields for a run in fast bf16 that no explicit option
-    overrides (`MODEL_WHERE_BF16_IS_FAST`, `TRAIN_WHERE_BF16_IS_FAST` in :mod:`qkv.recipes`), logged once."""
+    overrides (`MODEL_WHERE_BF16_IS_FAST`, `TRAIN_WHERE_BF16_IS_FAST` in :mod:`qkv.runs.recipes`), logged once."""
     model = {k: v for k, v in recipe.get(MODEL_WHERE_BF16_IS_FAST, {}).items() if k not in (model_options or {})}
     train = {k: v for k, v in recipe.get(TRAIN_WHERE_BF16_IS_FAST, {}).items() if k not in (train_options or {})}
     if model or train:
@@ -99,7 +101,7 @@ def start_run(
             "tgt_lang": "de"}`` or ``{"source": "prepared", "folder": path}``; or for a language model (:mod:`qkv.data.text`)
             ``{"source": "tinyshakespeare"}`` or ``{"source": "text", "train_text": path}``.
         model_options: :class:`TransformerConfig` fields (a language model's:
-            :class:`~qkv.causal_lm.CausalLMConfig` fields) over the source's recipe (vocabulary
+            :class:`~qkv.models.causal_lm.CausalLMConfig` fields) over the source's recipe (vocabulary
             sizes and ``pad_id`` come from the tokenizer).
         train_options: :class:`TrainConfig` fields over the recipe.
         vocab_size: BPE vocabulary size (default: the recipe's); a prepared folder's tokenizer is
@@ -110,7 +112,7 @@ def start_run(
         device: where the model trains (default: CUDA when present, else CPU).
         dist: this process's place among several (default: alone).
         decode: a translation run's ``beam_size`` and ``alpha`` for evaluation (default: the
-            recipe's ``decode``, else :data:`qkv.recipes.DEFAULT_DECODE`), kept in config.json.
+            recipe's ``decode``, else :data:`qkv.runs.recipes.DEFAULT_DECODE`), kept in config.json.
 
     Raises:
         ValueError / FileNotFoundError: a bad option or input, before anything is written.
@@ -142,7 +144,7 @@ def start_run(
     check_spec(data)
     recipe = RECIPES[recipe_source(data["source"])]
     device = pick_device(device)
-    ckpt.check_new_run_dir(run_dir, overwrite=overwrite, inputs=_input_files(data))
+    run_folder.check_new_run_dir(run_dir, overwrite=overwrite, inputs=_input_files(data))
     if data["source"] == "prepared":
         corpus = PreparedCorpus(data["folder"])  # the manifest, read before anything else
     else:
@@ -196,10 +198,10 @@ def start_run(
         if data["source"] != "prepared":  # the run's own prepared copy: resuming and other processes read it
             manifest = _write_run_data(folder / RUN_DATA_FOLDER, tokenizer, task.pairs, valid_data, data)
             prepared["fingerprint"] = manifest["fingerprint"]  # known once the copy is written: a resume compares it
-            ckpt.write_config(folder, config)
+            run_folder.write_config(folder, config)
         trainer.save(folder)
 
-    ckpt.create_run(run_dir, config, tokenizer, overwrite=overwrite, write_initial=write_initial,
+    run_folder.create_run(run_dir, config, tokenizer, overwrite=overwrite, write_initial=write_initial,
                     inputs=_input_files(data))
     logger.info("model: %.1fM parameters; run folder %s", sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
     return trainer
@@ -285,7 +287,7 @@ def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
         dist: this process's place among several (default: alone); the run may have been saved
             by another number of processes.
         trust_checkpoint: load a ``state.pt`` holding pickled objects (an older qkv's) in full, once,
-            and rewrite it safely (see :func:`qkv.checkpoint.load_checkpoint`); never for a run from others.
+            and rewrite it safely (see :func:`qkv.training.checkpoint_files.load_checkpoint`); never for a run from others.
 
     Raises:
         ValueError / FileNotFoundError: not a run, a damaged checkpoint, bad options, or training
@@ -294,19 +296,19 @@ def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
     run_dir = Path(run_dir)
     if dist is not None and dist.enabled:
         device = dist.device
-    config = ckpt.read_run_config(run_dir)
-    if not (run_dir / ckpt.CHECKPOINT_FILE).is_file():
-        raise FileNotFoundError(f"{run_dir / ckpt.CHECKPOINT_FILE}: no training state to resume from")
+    config = run_folder.read_run_config(run_dir)
+    if not (run_dir / CHECKPOINT_FILE).is_file():
+        raise FileNotFoundError(f"{run_dir / CHECKPOINT_FILE}: no training state to resume from")
     device = pick_device(device)
     try:
         train_config = TrainConfig.from_dict({**config.get("train", {}), **(train_options or {})})
     except (TypeError, ValueError) as err:
         raise ValueError(f"{run_dir / 'config.json'}: {err}") from None
-    model_config = ckpt.read_model_config(run_dir, config)
+    model_config = run_folder.read_model_config(run_dir, config)
     train_config.check_stops()
     # the model is built only once config.json agrees with the weights saved with state.pt
-    model = ckpt.build_run_model(run_dir, model_config, run_dir / "last.safetensors").to(device)
-    if ckpt.run_task(config) == "lm":
+    model = run_folder.build_run_model(run_dir, model_config, run_dir / "last.safetensors").to(device)
+    if run_folder.run_task(config) == "lm":
         trainer = Trainer(model, open_lm_task(run_dir, config), train_config, run_dir, dist=dist)
         return _resumed(trainer, run_dir, config, train_config, train_options, trust_checkpoint)
     tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
@@ -319,7 +321,7 @@ def _resumed(trainer: Trainer, run_dir: Path, config: dict, train_config: TrainC
              train_options: dict | None, trust_checkpoint: bool = False) -> Trainer:
     trainer.resume(trust=trust_checkpoint)
     if train_options and asdict(train_config) != config.get("train") and trainer.dist.is_main:
-        ckpt.write_config(run_dir, {**config, "train": asdict(train_config)})
+        run_folder.write_config(run_dir, {**config, "train": asdict(train_config)})
     return trainer
 
 

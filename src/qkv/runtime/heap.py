@@ -57,7 +57,7 @@ HEAP_TRIM_THRESHOLD = 256 * _MIB
 # the user's own malloc settings, which keep_heap_top leaves alone
 _MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
 # oneDNN primitives kept (~1 MB each for a Multi30k product): room for every product shape of a
-# training run once qkv.shapes pads the rows of linear layers (a few hundred), so no step compiles
+# training run once qkv.runtime.padded_linear pads the rows of linear layers (a few hundred), so no step compiles
 # again; 8 made every bf16 product of a step compile anew (padding and 512 make 1.18x the steps on
 # an AMX Xeon, benchmarks/results/performance/memory_xeon_bf16.json), and
 # oneDNN's own 1024 filled up with the unpadded shapes (RSS to 7.5 GB) without being faster after
@@ -208,7 +208,7 @@ def cap_onednn_primitive_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> bool:
 
     oneDNN reads it when the process creates its first primitive, so call this before the first
     oneDNN operation (importing torch first is fine; a bf16 matrix product on a CPU with AVX512-BF16
-    or AMX, such as :func:`qkv.precision.bf16_is_fast`'s probe, is one). Returns True when this call
+    or AMX, such as :func:`qkv.runtime.precision.bf16_is_fast`'s probe, is one). Returns True when this call
     set it.
     """
     if capacity < 0:

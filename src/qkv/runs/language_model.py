@@ -1,5 +1,5 @@
 """Language-model run folders (task "lm"): starting one from a text, and opening its model and
-task again. :func:`qkv.runs.start_run` and :func:`qkv.runs.resume_run` hand language-model data to
+task again. :func:`qkv.runs.translation.start_run` and :func:`qkv.runs.translation.resume_run` hand language-model data to
 these; the promise is the same as for translation runs (everything checked before the folder appears,
 whole or not at all).
 
@@ -21,12 +21,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qkv import checkpoint as ckpt, precision
-from qkv.causal_lm import CausalLM, CausalLMConfig
+from qkv.runs import folder as run_folder
+from qkv.runtime import precision
+from qkv.training.checkpoint_files import CHECKPOINT_FILE
+from qkv.models.causal_lm import CausalLM, CausalLMConfig
 from qkv.data.text import (TOKENIZER_KINDS, check_text_spec, load_text_tokenizer, read_text_splits, read_tokens,
                            token_dtype, train_text_tokenizer, write_tokens)
-from qkv.device import pick_device
-from qkv.recipes import RECIPES
+from qkv.runtime.device import pick_device
+from qkv.runs.recipes import RECIPES
 from qkv.training import LanguageModelTask, TrainConfig, Trainer
 
 logger = logging.getLogger(__name__)
@@ -92,7 +94,7 @@ def open_lm_task(run_dir: Path, config: dict) -> LanguageModelTask:
 def start_lm_run(run_dir: Path, *, data: dict, model_options: dict | None, train_options: dict | None,
                  vocab_size: int | None, lm_options: dict | None, overwrite: bool,
                  device: str | torch.device | None) -> Trainer:
-    """:func:`qkv.runs.start_run` for a language model: the text is cut into its splits
+    """:func:`qkv.runs.translation.start_run` for a language model: the text is cut into its splits
     (:func:`qkv.data.text.read_text_splits`) and tokenised once into ``train.bin``, ``val.bin`` and
     ``test.bin`` (where there is a test split) in the run folder. Training and resuming read the
     first two (memory-mapped); only ``qkv evaluate`` reads ``test.bin``."""
@@ -100,7 +102,7 @@ def start_lm_run(run_dir: Path, *, data: dict, model_options: dict | None, train
     recipe = RECIPES[data["source"]]
     device = pick_device(device)
     inputs = [data.get(k) for k in ("train_text", "val_text", "test_text") if data.get(k)]
-    ckpt.check_new_run_dir(run_dir, overwrite=overwrite, inputs=inputs)
+    run_folder.check_new_run_dir(run_dir, overwrite=overwrite, inputs=inputs)
     unknown = sorted(set(lm_options or {}) - set(recipe["lm"]))
     if unknown:
         raise ValueError(f"unknown language-model options: {unknown}")
@@ -152,7 +154,7 @@ def start_lm_run(run_dir: Path, *, data: dict, model_options: dict | None, train
             write_tokens(folder / SPLIT_FILES[name], array, tokenizer.vocab_size)
         trainer.save(folder)
 
-    ckpt.create_run(run_dir, config, tokenizer, overwrite=overwrite, write_initial=write_initial, inputs=inputs)
+    run_folder.create_run(run_dir, config, tokenizer, overwrite=overwrite, write_initial=write_initial, inputs=inputs)
     logger.info("model: %.2fM parameters; run folder %s", sum(p.numel() for p in trainer.model.parameters()) / 1e6,
                 run_dir)
     return trainer

@@ -1,6 +1,6 @@
 """BLEU in the forms that papers report, next to sacreBLEU's.
 
-sacreBLEU (:func:`qkv.evaluation.score_translations`) scores detokenised, cased text with its own
+sacreBLEU (:func:`qkv.metrics.scores.score_translations`) scores detokenised, cased text with its own
 ``13a`` tokenizer and prints a signature, so a figure can be reproduced anywhere. Published tables
 were mostly made otherwise, on text tokenized with the Moses scripts and scored with Moses'
 ``multi-bleu.perl``; their numbers are not comparable with sacreBLEU's until both sides are

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qkv.models import EncoderOutput, Transformer
+from qkv.models.transformer import EncoderOutput, Transformer
 
 
 @dataclass

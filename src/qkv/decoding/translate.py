@@ -1,0 +1,81 @@
+"""Translate lists of sentences in length-sorted batches (greedy or beam search), the way
+validation, ``qkv translate`` and ``qkv evaluate`` do. Scoring: :mod:`qkv.metrics`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tqdm.auto import tqdm
+
+from qkv.data.batching import pad_sequences
+from qkv.data.tokenizer import Tokenizer
+from qkv.decoding.search import beam_search, greedy_decode
+from qkv.models.transformer import Transformer
+from qkv.runtime.precision import autocast_context
+
+logger = logging.getLogger(__name__)
+
+
+def translate_texts(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    texts: list[str],
+    *,
+    beam_size: int = 1,
+    alpha: float = 0.6,
+    max_tokens: int = 4000,
+    bf16: bool = False,
+    progress: bool = False,
+) -> list[str]:
+    """Translate ``texts`` (batched by length; output in input order).
+
+    Args:
+        model: trained :class:`Transformer`; it is put in eval mode.
+        tokenizer: the run's tokenizer.
+        texts: source sentences.
+        beam_size: 1 = greedy decoding, else beam search with length penalty ``alpha``.
+        max_tokens: source tokens per batch (times ``beam_size`` rows are decoded).
+        bf16: run under bfloat16 autocast (faster on CPUs with bf16 matrix units).
+        progress: show a progress bar.
+
+    Returns:
+        the translations, one per input sentence.
+    """
+    model.eval()
+    limit = model.config.max_len - 1  # source tokens that fit the positional table with EOS
+    encoded = tokenizer.encode_batch(texts)
+    too_long = sum(len(s) > limit for s in encoded)
+    ids = [s[:limit] + [tokenizer.eos_id] for s in encoded]
+    if too_long:
+        logger.warning("%d sentence(s) longer than %d tokens were cut to fit the model", too_long, limit)
+    results: list[str] = [""] * len(ids)
+    batches = length_batches(ids, max(1, max_tokens // max(1, beam_size)))
+    device = next(model.parameters()).device
+    with autocast_context(device, bf16):
+        for batch in tqdm(batches, desc="translating", disable=not progress, leave=False):
+            src = pad_sequences([ids[i] for i in batch], model.config.pad_id).to(device)
+            kwargs = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+            if beam_size == 1:
+                out = greedy_decode(model, src, **kwargs)
+            else:
+                out = beam_search(model, src, beam_size=beam_size, alpha=alpha, **kwargs)
+            for i, tokens in zip(batch, out):
+                results[i] = tokenizer.decode(tokens)
+    return results
+
+
+def length_batches(ids: list[list[int]], budget: int) -> list[list[int]]:
+    """Group the indices of ``ids`` (token lists) into batches of similar length, shortest first, each
+    holding at most ``budget`` tokens once padded to its longest (a longer sentence gets a batch of
+    its own)."""
+    batches, current = [], []
+    for i in sorted(range(len(ids)), key=lambda i: len(ids[i])):
+        if current and len(ids[i]) * (len(current) + 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+

@@ -1,0 +1,200 @@
+"""Checkpoint files: weights (safetensors) and the resumable state (``state.pt``), each
+written atomically (:mod:`qkv.runtime.fileio`) and read without running code (``weights_only``).
+
+What a run folder holds, and how a folder is recognised and loaded: :mod:`qkv.runs.translation.folder`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file, save_model
+
+from qkv.runtime.fileio import atomic_path, remove_stale_temporaries
+from qkv.runtime.safe_load import (
+    TensorInfo,
+    check_shapes,
+    check_zip_members,
+    meta_shapes,
+    plain_values,
+    refused_global,
+    weights_header,
+)
+
+logger = logging.getLogger(__name__)
+
+
+RUN_FORMAT = 2  # 2: state.pt holds the weights too (one atomic checkpoint)
+CHECKPOINT_FILE = "state.pt"
+
+
+def save_weights(model: torch.nn.Module, path: str | Path, *, step: int | None = None) -> None:
+    """Save weights as safetensors (tied tensors stored once), atomically; ``step`` goes in the metadata."""
+    with atomic_path(path) as tmp:
+        save_model(model, str(tmp), metadata=None if step is None else {"step": str(step)})
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Load safetensors weights into ``model``; every tensor must match (names and shapes).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is damaged or does not fit the model (one line naming the first problem).
+    """
+    path = Path(path)
+    expected, tied = meta_shapes(model)  # tied weights are stored once: any name of a tied group stands for it
+    check_shapes(expected, weights_header(path), config_path="the model", weights_path=path, tied=tied)
+    tensors = read_weights(path)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            state[name].copy_(tensor)
+
+
+def average_weight_files(paths: list[Path], out_path: str | Path) -> None:
+    """Average several safetensors files of one model (Vaswani et al. section 6.1 averages the last 5)."""
+    if not paths:
+        raise ValueError("no checkpoints to average")
+    total: dict[str, torch.Tensor] = {}
+    for p in paths:
+        for name, tensor in load_file(str(p)).items():
+            total[name] = total.get(name, 0) + tensor.double()
+    averaged = {name: (t / len(paths)).float().contiguous() for name, t in total.items()}
+    with atomic_path(out_path) as tmp:
+        save_file(averaged, str(tmp), metadata={"format": "pt"})
+
+
+def rng_state() -> dict:
+    """This process's random state (CPU, and every CUDA device), as the checkpoint keeps it."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: str | Path, model: torch.nn.Module, state: dict, *, weights: dict | None = None) -> None:
+    """Write the resumable checkpoint: ``state.pt`` (the weights, default ``model.state_dict()``,
+    plus ``state``: optimizer, position, RNG) as one atomic file, then ``last.safetensors`` from
+    ``model`` for translating."""
+    run_dir = Path(run_dir)
+    step = int(state["train_state"]["step"])
+    weights = model.state_dict() if weights is None else weights
+    with atomic_path(run_dir / CHECKPOINT_FILE) as tmp:
+        torch.save({**state, "format": RUN_FORMAT, "step": step, "model": weights}, tmp)
+    save_weights(model, run_dir / "last.safetensors", step=step)
+
+
+def load_checkpoint(run_dir: str | Path, *, clean: bool = True, trust: bool = False) -> dict:
+    """Read ``state.pt``: ``{"model": weights (absent in runs written before format 2), "optimizer",
+    "train_state", "rng", ...}``. With ``clean``, stale temporary files of a killed writer are
+    removed first (only the one process that writes may do that).
+
+    The file is read with ``torch.load(weights_only=True)``: tensors, numbers, strings and
+    containers, never a pickled object, whose loading could run any code (qkv writes nothing else).
+    A file holding such objects is refused, unless ``trust`` (``qkv train --resume
+    --trust-checkpoint``, for a run the user made with an older qkv): it is then loaded in full
+    once and rewritten in the safe form, or refused if even that form cannot hold it.
+
+    Runs written before format 2 kept the weights only in ``last.safetensors``; for those its step
+    must equal the state's, else the run is refused.
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / CHECKPOINT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no training state to resume from")
+    if clean:
+        for stale in remove_stale_temporaries(run_dir):
+            logger.info("removed %s, left by an interrupted write", stale)
+    check_zip_members(path)
+    try:
+        saved = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        if not trust:
+            raise ValueError(f"{path}: holds pickled Python objects ({refused_global(err)}), which qkv never loads: "
+                             "loading them could run any code. If you made this run yourself with an older qkv, "
+                             "resume once with --trust-checkpoint to convert it") from None
+        saved = _convert_trusted_checkpoint(path)
+    except Exception as err:  # noqa: BLE001 - torch raises many types for a damaged file
+        raise ValueError(f"{path}: damaged training state ({type(err).__name__}); the run cannot be resumed") from None
+    _check_state_layout(saved, path)
+    if "model" not in saved:
+        weights = run_dir / "last.safetensors"
+        with safe_open(str(weights), framework="pt") as handle:
+            step = (handle.metadata() or {}).get("step")
+        if step is not None and int(step) != saved["train_state"]["step"]:
+            raise ValueError(f"{weights} holds step {step} but {path} step {saved['train_state']['step']}")
+    return saved
+
+
+def check_saved_weights(model: torch.nn.Module, weights: dict, path: str | Path) -> None:
+    """The weights a checkpoint holds fit ``model`` (names and shapes), else one ``ValueError`` line."""
+    expected, tied = meta_shapes(model)
+    header = {name: TensorInfo(tuple(t.shape), "F32" if t.is_floating_point() else str(t.dtype))
+              for name, t in weights.items()}
+    check_shapes(expected, header, config_path="config.json", weights_path=path, tied=tied)
+
+
+def saved_step(run_dir: str | Path) -> int | None:
+    """The step the run folder's ``state.pt`` holds, read back from the file (None if it cannot be
+    read): what a message after a failed save reports, rather than the step it meant to save."""
+    try:
+        saved = torch.load(Path(run_dir) / CHECKPOINT_FILE, weights_only=True, map_location="cpu", mmap=True)
+        return int(saved["train_state"]["step"])  # mapped: the weights are not read to learn one number
+    except Exception:  # noqa: BLE001 - missing, damaged or foreign: nothing to report
+        return None
+
+
+def _convert_trusted_checkpoint(path: Path) -> dict:
+    """Load a ``state.pt`` the user vouched for in full, and rewrite it in the form the safe loader
+    reads (refused if that form cannot hold what it contains)."""
+    try:
+        saved = torch.load(path, weights_only=False, map_location="cpu")  # the user asked: --trust-checkpoint
+    except Exception as err:  # noqa: BLE001 - torch raises many types for a damaged file
+        raise ValueError(f"{path}: damaged training state ({type(err).__name__}); the run cannot be resumed") from None
+    saved = plain_values(saved)
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(f"{path}: holds objects qkv never writes ({refused_global(err)}); it cannot be converted "
+                         "to the safe form") from None
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(buffer.getvalue())
+    logger.warning("%s: converted to the safe checkpoint form (--trust-checkpoint); later resumes need no flag", path)
+    return saved
+
+
+def _check_state_layout(saved: object, path: Path) -> None:
+    """The keys and types resuming relies on, so a foreign file is one line, not a traceback later."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("train_state"), dict) or "optimizer" not in saved:
+        raise ValueError(f"{path}: not a qkv training state")
+    step = saved["train_state"].get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"{path}: train_state.step is {step!r}, not a step count")
+    weights = saved.get("model")
+    if weights is not None and not (isinstance(weights, dict) and all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items())):
+        raise ValueError(f"{path}: its model weights are not a mapping of names to tensors")
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file (``ValueError`` in one line if it is damaged)."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{path}: not a readable safetensors file ({str(err).splitlines()[0][:200]})") from None
+
