@@ -39,14 +39,39 @@ RESULTS = REPO / "benchmarks" / "results"
 UNKNOWN = "unknown"
 STANDARD = ("cpu_model", "cpu_family", "cpu_model_number", "avx2", "avx512_bf16", "amx", "threads", "gpu")
 # machines the results' names mention, longest first (a name, copied as it is)
-NAMED = ("epyc_zen4_avx2", "epyc_zen5", "epyc_zen4", "xeon_amx_slow", "xeon_amx", "xeon_avx512", "xeon", "zen5",
-         "h200", "h100")
+NAMED = (
+    "epyc_zen4_avx2",
+    "epyc_zen5",
+    "epyc_zen4",
+    "xeon_amx_slow",
+    "xeon_amx",
+    "xeon_avx512",
+    "xeon",
+    "zen5",
+    "h200",
+    "h100",
+)
 
 
 def moved_from() -> dict[str, str]:
     """New path -> old path, from the moves of the regrouping (/work/moves.tsv or the git rename)."""
-    out = subprocess.run(["git", "-C", str(REPO), "log", "--format=", "--name-status", "-M", "--diff-filter=R",
-                          "--", "benchmarks/results"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            "git",
+            "-C",
+            str(REPO),
+            "log",
+            "--format=",
+            "--name-status",
+            "-M",
+            "--diff-filter=R",
+            "--",
+            "benchmarks/results",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     renames = {}
     for line in out.splitlines():
         parts = line.split("\t")
@@ -58,8 +83,12 @@ def moved_from() -> dict[str, str]:
 def added_in(path: str, renames: dict[str, str]) -> tuple[str, str] | None:
     """(commit, UTC date) of the commit that added ``path`` (followed through its move), or None."""
     old = renames.get(path, path)
-    out = subprocess.run(["git", "-C", str(REPO), "log", "--diff-filter=A", "--format=%H %cI", "--", old],
-                         capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        ["git", "-C", str(REPO), "log", "--diff-filter=A", "--format=%H %cI", "--", old],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     if len(out) < 2:
         return None
     sha, when = out[-2], out[-1]  # the oldest addition
@@ -81,8 +110,10 @@ def flag(source: dict, name: str, *aliases: str):
 def standard_fields(source: dict) -> dict:
     """The standard machine keys, each from what ``source`` records or "unknown"."""
     cpu = source.get("cpu_model") or source.get("cpu")
-    threads = next((source[k] for k in ("threads", "torch_threads", "threads_per_process")
-                    if isinstance(source.get(k), int)), UNKNOWN)
+    threads = next(
+        (source[k] for k in ("threads", "torch_threads", "threads_per_process") if isinstance(source.get(k), int)),
+        UNKNOWN,
+    )
     return {
         "cpu_model": cpu if isinstance(cpu, str) and cpu else UNKNOWN,
         "cpu_family": source.get("cpu_family") or UNKNOWN,
@@ -99,8 +130,11 @@ def collected_machine(report: dict) -> dict | None:
     """For a table of other results' rows (recipe_sweep --collect): their machine, when all agree."""
     rows = report.get("candidates")
     rows = list(rows.values()) if isinstance(rows, dict) else rows if isinstance(rows, list) else []
-    machines = [{k: v for k, v in row["machine"].items() if k != "loadavg_end"}
-                for row in rows if isinstance(row, dict) and isinstance(row.get("machine"), dict)]
+    machines = [
+        {k: v for k, v in row["machine"].items() if k != "loadavg_end"}
+        for row in rows
+        if isinstance(row, dict) and isinstance(row.get("machine"), dict)
+    ]
     if not machines or len(machines) != len(rows) or any(m != machines[0] for m in machines):
         return None
     return {**machines[0], "machine_source": "the machine every collected row records (candidates[*].machine)"}
@@ -123,8 +157,10 @@ def backfill(path: Path, report: dict, renames: dict[str, str]) -> dict:
     derived = {}
     if found["avx2"] == UNKNOWN and machine.get("cpu_capability") in ("AVX2", "AVX512"):
         found["avx2"] = True  # torch dispatches AVX2 or AVX512 kernels only on a CPU that has AVX2
-        derived["avx2"] = (f"cpu_capability {machine['cpu_capability']}: torch ran its {machine['cpu_capability']} "
-                           "kernels, which it picks only on a CPU with AVX2 (every AVX512 CPU has it)")
+        derived["avx2"] = (
+            f"cpu_capability {machine['cpu_capability']}: torch ran its {machine['cpu_capability']} "
+            "kernels, which it picks only on a CPU with AVX2 (every AVX512 CPU has it)"
+        )
     notes = " ".join(str(out.get(k, "")) for k in ("note", "what", "task")) + " " + str(machine.get("note", ""))
     families = set(re.findall(r"family (\d+)", notes))
     if found["cpu_family"] == UNKNOWN and len(families) == 1:
@@ -143,8 +179,11 @@ def backfill(path: Path, report: dict, renames: dict[str, str]) -> dict:
         clock = machine.get("time") or machine.get("date")
         if isinstance(clock, str) and re.match(r"\d{4}-\d\d-\d\d", clock):
             out["date"] = clock.replace(" ", "T")
-            out["date_source"] = ("machine." + ("time" if machine.get("time") else "date") +
-                                  ": the clock of the machine that wrote it, local time, zone not recorded")
+            out["date_source"] = (
+                "machine."
+                + ("time" if machine.get("time") else "date")
+                + ": the clock of the machine that wrote it, local time, zone not recorded"
+            )
         elif added:
             out["date"] = added[1]
             out["date_source"] = "committed: when the commit that added this file was made (the run is no later)"

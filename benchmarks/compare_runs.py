@@ -48,10 +48,15 @@ def windows(records: list[dict], minutes: float, until: float) -> list[dict]:
         inside = [r for r in records if start < r["minutes"] <= end]
         if inside:
             rss = [r["rss_mb"] for r in inside if r.get("rss_mb") is not None]
-            out.append({"minutes": [round(start, 2), round(end, 2)], "step": inside[-1]["step"],
-                        "tokens_per_s_median": round(statistics.median(r["tokens_per_s"] for r in inside), 1),
-                        "rss_mb_median": round(statistics.median(rss), 1) if rss else None,
-                        "rss_mb_max": max(rss) if rss else None})
+            out.append(
+                {
+                    "minutes": [round(start, 2), round(end, 2)],
+                    "step": inside[-1]["step"],
+                    "tokens_per_s_median": round(statistics.median(r["tokens_per_s"] for r in inside), 1),
+                    "rss_mb_median": round(statistics.median(rss), 1) if rss else None,
+                    "rss_mb_max": max(rss) if rss else None,
+                }
+            )
         start = end
     return out
 
@@ -69,11 +74,14 @@ def compare(runs: dict[str, list[dict]], window: float) -> dict:
     for label, records in runs.items():
         shared = [r for r in records if r["minutes"] <= common]
         rss = [r["rss_mb"] for r in shared if r.get("rss_mb") is not None]
-        table[label] = {"minutes_logged": records[-1]["minutes"], "step_at_common_minutes": step_at(records, common),
-                        "tokens_per_s_median": round(statistics.median(r["tokens_per_s"] for r in shared), 1),
-                        "rss_mb_median": round(statistics.median(rss), 1) if rss else None,
-                        "rss_mb_max": max(rss) if rss else None,
-                        "windows": windows(records, window, common)}
+        table[label] = {
+            "minutes_logged": records[-1]["minutes"],
+            "step_at_common_minutes": step_at(records, common),
+            "tokens_per_s_median": round(statistics.median(r["tokens_per_s"] for r in shared), 1),
+            "rss_mb_median": round(statistics.median(rss), 1) if rss else None,
+            "rss_mb_max": max(rss) if rss else None,
+            "windows": windows(records, window, common),
+        }
     base = table[first_label]
     for row in table.values():
         row["steps_ratio"] = round(row["step_at_common_minutes"] / max(1, base["step_at_common_minutes"]), 3)
@@ -83,8 +91,13 @@ def compare(runs: dict[str, list[dict]], window: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", action="append", required=True, metavar="LABEL=METRICS_JSONL",
-                   help="a run's label and its metrics.jsonl (two or more; the first is the reference)")
+    p.add_argument(
+        "--run",
+        action="append",
+        required=True,
+        metavar="LABEL=METRICS_JSONL",
+        help="a run's label and its metrics.jsonl (two or more; the first is the reference)",
+    )
     p.add_argument("--window", type=float, default=6.0, help="minutes per row of the table")
     p.add_argument("--note", default="", help="a remark stored in the JSON (how and where the runs ran)")
     add_result_options(p, required=True)
@@ -105,14 +118,21 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(err))
     if len(runs) < 2:
         p.error("give at least two --run")
-    report = {"benchmark": "training speed and resident memory of runs side by side (from their metrics.jsonl)",
-              "command": " ".join(["python"] + sys.argv), "sources": dict(item.partition("=")[::2] for item in args.run),
-              "note": args.note, **compare(runs, args.window), "machine": environment()}
+    report = {
+        "benchmark": "training speed and resident memory of runs side by side (from their metrics.jsonl)",
+        "command": " ".join(["python"] + sys.argv),
+        "sources": dict(item.partition("=")[::2] for item in args.run),
+        "note": args.note,
+        **compare(runs, args.window),
+        "machine": environment(),
+    }
     write_result(args.out, report)
     for label, row in report["runs"].items():
-        print(f"{label}: step {row['step_at_common_minutes']} at {report['common_minutes']} min "
-              f"(x{row['steps_ratio']}), {row['tokens_per_s_median']} tokens/s (x{row['tokens_per_s_ratio']}), "
-              f"RSS median {row['rss_mb_median']} MB, max {row['rss_mb_max']} MB")
+        print(
+            f"{label}: step {row['step_at_common_minutes']} at {report['common_minutes']} min "
+            f"(x{row['steps_ratio']}), {row['tokens_per_s_median']} tokens/s (x{row['tokens_per_s_ratio']}), "
+            f"RSS median {row['rss_mb_median']} MB, max {row['rss_mb_max']} MB"
+        )
     return 0
 
 

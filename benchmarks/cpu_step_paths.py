@@ -35,9 +35,9 @@ from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment, paired_ratio, ratio, time_interleaved
 from qkv.bench.training import _ContenderTask, multi30k_config
 from qkv.nn.loss import fused_linear_cross_entropy
-from qkv.runtime.precision import bf16_is_fast
 from qkv.runs.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST
-from qkv.training import Trainer, TrainConfig
+from qkv.runtime.precision import bf16_is_fast
+from qkv.training import TrainConfig, Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 BEFORE = {"attention": "fused attention kernel", "adam": "per-tensor Adam", "chunks": "1,024-row loss chunks"}
@@ -51,7 +51,9 @@ def paths_before(which: frozenset[str]):
         if "attention" in which:
             backends.PLAIN_MAX_LEN = 0
         if "chunks" in which:
-            qkv.models.transformer.fused_linear_cross_entropy = functools.partial(fused_linear_cross_entropy, chunk_rows=1024)
+            qkv.models.transformer.fused_linear_cross_entropy = functools.partial(
+                fused_linear_cross_entropy, chunk_rows=1024
+            )
         yield
     finally:
         backends.PLAIN_MAX_LEN, qkv.models.transformer.fused_linear_cross_entropy = saved_plain, saved_loss
@@ -63,8 +65,9 @@ def recipe_data_and_model(data_dir: str | None, bf16: bool, batches: int):
     recipe = RECIPES["multi30k"]
     model_fields = {**recipe["model"], **(recipe[MODEL_WHERE_BF16_IS_FAST] if bf16 else {})}
     train_fields = {**recipe["train"], **(recipe[TRAIN_WHERE_BF16_IS_FAST] if bf16 else {})}
-    data = multi30k_data(data_dir, vocab_size=recipe["vocab_size"], max_tokens=train_fields["max_tokens"],
-                         num_batches=batches)
+    data = multi30k_data(
+        data_dir, vocab_size=recipe["vocab_size"], max_tokens=train_fields["max_tokens"], num_batches=batches
+    )
     return data, multi30k_config(data, **{k: v for k, v in model_fields.items() if k != "max_len"})
 
 
@@ -86,14 +89,21 @@ def make_step(data, config, train: TrainConfig, which: frozenset[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default=None, help="folder with the Multi30k task-1 files (default: "
-                        "$QKV_DATA/multi30k or the cache)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--data", default=None, help="folder with the Multi30k task-1 files (default: $QKV_DATA/multi30k or the cache)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30, help="timed steps per variant")
     parser.add_argument("--batches", type=int, default=30, help="real batches cycled through")
-    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="auto: bf16 autocast where bf16 products are fast (as the recipe), else float32")
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="auto: bf16 autocast where bf16 products are fast (as the recipe), else float32",
+    )
     add_result_options(parser, REPO / "benchmarks" / "results" / "performance" / "cpu_step_paths.json")
     args = parser.parse_args(argv)
     out = check_result_file(parser, args)  # before any work
@@ -115,21 +125,44 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name, timing in timings.items():
         timed = sum(tokens[(3 + i) % len(tokens)] for i in range(len(timing.times)))
-        results[name] = {"tokens_per_s": round(timed / sum(timing.times), 1), "median_step_s": timing.median,
-                         "steps_timed": len(timing.times), "error": timing.error}
+        results[name] = {
+            "tokens_per_s": round(timed / sum(timing.times), 1),
+            "median_step_s": timing.median,
+            "steps_timed": len(timing.times),
+            "error": timing.error,
+        }
     today = timings["today"]
-    ratios = {name: {"today_over_it": round(ratio(results["today"]["tokens_per_s"], r["tokens_per_s"]), 3),
-                     "paired": round(paired_ratio(timings[name].times, today.times), 3)}
-              for name, r in results.items() if name != "today"}
-    report = {"what": "Multi30k recipe training step on CPU, each fast path turned back, interleaved on the same "
-                      "real batches; ratio = today's tokens/s over the variant's",
-              "command": " ".join(["python"] + sys.argv), "bf16": bf16, "data": data.info,
-              "model": {"d_model": config.d_model, "layers": [config.num_encoder_layers, config.num_decoder_layers],
-                        "d_ff": config.d_ff, "vocab": config.tgt_vocab_size},
-              "results": results, "ratios": ratios, "machine": environment()}
+    ratios = {
+        name: {
+            "today_over_it": round(ratio(results["today"]["tokens_per_s"], r["tokens_per_s"]), 3),
+            "paired": round(paired_ratio(timings[name].times, today.times), 3),
+        }
+        for name, r in results.items()
+        if name != "today"
+    }
+    report = {
+        "what": "Multi30k recipe training step on CPU, each fast path turned back, interleaved on the same "
+        "real batches; ratio = today's tokens/s over the variant's",
+        "command": " ".join(["python"] + sys.argv),
+        "bf16": bf16,
+        "data": data.info,
+        "model": {
+            "d_model": config.d_model,
+            "layers": [config.num_encoder_layers, config.num_decoder_layers],
+            "d_ff": config.d_ff,
+            "vocab": config.tgt_vocab_size,
+        },
+        "results": results,
+        "ratios": ratios,
+        "machine": environment(),
+    }
     write_result(out, report)
     for name, r in results.items():
-        extra = "" if name == "today" else f"  today is {ratios[name]['today_over_it']:.2f}x (paired {ratios[name]['paired']:.2f}x)"
+        extra = (
+            ""
+            if name == "today"
+            else f"  today is {ratios[name]['today_over_it']:.2f}x (paired {ratios[name]['paired']:.2f}x)"
+        )
         print(f"{name:32s} {r['tokens_per_s']:8.0f} target tokens/s{extra}")
     print(f"wrote {out}")
     return 0

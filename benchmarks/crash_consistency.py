@@ -50,15 +50,16 @@ def main() -> int:
         for chain in range(args.chains):
             folder = root / f"chain{chain}"
             folder.mkdir()
-            report = crash_trials.run_chain(folder, src, tgt, expected, args.kills, seed=1000 + chain,
-                                            log=lambda k: print(k, flush=True))
+            report = crash_trials.run_chain(
+                folder, src, tgt, expected, args.kills, seed=1000 + chain, log=lambda k: print(k, flush=True)
+            )
             kills += report.kills
             chains_equal.append(report.chain_final_equal)
     ok = [k for k in kills if k.translate_ok and k.resumed_equal]
     result = {
         "benchmark": "SIGKILL at random moments of qkv train (checkpoint every step, tiny model, "
-                     f"{crash_trials.STEPS} steps); after each kill: qkv translate loads the run, --resume "
-                     "finishes a copy, final weights compared bit for bit with an uninterrupted run",
+        f"{crash_trials.STEPS} steps); after each kill: qkv translate loads the run, --resume "
+        "finishes a copy, final weights compared bit for bit with an uninterrupted run",
         "command": " ".join(["python", *sys.argv]),
         "kills": len(kills),
         "loadable_and_resumed_exactly": len(ok),
@@ -67,8 +68,13 @@ def main() -> int:
         "steps_at_kill": [k.step for k in kills],
         "trials": [asdict(k) for k in kills],
         "minutes": round((time.time() - start) / 60, 1),
-        "machine": {**environment(), **cpu_flags(), "load_average_before": load_before,
-                    "load_average_after": os.getloadavg(), "platform": platform.platform()},
+        "machine": {
+            **environment(),
+            **cpu_flags(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "platform": platform.platform(),
+        },
     }
     write_result(args.out, result)
     print(f"{len(ok)}/{len(kills)} kills: loadable and resumed exactly; moments {result['kill_moments']}")

@@ -38,8 +38,16 @@ def main() -> int:
     runs = []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="qkv-demo-") as folder:
-            command = [sys.executable, "-c", "import sys; from qkv.cli import main; sys.exit(main())", "demo",
-                       "--out", folder, "--no-progress", *args.demo_args.split()]
+            command = [
+                sys.executable,
+                "-c",
+                "import sys; from qkv.cli import main; sys.exit(main())",
+                "demo",
+                "--out",
+                folder,
+                "--no-progress",
+                *args.demo_args.split(),
+            ]
             load_before = os.getloadavg()
             start = time.perf_counter()
             done = subprocess.run(command, capture_output=True, text=True)
@@ -49,10 +57,17 @@ def main() -> int:
                 raise SystemExit(f"qkv demo failed with exit code {done.returncode}")
             summary = json.loads((Path(folder) / "summary.json").read_text())
             heatmaps = len(list((Path(folder) / "heatmaps").glob("*.png")))
-        run = {"wall_seconds": round(wall, 1), "exact_match": summary["exact_match"], "steps": summary["steps"],
-               "train_seconds": summary["train_seconds"], "stopped_early": summary["stopped_early"],
-               "heatmaps": heatmaps, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-               "goal_met": summary["exact_match"] >= 0.99 and wall <= 180}
+        run = {
+            "wall_seconds": round(wall, 1),
+            "exact_match": summary["exact_match"],
+            "steps": summary["steps"],
+            "train_seconds": summary["train_seconds"],
+            "stopped_early": summary["stopped_early"],
+            "heatmaps": heatmaps,
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+            "goal_met": summary["exact_match"] >= 0.99 and wall <= 180,
+        }
         runs.append(run)
         print(json.dumps(run), flush=True)
     report = {

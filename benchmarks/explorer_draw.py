@@ -40,10 +40,16 @@ from qkv.bench.results import add_result_options, check_result_file
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
-WORDS = ("time flies like an arrow fruit a banana the cat sat on mat dog runs beach she gave book to her "
-         "brother because he asked for it quick brown fox jumps over lazy attention is all you need").split()
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+WORDS = ["time", "flies", "like", "an", "arrow", "fruit", "a", "banana", "the", "cat", "sat", "on", "mat", "dog", "runs", "beach", "she", "gave", "book", "to", "her", "brother", "because", "he", "asked", "for", "it", "quick", "brown", "fox", "jumps", "over", "lazy", "attention", "is", "all", "you", "need"]
 
 # A click (or an event) dispatched in the page, then the time to the next animation frame.
 CLICK_TO_FRAME = """async ([selector, kind]) => {
@@ -100,8 +106,10 @@ def make_document(args) -> tuple[dict, str]:
     examples = [explorer.example(texts[0], paired_with=texts[1]), explorer.example(texts[1], paired_with=texts[0])]
     data = explorer_data(examples, title="qkv attention explorer: all-MiniLM-L6-v2")
     data["compare"] = compare_field(examples, 0, 1)
-    how = (f"EncoderExplorer(all-MiniLM-L6-v2, tokenizer max_length {args.tokens}).example(text, paired_with=other) "
-           f"for two {args.tokens}-wordpiece sentences + compare_field, as qkv attend --compare")
+    how = (
+        f"EncoderExplorer(all-MiniLM-L6-v2, tokenizer max_length {args.tokens}).example(text, paired_with=other) "
+        f"for two {args.tokens}-wordpiece sentences + compare_field, as qkv attend --compare"
+    )
     return data, how
 
 
@@ -148,11 +156,16 @@ def measure(page_path: Path, repeats: int) -> dict:
             painted.append(frame)
             heap.append(used)
             page.close()
-        out["load"] = {"script_start_ms": median(script), "data_parsed_ms": median(parsed),
-                       "weights_unpacked_ms": median(unpacked), "first_draw_ms": median(first),
-                       "first_frame_ms": median(painted), "python_goto_to_drawn_ms": median(wall),
-                       "runs_first_draw_ms": [round(v, 1) for v in first],
-                       "js_heap_mb": round(statistics.median(heap) / 1e6, 1) if None not in heap else None}
+        out["load"] = {
+            "script_start_ms": median(script),
+            "data_parsed_ms": median(parsed),
+            "weights_unpacked_ms": median(unpacked),
+            "first_draw_ms": median(first),
+            "first_frame_ms": median(painted),
+            "python_goto_to_drawn_ms": median(wall),
+            "runs_first_draw_ms": [round(v, 1) for v in first],
+            "js_heap_mb": round(statistics.median(heap) / 1e6, 1) if None not in heap else None,
+        }
         page = context.new_page()
         page.goto(page_path.as_uri())
         page.wait_for_function("() => Number(document.body.dataset.renders || 0) > 0", timeout=120_000)
@@ -167,24 +180,35 @@ def measure(page_path: Path, repeats: int) -> dict:
                 page.evaluate(CLICK_TO_FRAME, [f"#tabs button[data-tab='{other}']", "click"])
                 runs.append(page.evaluate(CLICK_TO_FRAME, [f"#tabs button[data-tab='{tab}']", "click"]))
                 own.append(page.evaluate(f"() => window.qkvExplorer.timings['{tab}']"))
-            out["views"][tab] = {"click_to_frame_ms": median(runs), "draw_ms": median(own),
-                                 "runs_click_to_frame_ms": [round(v, 1) for v in runs]}
+            out["views"][tab] = {
+                "click_to_frame_ms": median(runs),
+                "draw_ms": median(own),
+                "runs_click_to_frame_ms": [round(v, 1) for v in runs],
+            }
         page.evaluate(CLICK_TO_FRAME, ["#tabs button[data-tab='attention']", "click"])
         clicks = {
-            "model_view_cell": [("#model-grid canvas[data-layer='3'][data-head='5']", "click"),
-                                ("#model-grid canvas[data-layer='1'][data-head='2']", "click")],
+            "model_view_cell": [
+                ("#model-grid canvas[data-layer='3'][data-head='5']", "click"),
+                ("#model-grid canvas[data-layer='1'][data-head='2']", "click"),
+            ],
             "layer_select": [("#layer-select", "4"), ("#layer-select", "2")],
-            "hover_token": [("#head-svg text.query[data-index='3']", "hover"),
-                            ("#head-svg text.query[data-index='5']", "hover")],
+            "hover_token": [
+                ("#head-svg text.query[data-index='3']", "hover"),
+                ("#head-svg text.query[data-index='5']", "hover"),
+            ],
             "all_heads_button": [("#heads-all", "click"), ("#heads-none", "click")],
         }
         if "saliency" in tabs:
-            clicks["saliency_output"] = [("#tabs button[data-tab='saliency']", "click"),
-                                         ("#saliency-outputs .output-chip", "click")]
+            clicks["saliency_output"] = [
+                ("#tabs button[data-tab='saliency']", "click"),
+                ("#saliency-outputs .output-chip", "click"),
+            ]
         if "compare" in tabs:
-            clicks["compare_entry"] = [("#tabs button[data-tab='compare']", "click"),
-                                       ("#compare-heads .compare-head[data-index='1']", "click"),
-                                       ("#compare-heads .compare-head[data-index='0']", "click")]
+            clicks["compare_entry"] = [
+                ("#tabs button[data-tab='compare']", "click"),
+                ("#compare-heads .compare-head[data-index='1']", "click"),
+                ("#compare-heads .compare-head[data-index='0']", "click"),
+            ]
         for name, steps in clicks.items():
             runs = []
             for _ in range(repeats):
@@ -229,10 +253,16 @@ def main(argv: list[str] | None = None) -> int:
         for name, page_path in write_pages(data, Path(folder), plain=not args.packed_only).items():
             size_mb = page_path.stat().st_size / 1e6
             load_before = [round(v, 2) for v in os.getloadavg()]
-            pages[name] = {"page_mb": round(size_mb, 1), "load_average_before": load_before,
-                           **measure(page_path, args.repeats)}
-            print(f"{name}: {pages[name]['tokens']} tokens, {size_mb:.1f} MB page, first draw "
-                  f"{pages[name]['load']['first_draw_ms']} ms", file=sys.stderr)
+            pages[name] = {
+                "page_mb": round(size_mb, 1),
+                "load_average_before": load_before,
+                **measure(page_path, args.repeats),
+            }
+            print(
+                f"{name}: {pages[name]['tokens']} tokens, {size_mb:.1f} MB page, first draw "
+                f"{pages[name]['load']['first_draw_ms']} ms",
+                file=sys.stderr,
+            )
     result = {
         "benchmark": "the attention explorer drawing a long input in headless Chromium (benchmarks/explorer_draw.py)",
         "command": "python benchmarks/explorer_draw.py " + " ".join(argv if argv is not None else sys.argv[1:]),

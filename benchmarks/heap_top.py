@@ -30,16 +30,17 @@ def child(args: argparse.Namespace) -> dict:
     from qkv.runtime.heap import limit_memory_growth
 
     applied = limit_memory_growth(heap_trim_threshold=None) if not args.keep else limit_memory_growth()
+    import cpu_step_paths
     import torch
 
-    import cpu_step_paths
     from qkv.training import TrainConfig
 
     torch.set_num_threads(args.threads)
     bf16 = args.precision == "bf16"
     data, config = cpu_step_paths.recipe_data_and_model(args.data, bf16, batches=30)
-    step = cpu_step_paths.make_step(data, config, TrainConfig(bf16=bf16, label_smoothing=0.1, progress=False),
-                                    frozenset())
+    step = cpu_step_paths.make_step(
+        data, config, TrainConfig(bf16=bf16, label_smoothing=0.1, progress=False), frozenset()
+    )
     for _ in range(args.warmup):
         step()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -47,21 +48,29 @@ def child(args: argparse.Namespace) -> dict:
     tokens = sum(step() for _ in range(args.steps))
     seconds = time.perf_counter() - start
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    return {"settings": applied, "steps": args.steps, "tokens_per_s": round(tokens / seconds, 1),
-            "minor_page_faults_per_step": round(faults / args.steps)}
+    return {
+        "settings": applied,
+        "steps": args.steps,
+        "tokens_per_s": round(tokens / seconds, 1),
+        "minor_page_faults_per_step": round(faults / args.steps),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=None, help="Multi30k folder (default: $QKV_DATA/multi30k or the cache)")
-    parser.add_argument("--precisions", default="auto", help="comma list of bf16, float32; auto: bf16 where fast, "
-                                                             "and float32")
+    parser.add_argument(
+        "--precisions", default="auto", help="comma list of bf16, float32; auto: bf16 where fast, and float32"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="pairs of processes per precision")
     parser.add_argument("--steps", type=int, default=30, help="timed steps a process")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "performance" / "heap_top_steps.json"),
-                        help="the result JSON; an existing file is kept unless --overwrite")
+    parser.add_argument(
+        "--out",
+        default=str(REPO / "benchmarks" / "results" / "performance" / "heap_top_steps.json"),
+        help="the result JSON; an existing file is kept unless --overwrite",
+    )
     # declared by hand, not by qkv.bench.results.add_result_options: importing qkv.bench imports torch, which a
     # child must not do before its start-up memory settings (limit_memory_growth)
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -74,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from qkv.bench.provenance import write_result
-    from qkv.bench.timing import environment
     from qkv.bench.results import check_result_file
+    from qkv.bench.timing import environment
     from qkv.runtime.precision import bf16_is_fast
 
     for name, value in (("--rounds", args.rounds), ("--steps", args.steps), ("--threads", args.threads)):
@@ -83,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{name} must be at least 1, got {value}")
     if args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
-    names = args.precisions.split(",") if args.precisions != "auto" else (
-        ["bf16", "float32"] if bf16_is_fast("cpu") else ["float32"])
+    names = (
+        args.precisions.split(",")
+        if args.precisions != "auto"
+        else (["bf16", "float32"] if bf16_is_fast("cpu") else ["float32"])
+    )
     unknown = [name for name in names if name not in ("bf16", "float32")]
     if unknown:
         parser.error(f"unknown precision {unknown[0]!r}: use bf16, float32 or auto")
@@ -102,26 +114,54 @@ def main(argv: list[str] | None = None) -> int:
         rounds = []
         for r in range(args.rounds):
             pair = {}
-            for name, keep in (VARIANTS.items() if r % 2 == 0 else reversed(VARIANTS.items())):
-                cmd = [sys.executable, __file__, "--child", "--precision", precision, "--data", args.data,
-                       "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+            for name, keep in VARIANTS.items() if r % 2 == 0 else reversed(VARIANTS.items()):
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    "--precision",
+                    precision,
+                    "--data",
+                    args.data,
+                    "--steps",
+                    str(args.steps),
+                    "--warmup",
+                    str(args.warmup),
+                    "--threads",
+                    str(args.threads),
+                ]
                 done = subprocess.run(cmd + (["--keep"] if keep else []), capture_output=True, text=True)
                 if done.returncode:
                     last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
                     print(f"error: the {precision} process ({name}) failed: {last}", file=sys.stderr)
                     return 1
                 pair[name] = json.loads(done.stdout.strip().splitlines()[-1])
-                print(f"{precision} round {r + 1} {name:16s} {pair[name]['tokens_per_s']:8.1f} tokens/s  "
-                      f"{pair[name]['minor_page_faults_per_step']:7d} faults/step", flush=True)
-            pair["kept_over_default"] = round(pair["heap top kept"]["tokens_per_s"]
-                                              / pair["glibc's default"]["tokens_per_s"], 3)
+                print(
+                    f"{precision} round {r + 1} {name:16s} {pair[name]['tokens_per_s']:8.1f} tokens/s  "
+                    f"{pair[name]['minor_page_faults_per_step']:7d} faults/step",
+                    flush=True,
+                )
+            pair["kept_over_default"] = round(
+                pair["heap top kept"]["tokens_per_s"] / pair["glibc's default"]["tokens_per_s"], 3
+            )
             rounds.append(pair)
-        results[precision] = {"rounds": rounds,
-                              "median_kept_over_default": statistics.median(p["kept_over_default"] for p in rounds)}
-        print(f"{precision}: heap top kept / glibc's default, median of {args.rounds} rounds: "
-              f"{results[precision]['median_kept_over_default']}x")
-    write_result(out, {"what": __doc__.split("\n\n")[0], "command": " ".join(["python"] + sys.argv),
-                     "results": results, "machine": environment()})
+        results[precision] = {
+            "rounds": rounds,
+            "median_kept_over_default": statistics.median(p["kept_over_default"] for p in rounds),
+        }
+        print(
+            f"{precision}: heap top kept / glibc's default, median of {args.rounds} rounds: "
+            f"{results[precision]['median_kept_over_default']}x"
+        )
+    write_result(
+        out,
+        {
+            "what": __doc__.split("\n\n")[0],
+            "command": " ".join(["python"] + sys.argv),
+            "results": results,
+            "machine": environment(),
+        },
+    )
     print(f"wrote {out}")
     return 0
 

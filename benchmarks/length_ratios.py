@@ -36,8 +36,12 @@ def main() -> int:
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
     p.add_argument("--data-dir", default=None, help="the Multi30k files (default: as qkv train finds them)")
-    p.add_argument("--run-dir", default=None, help="a run of benchmarks/train_multi30k.py whose saved translations "
-                                                   "(val.hyp.<tgt>, test_2016.hyp.<tgt>) to measure too")
+    p.add_argument(
+        "--run-dir",
+        default=None,
+        help="a run of benchmarks/train_multi30k.py whose saved translations "
+        "(val.hyp.<tgt>, test_2016.hyp.<tgt>) to measure too",
+    )
     add_result_options(p, required=True)
     args = p.parse_args()
     check_result_file(p, args)  # before any work
@@ -45,9 +49,12 @@ def main() -> int:
     report = {"command": " ".join(["python"] + sys.argv), "pair": f"{args.src}-{args.tgt}", "splits": {}}
     for split, name in SPLITS:
         data = load_split(spec, split)
-        row = {"sentences": len(data), f"{args.src}_words_per_sentence": round(words(data.src) / len(data), 3),
-               f"{args.tgt}_words_per_sentence": round(words(data.tgt) / len(data), 3),
-               "target_per_source_word": round(words(data.tgt) / words(data.src), 4)}
+        row = {
+            "sentences": len(data),
+            f"{args.src}_words_per_sentence": round(words(data.src) / len(data), 3),
+            f"{args.tgt}_words_per_sentence": round(words(data.tgt) / len(data), 3),
+            "target_per_source_word": round(words(data.tgt) / words(data.src), 4),
+        }
         if args.run_dir and split != "train":
             hyp_file = Path(args.run_dir) / f"{name}.hyp.{args.tgt}"
             if not hyp_file.is_file():

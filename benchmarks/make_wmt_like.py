@@ -38,8 +38,9 @@ def make_vocabulary(rng: np.random.Generator, size: int, *, capitalise_every: in
     words: dict[str, None] = {}
     while len(words) < size:
         n = 4 * size
-        syllables = 1 + np.minimum(5, rng.exponential(1.3, n).astype(np.int64) + (np.arange(n) > 200)
-                                   + (np.arange(n) > 5000))
+        syllables = 1 + np.minimum(
+            5, rng.exponential(1.3, n).astype(np.int64) + (np.arange(n) > 200) + (np.arange(n) > 5000)
+        )
         table = rng.integers(0, len(SYLLABLES), (n, 6)).tolist()
         for row, count in zip(table, syllables.tolist()):
             words.setdefault("".join(SYLLABLES[i] for i in row[:count]))
@@ -65,7 +66,7 @@ def sentences(rng, vocab, cdf, lengths) -> list[str]:
     words[commas] = words[commas] + ","
     out, start = [], 0
     for n in lengths.tolist():
-        out.append(" ".join(words[start:start + n]) + ".")
+        out.append(" ".join(words[start : start + n]) + ".")
         start += n
     return out
 
@@ -83,9 +84,20 @@ def corpus_files(out: Path, name: str, use_gzip: bool) -> list[Path]:
     return [out / f"{name}.en{suffix}", out / f"{name}.de{suffix}"]
 
 
-def write_corpus(out: Path, name: str, pairs: int, *, seed: int, vocabularies: tuple[np.ndarray, np.ndarray],
-                 mean_words: float, sigma: float, max_words: int, bad_every: int, use_gzip: bool,
-                 chunk: int = 50_000) -> dict:
+def write_corpus(
+    out: Path,
+    name: str,
+    pairs: int,
+    *,
+    seed: int,
+    vocabularies: tuple[np.ndarray, np.ndarray],
+    mean_words: float,
+    sigma: float,
+    max_words: int,
+    bad_every: int,
+    use_gzip: bool,
+    chunk: int = 50_000,
+) -> dict:
     rng = np.random.default_rng(seed)
     en_vocab, de_vocab = vocabularies
     cdf = zipf_cdf(len(en_vocab))
@@ -94,8 +106,12 @@ def write_corpus(out: Path, name: str, pairs: int, *, seed: int, vocabularies: t
     bad = {"empty": 0, "not_utf8": 0, "too_long": 0}
     words = 0
     # each file is written whole under a temporary name, then renamed onto its own (atomic_path)
-    with (atomic_path(paths[0]) as en_tmp, atomic_path(paths[1]) as de_tmp,
-          opener(en_tmp) as en_file, opener(de_tmp) as de_file):
+    with (
+        atomic_path(paths[0]) as en_tmp,
+        atomic_path(paths[1]) as de_tmp,
+        opener(en_tmp) as en_file,
+        opener(de_tmp) as de_file,
+    ):
         for start in range(0, pairs, chunk):
             n = min(chunk, pairs - start)
             src_len, tgt_len = word_counts(rng, n, mean_words=mean_words, sigma=sigma, max_words=max_words)
@@ -114,8 +130,12 @@ def write_corpus(out: Path, name: str, pairs: int, *, seed: int, vocabularies: t
                         en_bytes[i] = b" ".join([en_bytes[i]] * 40)
             en_file.write(b"\n".join(en_bytes) + b"\n")
             de_file.write(b"\n".join(de_bytes) + b"\n")
-    return {"files": [str(p) for p in paths], "pairs": pairs, "mean_source_words": round(words / max(1, pairs), 2),
-            "bad_pairs_written": bad}
+    return {
+        "files": [str(p) for p in paths],
+        "pairs": pairs,
+        "mean_source_words": round(words / max(1, pairs), 2),
+        "bad_pairs_written": bad,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,9 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bad-every", type=int, default=20_000, help="one bad pair in N (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gzip", action="store_true", help="write .gz files")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace train.* / valid.* files already in --out (refused otherwise: they may be a "
-                             "real corpus)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace train.* / valid.* files already in --out (refused otherwise: they may be a real corpus)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     taken = [str(path) for name in ("train", "valid") for path in corpus_files(out, name, args.gzip) if path.exists()]
@@ -144,15 +166,25 @@ def main(argv: list[str] | None = None) -> int:
             for stale in out.glob(f".{path.name}.*{TMP_SUFFIX}"):
                 stale.unlink(missing_ok=True)
     start = time.perf_counter()
-    vocabularies = (make_vocabulary(np.random.default_rng([args.seed, 1]), args.vocab),
-                    make_vocabulary(np.random.default_rng([args.seed, 2]), args.vocab, capitalise_every=4))
-    common = dict(vocabularies=vocabularies, mean_words=args.mean_words, sigma=args.sigma, max_words=args.max_words,
-                  use_gzip=args.gzip)
+    vocabularies = (
+        make_vocabulary(np.random.default_rng([args.seed, 1]), args.vocab),
+        make_vocabulary(np.random.default_rng([args.seed, 2]), args.vocab, capitalise_every=4),
+    )
+    common = dict(
+        vocabularies=vocabularies,
+        mean_words=args.mean_words,
+        sigma=args.sigma,
+        max_words=args.max_words,
+        use_gzip=args.gzip,
+    )
     train = write_corpus(out, "train", args.pairs, seed=args.seed, bad_every=args.bad_every, **common)
     valid = write_corpus(out, "valid", args.valid_pairs, seed=args.seed + 1, bad_every=0, **common)
-    print(f"wrote {train['pairs']:,} training pairs ({train['mean_source_words']} words a source sentence on "
-          f"average; bad pairs {train['bad_pairs_written']}) and {valid['pairs']:,} validation pairs into {out} "
-          f"in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    print(
+        f"wrote {train['pairs']:,} training pairs ({train['mean_source_words']} words a source sentence on "
+        f"average; bad pairs {train['bad_pairs_written']}) and {valid['pairs']:,} validation pairs into {out} "
+        f"in {time.perf_counter() - start:.0f} s",
+        file=sys.stderr,
+    )
     return 0
 
 

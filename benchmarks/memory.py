@@ -58,8 +58,17 @@ def machine_info(threads: int) -> dict:
     use, and the allocator settings in the environment, which change what resident memory does."""
     from qkv.bench.timing import environment
 
-    env = {k: os.environ[k] for k in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_",
-                                      "MALLOC_MMAP_THRESHOLD_", "LD_PRELOAD") if k in os.environ}
+    env = {
+        k: os.environ[k]
+        for k in (
+            "ONEDNN_PRIMITIVE_CACHE_CAPACITY",
+            "MALLOC_ARENA_MAX",
+            "MALLOC_TRIM_THRESHOLD_",
+            "MALLOC_MMAP_THRESHOLD_",
+            "LD_PRELOAD",
+        )
+        if k in os.environ
+    }
     return {**environment(probe_bf16=True), "torch_threads": threads, "env": env}
 
 
@@ -77,8 +86,9 @@ def measures_of(fix: str) -> dict[str, int | None]:
         elif name in MEASURES and (not value or value.isdigit()):
             out[name] = int(value) if value else None
         else:
-            raise ValueError(f"unknown fix {fix!r}: use none, or +-joined {MEASURES + tuple(COMPOSITES)} "
-                             "(onednn=N for a cache of N)")
+            raise ValueError(
+                f"unknown fix {fix!r}: use none, or +-joined {MEASURES + tuple(COMPOSITES)} (onednn=N for a cache of N)"
+            )
     return out
 
 
@@ -87,25 +97,35 @@ def child(args: argparse.Namespace) -> int:
     from qkv.runtime.heap import limit_memory_growth
 
     capacity = measures.get("onednn") or args.onednn_capacity
-    applied = limit_memory_growth(onednn_cache_capacity=capacity if "onednn" in measures else None,
-                                  heap_trim_threshold=HEAP_TRIM_THRESHOLD if "top" in measures else None,
-                                  mmap_threshold=args.mmap_threshold if "mmap" in measures else None)
+    applied = limit_memory_growth(
+        onednn_cache_capacity=capacity if "onednn" in measures else None,
+        heap_trim_threshold=HEAP_TRIM_THRESHOLD if "top" in measures else None,
+        mmap_threshold=args.mmap_threshold if "mmap" in measures else None,
+    )
     import torch
 
     import qkv.runtime.padded_linear
 
     qkv.runtime.padded_linear.PAD_ROWS = "pad" in measures
 
-    from qkv.runtime.heap import HeapTrimmer, heap_stats, peak_resident_memory_bytes, resident_memory_bytes
     from qkv.runs.translation import start_run
+    from qkv.runtime.heap import HeapTrimmer, heap_stats, peak_resident_memory_bytes, resident_memory_bytes
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rss_before = resident_memory_bytes()
     data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": "en", "tgt_lang": "de"}
-    train_options = dict(max_minutes=args.minutes, bf16=args.precision == "bf16", eval_every_minutes=0.0,
-                         eval_every_steps=0, checkpoint_every_minutes=0.0, checkpoint_every_steps=0, average_last=1,
-                         progress=False, log_every_steps=50)
+    train_options = dict(
+        max_minutes=args.minutes,
+        bf16=args.precision == "bf16",
+        eval_every_minutes=0.0,
+        eval_every_steps=0,
+        checkpoint_every_minutes=0.0,
+        checkpoint_every_steps=0,
+        average_last=1,
+        progress=False,
+        log_every_steps=50,
+    )
     with tempfile.TemporaryDirectory(prefix="qkv-memory-") as tmp:
         trainer = start_run(Path(tmp) / "run", data=data, train_options=train_options, overwrite=True)
         if trainer.config.bf16 != (args.precision == "bf16"):
@@ -139,20 +159,25 @@ def child(args: argparse.Namespace) -> int:
         def sample() -> None:
             rss, hwm = resident_memory_bytes(), peak_resident_memory_bytes()
             heap = heap_stats()
-            samples.append({
-                "minutes": round((time.perf_counter() - start) / 60, 3),
-                "step": steps[0],
-                "distinct_shapes": len(shapes),
-                "rss_mb": round(rss / 2**20, 1) if rss else None,
-                "rss_between_steps_mb": None,  # RSS at the end of the step under way (filled in then)
-                "between_steps_minutes": None,
-                "peak_rss_mb": round(hwm / 2**20, 1) if hwm else None,
-                "heap_mb": {k: round(v / 2**20, 1) for k, v in heap.items()} if heap else None,
-                "loadavg": round(os.getloadavg()[0], 2),
-            })
+            samples.append(
+                {
+                    "minutes": round((time.perf_counter() - start) / 60, 3),
+                    "step": steps[0],
+                    "distinct_shapes": len(shapes),
+                    "rss_mb": round(rss / 2**20, 1) if rss else None,
+                    "rss_between_steps_mb": None,  # RSS at the end of the step under way (filled in then)
+                    "between_steps_minutes": None,
+                    "peak_rss_mb": round(hwm / 2**20, 1) if hwm else None,
+                    "heap_mb": {k: round(v / 2**20, 1) for k, v in heap.items()} if heap else None,
+                    "loadavg": round(os.getloadavg()[0], 2),
+                }
+            )
             pending.append(samples[-1])
-            print(f"[{args.precision}/{args.fix}] {samples[-1]['minutes']:6.2f} min  step {steps[0]:5d}  "
-                  f"RSS {samples[-1]['rss_mb']} MB  shapes {len(shapes)}", flush=True)
+            print(
+                f"[{args.precision}/{args.fix}] {samples[-1]['minutes']:6.2f} min  step {steps[0]:5d}  "
+                f"RSS {samples[-1]['rss_mb']} MB  shapes {len(shapes)}",
+                flush=True,
+            )
 
         def sampler() -> None:
             sample()
@@ -203,19 +228,30 @@ def flatness(samples: list[dict], warmup_minutes: float, tolerance: float, key: 
     var = sum((t - mean_t) ** 2 for t in minutes)
     slope = sum((t - mean_t) * (r - mean_r) for t, r in zip(minutes, rss)) / var if var else 0.0
     ratio = max(rss) / min(rss)
-    return {"warmup_minutes": warmup_minutes, "samples": len(late), "min_mb": min(rss), "max_mb": max(rss),
-            "ratio": round(ratio, 4), "flat": ratio <= 1 + tolerance, "tolerance": tolerance,
-            "slope_mb_per_minute": round(slope, 2)}
+    return {
+        "warmup_minutes": warmup_minutes,
+        "samples": len(late),
+        "min_mb": min(rss),
+        "max_mb": max(rss),
+        "ratio": round(ratio, 4),
+        "flat": ratio <= 1 + tolerance,
+        "tolerance": tolerance,
+        "slope_mb_per_minute": round(slope, 2),
+    }
 
 
 def label(run: dict) -> str:
     if run["fix"] == "none":
         return f"{run['precision']}, no fix"
     cache = f"oneDNN cache {(run.get('settings') or {}).get('onednn_primitive_cache') or '?'}"
-    names = {"fix": f"trim every {run.get('trim_every_steps', '?')} steps + {cache} + rows padded + heap top kept",
-             "trim": f"trim every {run.get('trim_every_steps', '?')} steps", "onednn": cache,
-             "pad": "rows padded (qkv.runtime.padded_linear)", "top": "heap top kept (qkv.runtime.heap.keep_heap_top)",
-             "mmap": f"mmap >= {(run.get('settings') or {}).get('mmap_threshold') or 0:,} B"}
+    names = {
+        "fix": f"trim every {run.get('trim_every_steps', '?')} steps + {cache} + rows padded + heap top kept",
+        "trim": f"trim every {run.get('trim_every_steps', '?')} steps",
+        "onednn": cache,
+        "pad": "rows padded (qkv.runtime.padded_linear)",
+        "top": "heap top kept (qkv.runtime.heap.keep_heap_top)",
+        "mmap": f"mmap >= {(run.get('settings') or {}).get('mmap_threshold') or 0:,} B",
+    }
     parts = [part.partition("=")[0] for part in run["fix"].split("+")]
     return f"{run['precision']}, " + " + ".join(names.get(part, part) for part in parts)
 
@@ -224,8 +260,10 @@ def plot_title(machine: dict) -> str:
     # reports written before machine_info used environment() name the CPU "cpu" and its kernels "torch_cpu_capability"
     cpu = machine.get("cpu_model") or machine.get("cpu")
     capability = machine.get("cpu_capability") or machine.get("torch_cpu_capability")
-    return (f"Resident memory, Multi30k en-de training (library recipe)\n{cpu} "
-            f"({capability}), {machine['torch_threads']} threads, torch {machine['torch']}")
+    return (
+        f"Resident memory, Multi30k en-de training (library recipe)\n{cpu} "
+        f"({capability}), {machine['torch_threads']} threads, torch {machine['torch']}"
+    )
 
 
 def plot(runs: list[dict], path: Path, warmup_minutes: float, title: str) -> None:
@@ -239,14 +277,30 @@ def plot(runs: list[dict], path: Path, warmup_minutes: float, title: str) -> Non
     fig, ax = plt.subplots(figsize=(8, 6))
     for index, run in enumerate(runs):
         color = f"C{index}"
-        between = [(s["between_steps_minutes"], s["rss_between_steps_mb"]) for s in run["samples"]
-                   if s.get("rss_between_steps_mb") is not None]
+        between = [
+            (s["between_steps_minutes"], s["rss_between_steps_mb"])
+            for s in run["samples"]
+            if s.get("rss_between_steps_mb") is not None
+        ]
         f = run["flatness"]
         extra = f" (after warm-up: max/min {f['ratio']:.3f})" if f.get("ratio") else ""
-        ax.plot([x for x, _ in between], [y for _, y in between], "o-", color=color, markersize=3,
-                label=f"{label(run)}: between steps{extra}")
-        ax.plot([s["minutes"] for s in run["samples"]], [s["rss_mb"] for s in run["samples"]], ":", color=color,
-                linewidth=1, alpha=0.7, label=f"{label(run)}: at any moment (mid-step activations included)")
+        ax.plot(
+            [x for x, _ in between],
+            [y for _, y in between],
+            "o-",
+            color=color,
+            markersize=3,
+            label=f"{label(run)}: between steps{extra}",
+        )
+        ax.plot(
+            [s["minutes"] for s in run["samples"]],
+            [s["rss_mb"] for s in run["samples"]],
+            ":",
+            color=color,
+            linewidth=1,
+            alpha=0.7,
+            label=f"{label(run)}: at any moment (mid-step activations included)",
+        )
     ax.axvspan(0, warmup_minutes, color="0.92", label="warm-up")
     ax.set_xlabel("training minutes")
     ax.set_ylabel("resident memory (MB)")
@@ -262,24 +316,38 @@ def plot(runs: list[dict], path: Path, warmup_minutes: float, title: str) -> Non
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=None,
-                   help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)")
+    p.add_argument(
+        "--data", default=None, help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)"
+    )
     p.add_argument("--minutes", type=float, default=20.0, help="training minutes a run")
     p.add_argument("--interval", type=float, default=60.0, help="seconds between RSS samples")
     p.add_argument("--warmup-minutes", type=float, default=3.0, help="samples before this are warm-up")
     p.add_argument("--tolerance", type=float, default=0.10, help="flat: max/min after warm-up <= 1 + this")
-    p.add_argument("--precisions", default="auto",
-                   help="comma list of float32, bf16; auto: float32, and bf16 where this machine runs it fast")
-    p.add_argument("--fixes", default="none,fix",
-                   help=f"comma list of variants to run in turn: none, or +-joined measures from {MEASURES} "
-                        f"or {tuple(COMPOSITES)}")
+    p.add_argument(
+        "--precisions",
+        default="auto",
+        help="comma list of float32, bf16; auto: float32, and bf16 where this machine runs it fast",
+    )
+    p.add_argument(
+        "--fixes",
+        default="none,fix",
+        help=f"comma list of variants to run in turn: none, or +-joined measures from {MEASURES} "
+        f"or {tuple(COMPOSITES)}",
+    )
     p.add_argument("--trim-every", type=int, default=50, help="steps between heap trims (the trim measure)")
     p.add_argument("--mmap-threshold", type=int, default=2**20, help="bytes (the mmap measure)")
-    p.add_argument("--onednn-capacity", type=int, default=ONEDNN_CACHE_CAPACITY,
-                   help="primitives oneDNN may cache (the onednn measure; default: qkv's)")
+    p.add_argument(
+        "--onednn-capacity",
+        type=int,
+        default=ONEDNN_CACHE_CAPACITY,
+        help="primitives oneDNN may cache (the onednn measure; default: qkv's)",
+    )
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "performance" / "memory.json"),
-                   help="the result JSON; an existing file (or --figure) is kept unless --overwrite")
+    p.add_argument(
+        "--out",
+        default=str(REPO / "benchmarks" / "results" / "performance" / "memory.json"),
+        help="the result JSON; an existing file (or --figure) is kept unless --overwrite",
+    )
     p.add_argument("--figure", default=str(REPO / "docs" / "figures" / "memory.png"))
     # declared by hand, not by qkv.bench.results.add_result_options: importing qkv.bench imports torch, which a
     # child must not do before its start-up memory settings (limit_memory_growth)
@@ -321,7 +389,7 @@ def main() -> int:
         except ValueError as err:
             p.error(str(err))
     precisions, skipped = [], {}
-    for name in (["float32", "bf16"] if args.precisions == "auto" else args.precisions.split(",")):
+    for name in ["float32", "bf16"] if args.precisions == "auto" else args.precisions.split(","):
         if name not in ("float32", "bf16"):
             p.error(f"unknown precision {name!r}")
         if name == "bf16" and not bf16_is_fast("cpu"):
@@ -336,11 +404,31 @@ def main() -> int:
         for fix in fixes:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
                 child_out = handle.name
-            cmd = [sys.executable, __file__, "--child", "--precision", precision, "--fix", fix,
-                   "--child-out", child_out, "--data", args.data, "--minutes", str(args.minutes),
-                   "--interval", str(args.interval), "--trim-every", str(args.trim_every),
-                   "--mmap-threshold", str(args.mmap_threshold), "--onednn-capacity", str(args.onednn_capacity),
-                   "--threads", str(args.threads)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                "--precision",
+                precision,
+                "--fix",
+                fix,
+                "--child-out",
+                child_out,
+                "--data",
+                args.data,
+                "--minutes",
+                str(args.minutes),
+                "--interval",
+                str(args.interval),
+                "--trim-every",
+                str(args.trim_every),
+                "--mmap-threshold",
+                str(args.mmap_threshold),
+                "--onednn-capacity",
+                str(args.onednn_capacity),
+                "--threads",
+                str(args.threads),
+            ]
             logging.info("run: %s", " ".join(cmd[1:]))
             try:
                 subprocess.run(cmd, check=True)
@@ -358,7 +446,7 @@ def main() -> int:
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     report = {
         "benchmark": "resident memory during Multi30k en->de training (the library recipe; no validation or "
-                     "checkpoints inside the window)",
+        "checkpoints inside the window)",
         "command": " ".join(["python"] + sys.argv),
         "minutes": args.minutes,
         "interval_seconds": args.interval,
@@ -373,9 +461,11 @@ def main() -> int:
     plot(runs, Path(args.figure), args.warmup_minutes, plot_title(machine))
     for run in runs:
         f = run["flatness"]
-        print(f"{label(run):24s} steps {run['steps']:5d}  minor faults/step {run.get('minor_page_faults_per_step')}  "
-              f"RSS after warm-up {f.get('min_mb')}-{f.get('max_mb')} MB  "
-              f"max/min {f.get('ratio')}  flat: {f.get('flat')}")
+        print(
+            f"{label(run):24s} steps {run['steps']:5d}  minor faults/step {run.get('minor_page_faults_per_step')}  "
+            f"RSS after warm-up {f.get('min_mb')}-{f.get('max_mb')} MB  "
+            f"max/min {f.get('ratio')}  flat: {f.get('flat')}"
+        )
     for name, why in skipped.items():
         print(f"{name}: skipped ({why})")
     return 0

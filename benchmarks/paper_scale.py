@@ -88,10 +88,14 @@ def run_watched(command: list[str], log: Path) -> dict:
             time.sleep(0.1)
     seconds = time.perf_counter() - start
     if process.returncode:
-        raise RuntimeError(f"{' '.join(command)} exited with {process.returncode}; see {log}:\n"
-                           + log.read_text()[-3000:])
-    return {"seconds": round(seconds, 2), "peak_pss_tree_mib": round(peak_total / 1024, 1),
-            "peak_rss_largest_process_mib": round(peak_largest / 1024, 1)}
+        raise RuntimeError(
+            f"{' '.join(command)} exited with {process.returncode}; see {log}:\n" + log.read_text()[-3000:]
+        )
+    return {
+        "seconds": round(seconds, 2),
+        "peak_pss_tree_mib": round(peak_total / 1024, 1),
+        "peak_rss_largest_process_mib": round(peak_largest / 1024, 1),
+    }
 
 
 def folder_mib(folder: Path) -> float:
@@ -103,30 +107,68 @@ def generate(pairs: int, folder: Path) -> dict:
     if done.is_file() and json.loads(done.read_text()).get("pairs") == pairs:
         return json.loads(done.read_text())
     start = time.perf_counter()
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_wmt_like.py"), "--pairs", str(pairs), "--out",
-                    str(folder), "--overwrite"], check=True)  # its own scratch folder: a killed generation is redone
-    info = {"pairs": pairs, "seconds": round(time.perf_counter() - start, 1),
-            "train_mib": round(sum((folder / f"train.{x}").stat().st_size for x in ("en", "de")) / 2**20, 1)}
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "make_wmt_like.py"),
+            "--pairs",
+            str(pairs),
+            "--out",
+            str(folder),
+            "--overwrite",
+        ],
+        check=True,
+    )  # its own scratch folder: a killed generation is redone
+    info = {
+        "pairs": pairs,
+        "seconds": round(time.perf_counter() - start, 1),
+        "train_mib": round(sum((folder / f"train.{x}").stat().st_size for x in ("en", "de")) / 2**20, 1),
+    }
     done.write_text(json.dumps(info))
     return info
 
 
 def prepare(corpus: Path, out: Path, logs: Path, workers: int) -> dict:
-    command = [sys.executable, "-m", "qkv", "prepare", "--train-src", str(corpus / "train.en"), "--train-tgt",
-               str(corpus / "train.de"), "--val-src", str(corpus / "valid.en"), "--val-tgt", str(corpus / "valid.de"),
-               "--out", str(out), "--workers", str(workers), "--overwrite", "--no-progress"]
+    command = [
+        sys.executable,
+        "-m",
+        "qkv",
+        "prepare",
+        "--train-src",
+        str(corpus / "train.en"),
+        "--train-tgt",
+        str(corpus / "train.de"),
+        "--val-src",
+        str(corpus / "valid.en"),
+        "--val-tgt",
+        str(corpus / "valid.de"),
+        "--out",
+        str(out),
+        "--workers",
+        str(workers),
+        "--overwrite",
+        "--no-progress",
+    ]
     load_before = os.getloadavg()
     measured = run_watched(command, logs / f"prepare-{out.name}.log")
     manifest = json.loads((out / "manifest.json").read_text())
     lines = manifest["lines"]["train"]
-    return {"command": " ".join(["qkv", *command[3:]]), "workers": workers, **measured,
-            "pairs_per_s": round(lines / measured["seconds"]),
-            "tokenize_pairs_per_s": round(lines / manifest["seconds"]["tokenize"]),
-            "phase_seconds": manifest["seconds"], "train_pairs_kept": manifest["splits"]["train"]["pairs"],
-            "dropped": manifest["dropped"]["train"], "first_dropped": manifest["dropped_first"]["train"][:3],
-            "vocab_size": manifest["vocab_size"], "tokenizer_source": manifest["tokenizer_source"],
-            "folder_mib": folder_mib(out), "load_average_before": [round(x, 2) for x in load_before],
-            "load_average_after": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "command": " ".join(["qkv", *command[3:]]),
+        "workers": workers,
+        **measured,
+        "pairs_per_s": round(lines / measured["seconds"]),
+        "tokenize_pairs_per_s": round(lines / manifest["seconds"]["tokenize"]),
+        "phase_seconds": manifest["seconds"],
+        "train_pairs_kept": manifest["splits"]["train"]["pairs"],
+        "dropped": manifest["dropped"]["train"],
+        "first_dropped": manifest["dropped_first"]["train"][:3],
+        "vocab_size": manifest["vocab_size"],
+        "tokenizer_source": manifest["tokenizer_source"],
+        "folder_mib": folder_mib(out),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def train(prepared: Path, run_dir: Path, logs: Path, steps: int, max_tokens: int) -> dict:
@@ -134,11 +176,40 @@ def train(prepared: Path, run_dir: Path, logs: Path, steps: int, max_tokens: int
     rss_dir.mkdir(parents=True, exist_ok=True)
     for old in rss_dir.glob("rank*.json"):
         old.unlink()
-    train_args = ["train", "--prepared", str(prepared), "--run-dir", str(run_dir), "--overwrite", *MODEL,
-                  "--max-tokens", str(max_tokens), "--max-steps", str(steps), "--minutes", "0", "--no-bf16",
-                  "--eval-every-minutes", "0", "--checkpoint-every-minutes", "0", "--no-progress"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(Path(__file__).resolve()), "rank", str(rss_dir), "--", *train_args]
+    train_args = [
+        "train",
+        "--prepared",
+        str(prepared),
+        "--run-dir",
+        str(run_dir),
+        "--overwrite",
+        *MODEL,
+        "--max-tokens",
+        str(max_tokens),
+        "--max-steps",
+        str(steps),
+        "--minutes",
+        "0",
+        "--no-bf16",
+        "--eval-every-minutes",
+        "0",
+        "--checkpoint-every-minutes",
+        "0",
+        "--no-progress",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(Path(__file__).resolve()),
+        "rank",
+        str(rss_dir),
+        "--",
+        *train_args,
+    ]
     load_before = os.getloadavg()
     env_threads = os.environ.get("OMP_NUM_THREADS")
     measured = run_watched(command, logs / f"train-{run_dir.name}.log")
@@ -146,13 +217,17 @@ def train(prepared: Path, run_dir: Path, logs: Path, steps: int, max_tokens: int
     path = run_dir / "metrics.jsonl"
     metrics = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     trained = [m for m in metrics if m.get("event") == "train"]
-    return {"command": "torchrun --standalone --nproc_per_node 2 -m qkv " + " ".join(train_args),
-            "omp_num_threads": env_threads or "1 (torchrun's default)", **measured,
-            "steps": trained[-1]["step"] if trained else None,
-            "target_tokens_per_s_last": trained[-1]["tokens_per_s"] if trained else None,
-            "loss_first_last": [trained[0]["loss"], trained[-1]["loss"]] if trained else None,
-            "ranks": ranks, "load_average_before": [round(x, 2) for x in load_before],
-            "load_average_after": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "command": "torchrun --standalone --nproc_per_node 2 -m qkv " + " ".join(train_args),
+        "omp_num_threads": env_threads or "1 (torchrun's default)",
+        **measured,
+        "steps": trained[-1]["step"] if trained else None,
+        "target_tokens_per_s_last": trained[-1]["tokens_per_s"] if trained else None,
+        "loss_first_last": [trained[0]["loss"], trained[-1]["loss"]] if trained else None,
+        "ranks": ranks,
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def rank_main(rss_dir: str, argv: list[str]) -> int:
@@ -161,9 +236,16 @@ def rank_main(rss_dir: str, argv: list[str]) -> int:
 
     code = main(argv)
     rank = os.environ.get("RANK", "0")
-    Path(rss_dir, f"rank{rank}.json").write_text(json.dumps({
-        "rank": int(rank), "exit_code": code, "peak_rss_mib": round((status_kib("VmHWM") or 0) / 1024, 1),
-        "final_rss_mib": round((status_kib("VmRSS") or 0) / 1024, 1)}))
+    Path(rss_dir, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": int(rank),
+                "exit_code": code,
+                "peak_rss_mib": round((status_kib("VmHWM") or 0) / 1024, 1),
+                "final_rss_mib": round((status_kib("VmRSS") or 0) / 1024, 1),
+            }
+        )
+    )
     return code
 
 
@@ -195,11 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    result = {"what": "qkv prepare (2 workers) and a 2-process qkv train --prepared on generated WMT-like corpora",
-              "environment": {**environment(), **cpu_flags()},
-              "model": "d_model 128, 4 heads, 2+2 layers, d_ff 512, shared 8k BPE; float32; "
-                       f"{args.max_tokens} padded tokens a batch a process, accum 1, validation off",
-              "corpora": {}}
+    result = {
+        "what": "qkv prepare (2 workers) and a 2-process qkv train --prepared on generated WMT-like corpora",
+        "environment": {**environment(), **cpu_flags()},
+        "model": "d_model 128, 4 heads, 2+2 layers, d_ff 512, shared 8k BPE; float32; "
+        f"{args.max_tokens} padded tokens a batch a process, accum 1, validation off",
+        "corpora": {},
+    }
     for size in args.sizes:
         name = f"{size // 1000}k"
         entry = result["corpora"][name] = {"generated": generate(size, work / f"wmt_{name}")}
@@ -215,12 +299,15 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [round(b["peak_rss_mib"] / a["peak_rss_mib"], 3) for a, b in zip(small, large)]
         result["summary"] = {
             "prepare_pairs_per_s": {n: result["corpora"][n]["prepare"]["pairs_per_s"] for n in names},
-            "prepare_target_20k_pairs_per_s_met": {n: result["corpora"][n]["prepare"]["pairs_per_s"] >= 20_000
-                                                   for n in names},
-            "train_peak_rss_mib_per_rank": {n: [r["peak_rss_mib"] for r in result["corpora"][n]["train"]["ranks"]]
-                                            for n in names},
+            "prepare_target_20k_pairs_per_s_met": {
+                n: result["corpora"][n]["prepare"]["pairs_per_s"] >= 20_000 for n in names
+            },
+            "train_peak_rss_mib_per_rank": {
+                n: [r["peak_rss_mib"] for r in result["corpora"][n]["train"]["ranks"]] for n in names
+            },
             f"peak_rss_ratio_{names[-1]}_over_{names[0]}_per_rank": ratios,
-            "rss_target_within_10_percent_met": all(abs(r - 1) <= 0.10 for r in ratios)}
+            "rss_target_within_10_percent_met": all(abs(r - 1) <= 0.10 for r in ratios),
+        }
     result["environment"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     write_result(Path(args.out), result)
     print(json.dumps(result.get("summary", {}), indent=1), flush=True)

@@ -42,17 +42,17 @@ from pathlib import Path
 
 import torch
 
-from qkv.runs import folder as ckpt
-from qkv.runtime.fileio import atomic_path
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data import resolve_multi30k
 from qkv.data.sources import load_split
-from qkv.runtime.device import pick_device
-from qkv.metrics.scores import score_translations
 from qkv.decoding.translate import translate_texts
+from qkv.metrics.scores import score_translations
+from qkv.runs import folder as ckpt
 from qkv.runs.translation import run_training, start_run
+from qkv.runtime.device import pick_device
+from qkv.runtime.fileio import atomic_path
 
 REPO = Path(__file__).resolve().parent.parent
 SWEEPS = REPO / "benchmarks" / "results" / "multi30k" / "sweeps"
@@ -61,10 +61,13 @@ SWEEPS = REPO / "benchmarks" / "results" / "multi30k" / "sweeps"
 CANDIDATES: dict[str, tuple[str, dict, dict, int | None]] = {
     "baseline": ("the recipe as it is", {}, {}, None),
     "budget": ("rate decays linearly to zero over the whole budget", {}, {"schedule": "budget"}, None),
-    "budget-tail": ("rate decays to zero over the last 30% of the budget", {},
-                    {"schedule": "budget", "decay_fraction": 0.3}, None),
-    "budget-hot": ("budget decay with a 1.5x higher peak rate", {},
-                   {"schedule": "budget", "lr_factor": 1.05}, None),
+    "budget-tail": (
+        "rate decays to zero over the last 30% of the budget",
+        {},
+        {"schedule": "budget", "decay_fraction": 0.3},
+        None,
+    ),
+    "budget-hot": ("budget decay with a 1.5x higher peak rate", {}, {"schedule": "budget", "lr_factor": 1.05}, None),
     "narrow": ("d_ff 512: more steps an hour", {"d_ff": 512}, {}, None),
     "shallow": ("2+2 layers: more steps an hour", {"num_encoder_layers": 2, "num_decoder_layers": 2}, {}, None),
     "dropout-0.2": ("more dropout", {"dropout": 0.2}, {}, None),
@@ -84,15 +87,27 @@ def run_candidate(name: str, args: argparse.Namespace, data: dict, device: str) 
     """Train one candidate for ``args.minutes`` and score it on the validation split."""
     about, model_options, train_options, vocab = CANDIDATES[name]
     run_dir = Path(args.run_root) / name
-    options = {"max_minutes": args.minutes, "seed": args.seed, "progress": sys.stderr.isatty(),
-               "eval_every_minutes": max(args.minutes / 4, 0.05), "checkpoint_every_minutes": max(args.minutes / 10, 0.01),
-               **train_options}
+    options = {
+        "max_minutes": args.minutes,
+        "seed": args.seed,
+        "progress": sys.stderr.isatty(),
+        "eval_every_minutes": max(args.minutes / 4, 0.05),
+        "checkpoint_every_minutes": max(args.minutes / 10, 0.01),
+        **train_options,
+    }
     if args.no_bf16:
         options["bf16"] = False
     torch.manual_seed(args.seed)
     load_start = os.getloadavg()
-    trainer = start_run(run_dir, data=data, model_options=model_options, train_options=options, vocab_size=vocab,
-                        overwrite=True, device=device)
+    trainer = start_run(
+        run_dir,
+        data=data,
+        model_options=model_options,
+        train_options=options,
+        vocab_size=vocab,
+        overwrite=True,
+        device=device,
+    )
     start = time.perf_counter()
     run_training(trainer)
     wall = time.perf_counter() - start
@@ -105,13 +120,23 @@ def run_candidate(name: str, args: argparse.Namespace, data: dict, device: str) 
     hyps = translate_texts(model, tokenizer, src, beam_size=args.beam, bf16=trainer.config.bf16)
     scores = score_translations(hyps, refs)
     state = trainer.state
-    result = {"about": about, "model_options": model_options, "train_options": train_options, "vocab_size": vocab,
-              "minutes_trained": round(state.seconds / 60, 2), "wall_seconds": round(wall, 1), "steps": state.step,
-              "target_tokens_per_s": round(state.tokens / max(state.seconds, 1e-9), 1),
-              "parameters": sum(p.numel() for p in model.parameters()),
-              f"val_bleu_beam{args.beam}": scores["bleu"], f"val_chrf_beam{args.beam}": scores["chrf"],
-              "val_sentences": len(src), "bleu_signature": scores.get("signature"),
-              "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
+    result = {
+        "about": about,
+        "model_options": model_options,
+        "train_options": train_options,
+        "vocab_size": vocab,
+        "minutes_trained": round(state.seconds / 60, 2),
+        "wall_seconds": round(wall, 1),
+        "steps": state.step,
+        "target_tokens_per_s": round(state.tokens / max(state.seconds, 1e-9), 1),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        f"val_bleu_beam{args.beam}": scores["bleu"],
+        f"val_chrf_beam{args.beam}": scores["chrf"],
+        "val_sentences": len(src),
+        "bleu_signature": scores.get("signature"),
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+    }
     logging.info("%s: %d steps, val BLEU %.2f", name, state.step, scores["bleu"])
     return result
 
@@ -168,10 +193,16 @@ def _changes(reference: dict, run: dict) -> dict:
 
     skip = {"max_minutes", "progress", "seed"}
     # a field newer than the reference's report counts where it differs from its default
-    defaults = {part: {f.name: f.default for f in fields(cls) if f.default is not MISSING}
-                for part, cls in (("model", TransformerConfig), ("train", TrainConfig))}
-    return {f"{part}.{k}": v for part in ("model", "train") for k, v in run[part].items()
-            if k not in skip and reference[part].get(k, defaults[part].get(k)) != v}
+    defaults = {
+        part: {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+        for part, cls in (("model", TransformerConfig), ("train", TrainConfig))
+    }
+    return {
+        f"{part}.{k}": v
+        for part in ("model", "train")
+        for k, v in run[part].items()
+        if k not in skip and reference[part].get(k, defaults[part].get(k)) != v
+    }
 
 
 def collect(paths: list[Path], out: Path) -> dict:
@@ -189,20 +220,33 @@ def collect(paths: list[Path], out: Path) -> dict:
             name = f"{name} ({path.name})"
         scores = run["scores"]["averaged"]
         beam = run.get("decode", {}).get("beam_size", 5)  # reports older than the decode field used beam 5
-        rows[name] = {"json": path.name, "changes": changes, "pair": run["task"],
-                      "minutes_trained": round(run["train_wall_seconds"] / 60, 1), "steps": run["steps"],
-                      "epochs": run["epochs"], "target_tokens_per_s": run["target_tokens_per_s"],
-                      "parameters": run["parameters"], f"val_bleu_beam{beam}": scores[f"val_beam{beam}"]["bleu"],
-                      f"val_bleu_beam{beam}_papers_form": scores[f"val_beam{beam}"]["bleu_papers_form"]["bleu"],
-                      "val_bleu_greedy_300_vs_minutes": [[round(c["minutes"], 1), c["val_bleu_greedy_300"]]
-                                                         for c in run["bleu_vs_minutes"]],
-                      "val_loss_vs_minutes": [[round(c["minutes"], 1), c["val_loss"]] for c in run["bleu_vs_minutes"]],
-                      "beam": beam,
-                      "machine": {k: run["machine"].get(k) for k in ("cpu_model", "cpu_family", "avx512_bf16", "amx",
-                                                                     "threads", "loadavg_end")},
-                      "bf16": run["train"]["bf16"]}
-    report = {"task": "Multi30k recipe sweep of hour-long runs, validation only (the first is the reference)",
-              "command": " ".join(["python"] + sys.argv), "candidates": rows}
+        rows[name] = {
+            "json": path.name,
+            "changes": changes,
+            "pair": run["task"],
+            "minutes_trained": round(run["train_wall_seconds"] / 60, 1),
+            "steps": run["steps"],
+            "epochs": run["epochs"],
+            "target_tokens_per_s": run["target_tokens_per_s"],
+            "parameters": run["parameters"],
+            f"val_bleu_beam{beam}": scores[f"val_beam{beam}"]["bleu"],
+            f"val_bleu_beam{beam}_papers_form": scores[f"val_beam{beam}"]["bleu_papers_form"]["bleu"],
+            "val_bleu_greedy_300_vs_minutes": [
+                [round(c["minutes"], 1), c["val_bleu_greedy_300"]] for c in run["bleu_vs_minutes"]
+            ],
+            "val_loss_vs_minutes": [[round(c["minutes"], 1), c["val_loss"]] for c in run["bleu_vs_minutes"]],
+            "beam": beam,
+            "machine": {
+                k: run["machine"].get(k)
+                for k in ("cpu_model", "cpu_family", "avx512_bf16", "amx", "threads", "loadavg_end")
+            },
+            "bf16": run["train"]["bf16"],
+        }
+    report = {
+        "task": "Multi30k recipe sweep of hour-long runs, validation only (the first is the reference)",
+        "command": " ".join(["python"] + sys.argv),
+        "candidates": rows,
+    }
     write_result(out, report)
     plot_curves(rows, out.with_suffix(".png"))
     for name, r in rows.items():
@@ -213,8 +257,9 @@ def collect(paths: list[Path], out: Path) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=None,
-                   help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)")
+    p.add_argument(
+        "--data", default=None, help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)"
+    )
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
     p.add_argument("--minutes", type=float, default=12.0, help="training wall time of each candidate")
@@ -226,12 +271,20 @@ def main() -> int:
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N validation pairs (smoke tests)")
     p.add_argument("--no-bf16", action="store_true", help="float32 even where bf16 is fast")
     p.add_argument("--run-root", default=str(REPO / "runs" / "sweep"), help="one run folder per candidate under it")
-    add_result_options(p, what="the sweep's JSON (default benchmarks/results/multi30k/sweeps/recipe_sweep.json, "
-                       "with --collect recipe_sweep_hour.json: never the trained sweep's file by accident); a "
-                       "sweep adds its candidates to an existing one, and training a candidate it already holds "
-                       "needs --overwrite")
-    p.add_argument("--collect", nargs="+", type=Path, metavar="JSON",
-                   help="gather benchmarks/train_multi30k.py reports into one table and plot instead of training")
+    add_result_options(
+        p,
+        what="the sweep's JSON (default benchmarks/results/multi30k/sweeps/recipe_sweep.json, "
+        "with --collect recipe_sweep_hour.json: never the trained sweep's file by accident); a "
+        "sweep adds its candidates to an existing one, and training a candidate it already holds "
+        "needs --overwrite",
+    )
+    p.add_argument(
+        "--collect",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="gather benchmarks/train_multi30k.py reports into one table and plot instead of training",
+    )
     args = p.parse_args()
     if args.collect:
         out = check_result_file(p, args, args.out or SWEEPS / "recipe_sweep_hour.json")
@@ -260,15 +313,25 @@ def main() -> int:
     out = Path(args.out)
     report = json.loads(out.read_text()) if out.exists() else {}
     if report and (report.get("minutes"), report.get("beam"), report.get("pair")) != (
-            args.minutes, args.beam, f"{args.src}-{args.tgt}"):
-        p.error(f"{out} holds a sweep with other settings (minutes {report.get('minutes')}, beam "
-                f"{report.get('beam')}, {report.get('pair')}); pass another --out")
+        args.minutes,
+        args.beam,
+        f"{args.src}-{args.tgt}",
+    ):
+        p.error(
+            f"{out} holds a sweep with other settings (minutes {report.get('minutes')}, beam "
+            f"{report.get('beam')}, {report.get('pair')}); pass another --out"
+        )
     again = [name for name in names if name in report.get("candidates", {})]
     if again and not args.overwrite:
         p.error(f"{out} already holds {', '.join(again)}: pass --overwrite to train them again, or another --out")
-    report.update(task="Multi30k recipe sweep, scored on the validation split only", pair=f"{args.src}-{args.tgt}",
-                  minutes=args.minutes, beam=args.beam, machine=machine(args.threads),
-                  command=" ".join(["python"] + sys.argv))
+    report.update(
+        task="Multi30k recipe sweep, scored on the validation split only",
+        pair=f"{args.src}-{args.tgt}",
+        minutes=args.minutes,
+        beam=args.beam,
+        machine=machine(args.threads),
+        command=" ".join(["python"] + sys.argv),
+    )
     report.setdefault("candidates", {})
     for name in names:
         report["candidates"][name] = run_candidate(name, args, data, device)

@@ -34,11 +34,11 @@ from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data.batching import make_batch, pad_sequences
 from qkv.data.sources import load_split
-from qkv.decoding.search import beam_search
-from qkv.runs.folder import load_translator
 from qkv.decoding.ensemble import same_tokenizer
+from qkv.decoding.search import beam_search
 from qkv.decoding.translate import length_batches
 from qkv.metrics.scores import score_translations
+from qkv.runs.folder import load_translator
 from qkv.runtime.precision import autocast_context
 
 
@@ -59,15 +59,23 @@ def nbest_lists(model, tokenizer, src_ids, *, beam: int, alpha: float, bf16: boo
     with torch.no_grad(), autocast_context(torch.device("cpu"), bf16):
         for batch in tqdm(length_batches(src_ids, max(1, max_tokens // beam)), desc="n-best", leave=False):
             src = pad_sequences([src_ids[i] for i in batch], model.config.pad_id)
-            found = beam_search(model, src, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, beam_size=beam,
-                                alpha=alpha, return_all=True)
+            found = beam_search(
+                model,
+                src,
+                bos_id=tokenizer.bos_id,
+                eos_id=tokenizer.eos_id,
+                beam_size=beam,
+                alpha=alpha,
+                return_all=True,
+            )
             for i, hyps in zip(batch, found):
                 out[i] = [(h.tokens, h.score) for h in hyps] or [([], float("-inf"))]
     return out
 
 
-def sequence_log_probs(model, tokenizer, src: list[list[int]], tgt: list[list[int]], *, bf16: bool,
-                       batch_size: int = 128) -> list[float]:
+def sequence_log_probs(
+    model, tokenizer, src: list[list[int]], tgt: list[list[int]], *, bf16: bool, batch_size: int = 128
+) -> list[float]:
     """``log p(tgt_i + EOS | src_i + EOS)`` under ``model`` (a Transformer or an Ensemble), teacher-forced."""
     limit = model.config.max_len - 2
     pad = model.config.pad_id
@@ -76,8 +84,13 @@ def sequence_log_probs(model, tokenizer, src: list[list[int]], tgt: list[list[in
     with torch.no_grad(), autocast_context(torch.device("cpu"), bf16):
         for start in tqdm(range(0, len(order), batch_size), desc="channel", leave=False):
             chunk = order[start : start + batch_size]
-            batch = make_batch([src[j][:limit] for j in chunk], [tgt[j][:limit] for j in chunk], pad_id=pad,
-                               bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+            batch = make_batch(
+                [src[j][:limit] for j in chunk],
+                [tgt[j][:limit] for j in chunk],
+                pad_id=pad,
+                bos_id=tokenizer.bos_id,
+                eos_id=tokenizer.eos_id,
+            )
             logits = model.decode(batch.tgt_in, model.encode(batch.src)).logits.float()
             picked = torch.log_softmax(logits, dim=-1).gather(-1, batch.tgt_out[..., None]).squeeze(-1)
             for j, value in zip(chunk, picked.masked_fill(batch.tgt_out == pad, 0.0).sum(-1).tolist()):
@@ -101,8 +114,11 @@ class Lists:
         self.tgt_len = np.array([len(t) + 1 for t in ids])  # EOS counted, as beam search counts it
         sources = [src_ids[i][:-1] for i in self.owner]
         self.src_len = np.array([len(s) + 1 for s in sources])
-        self.channel = (np.array(sequence_log_probs(channel, tokenizer, ids, sources, bf16=args.bf16))
-                        if channel is not None else np.zeros(len(ids)))
+        self.channel = (
+            np.array(sequence_log_probs(channel, tokenizer, ids, sources, bf16=args.bf16))
+            if channel is not None
+            else np.zeros(len(ids))
+        )
 
     def pick(self, alpha: float, lam: float) -> list[str]:
         score = self.forward / ((5.0 + self.tgt_len) / 6.0) ** alpha + lam * self.channel / self.src_len
@@ -111,8 +127,12 @@ class Lists:
     def mbr(self) -> list[str]:
         chosen = []
         for g in self.groups:
-            utility = [np.mean([sacrebleu.sentence_bleu(self.text[j], [self.text[o]]).score for o in g if o != j])
-                       if len(g) > 1 else 0.0 for j in g]
+            utility = [
+                np.mean([sacrebleu.sentence_bleu(self.text[j], [self.text[o]]).score for o in g if o != j])
+                if len(g) > 1
+                else 0.0
+                for j in g
+            ]
             chosen.append(self.text[g[int(np.argmax(utility))]])
         return chosen
 
@@ -124,8 +144,12 @@ def main() -> int:
     p.add_argument("--beam", type=int, default=8)
     p.add_argument("--alpha", type=float, default=1.0, help="beam search's own length penalty")
     p.add_argument("--alphas", type=floats, default=[0.6, 1.0, 1.4, 2.0], help="length penalties to rerank with")
-    p.add_argument("--lambdas", type=floats, default=[0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0],
-                   help="channel weights to rerank with (only 0 without --channel)")
+    p.add_argument(
+        "--lambdas",
+        type=floats,
+        default=[0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0],
+        help="channel weights to rerank with (only 0 without --channel)",
+    )
     p.add_argument("--mbr", action="store_true", help="also MBR with sentence-BLEU (validation only)")
     p.add_argument("--bf16", action="store_true", help="decode and score under bf16 autocast")
     p.add_argument("--limit", type=non_negative, default=0, help="only the first N sentences of each split (0 = all)")
@@ -164,23 +188,36 @@ def main() -> int:
         splits[name] = Lists(forward, channel, tokenizer, split, args)
     seconds = time.perf_counter() - start
     val = splits["val"]
-    rows = [{"alpha": a, "lambda": lam, "val_bleu": round(sacrebleu.corpus_bleu(val.pick(a, lam), [val.refs]).score, 2)}
-            for lam in lambdas for a in args.alphas]
+    rows = [
+        {"alpha": a, "lambda": lam, "val_bleu": round(sacrebleu.corpus_bleu(val.pick(a, lam), [val.refs]).score, 2)}
+        for lam in lambdas
+        for a in args.alphas
+    ]
     plain = max((r for r in rows if r["lambda"] == 0.0), key=lambda r: r["val_bleu"])
     best = max(rows, key=lambda r: r["val_bleu"])
     test = splits["test"]
     report = {
         "task": "rerank beam search's n-best lists on validation; test 2016 read at the chosen settings only",
-        "forward": args.forward, "channel": args.channel, "beam": args.beam, "beam_alpha": args.alpha,
-        "bf16": args.bf16, "sentences": {k: len(v.groups) for k, v in splits.items()},
+        "forward": args.forward,
+        "channel": args.channel,
+        "beam": args.beam,
+        "beam_alpha": args.alpha,
+        "bf16": args.bf16,
+        "sentences": {k: len(v.groups) for k, v in splits.items()},
         "mean_list_length": round(float(np.mean([len(g) for g in val.groups])), 2),
         "seconds_decoding_and_scoring": round(seconds, 1),
         "beam_top_val_bleu": round(sacrebleu.corpus_bleu(val.pick(args.alpha, 0.0), [val.refs]).score, 2),
         "grid_val": rows,
-        "chosen_without_channel": {**plain, "test_2016": score_translations(
-            test.pick(plain["alpha"], 0.0), test.refs, target_lang=target_lang)},
-        "chosen": {**best, "test_2016": score_translations(
-            test.pick(best["alpha"], best["lambda"]), test.refs, target_lang=target_lang)},
+        "chosen_without_channel": {
+            **plain,
+            "test_2016": score_translations(test.pick(plain["alpha"], 0.0), test.refs, target_lang=target_lang),
+        },
+        "chosen": {
+            **best,
+            "test_2016": score_translations(
+                test.pick(best["alpha"], best["lambda"]), test.refs, target_lang=target_lang
+            ),
+        },
         "machine": environment(),
     }
     if args.mbr:
@@ -189,8 +226,10 @@ def main() -> int:
     print(json.dumps({k: report[k] for k in ("beam_top_val_bleu", "mbr_val_bleu") if k in report}))
     for key in ("chosen_without_channel", "chosen"):
         row = report[key]
-        print(f"{key}: alpha {row['alpha']} lambda {row['lambda']}: val {row['val_bleu']}, "
-              f"test 2016 {row['test_2016']['bleu']} (papers' form {row['test_2016']['bleu_papers_form']['bleu']})")
+        print(
+            f"{key}: alpha {row['alpha']} lambda {row['lambda']}: val {row['val_bleu']}, "
+            f"test 2016 {row['test_2016']['bleu']} (papers' form {row['test_2016']['bleu_papers_form']['bleu']})"
+        )
     return 0
 
 

@@ -25,8 +25,8 @@ from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data import resolve_multi30k
 from qkv.data.sources import load_split
-from qkv.metrics.significance import paired_significance, significance_lines
 from qkv.metrics.scores import read_translations
+from qkv.metrics.significance import paired_significance, significance_lines
 
 SPLITS = {"val": "val", "test_2016": "test"}  # the name in a hypothesis file -> load_split's name
 
@@ -49,11 +49,18 @@ def translations_file(path: Path, split: str, tgt: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", action="append", type=parse_run, required=True, metavar="NAME=PATH",
-                   help="a run folder or a translations file; the first is the baseline (give two or more)")
+    p.add_argument(
+        "--run",
+        action="append",
+        type=parse_run,
+        required=True,
+        metavar="NAME=PATH",
+        help="a run folder or a translations file; the first is the baseline (give two or more)",
+    )
     p.add_argument("--split", choices=tuple(SPLITS), default="val")
-    p.add_argument("--data", default=None,
-                   help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)")
+    p.add_argument(
+        "--data", default=None, help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)"
+    )
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
     p.add_argument("--resamples", type=int, default=1000, help="paired bootstrap resamples (default 1000)")
@@ -74,17 +81,25 @@ def main(argv: list[str] | None = None) -> int:
         folder = str(resolve_multi30k(args.data))  # --data, $QKV_DATA/multi30k or the cache
         spec = {"source": "multi30k", "src_lang": args.src, "tgt_lang": args.tgt, "folder": folder}
         references = load_split(spec, SPLITS[args.split]).tgt
-        results = paired_significance({name: read_translations(f) for name, f in files.items()}, references,
-                                      resamples=args.resamples, trials=args.trials)
+        results = paired_significance(
+            {name: read_translations(f) for name, f in files.items()},
+            references,
+            resamples=args.resamples,
+            trials=args.trials,
+        )
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    report = {"what": f"Multi30k {args.src}->{args.tgt} {args.split}: sacreBLEU of each run's saved translations, "
-                      "its paired-bootstrap mean and 95% interval (mean +- ci95), and two-sided p-values against "
-                      f"the first run (paired bootstrap, {args.resamples} resamples; approximate randomization, "
-                      f"{args.trials} trials)",
-              "command": " ".join(["python"] + sys.argv), "sentences": len(references),
-              "translations": {name: str(f) for name, f in files.items()}, "results": results}
+    report = {
+        "what": f"Multi30k {args.src}->{args.tgt} {args.split}: sacreBLEU of each run's saved translations, "
+        "its paired-bootstrap mean and 95% interval (mean +- ci95), and two-sided p-values against "
+        f"the first run (paired bootstrap, {args.resamples} resamples; approximate randomization, "
+        f"{args.trials} trials)",
+        "command": " ".join(["python"] + sys.argv),
+        "sentences": len(references),
+        "translations": {name: str(f) for name, f in files.items()},
+        "results": results,
+    }
     if args.note:
         report["note"] = args.note
     report["machine"] = environment()

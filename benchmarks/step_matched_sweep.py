@@ -49,15 +49,15 @@ from pathlib import Path
 
 import torch
 
-from qkv.runs import folder as ckpt
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
+from qkv.runs import folder as ckpt
+from qkv.runs.recipes import decode_settings
+from qkv.runs.translation import run_training, start_run
 from qkv.runtime.device import pick_device
 from qkv.runtime.fileio import write_json
 from qkv.runtime.heap import limit_memory_growth
-from qkv.runs.recipes import decode_settings
-from qkv.runs.translation import run_training, start_run
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -108,8 +108,17 @@ CANDIDATES: dict[str, tuple[dict, float]] = {
     # starting at 0.7 / 0.85 of them
     "rdrop_late": ({"rdrop": 3.0, "rdrop_start": 0.82}, 1 / 0.85),
 }
-MODEL_FIELDS = {"d_model", "num_heads", "num_encoder_layers", "num_decoder_layers", "d_ff", "dropout",
-                "attention_dropout", "activation", "norm_first"}
+MODEL_FIELDS = {
+    "d_model",
+    "num_heads",
+    "num_encoder_layers",
+    "num_decoder_layers",
+    "d_ff",
+    "dropout",
+    "attention_dropout",
+    "activation",
+    "norm_first",
+}
 
 
 def candidate_steps(name: str, recipe_steps: int) -> int:
@@ -125,18 +134,32 @@ def train_one(name: str, args: argparse.Namespace, steps: int, device: str) -> d
     model_options = {k: v for k, v in changes.items() if k in MODEL_FIELDS}
     train_options = {k: v for k, v in changes.items() if k not in MODEL_FIELDS}
     every = max(1, steps // 20)  # the hour keeps a checkpoint every 3 of its 60 minutes
-    train_options = {"max_minutes": 0.0, "max_steps": steps, "checkpoint_every_minutes": 0.0,
-                     "checkpoint_every_steps": every, "eval_every_minutes": 0.0, "eval_every_steps": 0,
-                     "log_every_steps": max(1, min(50, steps // 8)), "progress": False, **train_options, "seed": seed}
-    data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": args.src,
-            "tgt_lang": args.tgt}
-    trainer = start_run(run_dir, data=data, model_options=model_options, train_options=train_options,
-                        overwrite=True, device=device)
+    train_options = {
+        "max_minutes": 0.0,
+        "max_steps": steps,
+        "checkpoint_every_minutes": 0.0,
+        "checkpoint_every_steps": every,
+        "eval_every_minutes": 0.0,
+        "eval_every_steps": 0,
+        "log_every_steps": max(1, min(50, steps // 8)),
+        "progress": False,
+        **train_options,
+        "seed": seed,
+    }
+    data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": args.src, "tgt_lang": args.tgt}
+    trainer = start_run(
+        run_dir, data=data, model_options=model_options, train_options=train_options, overwrite=True, device=device
+    )
     t0 = time.perf_counter()
     run_training(trainer)
     train_seconds = time.perf_counter() - t0
-    row = {"changes": changes, "cost_per_step": cost, "steps": trainer.state.step,
-           "train_seconds": round(train_seconds, 1), "epochs": round(trainer.state.epoch, 2)}
+    row = {
+        "changes": changes,
+        "cost_per_step": cost,
+        "steps": trainer.state.step,
+        "train_seconds": round(train_seconds, 1),
+        "epochs": round(trainer.state.epoch, 2),
+    }
     if args.calibrating:  # the pace once started: the later half of the logged steps (the first ones are slow)
         records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         logged = [r for r in records if r["event"] == "train"]
@@ -151,30 +174,70 @@ def train_one(name: str, args: argparse.Namespace, steps: int, device: str) -> d
     decode = decode_settings(config)
     model, tokenizer, _ = ckpt.load_run(run_dir, "model")
     model.to(device)
-    scores = score_splits(model, tokenizer, splits, beams=(decode["beam_size"],), alpha=decode["alpha"],
-                          bf16=trainer.config.bf16, tgt=args.tgt, limit=args.eval_limit, hyp_dir=run_dir)
+    scores = score_splits(
+        model,
+        tokenizer,
+        splits,
+        beams=(decode["beam_size"],),
+        alpha=decode["alpha"],
+        bf16=trainer.config.bf16,
+        tgt=args.tgt,
+        limit=args.eval_limit,
+        hyp_dir=run_dir,
+    )
     beam = decode["beam_size"]
-    row.update({"val_bleu": scores[f"val_beam{beam}"]["bleu"], "val_chrf": scores[f"val_beam{beam}"]["chrf"],
-                "val_bleu_papers_form": scores[f"val_beam{beam}"]["bleu_papers_form"]["bleu"],
-                "test_2016_bleu": scores[f"test_2016_beam{beam}"]["bleu"],
-                "test_2016_bleu_papers_form": scores[f"test_2016_beam{beam}"]["bleu_papers_form"]["bleu"],
-                "decode": decode, "model": config["model"], "train": config["train"]})
+    row.update(
+        {
+            "val_bleu": scores[f"val_beam{beam}"]["bleu"],
+            "val_chrf": scores[f"val_beam{beam}"]["chrf"],
+            "val_bleu_papers_form": scores[f"val_beam{beam}"]["bleu_papers_form"]["bleu"],
+            "test_2016_bleu": scores[f"test_2016_beam{beam}"]["bleu"],
+            "test_2016_bleu_papers_form": scores[f"test_2016_beam{beam}"]["bleu_papers_form"]["bleu"],
+            "decode": decode,
+            "model": config["model"],
+            "train": config["train"],
+        }
+    )
     return row
 
 
-def run_side_by_side(jobs: dict[str, str], args: argparse.Namespace, recipe_steps: int, folder: Path, *,
-                     calibrate: bool = False) -> dict:
+def run_side_by_side(
+    jobs: dict[str, str], args: argparse.Namespace, recipe_steps: int, folder: Path, *, calibrate: bool = False
+) -> dict:
     """Train ``jobs`` (label: candidate name) side by side, each in its own process (this script
     with --one), their run folders and rows (JSON and log) under ``folder``; the rows by label."""
     folder.mkdir(parents=True, exist_ok=True)
     procs = {}
     for label, name in jobs.items():
-        cmd = [sys.executable, __file__, "--one", name, "--label", label, "--steps", str(recipe_steps),
-               "--data", args.data, "--src", args.src, "--tgt", args.tgt, "--seed", str(args.seed),
-               "--eval-limit", str(args.eval_limit), "--run-root", str(folder), "--out", str(folder / f"{label}.json")]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--one",
+            name,
+            "--label",
+            label,
+            "--steps",
+            str(recipe_steps),
+            "--data",
+            args.data,
+            "--src",
+            args.src,
+            "--tgt",
+            args.tgt,
+            "--seed",
+            str(args.seed),
+            "--eval-limit",
+            str(args.eval_limit),
+            "--run-root",
+            str(folder),
+            "--out",
+            str(folder / f"{label}.json"),
+        ]
         log = open(folder / f"{label}.log", "w")
-        procs[label] = (subprocess.Popen(cmd + (["--calibrating"] if calibrate else []), stdout=log,
-                                         stderr=subprocess.STDOUT), log)
+        procs[label] = (
+            subprocess.Popen(cmd + (["--calibrating"] if calibrate else []), stdout=log, stderr=subprocess.STDOUT),
+            log,
+        )
     rows = {}
     for label, (proc, log) in procs.items():
         proc.wait()
@@ -183,8 +246,10 @@ def run_side_by_side(jobs: dict[str, str], args: argparse.Namespace, recipe_step
         if proc.returncode == 0 and path.is_file():
             rows[label] = json.loads(path.read_text())
         else:  # with what it wrote before it stopped (its training's row, if it got that far)
-            rows[label] = {**(json.loads(path.read_text()) if path.is_file() else {}),
-                           "failed": f"exit status {proc.returncode}; see {folder / (label + '.log')}"}
+            rows[label] = {
+                **(json.loads(path.read_text()) if path.is_file() else {}),
+                "failed": f"exit status {proc.returncode}; see {folder / (label + '.log')}",
+            }
     return rows
 
 
@@ -198,17 +263,30 @@ def steps_that_fit(steps_per_second: float, fit_seconds: float, most: int) -> in
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=11000,
-                   help="the recipe's optimizer steps in the CPU hour being matched (default 11000: an AVX512-BF16 "
-                        "2-core machine's hour, 10,800-13,300 in benchmarks/results/multi30k)")
-    p.add_argument("--fit-seconds", type=float, default=0.0,
-                   help="measure first, then lower --steps so that every candidate trains within this many seconds")
-    p.add_argument("--calibrate-steps", type=int, default=400,
-                   help="steps of each candidate's calibration run (the pace is read from the later half)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=11000,
+        help="the recipe's optimizer steps in the CPU hour being matched (default 11000: an AVX512-BF16 "
+        "2-core machine's hour, 10,800-13,300 in benchmarks/results/multi30k)",
+    )
+    p.add_argument(
+        "--fit-seconds",
+        type=float,
+        default=0.0,
+        help="measure first, then lower --steps so that every candidate trains within this many seconds",
+    )
+    p.add_argument(
+        "--calibrate-steps",
+        type=int,
+        default=400,
+        help="steps of each candidate's calibration run (the pace is read from the later half)",
+    )
     p.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
     p.add_argument("--list", action="store_true", help="list the candidates and exit")
-    p.add_argument("--data", default=None,
-                   help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)")
+    p.add_argument(
+        "--data", default=None, help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)"
+    )
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
     p.add_argument("--seed", type=int, default=0)
@@ -252,23 +330,34 @@ def main() -> int:
     t0 = time.perf_counter()
     recipe_steps, calibration = args.steps, None
     if args.fit_seconds:  # as many copies of the recipe as candidates, side by side: the pace of each
-        calibration = run_side_by_side({f"recipe_copy{i}": "recipe" for i in range(len(names))}, args,
-                                       args.calibrate_steps, root / "calibration", calibrate=True)
+        calibration = run_side_by_side(
+            {f"recipe_copy{i}": "recipe" for i in range(len(names))},
+            args,
+            args.calibrate_steps,
+            root / "calibration",
+            calibrate=True,
+        )
         rates = [r["steps_per_second"] for r in calibration.values() if "steps_per_second" in r]
         if not rates:
             raise SystemExit(f"every calibration run failed: {calibration}")
         recipe_steps = steps_that_fit(min(rates), args.fit_seconds, args.steps)
         if recipe_steps < args.calibrate_steps:
-            raise SystemExit(f"only {recipe_steps} steps fit in --fit-seconds {args.fit_seconds:g} with {len(names)} "
-                             f"candidates side by side ({min(rates)} steps/s each): give more seconds or fewer "
-                             "candidates")
-        logging.info("calibration: %.1f steps/s each, %d side by side; the recipe's steps set to %d", min(rates),
-                     len(names), recipe_steps)
+            raise SystemExit(
+                f"only {recipe_steps} steps fit in --fit-seconds {args.fit_seconds:g} with {len(names)} "
+                f"candidates side by side ({min(rates)} steps/s each): give more seconds or fewer "
+                "candidates"
+            )
+        logging.info(
+            "calibration: %.1f steps/s each, %d side by side; the recipe's steps set to %d",
+            min(rates),
+            len(names),
+            recipe_steps,
+        )
     rows = run_side_by_side({name: name for name in names}, args, recipe_steps, root / "runs")
     report = {
         "what": "Multi30k candidates trained side by side for the steps a CPU hour gives each (the recipe's "
-                "steps divided by the candidate's relative cost per step), scored with beam 5 on validation "
-                "(chooses) and test 2016 (reported only)",
+        "steps divided by the candidate's relative cost per step), scored with beam 5 on validation "
+        "(chooses) and test 2016 (reported only)",
         "command": " ".join(["python"] + sys.argv),
         "pair": f"{args.src}->{args.tgt}",
         "recipe_steps": recipe_steps,
@@ -281,8 +370,10 @@ def main() -> int:
     write_result(Path(args.out), report)
     print(f"{'candidate':20s} {'steps':>6s} {'val':>6s} {'test16':>6s}")
     for name, r in sorted(rows.items(), key=lambda kv: -kv[1].get("val_bleu", -1)):
-        print(f"{name:20s} {r.get('steps', '-'):>6} {r.get('val_bleu', '-'):>6} {r.get('test_2016_bleu', '-'):>6}"
-              + (f"  {r['failed']}" if "failed" in r else ""))
+        print(
+            f"{name:20s} {r.get('steps', '-'):>6} {r.get('val_bleu', '-'):>6} {r.get('test_2016_bleu', '-'):>6}"
+            + (f"  {r['failed']}" if "failed" in r else "")
+        )
     return 0
 
 

@@ -60,26 +60,38 @@ import torch.nn.functional as F
 from qkv.bench.provenance import git_commit, utc_now, write_result
 from qkv.bench.results import check_result_file
 from qkv.bench.timing import environment
-from qkv.models.causal_lm import IGNORE, CausalLM, CausalLMConfig
 from qkv.data.text import load_text_splits, read_tokens, train_text_tokenizer
+from qkv.models.causal_lm import IGNORE, CausalLM, CausalLMConfig
+from qkv.runs.curves import plot_metrics, read_metrics
+from qkv.runs.recipes import RECIPES
+from qkv.runs.translation import run_training, start_run
 from qkv.runtime.device import pick_device
 from qkv.runtime.fileio import read_json, write_json
 from qkv.runtime.precision import autocast_context
-from qkv.runs.recipes import RECIPES
-from qkv.runs.translation import run_training, start_run
 from qkv.training import LanguageModelTask, TrainConfig, Trainer
 from qkv.training.tasks import language_model_loss
-from qkv.runs.curves import plot_metrics, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = RECIPES["tinyshakespeare"]
 # command-line option -> CausalLMConfig field
-MODEL_OPTIONS = {"d_model": "d_model", "heads": "num_heads", "layers": "num_layers", "d_ff": "d_ff",
-                 "context": "context", "dropout": "dropout"}
+MODEL_OPTIONS = {
+    "d_model": "d_model",
+    "heads": "num_heads",
+    "layers": "num_layers",
+    "d_ff": "d_ff",
+    "context": "context",
+    "dropout": "dropout",
+}
 # command-line option -> TrainConfig field
-TRAIN_OPTIONS = {"max_tokens": "max_tokens", "warmup_lr": "warmup_steps", "lr_factor": "lr_factor",
-                 "eval_every_minutes": "eval_every_minutes", "eval_windows": "eval_sentences",
-                 "checkpoint_every_minutes": "checkpoint_every_minutes", "average_last": "average_last"}
+TRAIN_OPTIONS = {
+    "max_tokens": "max_tokens",
+    "warmup_lr": "warmup_steps",
+    "lr_factor": "lr_factor",
+    "eval_every_minutes": "eval_every_minutes",
+    "eval_windows": "eval_sentences",
+    "checkpoint_every_minutes": "checkpoint_every_minutes",
+    "average_last": "average_last",
+}
 
 
 def machine(threads: int) -> dict:
@@ -89,8 +101,15 @@ def machine(threads: int) -> dict:
 
 # ------------------------------------------------------------------ evaluation on a whole split
 @torch.no_grad()
-def whole_split_loss(model: torch.nn.Module, loss_fn, tokens: np.ndarray, context: int, *, bf16: bool = False,
-                     windows_per_batch: int = 16) -> dict:
+def whole_split_loss(
+    model: torch.nn.Module,
+    loss_fn,
+    tokens: np.ndarray,
+    context: int,
+    *,
+    bf16: bool = False,
+    windows_per_batch: int = 16,
+) -> dict:
     """Mean next-token loss over EVERY token of ``tokens`` after the first: the non-overlapping
     windows of ``context`` tokens (as the engine's validation reads them, but all of them), then
     one window ending at the last token that scores only the targets the others left out. Each
@@ -106,8 +125,9 @@ def whole_split_loss(model: torch.nn.Module, loss_fn, tokens: np.ndarray, contex
     try:
         with autocast_context(device, bf16):
             for i in range(0, len(starts), windows_per_batch):
-                rows = np.stack([np.asarray(tokens[s: s + context + 1], dtype=np.int64)
-                                 for s in starts[i: i + windows_per_batch]])
+                rows = np.stack(
+                    [np.asarray(tokens[s : s + context + 1], dtype=np.int64) for s in starts[i : i + windows_per_batch]]
+                )
                 block = torch.from_numpy(rows).to(device)
                 total += float(loss_fn(model, block[:, :-1], block[:, 1:]))
                 count += block[:, 1:].numel()
@@ -137,14 +157,19 @@ def write_sample(model: CausalLM, tokenizer, settings: dict) -> dict:
     generator = torch.Generator(device=device).manual_seed(settings["seed"])
     prompt = torch.tensor([tokenizer.encode(settings["prompt"])], device=device)
     start = time.perf_counter()
-    ids = model.generate(prompt, settings["new_chars"], temperature=settings["temperature"], top_k=settings["top_k"],
-                         generator=generator)
-    return {**{k: settings[k] for k in SAMPLE_SETTINGS}, "seconds": round(time.perf_counter() - start, 2),
-            "text": tokenizer.decode(ids[0].tolist())}
+    ids = model.generate(
+        prompt, settings["new_chars"], temperature=settings["temperature"], top_k=settings["top_k"], generator=generator
+    )
+    return {
+        **{k: settings[k] for k in SAMPLE_SETTINGS},
+        "seconds": round(time.perf_counter() - start, 2),
+        "text": tokenizer.decode(ids[0].tolist()),
+    }
 
 
-def best_weights_validation(run_dir: Path, valid_tokens: np.ndarray, chars_per_token: float, bf16: bool,
-                            sample: dict) -> dict:
+def best_weights_validation(
+    run_dir: Path, valid_tokens: np.ndarray, chars_per_token: float, bf16: bool, sample: dict
+) -> dict:
     """The whole validation split scored with the run's ``best.safetensors`` (the weights of the
     engine's best validation during training, on its first ``eval_sentences`` windows; the recipe's
     ``model.safetensors``, what ``qkv generate/evaluate`` use), and a sample from them with the
@@ -154,9 +179,11 @@ def best_weights_validation(run_dir: Path, valid_tokens: np.ndarray, chars_per_t
     model, tokenizer, _ = load_run(run_dir, "best", task="lm")
     whole = whole_split_loss(model, language_model_loss, valid_tokens, model.config.context, bf16=bf16)
     nats = whole["loss_nats_per_token"] / chars_per_token
-    return {"weights": "best.safetensors", "whole_split": {**whole, "nats_per_char": nats,
-                                                            "bits_per_char": nats / math.log(2)},
-            "sample": write_sample(model, tokenizer, sample)}
+    return {
+        "weights": "best.safetensors",
+        "whole_split": {**whole, "nats_per_char": nats, "bits_per_char": nats / math.log(2)},
+        "sample": write_sample(model, tokenizer, sample),
+    }
 
 
 def test_split(run_dir: Path, bf16: bool) -> dict | None:
@@ -173,22 +200,37 @@ def test_split(run_dir: Path, bf16: bool) -> dict | None:
     whole = whole_split_loss(model, language_model_loss, tokens, model.config.context, bf16=bf16)
     chars_per_token = splits["test"]["chars_per_token"]
     nats = whole["loss_nats_per_token"] / chars_per_token
-    print(f"test split (whole, {whole['tokens']} tokens), best weights: {nats:.4f} nats/char, "
-          f"{nats / math.log(2):.4f} bits/char", flush=True)
-    return {"weights": "best.safetensors", "whole_split": {**whole, "nats_per_char": nats,
-                                                            "bits_per_char": nats / math.log(2),
-                                                            "chars_per_token": chars_per_token},
-            "splits": splits}
+    print(
+        f"test split (whole, {whole['tokens']} tokens), best weights: {nats:.4f} nats/char, "
+        f"{nats / math.log(2):.4f} bits/char",
+        flush=True,
+    )
+    return {
+        "weights": "best.safetensors",
+        "whole_split": {
+            **whole,
+            "nats_per_char": nats,
+            "bits_per_char": nats / math.log(2),
+            "chars_per_token": chars_per_token,
+        },
+        "splits": splits,
+    }
 
 
 # ------------------------------------------------------------------ the comparison
-def hf_loss(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor, *,
-            label_smoothing: float = 0.0) -> torch.Tensor:
+def hf_loss(
+    model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor, *, label_smoothing: float = 0.0
+) -> torch.Tensor:
     """Summed cross-entropy of ``GPT2LMHeadModel``'s logits against ``targets`` (like
     :meth:`CausalLM.loss`: ``ids`` and ``targets`` are already shifted, ``IGNORE`` adds nothing)."""
     logits = model(input_ids=ids, use_cache=False).logits  # (b, s, V)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum",
-                           label_smoothing=label_smoothing)
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(),
+        targets.flatten(),
+        ignore_index=IGNORE,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
 
 
 class HFTask:
@@ -202,16 +244,35 @@ def gpt2_like(config: CausalLMConfig):
     """``transformers.GPT2LMHeadModel`` of ``config``'s sizes, random weights, SDPA attention."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    if not (config.norm_first and config.positional == "learned" and config.activation == "gelu_tanh"
-            and config.tie_output and config.bias and not config.scale_embedding):
-        raise ValueError("the comparison needs qkv's GPT-2 layout (pre-LN, learned positions, gelu_tanh, tied "
-                         "output, biases)")
-    hf_config = GPT2Config(vocab_size=config.vocab_size, n_positions=config.context, n_embd=config.d_model,
-                           n_layer=config.num_layers, n_head=config.num_heads, n_inner=config.d_ff,
-                           activation_function="gelu_new",  # GELU's tanh approximation, qkv's gelu_tanh
-                           resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.attention_dropout,
-                           layer_norm_epsilon=config.layer_norm_eps, tie_word_embeddings=True, use_cache=False,
-                           bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
+    if not (
+        config.norm_first
+        and config.positional == "learned"
+        and config.activation == "gelu_tanh"
+        and config.tie_output
+        and config.bias
+        and not config.scale_embedding
+    ):
+        raise ValueError(
+            "the comparison needs qkv's GPT-2 layout (pre-LN, learned positions, gelu_tanh, tied output, biases)"
+        )
+    hf_config = GPT2Config(
+        vocab_size=config.vocab_size,
+        n_positions=config.context,
+        n_embd=config.d_model,
+        n_layer=config.num_layers,
+        n_head=config.num_heads,
+        n_inner=config.d_ff,
+        activation_function="gelu_new",  # GELU's tanh approximation, qkv's gelu_tanh
+        resid_pdrop=config.dropout,
+        embd_pdrop=config.dropout,
+        attn_pdrop=config.attention_dropout,
+        layer_norm_epsilon=config.layer_norm_eps,
+        tie_word_embeddings=True,
+        use_cache=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_implementation="sdpa",
+    )
     return GPT2LMHeadModel(hf_config)
 
 
@@ -225,8 +286,9 @@ def compare(args: argparse.Namespace, out_dir: Path) -> dict:
     train_ids = np.asarray(tokenizer.encode(train_text), dtype=np.int64)
     valid_ids = np.asarray(tokenizer.encode(valid_text), dtype=np.int64)
     config = CausalLMConfig(**{**RECIPE["model"], **model_options(args), "vocab_size": tokenizer.vocab_size})
-    train_config = TrainConfig.from_dict({**RECIPE["train"], **train_options(args), "bf16": args.bf16,
-                                          "seed": args.seed, "progress": False})
+    train_config = TrainConfig.from_dict(
+        {**RECIPE["train"], **train_options(args), "bf16": args.bf16, "seed": args.seed, "progress": False}
+    )
     task = LanguageModelTask(tokenizer, train_ids, valid_ids, context=config.context, windows="random")
 
     total_steps = args.warmup + args.rounds * args.steps
@@ -242,14 +304,18 @@ def compare(args: argparse.Namespace, out_dir: Path) -> dict:
     hf_model = gpt2_like(config)
     models = {"qkv": qkv_model, "hf": hf_model}
     loss_fns = {"qkv": language_model_loss, "hf": hf_loss}
-    trainers = {"qkv": Trainer(qkv_model, task, train_config),
-                "hf": Trainer(hf_model, HFTask(), train_config, d_model=config.d_model)}
+    trainers = {
+        "qkv": Trainer(qkv_model, task, train_config),
+        "hf": Trainer(hf_model, HFTask(), train_config, d_model=config.d_model),
+    }
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
     if params["qkv"] != params["hf"]:
         logging.warning("parameter counts differ: %s", params)
 
-    val_before = {name: whole_split_loss(m, loss_fns[name], valid_ids, config.context, bf16=args.bf16)
-                  for name, m in models.items()}
+    val_before = {
+        name: whole_split_loss(m, loss_fns[name], valid_ids, config.context, bf16=args.bf16)
+        for name, m in models.items()
+    }
     train_loss = {name: [] for name in models}
 
     def train(name: str, chunk: list) -> tuple[float, int]:
@@ -266,7 +332,7 @@ def compare(args: argparse.Namespace, out_dir: Path) -> dict:
         train(name, batches[: args.warmup])
     rounds = []
     for r in range(args.rounds):
-        chunk = batches[args.warmup + r * args.steps: args.warmup + (r + 1) * args.steps]
+        chunk = batches[args.warmup + r * args.steps : args.warmup + (r + 1) * args.steps]
         order = ["qkv", "hf"] if r % 2 == 0 else ["hf", "qkv"]
         entry = {"order": order}
         for name in order:
@@ -274,47 +340,87 @@ def compare(args: argparse.Namespace, out_dir: Path) -> dict:
             entry[name] = {"tokens_per_s": tokens / seconds, "seconds": seconds, "tokens": tokens}
         entry["ratio_qkv_over_hf"] = entry["qkv"]["tokens_per_s"] / entry["hf"]["tokens_per_s"]
         rounds.append(entry)
-        print(f"round {r}: qkv {entry['qkv']['tokens_per_s']:.0f} tokens/s, hf {entry['hf']['tokens_per_s']:.0f} "
-              f"tokens/s, qkv/hf {entry['ratio_qkv_over_hf']:.3f}", flush=True)
+        print(
+            f"round {r}: qkv {entry['qkv']['tokens_per_s']:.0f} tokens/s, hf {entry['hf']['tokens_per_s']:.0f} "
+            f"tokens/s, qkv/hf {entry['ratio_qkv_over_hf']:.3f}",
+            flush=True,
+        )
     median = {name: statistics.median(e[name]["tokens_per_s"] for e in rounds) for name in models}
-    val_after = {name: whole_split_loss(m, loss_fns[name], valid_ids, config.context, bf16=args.bf16)
-                 for name, m in models.items()}
+    val_after = {
+        name: whole_split_loss(m, loss_fns[name], valid_ids, config.context, bf16=args.bf16)
+        for name, m in models.items()
+    }
     for name in models:
         for v in (val_before[name], val_after[name]):
             v["bits_per_char"] = v["loss_nats_per_token"] / math.log(2)
     return {
         "benchmark": "tiny Shakespeare, character level: training tokens/s of qkv CausalLM vs transformers "
-                     "GPT2LMHeadModel of the same size, same batches, interleaved rounds",
+        "GPT2LMHeadModel of the same size, same batches, interleaved rounds",
         "command": " ".join(["python", *sys.argv]),
-        "data": {"where": where, "train_tokens": len(train_ids), "valid_tokens": len(valid_ids),
-                 "vocab_size": tokenizer.vocab_size, "windows": "random", "tokens_per_step": batches[0].num_tgt_tokens},
+        "data": {
+            "where": where,
+            "train_tokens": len(train_ids),
+            "valid_tokens": len(valid_ids),
+            "vocab_size": tokenizer.vocab_size,
+            "windows": "random",
+            "tokens_per_step": batches[0].num_tgt_tokens,
+        },
         "model": asdict(config),
         "parameters": params,
-        "hf": {"class": "transformers.GPT2LMHeadModel", "transformers": transformers.__version__,
-               "attn_implementation": hf_model.config._attn_implementation,
-               "config": {k: getattr(hf_model.config, k) for k in (
-                   "n_embd", "n_head", "n_layer", "n_inner", "n_positions", "vocab_size", "activation_function",
-                   "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon", "tie_word_embeddings")}},
+        "hf": {
+            "class": "transformers.GPT2LMHeadModel",
+            "transformers": transformers.__version__,
+            "attn_implementation": hf_model.config._attn_implementation,
+            "config": {
+                k: getattr(hf_model.config, k)
+                for k in (
+                    "n_embd",
+                    "n_head",
+                    "n_layer",
+                    "n_inner",
+                    "n_positions",
+                    "vocab_size",
+                    "activation_function",
+                    "resid_pdrop",
+                    "embd_pdrop",
+                    "attn_pdrop",
+                    "layer_norm_epsilon",
+                    "tie_word_embeddings",
+                )
+            },
+        },
         "loss": "mean next-token cross-entropy over the step's tokens through qkv.training.Trainer.step (summed loss "
-                "/ tokens): qkv = model.loss(ids, targets) (CausalLM.loss: plain product + F.cross_entropy when vocab <= d_model, else the fused loss); HF = F.cross_entropy("
-                "logits, targets, reduction='sum') computed from GPT2LMHeadModel(input_ids=ids).logits (no labels "
-                "passed); ids and targets are the same WindowBatch tensors for both",
-        "optimizer": {"class": "torch.optim.Adam", "betas": train_config.adam_betas, "eps": train_config.adam_eps,
-                      "schedule": f"inverse sqrt: {train_config.lr_factor} * d_model^-0.5 * min(step^-0.5, step * "
-                                  f"{train_config.warmup_steps}^-1.5)", "clip_norm": train_config.clip_norm,
-                      "bf16_autocast": train_config.bf16},
+        "/ tokens): qkv = model.loss(ids, targets) (CausalLM.loss: plain product + F.cross_entropy when vocab <= d_model, else the fused loss); HF = F.cross_entropy("
+        "logits, targets, reduction='sum') computed from GPT2LMHeadModel(input_ids=ids).logits (no labels "
+        "passed); ids and targets are the same WindowBatch tensors for both",
+        "optimizer": {
+            "class": "torch.optim.Adam",
+            "betas": train_config.adam_betas,
+            "eps": train_config.adam_eps,
+            "schedule": f"inverse sqrt: {train_config.lr_factor} * d_model^-0.5 * min(step^-0.5, step * "
+            f"{train_config.warmup_steps}^-1.5)",
+            "clip_norm": train_config.clip_norm,
+            "bf16_autocast": train_config.bf16,
+        },
         "dropout_note": "the same probability for both; qkv's feed-forward also drops out after its activation "
-                        "(the paper's layout), which GPT-2 does not: one extra dropout on a (tokens, d_ff) tensor "
-                        "per layer in qkv",
-        "steps": {"warmup_untimed": args.warmup, "timed_per_round": args.steps, "rounds": args.rounds,
-                  "total_per_model": total_steps},
+        "(the paper's layout), which GPT-2 does not: one extra dropout on a (tokens, d_ff) tensor "
+        "per layer in qkv",
+        "steps": {
+            "warmup_untimed": args.warmup,
+            "timed_per_round": args.steps,
+            "rounds": args.rounds,
+            "total_per_model": total_steps,
+        },
         "tokens_per_s_median": median,
         "ratio_qkv_over_hf_median": median["qkv"] / median["hf"],
         "rounds": rounds,
         "train_loss_per_step": train_loss,
-        "validation_whole_split": {"before": val_before, f"after_{total_steps}_steps": val_after,
-                                   "how": "every validation token after the first, non-overlapping windows of "
-                                          "the context, model.eval(), float32 unless bf16"},
+        "validation_whole_split": {
+            "before": val_before,
+            f"after_{total_steps}_steps": val_after,
+            "how": "every validation token after the first, non-overlapping windows of "
+            "the context, model.eval(), float32 unless bf16",
+        },
         "seed": args.seed,
         "machine": machine(torch.get_num_threads()),
     }
@@ -326,15 +432,26 @@ def fixed_time_run(args: argparse.Namespace, out_dir: Path) -> dict:
 
     run_dir = Path(args.run_dir or REPO / "runs" / "lm-tinyshakespeare")
     device = str(pick_device())  # CUDA where there is one, else the CPU
-    train_options_ = {**train_options(args), "max_minutes": args.minutes, "seed": args.seed,
-                      "progress": sys.stderr.isatty(), "log_every_steps": 10}
+    train_options_ = {
+        **train_options(args),
+        "max_minutes": args.minutes,
+        "seed": args.seed,
+        "progress": sys.stderr.isatty(),
+        "log_every_steps": 10,
+    }
     if args.bf16:
         train_options_["bf16"] = True
     limit_memory_growth()  # as the CLI does, before the first oneDNN primitive
     load_start = os.getloadavg()
     t0 = time.perf_counter()
-    trainer = start_run(run_dir, data={"source": "tinyshakespeare", "folder": args.data},
-                        model_options=model_options(args), train_options=train_options_, overwrite=True, device=device)
+    trainer = start_run(
+        run_dir,
+        data={"source": "tinyshakespeare", "folder": args.data},
+        model_options=model_options(args),
+        train_options=train_options_,
+        overwrite=True,
+        device=device,
+    )
     prep_seconds = time.perf_counter() - t0
     train_start = time.perf_counter()
     run_training(trainer)
@@ -350,19 +467,33 @@ def fixed_time_run(args: argparse.Namespace, out_dir: Path) -> dict:
     engine_view.pop("score", None)
     eval_seconds = time.perf_counter() - eval_start
 
-    settings = {"prompt": args.prompt, "new_chars": args.sample_chars, "temperature": args.temperature,
-                "top_k": args.top_k, "seed": args.sample_seed}
+    settings = {
+        "prompt": args.prompt,
+        "new_chars": args.sample_chars,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "seed": args.sample_seed,
+    }
     sample = write_sample(model, task.tokenizer, settings)
 
     records = read_metrics(trainer.metrics_path)
-    curve = [{k: r[k] for k in ("minutes", "step", "val_loss", "val_bpc", "windows") if k in r}
-             for r in records if r.get("event") == "valid"]
-    train_curve = [{k: r[k] for k in ("minutes", "step", "loss", "tokens_per_s") if k in r}
-                   for r in records if r.get("event") == "train"]
+    curve = [
+        {k: r[k] for k in ("minutes", "step", "val_loss", "val_bpc", "windows") if k in r}
+        for r in records
+        if r.get("event") == "valid"
+    ]
+    train_curve = [
+        {k: r[k] for k in ("minutes", "step", "loss", "tokens_per_s") if k in r}
+        for r in records
+        if r.get("event") == "train"
+    ]
     png = out_dir / "lm_tinyshakespeare.png"
     plot_metrics(trainer.metrics_path, png)
-    print(f"final validation (whole split, {whole['tokens']} chars): {nats_per_char:.4f} nats/char, "
-          f"{nats_per_char / math.log(2):.4f} bits/char", flush=True)
+    print(
+        f"final validation (whole split, {whole['tokens']} chars): {nats_per_char:.4f} nats/char, "
+        f"{nats_per_char / math.log(2):.4f} bits/char",
+        flush=True,
+    )
     print(sample["text"], flush=True)
     return {
         "task": "tiny Shakespeare, character level, qkv's recipe (qkv.runs.recipes.RECIPES['tinyshakespeare'])",
@@ -376,17 +507,22 @@ def fixed_time_run(args: argparse.Namespace, out_dir: Path) -> dict:
         "train_tokens_per_s": round(state.tokens / max(state.seconds, 1e-9), 1),
         "val_loss_vs_minutes": curve,
         "val_curve_note": f"validation during training: the first {config.eval_sentences} non-overlapping windows "
-                          "of the validation split (the engine's validate)",
+        "of the validation split (the engine's validate)",
         "train_loss_vs_minutes": train_curve,
         "final_validation": {
             "weights": "final (the last step's, in memory)",
-            "whole_split": {**whole, "nats_per_char": nats_per_char, "bits_per_char": nats_per_char / math.log(2),
-                            "chars_per_token": task.chars_per_token},
+            "whole_split": {
+                **whole,
+                "nats_per_char": nats_per_char,
+                "bits_per_char": nats_per_char / math.log(2),
+                "chars_per_token": task.chars_per_token,
+            },
             f"first_{config.eval_sentences}_windows": engine_view,
             "eval_seconds": round(eval_seconds, 1),
         },
-        "best_validation": best_weights_validation(run_dir, task.valid_tokens, task.chars_per_token, config.bf16,
-                                                   settings),
+        "best_validation": best_weights_validation(
+            run_dir, task.valid_tokens, task.chars_per_token, config.bf16, settings
+        ),
         "test": test_split(run_dir, config.bf16),
         "sample": {"weights": "final", **sample},
         "curve_png": str(png),
@@ -394,8 +530,12 @@ def fixed_time_run(args: argparse.Namespace, out_dir: Path) -> dict:
         "train": asdict(config),
         "parameters": sum(p.numel() for p in model.parameters()),
         "run_dir": str(run_dir),
-        "machine": {**machine(torch.get_num_threads()), "device": device, "load_average_start": list(load_start),
-                    "load_average_end": list(os.getloadavg())},
+        "machine": {
+            **machine(torch.get_num_threads()),
+            "device": device,
+            "load_average_start": list(load_start),
+            "load_average_end": list(os.getloadavg()),
+        },
     }
 
 
@@ -411,16 +551,29 @@ def train_options(args: argparse.Namespace) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compare", action="store_true", help="qkv CausalLM vs HF GPT2LMHeadModel, tokens/s and val loss")
-    p.add_argument("--minutes", type=float, nargs="?", const=RECIPE["train"]["max_minutes"], default=None,
-                   help=f"a fixed-wall-time run of qkv's recipe (alone: {RECIPE['train']['max_minutes']:g} minutes)")
-    p.add_argument("--data", default=None, help="folder holding input.txt (default: $QKV_DATA/tinyshakespeare or "
-                                                "the cache, downloaded if missing)")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        nargs="?",
+        const=RECIPE["train"]["max_minutes"],
+        default=None,
+        help=f"a fixed-wall-time run of qkv's recipe (alone: {RECIPE['train']['max_minutes']:g} minutes)",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="folder holding input.txt (default: $QKV_DATA/tinyshakespeare or the cache, downloaded if missing)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: every core)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", "--out", dest="out_dir",
-                   default=str(REPO / "benchmarks" / "results" / "language-model"),
-                   help="where lm_vs_hf.json, lm_tinyshakespeare.json and lm_tinyshakespeare.png go (existing ones "
-                        "are kept unless --overwrite)")
+    p.add_argument(
+        "--out-dir",
+        "--out",
+        dest="out_dir",
+        default=str(REPO / "benchmarks" / "results" / "language-model"),
+        help="where lm_vs_hf.json, lm_tinyshakespeare.json and lm_tinyshakespeare.png go (existing ones "
+        "are kept unless --overwrite)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace the result files already in --out-dir")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (default: float32)")
     recipe_model = ", ".join(f"{k} {v}" for k, v in RECIPE["model"].items())
@@ -445,9 +598,13 @@ def main() -> int:
     c.add_argument("--warmup", type=int, default=3, help="untimed steps per model before the first round")
     g = p.add_argument_group("--minutes")
     g.add_argument("--run-dir", default=None, help="run folder (default runs/lm-tinyshakespeare; replaced)")
-    g.add_argument("--rescore-best", metavar="JSON", default=None,
-                   help="add the best weights' whole-split validation to a finished --minutes run's JSON (its run "
-                        "folder must still exist) and exit")
+    g.add_argument(
+        "--rescore-best",
+        metavar="JSON",
+        default=None,
+        help="add the best weights' whole-split validation to a finished --minutes run's JSON (its run "
+        "folder must still exist) and exit",
+    )
     g.add_argument("--prompt", default="ROMEO:")
     g.add_argument("--sample-chars", type=int, default=500)
     g.add_argument("--temperature", type=float, default=0.8)
@@ -459,8 +616,9 @@ def main() -> int:
         run_dir = Path(report["run_dir"])
         tokens = read_tokens(run_dir / "val.bin", report["model"]["vocab_size"])
         chars_per_token = report["final_validation"]["whole_split"]["chars_per_token"]
-        report["best_validation"] = best_weights_validation(run_dir, tokens, chars_per_token, report["train"]["bf16"],
-                                                            report["sample"])
+        report["best_validation"] = best_weights_validation(
+            run_dir, tokens, chars_per_token, report["train"]["bf16"], report["sample"]
+        )
         report["best_validation"]["command"] = " ".join(["python", *sys.argv])
         # added to a finished run's result: the run's own date and commit stay, the rescoring's go here
         report["best_validation"].update(date=utc_now(), commit=git_commit())
@@ -475,7 +633,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out_dir)
     results = (["lm_vs_hf.json"] if args.compare else []) + (
-        ["lm_tinyshakespeare.json", "lm_tinyshakespeare.png"] if args.minutes is not None else [])
+        ["lm_tinyshakespeare.json", "lm_tinyshakespeare.png"] if args.minutes is not None else []
+    )
     for name in results:  # before any work
         check_result_file(p, args, out_dir / name, flag="--out-dir")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -484,11 +643,16 @@ def main() -> int:
         report = compare(args, out_dir)
         report["wall_seconds"] = round(time.perf_counter() - start, 1)
         write_result(out_dir / "lm_vs_hf.json", report)
-        print(f"median tokens/s: qkv {report['tokens_per_s_median']['qkv']:.0f}, hf "
-              f"{report['tokens_per_s_median']['hf']:.0f}, qkv/hf {report['ratio_qkv_over_hf_median']:.3f}; "
-              f"val loss after {report['steps']['total_per_model']} steps: " + ", ".join(
-                  f"{k} {v['loss_nats_per_token']:.4f}"
-                  for k, v in list(report["validation_whole_split"].values())[1].items()), flush=True)
+        print(
+            f"median tokens/s: qkv {report['tokens_per_s_median']['qkv']:.0f}, hf "
+            f"{report['tokens_per_s_median']['hf']:.0f}, qkv/hf {report['ratio_qkv_over_hf_median']:.3f}; "
+            f"val loss after {report['steps']['total_per_model']} steps: "
+            + ", ".join(
+                f"{k} {v['loss_nats_per_token']:.4f}"
+                for k, v in list(report["validation_whole_split"].values())[1].items()
+            ),
+            flush=True,
+        )
     if args.minutes is not None:
         start = time.perf_counter()
         report = fixed_time_run(args, out_dir)

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from qkv.runs import folder as ckpt
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options
 from qkv.bench.timing import environment
@@ -50,25 +49,31 @@ from qkv.cli.train import (
 )
 from qkv.data.parallel import MULTI30K_LATER_TESTS, load_multi30k, resolve_multi30k
 from qkv.data.sources import load_split
-from qkv.runtime.device import pick_device
-from qkv.metrics.scores import score_translations
 from qkv.decoding.translate import translate_texts
-from qkv.runtime.fileio import check_output_file, write_text
-from qkv.runtime.heap import limit_memory_growth
+from qkv.metrics.scores import score_translations
+from qkv.runs import folder as ckpt
 from qkv.runs.recipes import decode_settings
 from qkv.runs.translation import resume_run, run_training, start_run
+from qkv.runtime.device import pick_device
+from qkv.runtime.fileio import check_output_file, write_text
+from qkv.runtime.heap import limit_memory_growth
 
 REPO = Path(__file__).resolve().parent.parent
+
 
 def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict, dict]:
     """The command line, and the model and training fields it sets over the recipe's."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=None,
-                   help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)")
+    p.add_argument(
+        "--data", default=None, help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)"
+    )
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
-    p.add_argument("--both-directions", action="store_true",
-                   help="train on the pairs and the same pairs reversed (qkv train --both-directions)")
+    p.add_argument(
+        "--both-directions",
+        action="store_true",
+        help="train on the pairs and the same pairs reversed (qkv train --both-directions)",
+    )
     p.add_argument("--threads", type=int, default=2)
     # the model and training options are qkv train's own (declared once, in qkv.cli.train), defaulting
     # to the recipe's values; --layers is this script's shorthand for as many encoder as decoder layers
@@ -81,15 +86,23 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, di
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N training pairs (smoke tests)")
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N val/test pairs (smoke tests)")
     p.add_argument("--run-dir", default=None)
-    add_result_options(p, what="the result JSON (default runs/multi30k_<src>_<tgt>.json, beside the default run "
-                               "folder)")
+    add_result_options(
+        p, what="the result JSON (default runs/multi30k_<src>_<tgt>.json, beside the default run folder)"
+    )
     p.add_argument("--note", default=None, help="a remark stored in the JSON (e.g. what else ran)")
-    p.add_argument("--score-only", action="store_true",
-                   help="score the finished run in --run-dir again and write the JSON, without training")
+    p.add_argument(
+        "--score-only",
+        action="store_true",
+        help="score the finished run in --run-dir again and write the JSON, without training",
+    )
     args = p.parse_args(argv)
     model_options = model_options_from(args, is_lm=False)
     if args.both_layers is not None:  # --encoder-layers / --decoder-layers, when given too, win
-        model_options = {"num_encoder_layers": args.both_layers, "num_decoder_layers": args.both_layers, **model_options}
+        model_options = {
+            "num_encoder_layers": args.both_layers,
+            "num_decoder_layers": args.both_layers,
+            **model_options,
+        }
     # --no-bf16 gives float32 even where bf16 is fast; otherwise the recipe's bf16 where it is fast
     train_options = {**train_options_from(args), "progress": sys.stderr.isatty()}
     return args, model_options, train_options
@@ -114,8 +127,13 @@ def main() -> int:
         folder = str(resolve_multi30k(args.data, download=False).resolve())  # (and downloads, as qkv train does)
     except FileNotFoundError:
         folder = args.data
-    data = {"source": "multi30k", "folder": folder, "src_lang": args.src, "tgt_lang": args.tgt,
-            **({"both_directions": True} if args.both_directions else {})}
+    data = {
+        "source": "multi30k",
+        "folder": folder,
+        "src_lang": args.src,
+        "tgt_lang": args.tgt,
+        **({"both_directions": True} if args.both_directions else {}),
+    }
 
     limit_memory_growth()  # as the CLI does, before the first oneDNN primitive (the bf16 probe is one)
     t0 = time.perf_counter()
@@ -123,8 +141,15 @@ def main() -> int:
         if args.score_only:  # the run folder of a finished run: score it again (decoding is deterministic)
             trainer = resume_run(run_dir, device=device)
         else:
-            trainer = start_run(run_dir, data=data, model_options=model_options, train_options=train_options,
-                                vocab_size=args.vocab_size, overwrite=True, device=device)
+            trainer = start_run(
+                run_dir,
+                data=data,
+                model_options=model_options,
+                train_options=train_options,
+                vocab_size=args.vocab_size,
+                overwrite=True,
+                device=device,
+            )
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -143,9 +168,12 @@ def main() -> int:
             with sigterm_saves_first():  # SIGTERM, like Ctrl-C, saves the last whole step before the end
                 run_training(trainer)
         except KeyboardInterrupt as err:
-            print(f"stopped: checkpoint saved at step {trainer.state.step}; continue with qkv train --run-dir "
-                  f"{run_dir} --resume (the run keeps its budget), then score it with this script's "
-                  f"--score-only --run-dir {run_dir}", file=sys.stderr)
+            print(
+                f"stopped: checkpoint saved at step {trainer.state.step}; continue with qkv train --run-dir "
+                f"{run_dir} --resume (the run keeps its budget), then score it with this script's "
+                f"--score-only --run-dir {run_dir}",
+                file=sys.stderr,
+            )
             return 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
         train_wall = time.perf_counter() - train_start
     state = trainer.state
@@ -158,18 +186,43 @@ def main() -> int:
         model, tokenizer, _ = ckpt.load_run(run_dir, weights)
         model.to(device)
         if weights == "model":
-            results["averaged"] = score_splits(model, tokenizer, splits, beams=(decode["beam_size"], 1),
-                                               alpha=decode["alpha"], bf16=bf16, tgt=args.tgt, limit=args.eval_limit,
-                                               label=weights, hyp_dir=run_dir)
+            results["averaged"] = score_splits(
+                model,
+                tokenizer,
+                splits,
+                beams=(decode["beam_size"], 1),
+                alpha=decode["alpha"],
+                bf16=bf16,
+                tgt=args.tgt,
+                limit=args.eval_limit,
+                label=weights,
+                hyp_dir=run_dir,
+            )
         else:  # the last weights alone are scored on test only: what averaging adds
-            results["last"] = score_splits(model, tokenizer, {"test_2016": splits["test_2016"]},
-                                           beams=(decode["beam_size"],), alpha=decode["alpha"], bf16=bf16,
-                                           tgt=args.tgt, limit=args.eval_limit, label=weights)
+            results["last"] = score_splits(
+                model,
+                tokenizer,
+                {"test_2016": splits["test_2016"]},
+                beams=(decode["beam_size"],),
+                alpha=decode["alpha"],
+                bf16=bf16,
+                tgt=args.tgt,
+                limit=args.eval_limit,
+                label=weights,
+            )
 
     metrics = run_dir / "metrics.jsonl"  # absent when a short run logged and validated nothing
     records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
-    curve = [{"minutes": r["minutes"], "step": r["step"], "val_bleu_greedy_300": r["val_bleu_greedy"],
-              "val_loss": r["val_loss"]} for r in records if r["event"] == "valid"]
+    curve = [
+        {
+            "minutes": r["minutes"],
+            "step": r["step"],
+            "val_bleu_greedy_300": r["val_bleu_greedy"],
+            "val_loss": r["val_loss"],
+        }
+        for r in records
+        if r["event"] == "valid"
+    ]
     config = ckpt.read_run_config(run_dir)
     report = {
         "task": f"Multi30k {args.src}->{args.tgt}",
@@ -194,8 +247,11 @@ def main() -> int:
     }
     write_result(out, report)
     print(json.dumps({k: report[k] for k in ("train_wall_seconds", "steps", "target_tokens_per_s")}))
-    print(json.dumps({k: {s: [v["bleu"], v["bleu_papers_form"]["bleu"]] for s, v in e.items()}
-                      for k, e in results.items()}))  # sacreBLEU, papers' form
+    print(
+        json.dumps(
+            {k: {s: [v["bleu"], v["bleu_papers_form"]["bleu"]] for s, v in e.items()} for k, e in results.items()}
+        )
+    )  # sacreBLEU, papers' form
     return 0
 
 
@@ -215,8 +271,19 @@ def evaluation_splits(data: dict) -> tuple[dict, list[str]]:
     return splits, missing
 
 
-def score_splits(model, tokenizer, splits: dict, *, beams: tuple[int, ...], alpha: float, bf16: bool, tgt: str,
-                 limit: int = 0, label: str = "", hyp_dir: Path | None = None) -> dict:
+def score_splits(
+    model,
+    tokenizer,
+    splits: dict,
+    *,
+    beams: tuple[int, ...],
+    alpha: float,
+    bf16: bool,
+    tgt: str,
+    limit: int = 0,
+    label: str = "",
+    hyp_dir: Path | None = None,
+) -> dict:
     """sacreBLEU, chrF and the papers' BLEU forms of ``model`` on every split with every beam size:
     ``{"<split>_beam<k>": scores}``. With ``hyp_dir``, the first beam's translations are written
     there as ``<split>.hyp.<tgt>``."""
@@ -231,8 +298,15 @@ def score_splits(model, tokenizer, splits: dict, *, beams: tuple[int, ...], alph
             scores = score_translations(hyps, refs, target_lang=tgt)  # + the papers' BLEU forms
             scores["decode_seconds"] = round(time.perf_counter() - start, 1)
             entry[f"{name}_beam{beam}"] = scores
-            logging.info("%s %s beam %d: BLEU %.2f chrF %.2f, papers' form BLEU %.2f", label, name, beam,
-                         scores["bleu"], scores["chrf"], scores["bleu_papers_form"]["bleu"])
+            logging.info(
+                "%s %s beam %d: BLEU %.2f chrF %.2f, papers' form BLEU %.2f",
+                label,
+                name,
+                beam,
+                scores["bleu"],
+                scores["chrf"],
+                scores["bleu_papers_form"]["bleu"],
+            )
             if hyp_dir is not None and beam == beams[0]:
                 write_text(hyp_dir / f"{name}.hyp.{tgt}", "".join(h + "\n" for h in hyps))
     return entry

@@ -52,16 +52,25 @@ from train_multi30k import evaluation_splits, score_splits  # noqa: E402  (a sib
 def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--members", type=int, default=2, help="models trained side by side (default 2)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="CPU threads shared out among the members (default: all cores)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="CPU threads shared out among the members (default: all cores)",
+    )
     p.add_argument("--seed", type=int, default=0, help="member i trains with seed + i")
-    p.add_argument("--alphas", default="",
-                   help="length penalties to try on the validation set, e.g. 0.6,1.0,1.4; the best one scores the "
-                        "test sets (default: the recipe's, 0.6, untried)")
-    p.add_argument("--beam", type=int, default=None, help="beam size, the ensemble's and each member's "
-                                                             "(default: the recipe's)")
-    p.add_argument("--data", default=None,
-                   help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)")
+    p.add_argument(
+        "--alphas",
+        default="",
+        help="length penalties to try on the validation set, e.g. 0.6,1.0,1.4; the best one scores the "
+        "test sets (default: the recipe's, 0.6, untried)",
+    )
+    p.add_argument(
+        "--beam", type=int, default=None, help="beam size, the ensemble's and each member's (default: the recipe's)"
+    )
+    p.add_argument(
+        "--data", default=None, help="Multi30k folder (default: $QKV_DATA/multi30k or the cache, as qkv train finds it)"
+    )
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N val/test pairs (smoke tests)")
@@ -81,8 +90,11 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, li
     if not all(0 <= a <= 10 for a in args.alpha_list):
         p.error(f"--alphas: each length penalty must be from 0 to 10, got {args.alphas!r}")
     if not args.score_only:  # an hour of training per member must not be replaced by a rerun
-        done = [str(Path(args.run_dir) / f"member{i}") for i in range(args.members)
-                if (Path(args.run_dir) / f"member{i}").exists()]
+        done = [
+            str(Path(args.run_dir) / f"member{i}")
+            for i in range(args.members)
+            if (Path(args.run_dir) / f"member{i}").exists()
+        ]
         if done:
             p.error(f"{', '.join(done)} exist: score them with --score-only, or choose another --run-dir")
     check_result_file(p, args)  # before an hour of training, not after
@@ -102,12 +114,30 @@ def train_members(args: argparse.Namespace, member_options: list[str], run_dir: 
     threads = args.threads // args.members
     procs = []
     for i in range(args.members):
-        command = [sys.executable, str(HERE / "train_multi30k.py"), "--src", args.src, "--tgt", args.tgt,
-                   "--data", args.data, "--threads", str(threads), "--seed", str(args.seed + i),
-                   "--run-dir", str(run_dir / f"member{i}"), "--out", str(run_dir / f"member{i}.json"),
-                   "--eval-limit", str(args.eval_limit), *(["--beam", str(args.beam)] if args.beam else []),
-                   "--note", f"member {i} of {args.members} trained side by side",
-                   *member_options]
+        command = [
+            sys.executable,
+            str(HERE / "train_multi30k.py"),
+            "--src",
+            args.src,
+            "--tgt",
+            args.tgt,
+            "--data",
+            args.data,
+            "--threads",
+            str(threads),
+            "--seed",
+            str(args.seed + i),
+            "--run-dir",
+            str(run_dir / f"member{i}"),
+            "--out",
+            str(run_dir / f"member{i}.json"),
+            "--eval-limit",
+            str(args.eval_limit),
+            *(["--beam", str(args.beam)] if args.beam else []),
+            "--note",
+            f"member {i} of {args.members} trained side by side",
+            *member_options,
+        ]
         log = open(run_dir / f"member{i}.log", "w", encoding="utf-8")  # noqa: SIM115 (closed below)
         procs.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log))
         logging.info("member %d: %s (log %s)", i, " ".join(command[1:]), log.name)
@@ -128,9 +158,11 @@ def train_members(args: argparse.Namespace, member_options: list[str], run_dir: 
             log.close()
     failed = [i for i, code in enumerate(codes) if code != 0]
     if failed:
-        raise SystemExit(f"member(s) {failed} stopped with exit codes {[codes[i] for i in failed]}; see "
-                         f"{run_dir}/member<i>.log. A stopped member resumes with qkv train --run-dir "
-                         f"{run_dir}/member<i> --resume; then rerun this script with --score-only")
+        raise SystemExit(
+            f"member(s) {failed} stopped with exit codes {[codes[i] for i in failed]}; see "
+            f"{run_dir}/member<i>.log. A stopped member resumes with qkv train --run-dir "
+            f"{run_dir}/member<i> --resume; then rerun this script with --score-only"
+        )
 
 
 def main() -> int:
@@ -154,35 +186,73 @@ def main() -> int:
     common = dict(bf16=bf16, tgt=args.tgt, limit=args.eval_limit)
     search = {}
     for alpha in args.alpha_list:  # the length penalty, chosen on validation only
-        scores = score_splits(model, tokenizer, {"val": splits["val"]}, beams=(decode["beam_size"],), alpha=alpha,
-                              label=f"ensemble alpha {alpha}", **common)
+        scores = score_splits(
+            model,
+            tokenizer,
+            {"val": splits["val"]},
+            beams=(decode["beam_size"],),
+            alpha=alpha,
+            label=f"ensemble alpha {alpha}",
+            **common,
+        )
         search[str(alpha)] = scores[f"val_beam{decode['beam_size']}"]["bleu"]
     alpha = max(args.alpha_list, key=lambda a: search[str(a)]) if search else decode["alpha"]
     if search:
         logging.info("length penalty chosen on validation: %s (%s)", alpha, search)
-    scores = score_splits(model, tokenizer, splits, beams=(decode["beam_size"], 1), alpha=alpha,
-                          label="ensemble", hyp_dir=run_dir, **common)
-    at_recipe_alpha = score_splits(model, tokenizer, {"test_2016": splits["test_2016"]},
-                                   beams=(decode["beam_size"],), alpha=decode["alpha"], label="ensemble, recipe alpha",
-                                   **common) if alpha != decode["alpha"] else None
+    scores = score_splits(
+        model,
+        tokenizer,
+        splits,
+        beams=(decode["beam_size"], 1),
+        alpha=alpha,
+        label="ensemble",
+        hyp_dir=run_dir,
+        **common,
+    )
+    at_recipe_alpha = (
+        score_splits(
+            model,
+            tokenizer,
+            {"test_2016": splits["test_2016"]},
+            beams=(decode["beam_size"],),
+            alpha=decode["alpha"],
+            label="ensemble, recipe alpha",
+            **common,
+        )
+        if alpha != decode["alpha"]
+        else None
+    )
 
     summaries = []
     for i in range(args.members):
         path = run_dir / f"member{i}.json"
         report = json.loads(path.read_text()) if path.is_file() else {}
         averaged = report.get("scores", {}).get("averaged", {})
-        summaries.append({"run_dir": str(members[i]), "seed": args.seed + i, "steps": report.get("steps"),
-                          "epochs": report.get("epochs"), "target_tokens_per_s": report.get("target_tokens_per_s"),
-                          "threads": report.get("machine", {}).get("threads"),
-                          "scores": {k: {"bleu": v["bleu"], "bleu_papers_form": v["bleu_papers_form"]["bleu"]}
-                                     for k, v in averaged.items()}})
+        summaries.append(
+            {
+                "run_dir": str(members[i]),
+                "seed": args.seed + i,
+                "steps": report.get("steps"),
+                "epochs": report.get("epochs"),
+                "target_tokens_per_s": report.get("target_tokens_per_s"),
+                "threads": report.get("machine", {}).get("threads"),
+                "scores": {
+                    k: {"bleu": v["bleu"], "bleu_papers_form": v["bleu_papers_form"]["bleu"]}
+                    for k, v in averaged.items()
+                },
+            }
+        )
     report = {
         "task": f"Multi30k {args.src}->{args.tgt}, an ensemble of {args.members} models trained side by side",
         "command": " ".join(["python"] + sys.argv),
         "wall_seconds_training": None if args.score_only else round(wall, 1),
         "members": summaries,
-        "decode": {"beam_size": decode["beam_size"], "alpha": alpha,
-                   "alpha_chosen_on": "val" if search else "the recipe", "val_bleu_by_alpha": search},
+        "decode": {
+            "beam_size": decode["beam_size"],
+            "alpha": alpha,
+            "alpha_chosen_on": "val" if search else "the recipe",
+            "val_bleu_by_alpha": search,
+        },
         "scores": scores,
         "test_2016_at_the_recipe_alpha": at_recipe_alpha and {"alpha": decode["alpha"], **at_recipe_alpha},
         "test_sets_not_found": later_missing,

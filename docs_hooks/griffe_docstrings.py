@@ -64,7 +64,7 @@ def fence_doctests(text: str) -> str:
         if stripped.startswith(">>>") or (block and stripped):
             if not block:
                 indent = line[: len(line) - len(stripped)]
-            block.append(line[len(indent):] if line.startswith(indent) else stripped)
+            block.append(line[len(indent) :] if line.startswith(indent) else stripped)
             continue
         if block:
             out += [f"{indent}```pycon", *(f"{indent}{b}" for b in block), f"{indent}```"]

@@ -26,10 +26,12 @@ def _seed():
 # Tests find Multi30k and tiny Shakespeare as a user's qkv does (qkv.data's lookup: $QKV_DATA, then qkv's
 # cache), never by a path of their own. Not found: the test skips saying what is missing and how to get it,
 # and fails instead where QKV_REQUIRE_DATA=1 (CI: .ci/run sets it, and QKV_DATA to the shared data folder beside the checkout).
-HOW_TO_GET = (" (QKV_DATA=FOLDER, a folder holding multi30k/ and tinyshakespeare/, e.g. the shared data folder "
-              "beside the checkout, whose README.md says where the files come from), or download it into qkv's cache "
-              "with: "
-              "python -c 'from {module} import {function}; {function}()'")
+HOW_TO_GET = (
+    " (QKV_DATA=FOLDER, a folder holding multi30k/ and tinyshakespeare/, e.g. the shared data folder "
+    "beside the checkout, whose README.md says where the files come from), or download it into qkv's cache "
+    "with: "
+    "python -c 'from {module} import {function}; {function}()'"
+)
 
 
 def data_required() -> bool:
@@ -86,9 +88,11 @@ def multi30k_file(multi30k_dir) -> Callable[[str], Path]:
 
     def path(name: str) -> Path:
         if not (multi30k_dir / name).is_file():
-            skip_or_fail(f"Multi30k's {name} not found in {multi30k_dir} (qkv's download fetches English and German "
-                         "only): set QKV_DATA to a folder holding the whole multi30k/ (QKV_DATA=FOLDER, e.g. the shared data "
-                         "folder beside the checkout)")
+            skip_or_fail(
+                f"Multi30k's {name} not found in {multi30k_dir} (qkv's download fetches English and German "
+                "only): set QKV_DATA to a folder holding the whole multi30k/ (QKV_DATA=FOLDER, e.g. the shared data "
+                "folder beside the checkout)"
+            )
         return multi30k_dir / name
 
     return path

@@ -30,10 +30,40 @@ from qkv.cli import main
 from qkv.data.dates import generate_dates
 
 STEPS = 150
-MODEL = ["--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--d-ff", "64",
-         "--vocab-size", "300", "--max-len", "64"]
-TRAIN = ["--max-tokens", "400", "--checkpoint-every-steps", "1", "--average-last", "2", "--minutes", "0",
-         "--no-bf16", "--no-progress", "--threads", "1", "--eval-every-steps", "0", "--log-every-steps", "1"]
+MODEL = [
+    "--d-model",
+    "32",
+    "--heads",
+    "2",
+    "--encoder-layers",
+    "1",
+    "--decoder-layers",
+    "1",
+    "--d-ff",
+    "64",
+    "--vocab-size",
+    "300",
+    "--max-len",
+    "64",
+]
+TRAIN = [
+    "--max-tokens",
+    "400",
+    "--checkpoint-every-steps",
+    "1",
+    "--average-last",
+    "2",
+    "--minutes",
+    "0",
+    "--no-bf16",
+    "--no-progress",
+    "--threads",
+    "1",
+    "--eval-every-steps",
+    "0",
+    "--log-every-steps",
+    "1",
+]
 
 
 def write_data(folder: Path) -> tuple[Path, Path]:
@@ -46,8 +76,19 @@ def write_data(folder: Path) -> tuple[Path, Path]:
 
 
 def start_args(src: Path, tgt: Path, run_dir: Path, steps: int = STEPS) -> list[str]:
-    return ["train", "--train-src", str(src), "--train-tgt", str(tgt), "--run-dir", str(run_dir),
-            "--max-steps", str(steps), *MODEL, *TRAIN]
+    return [
+        "train",
+        "--train-src",
+        str(src),
+        "--train-tgt",
+        str(tgt),
+        "--run-dir",
+        str(run_dir),
+        "--max-steps",
+        str(steps),
+        *MODEL,
+        *TRAIN,
+    ]
 
 
 def resume_args(run_dir: Path) -> list[str]:
@@ -83,8 +124,11 @@ def terminate_after_steps(argv: list[str], run_dir: Path, logged: int) -> tuple[
     _, err = proc.communicate(timeout=120)
     state = run_dir / "state.pt"
     saved = torch.load(state, weights_only=True, map_location="cpu")["train_state"]["step"] if state.is_file() else -1
-    trained = max((json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line),
-                  default=-1) if metrics.is_file() else -1
+    trained = (
+        max((json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line), default=-1)
+        if metrics.is_file()
+        else -1
+    )
     return proc, err, saved, trained
 
 
@@ -142,14 +186,25 @@ def check_after_kill(run_dir: Path, scratch: Path, expected: dict[str, torch.Ten
     translate_ok = quiet_main(["translate", str(copy), "--beam", "1", "--threads", "1"], stdin=b"3 March 1998\n") == 0
     resumed_ok = quiet_main(resume_args(copy)) == 0
     weights = final_weights(copy)
-    equal = resumed_ok and weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k])
-                                                                      for k in expected)
+    equal = (
+        resumed_ok and weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
+    )
     shutil.rmtree(copy, ignore_errors=True)
     return translate_ok, equal
 
 
-def run_chain(root: Path, src: Path, tgt: Path, expected: dict[str, torch.Tensor], kills: int, *,
-              seed: int, steps: int = STEPS, window: float = 1.0, log=None) -> ChainReport:
+def run_chain(
+    root: Path,
+    src: Path,
+    tgt: Path,
+    expected: dict[str, torch.Tensor],
+    kills: int,
+    *,
+    seed: int,
+    steps: int = STEPS,
+    window: float = 1.0,
+    log=None,
+) -> ChainReport:
     """Kill one run ``kills`` times at random moments, checking after each kill; then let it finish."""
     rng = random.Random(seed)
     run_dir = root / "chain"
@@ -159,8 +214,9 @@ def run_chain(root: Path, src: Path, tgt: Path, expected: dict[str, torch.Tensor
     for _ in range(kills):
         argv = resume_args(run_dir) if run_dir.exists() else start_args(src, tgt, run_dir, steps)
         began = time.monotonic()
-        process = subprocess.Popen([sys.executable, "-m", "qkv", *argv], env=env, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "qkv", *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         if startup is None:  # the first process: how long until training starts (import, data, tokenizer)
             while process.poll() is None and not (run_dir / "state.pt").exists():
                 time.sleep(0.005)

@@ -28,8 +28,7 @@ def launch(fn, args: tuple, *, nprocs: int = 2, timeout: float = 240.0) -> None:
     """Run ``fn(rank, nprocs, port, *args)`` in ``nprocs`` spawned processes; a hang past
     ``timeout`` seconds kills them and raises ``TimeoutError`` (never a hung test)."""
     port = free_port()
-    context = mp.start_processes(_entry, args=(nprocs, port, fn, args), nprocs=nprocs, join=False,
-                                 start_method="spawn")
+    context = mp.start_processes(_entry, args=(nprocs, port, fn, args), nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not context.join(timeout=2):
         if time.monotonic() > deadline:
@@ -40,8 +39,9 @@ def launch(fn, args: tuple, *, nprocs: int = 2, timeout: float = 240.0) -> None:
 
 
 def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     from qkv.training.distributed import init_distributed, shutdown
 

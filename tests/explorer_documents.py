@@ -50,8 +50,12 @@ def head_label(stats: dict[str, float], n: int) -> str | None:
     """The pattern that dominates (over half the attention), a broad head, or None."""
     best = max(FRACTION_STATS, key=lambda k: stats[k])
     if stats[best] > 0.5:
-        return {"previous": "previous-token head", "same": "same-token head", "next": "next-token head",
-                "delimiter": "delimiter head"}[best]
+        return {
+            "previous": "previous-token head",
+            "same": "same-token head",
+            "next": "next-token head",
+            "delimiter": "delimiter head",
+        }[best]
     if stats["entropy"] > 0.8 * np.log(n):
         return "broad head"
     return None
@@ -72,8 +76,9 @@ def rounded(array: np.ndarray) -> list:
     return np.round(np.asarray(array, dtype=np.float64), 4).tolist()
 
 
-def sentence_view(rng: np.random.Generator, tokens: list[str], layers: int, heads: int,
-                  hand_set: dict | None = None) -> AttentionView:
+def sentence_view(
+    rng: np.random.Generator, tokens: list[str], layers: int, heads: int, hand_set: dict | None = None
+) -> AttentionView:
     """A self-attention view with random heads, some replaced by ``hand_set[(l, h)] = offset``."""
     n = len(tokens)
     att = []
@@ -103,8 +108,13 @@ def add_analysis(view: dict) -> None:
 def saliency(rng: np.random.Generator, inputs: list[str], outputs: list[str], about: str) -> dict:
     scores = rng.normal(size=(len(outputs), len(inputs)))
     attention = np.stack([random_attention(rng, len(inputs))[0] for _ in outputs])
-    return {"about": about, "inputs": inputs, "outputs": outputs, "scores": rounded(scores),
-            "attention": rounded(attention)}
+    return {
+        "about": about,
+        "inputs": inputs,
+        "outputs": outputs,
+        "scores": rounded(scores),
+        "attention": rounded(attention),
+    }
 
 
 def shared_pairs(a: list[str], b: list[str]) -> list[list[int]]:
@@ -130,8 +140,14 @@ def head_differences(view_a: dict, view_b: dict, pairs: list[list[int]]) -> list
             a = a / np.maximum(a.sum(axis=1, keepdims=True), 1e-12)
             b = b / np.maximum(b.sum(axis=1, keepdims=True), 1e-12)
             per_token = 0.5 * np.abs(a - b).sum(axis=1)
-            rows.append({"layer": l, "head": h, "difference": round(float(per_token.mean()), 4),
-                         "per_token": [round(float(v), 4) for v in per_token]})
+            rows.append(
+                {
+                    "layer": l,
+                    "head": h,
+                    "difference": round(float(per_token.mean()), 4),
+                    "per_token": [round(float(v), 4) for v in per_token],
+                }
+            )
     return sorted(rows, key=lambda r: -r["difference"])
 
 
@@ -140,8 +156,10 @@ def seed_document(layers: int = 3, heads: int = 4, seed: int = 0) -> dict:
     compare and a corpus average. Layer 0 head 1 is a previous-token head, layer 1 head 0 a
     next-token head, layer 2 head 2 a same-token head."""
     rng = np.random.default_rng(seed)
-    sentences = [("time flies like an arrow", ["[CLS]", "time", "flies", "like", "an", "arrow", "[SEP]"]),
-                 ("fruit flies like a banana", ["[CLS]", "fruit", "flies", "like", "a", "banana", "[SEP]"])]
+    sentences = [
+        ("time flies like an arrow", ["[CLS]", "time", "flies", "like", "an", "arrow", "[SEP]"]),
+        ("fruit flies like a banana", ["[CLS]", "fruit", "flies", "like", "a", "banana", "[SEP]"]),
+    ]
     hand_set = {(0, 1): -1, (1, 0): 1, (2, 2): 0}
     examples = []
     for text, tokens in sentences:
@@ -151,19 +169,29 @@ def seed_document(layers: int = 3, heads: int = 4, seed: int = 0) -> dict:
     for example in data["examples"]:
         add_analysis(example["views"][0])
     data["examples"][0]["saliency"] = saliency(rng, sentences[0][1], ["le", "temps", "vole"], "generated token")
-    data["examples"][1]["saliency"] = saliency(rng, sentences[1][1], ["cosine similarity with sentence 1"],
-                                               "cosine similarity with sentence 1")
+    data["examples"][1]["saliency"] = saliency(
+        rng, sentences[1][1], ["cosine similarity with sentence 1"], "cosine similarity with sentence 1"
+    )
     va, vb = data["examples"][0]["views"][0], data["examples"][1]["views"][0]
     pairs = shared_pairs(va["queries"], vb["queries"])
-    data["compare"] = {"examples": [0, 1], "view": "self-attention", "shared": pairs,
-                       "heads": head_differences(va, vb, pairs),
-                       "measure": "mean over shared tokens of the total-variation distance between their "
-                                  "attention over the shared tokens"}
-    corpus_stats = {name: [[round(v * 0.5 + 0.01 * (l + h), 4) for h, v in enumerate(row)] for l, row in enumerate(grid)]
-                    for name, grid in va["stats"].items()}
+    data["compare"] = {
+        "examples": [0, 1],
+        "view": "self-attention",
+        "shared": pairs,
+        "heads": head_differences(va, vb, pairs),
+        "measure": "mean over shared tokens of the total-variation distance between their "
+        "attention over the shared tokens",
+    }
+    corpus_stats = {
+        name: [[round(v * 0.5 + 0.01 * (l + h), 4) for h, v in enumerate(row)] for l, row in enumerate(grid)]
+        for name, grid in va["stats"].items()
+    }
     corpus_labels = [["broad head"] * heads for _ in range(layers)]
-    data["corpus"] = {"file": "sentences.txt", "sentences": 40,
-                      "views": {"self-attention": {"stats": corpus_stats, "labels": corpus_labels}}}
+    data["corpus"] = {
+        "file": "sentences.txt",
+        "sentences": 40,
+        "views": {"self-attention": {"stats": corpus_stats, "labels": corpus_labels}},
+    }
     return data
 
 
@@ -172,8 +200,7 @@ def long_document(tokens: int = 512, layers: int = 2, heads: int = 2, seed: int 
     rng = np.random.default_rng(seed)
     words = ["[CLS]"] + [f"w{i}" for i in range(tokens - 2)] + ["[SEP]"]
     view = sentence_view(rng, words, layers, heads, {(0, 0): -1})
-    data = explorer_data([make_example(" ".join(words[1:-1]), [view], model="synthetic")],
-                         title="a long input")
+    data = explorer_data([make_example(" ".join(words[1:-1]), [view], model="synthetic")], title="a long input")
     add_analysis(data["examples"][0]["views"][0])
     data["examples"][0]["saliency"] = saliency(rng, words, ["next token"], "next token")
     return data

@@ -48,8 +48,9 @@ def test_failing_contender_is_recorded_and_dropped():
         if calls["bad"] > 1:
             raise RuntimeError("out of memory\nmore detail")
 
-    results = timing.time_interleaved({"ok": lambda: calls.__setitem__("ok", calls["ok"] + 1), "bad": bad},
-                                      device=CPU, repeats=4, warmup=1)
+    results = timing.time_interleaved(
+        {"ok": lambda: calls.__setitem__("ok", calls["ok"] + 1), "bad": bad}, device=CPU, repeats=4, warmup=1
+    )
     assert results["bad"].error == "RuntimeError: out of memory"
     assert results["bad"].times == [] and results["bad"].median is None
     assert len(results["ok"].times) == 4 and calls["bad"] == 2
@@ -57,8 +58,9 @@ def test_failing_contender_is_recorded_and_dropped():
 
 def test_min_sample_raises_inner_calls_and_bad_arguments_raise():
     calls = []
-    results = timing.time_interleaved({"tiny": lambda: calls.append(1)}, device=CPU, repeats=2, warmup=0,
-                                      min_sample_s=0.002)
+    results = timing.time_interleaved(
+        {"tiny": lambda: calls.append(1)}, device=CPU, repeats=2, warmup=0, min_sample_s=0.002
+    )
     assert len(calls) > 3  # one calibration call, then more than one call per timed sample
     assert len(results["tiny"].times) == 2
     with pytest.raises(ValueError, match="repeats"):
@@ -104,7 +106,9 @@ def test_ratio_environment_and_device(monkeypatch):
     probed = timing.environment(probe_bf16=True)["bf16_probe_seconds_256"]
     assert probed["float32"] > 0 and probed["bfloat16"] > 0
     if Path("/proc/meminfo").is_file():  # against the kernel's own count (MemTotal, in kB)
-        total_kib = int(re.search(r"^MemTotal:\s*(\d+)", Path("/proc/meminfo").read_text(), flags=re.MULTILINE).group(1))
+        total_kib = int(
+            re.search(r"^MemTotal:\s*(\d+)", Path("/proc/meminfo").read_text(), flags=re.MULTILINE).group(1)
+        )
         assert abs(env["memory_gib"] - total_kib / 2**20) < 0.2
     assert timing.pick_device is pick_device  # qkv.bench re-exports the one device picker
     assert timing.pick_device("cpu") == CPU
@@ -122,7 +126,8 @@ def _copy_into_torch(ours: qkv.Transformer, theirs: TorchTransformerMT) -> None:
     with torch.no_grad():
         theirs.embedding.weight.copy_(ours.src_embed.embedding.weight)
         pairs = list(zip(theirs.transformer.encoder.layers, ours.encoder.layers)) + list(
-            zip(theirs.transformer.decoder.layers, ours.decoder.layers))
+            zip(theirs.transformer.decoder.layers, ours.decoder.layers)
+        )
         for dst, src in pairs:
             mha(dst.self_attn, src.self_attn)
             if hasattr(dst, "multihead_attn"):
@@ -132,8 +137,10 @@ def _copy_into_torch(ours: qkv.Transformer, theirs: TorchTransformerMT) -> None:
             dst.linear2.load_state_dict(src.feed_forward.linear2.state_dict())
             dst.norm1.load_state_dict(src.norm1.state_dict())
             dst.norm2.load_state_dict(src.norm2.state_dict())
-        for dst, src in ((theirs.transformer.encoder.norm, ours.encoder.norm),
-                         (theirs.transformer.decoder.norm, ours.decoder.norm)):
+        for dst, src in (
+            (theirs.transformer.encoder.norm, ours.encoder.norm),
+            (theirs.transformer.decoder.norm, ours.decoder.norm),
+        ):
             assert (dst is None) == (src is None)
             if dst is not None:
                 dst.load_state_dict(src.state_dict())
@@ -142,9 +149,18 @@ def _copy_into_torch(ours: qkv.Transformer, theirs: TorchTransformerMT) -> None:
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_torch_transformer_competitor_computes_qkvs_function(norm_first):
     """Same weights -> same logits: the training comparison times the same model."""
-    config = qkv.TransformerConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=16, num_heads=2,
-                                   num_encoder_layers=2, num_decoder_layers=2, d_ff=32, max_len=32,
-                                   share_embeddings=True, norm_first=norm_first)
+    config = qkv.TransformerConfig(
+        src_vocab_size=50,
+        tgt_vocab_size=50,
+        d_model=16,
+        num_heads=2,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        d_ff=32,
+        max_len=32,
+        share_embeddings=True,
+        norm_first=norm_first,
+    )
     ours, theirs = qkv.Transformer(config).eval(), TorchTransformerMT(config).eval()
     _copy_into_torch(ours, theirs)
     assert count_parameters(ours) == count_parameters(theirs)
@@ -158,13 +174,26 @@ def test_marian_competitor_has_the_same_sizes():
     pytest.importorskip("transformers")
     from qkv.bench.competitors import build_marian
 
-    config = qkv.TransformerConfig(src_vocab_size=60, tgt_vocab_size=60, d_model=16, num_heads=2,
-                                   num_encoder_layers=2, num_decoder_layers=1, d_ff=24, max_len=32,
-                                   share_embeddings=True)
+    config = qkv.TransformerConfig(
+        src_vocab_size=60,
+        tgt_vocab_size=60,
+        d_model=16,
+        num_heads=2,
+        num_encoder_layers=2,
+        num_decoder_layers=1,
+        d_ff=24,
+        max_len=32,
+        share_embeddings=True,
+    )
     marian = build_marian(config, bos_id=1, eos_id=2)
     hf = marian.model.config
     assert (hf.d_model, hf.encoder_layers, hf.decoder_layers, hf.encoder_ffn_dim, hf.encoder_attention_heads) == (
-        16, 2, 1, 24, 2)
+        16,
+        2,
+        1,
+        24,
+        2,
+    )
     assert hf.activation_function == "relu" and hf.scale_embedding and hf.attention_dropout == 0.0
     # the same trainable weights as qkv's model (Marian's sinusoidal positions are a frozen table)
     assert count_parameters(marian) == count_parameters(qkv.Transformer(config))
@@ -183,11 +212,18 @@ def test_parse_contender():
 
 def test_training_benchmark_counts_tokens_of_the_timed_batches():
     data = synthetic_data(vocab_size=40, num_batches=3, batch_size=3, src_len=6, tgt_len=5)
-    config = qkv.TransformerConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=16, num_heads=2,
-                                   num_encoder_layers=1, num_decoder_layers=1, d_ff=32, max_len=32,
-                                   share_embeddings=True)
-    report = training_benchmark(data, config, contenders=("qkv", "torch", "qkv+bf16"), device=CPU, repeats=4,
-                                warmup=1)
+    config = qkv.TransformerConfig(
+        src_vocab_size=40,
+        tgt_vocab_size=40,
+        d_model=16,
+        num_heads=2,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        d_ff=32,
+        max_len=32,
+        share_embeddings=True,
+    )
+    report = training_benchmark(data, config, contenders=("qkv", "torch", "qkv+bf16"), device=CPU, repeats=4, warmup=1)
     tokens = [b.num_tgt_tokens for b in data.batches]
     timed = sum(tokens[(1 + i) % 3] for i in range(4))  # one warm-up batch, then four timed
     for name, result in report["contenders"].items():
@@ -202,9 +238,13 @@ def test_quick_suites_write_json_and_plot(tmp_path, suite, monkeypatch):
         import qkv.bench.attention as attention
 
         original = attention.attention_benchmark
-        monkeypatch.setattr(attention, "attention_benchmark", lambda **kw: original(
-            **{**kw, "seq_lens": (16,), "dtypes": ("float32",), "repeats": 1, "warmup": 1,
-               "min_sample_s": 0.0}))
+        monkeypatch.setattr(
+            attention,
+            "attention_benchmark",
+            lambda **kw: original(
+                **{**kw, "seq_lens": (16,), "dtypes": ("float32",), "repeats": 1, "warmup": 1, "min_sample_s": 0.0}
+            ),
+        )
     data = synthetic_data(vocab_size=50, num_batches=2, batch_size=3, src_len=8, tgt_len=8, num_sources=6)
     report, summary = run_suite(suite, out_dir=tmp_path, device=CPU, quick=True, data=data, progress=False)
     saved = json.loads((tmp_path / f"{suite}.json").read_text())
@@ -223,8 +263,26 @@ def test_quick_suites_write_json_and_plot(tmp_path, suite, monkeypatch):
 def test_attention_contenders_and_sizes_from_the_command_line(tmp_path, capsys):
     from qkv.cli import main
 
-    assert main(["bench", "attention", "--quick", "--seq-lens", "24", "--contenders", "qkv_fast,torch_sdpa",
-                 "--dtypes", "float32", "--passes", "forward", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "attention",
+                "--quick",
+                "--seq-lens",
+                "24",
+                "--contenders",
+                "qkv_fast,torch_sdpa",
+                "--dtypes",
+                "float32",
+                "--passes",
+                "forward",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     saved = json.loads((tmp_path / "attention.json").read_text())
     assert {(p["seq_len"], p["dtype"], p["pass"]) for p in saved["results"]} == {(24, "float32", "forward")}
     assert all(set(p["timings"]) == {"qkv_fast", "torch_sdpa"} for p in saved["results"])

@@ -36,8 +36,11 @@ def test_every_result_json_says_machine_command_date_and_commit():
     for path in JSONS:
         machine = json.loads(path.read_text())["machine"]
         assert isinstance(machine, dict), path
-        absent = [k for k in ("cpu_model", "cpu_family", "cpu_model_number", "avx2", "avx512_bf16", "amx", "threads",
-                              "gpu") if k not in machine]
+        absent = [
+            k
+            for k in ("cpu_model", "cpu_family", "cpu_model_number", "avx2", "avx512_bf16", "amx", "threads", "gpu")
+            if k not in machine
+        ]
         assert absent == [], (path, absent)
 
 

@@ -20,8 +20,15 @@ from qkv.viz import EncoderExplorer, Seq2SeqExplorer, explorer_data, write_html
 from qkv.viz.server import ExplorerApp, make_server
 
 CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
     pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
@@ -46,8 +53,9 @@ class WordTokenizer:
 @pytest.fixture(scope="module")
 def browser():
     with sync_api.sync_playwright() as p:
-        instance = p.chromium.launch(executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"),
-                                     args=ARGS)
+        instance = p.chromium.launch(
+            executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"), args=ARGS
+        )
         yield instance
         instance.close()
 
@@ -65,11 +73,21 @@ def minilm():
 @pytest.fixture(scope="module")
 def seq2seq_explorer():
     torch.manual_seed(3)
-    config = TransformerConfig(src_vocab_size=15, tgt_vocab_size=15, d_model=32, num_heads=4, num_encoder_layers=2,
-                               num_decoder_layers=2, d_ff=64, max_len=32, dropout=0.0)
-    tokenizer = WordTokenizer("a dog runs on the beach ein hund läuft am strand".split())
-    return Seq2SeqExplorer(model=Transformer(config).eval(), tokenizer=tokenizer, name="tiny-translator",
-                           max_new_tokens=6)
+    config = TransformerConfig(
+        src_vocab_size=15,
+        tgt_vocab_size=15,
+        d_model=32,
+        num_heads=4,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        d_ff=64,
+        max_len=32,
+        dropout=0.0,
+    )
+    tokenizer = WordTokenizer(["a", "dog", "runs", "on", "the", "beach", "ein", "hund", "läuft", "am", "strand"])
+    return Seq2SeqExplorer(
+        model=Transformer(config).eval(), tokenizer=tokenizer, name="tiny-translator", max_new_tokens=6
+    )
 
 
 class Watch:
@@ -156,7 +174,8 @@ def test_static_explorer_from_qkv_attend(browser, minilm, tmp_path):
     visible = page.eval_on_selector_all("#head-svg line:not(.hidden)", "ls => ls.map(l => l.dataset.q)")
     assert visible and set(visible) == {"2"}
     shades = page.eval_on_selector_all(
-        "#head-svg g.keys rect.weight", "rs => rs.map(r => Number(r.getAttribute('fill-opacity')))")
+        "#head-svg g.keys rect.weight", "rs => rs.map(r => Number(r.getAttribute('fill-opacity')))"
+    )
     assert abs(sum(shades) - 1.0) <= 0.01
     page.mouse.move(1200, 10)
     # a model-view cell opens that layer and head in the head view
@@ -203,8 +222,13 @@ def test_static_seq2seq_views(browser, seq2seq_explorer, tmp_path):
 
 
 def test_qkv_serve_in_the_browser(browser, minilm, seq2seq_explorer, tmp_path):
-    app = ExplorerApp(explorers={"all-MiniLM-L6-v2": EncoderExplorer(model=minilm, name="all-MiniLM-L6-v2"),
-                                 "tiny-translator": seq2seq_explorer}, max_chars=200)
+    app = ExplorerApp(
+        explorers={
+            "all-MiniLM-L6-v2": EncoderExplorer(model=minilm, name="all-MiniLM-L6-v2"),
+            "tiny-translator": seq2seq_explorer,
+        },
+        max_chars=200,
+    )
     httpd = make_server(app, host="127.0.0.1", port=0)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     origin = "http://127.0.0.1:%d" % httpd.server_address[1]
@@ -259,4 +283,3 @@ def test_qkv_serve_in_the_browser(browser, minilm, seq2seq_explorer, tmp_path):
         context.close()
         httpd.shutdown()
         httpd.server_close()
-

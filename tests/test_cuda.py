@@ -13,28 +13,44 @@ Every test here is skipped on a machine without CUDA (CI has none); on a GPU mac
 import math
 import shutil
 
+import dist_workers
 import pytest
 import torch
+from test_loss import _tiny_transformer_and_batch, check_transformer_rdrop_loss
 
-import dist_workers
 import qkv
 from qkv.attention import select_backend
 from qkv.attention.functional import attention_reference
 from qkv.data.dates import generate_dates
 from qkv.decoding.search import beam_search, greedy_decode
-from qkv.nn.loss import (fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy, label_smoothed_cross_entropy,
-                      rdrop_cross_entropy)
 from qkv.models.transformer import Transformer, TransformerConfig
+from qkv.nn.loss import (
+    fused_linear_cross_entropy,
+    fused_linear_rdrop_cross_entropy,
+    label_smoothed_cross_entropy,
+    rdrop_cross_entropy,
+)
 from qkv.runs.translation import resume_run, start_run
-from test_loss import _tiny_transformer_and_batch, check_transformer_rdrop_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = torch.device("cuda")
-MODEL = dict(d_model=32, num_heads=2, num_encoder_layers=2, num_decoder_layers=1, d_ff=64, dropout=0.0, max_len=64,
-             bias=False)
-TRAIN = dict(max_tokens=300, warmup_steps=4, lr_factor=0.02, max_steps=3, max_minutes=0.0, bf16=False, progress=False,
-             average_last=1, eval_every_minutes=0.0, checkpoint_every_minutes=0.0, log_every_steps=1,
-             label_smoothing=0.1)
+MODEL = dict(
+    d_model=32, num_heads=2, num_encoder_layers=2, num_decoder_layers=1, d_ff=64, dropout=0.0, max_len=64, bias=False
+)
+TRAIN = dict(
+    max_tokens=300,
+    warmup_steps=4,
+    lr_factor=0.02,
+    max_steps=3,
+    max_minutes=0.0,
+    bf16=False,
+    progress=False,
+    average_last=1,
+    eval_every_minutes=0.0,
+    checkpoint_every_minutes=0.0,
+    log_every_steps=1,
+    label_smoothing=0.1,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -104,8 +120,17 @@ def test_unmasked_causal_attention_runs_on_the_flash_kernel():
 @pytest.fixture(scope="module")
 def untrained():
     torch.manual_seed(3)
-    config = TransformerConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=32, num_heads=4, num_encoder_layers=2,
-                               num_decoder_layers=2, d_ff=64, dropout=0.0, max_len=40)
+    config = TransformerConfig(
+        src_vocab_size=40,
+        tgt_vocab_size=40,
+        d_model=32,
+        num_heads=4,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        d_ff=64,
+        dropout=0.0,
+        max_len=40,
+    )
     model = Transformer(config).eval()
     src = torch.randint(3, 40, (5, 9))
     src[1, 6:] = 0
@@ -181,8 +206,9 @@ def test_fused_losses_on_cuda_match_the_float64_reference(rdrop, bf16):
             got = fused_linear_cross_entropy(gpu[0], gpu[2], target.to(CUDA), 0.1, 0, chunk_rows=128)
             inputs = (gpu[0], gpu[2])
         else:
-            got = fused_linear_rdrop_cross_entropy(gpu[0], gpu[1], gpu[2], target.to(CUDA), 0.1, 0, rdrop,
-                                                   chunk_rows=128)
+            got = fused_linear_rdrop_cross_entropy(
+                gpu[0], gpu[1], gpu[2], target.to(CUDA), 0.1, 0, rdrop, chunk_rows=128
+            )
             inputs = tuple(gpu)
     grads = torch.autograd.grad(got, inputs)
     assert got.dtype == torch.float32 and all(x.dtype == torch.float32 for x in grads)
@@ -227,8 +253,13 @@ def base_run(tmp_path_factory):
     pairs = generate_dates(400, seed=21)
     (root / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (root / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
-    spec = {"source": "files", "train_src": str(root / "s.txt"), "train_tgt": str(root / "t.txt"),
-            "val_src": None, "val_tgt": None}
+    spec = {
+        "source": "files",
+        "train_src": str(root / "s.txt"),
+        "train_tgt": str(root / "t.txt"),
+        "val_src": None,
+        "val_tgt": None,
+    }
     torch.manual_seed(0)
     start_run(root / "base", data=spec, model_options=MODEL, vocab_size=300, train_options=TRAIN, device="cpu")
     return root
@@ -262,8 +293,11 @@ def test_training_steps_on_cuda_match_the_cpu_and_resume_on_the_cpu(base_run):
 
 def test_bf16_training_on_cuda_learns(base_run):
     shutil.copytree(base_run / "base", base_run / "bf16")
-    trainer = resume_run(base_run / "bf16", train_options={"bf16": True, "max_steps": 80, "lr_factor": 0.2,
-                                                            "max_tokens": 1500}, device="cuda")
+    trainer = resume_run(
+        base_run / "bf16",
+        train_options={"bf16": True, "max_steps": 80, "lr_factor": 0.2, "max_tokens": 1500},
+        device="cuda",
+    )
     losses = []
     for epoch in range(20):
         for batch in trainer.task.batches(epoch, 1500, 0):
@@ -298,8 +332,10 @@ def _nccl_scenario(rank, world, port, out, run_dir, strategy):
         ctx = AsIfSeveral(**dataclasses.asdict(ctx))
         trainer = resume_run(run_dir, train_options={"strategy": strategy}, device="cuda", dist=ctx)
         trainer.train()
-        torch.save({k: v.detach().double().cpu() for k, v in trainer.plain_model().state_dict().items()},
-                   f"{out}/{strategy}.pt")
+        torch.save(
+            {k: v.detach().double().cpu() for k, v in trainer.plain_model().state_dict().items()},
+            f"{out}/{strategy}.pt",
+        )
     finally:
         shutdown()
 
@@ -312,7 +348,10 @@ def test_ddp_and_fsdp2_over_nccl_match_one_plain_process(base_run, strategy):
     plain.train()
     # one spawned process (a failure in it raises here, with its traceback)
     torch.multiprocessing.start_processes(
-        _nccl_scenario, args=(1, dist_workers.free_port(), str(base_run), str(base_run / strategy), strategy),
-        nprocs=1, start_method="spawn")
+        _nccl_scenario,
+        args=(1, dist_workers.free_port(), str(base_run), str(base_run / strategy), strategy),
+        nprocs=1,
+        start_method="spawn",
+    )
     shared = torch.load(base_run / f"{strategy}.pt")
     assert _worst(shared, _weights(plain)) < 1e-5

@@ -32,7 +32,7 @@ def test_read_lines_plain_and_gz(tmp_path, name):
 
 def test_read_parallel_aligned(tmp_path):
     src = write(tmp_path / "s.en", b"a dog\ntwo cats\n")
-    tgt = write(tmp_path / "t.de.gz", "ein Hund\nzwei Katzen\n".encode())
+    tgt = write(tmp_path / "t.de.gz", b"ein Hund\nzwei Katzen\n")
     pairs = read_parallel(src, tgt)
     assert pairs.src == ["a dog", "two cats"] and pairs.tgt == ["ein Hund", "zwei Katzen"] and len(pairs) == 2
 
@@ -46,13 +46,16 @@ def test_misaligned_names_both_files_and_line(tmp_path):
     assert "s.en" in message and "t.de" in message and "3 lines" in message and "line 3" in message
 
 
-@pytest.mark.parametrize("data, expected", [
-    (b"", "file is empty"),
-    (b"\n", "line 1: empty line"),
-    (b"fine\n\nfine again\n", "line 2: empty line"),
-    (b"ok\nstill ok\nbad \xff byte\n", "line 3: not valid UTF-8"),
-    ("ok\n".encode("utf-16"), "line 1: not valid UTF-8"),
-])
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        (b"", "file is empty"),
+        (b"\n", "line 1: empty line"),
+        (b"fine\n\nfine again\n", "line 2: empty line"),
+        (b"ok\nstill ok\nbad \xff byte\n", "line 3: not valid UTF-8"),
+        ("ok\n".encode("utf-16"), "line 1: not valid UTF-8"),
+    ],
+)
 def test_bad_files_name_file_and_line(tmp_path, data, expected):
     path = write(tmp_path / "bad.txt", data)
     with pytest.raises(ValueError, match=expected) as err:
@@ -122,8 +125,13 @@ def test_download_multi30k_writes_whole_files_or_none(tmp_path, monkeypatch):
     assert "could not download Multi30k file" in str(err.value) and "val.de.gz" in str(err.value)
     assert "connection reset by peer" in str(err.value) and "\n" not in str(err.value)
     written = sorted(p.name for p in folder.iterdir())  # sorted stems: test_2016_flickr, train, val
-    assert written == ["test_2016_flickr.de.gz", "test_2016_flickr.en.gz", "train.de.gz", "train.en.gz",
-                       "val.en.gz"]  # the interrupted file is absent, and no temporary file is left
+    assert written == [
+        "test_2016_flickr.de.gz",
+        "test_2016_flickr.en.gz",
+        "train.de.gz",
+        "train.en.gz",
+        "val.en.gz",
+    ]  # the interrupted file is absent, and no temporary file is left
     assert (folder / "train.en.gz").read_bytes() == b"train.en.gz"
     assert oct((folder / "train.en.gz").stat().st_mode & 0o777) == oct(0o644)
 
@@ -151,8 +159,10 @@ def test_later_test_sets_come_from_the_cache_and_leave_the_data_folder_alone(tmp
     assert coco.tgt[1] == "test_2017_mscoco.de.gz two" and asked == ["test_2017_mscoco.en.gz", "test_2017_mscoco.de.gz"]
     assert load_multi30k(folder, "test_2017_mscoco", "en", "de").tgt == coco.tgt  # now read from the cache
     assert len(asked) == 2 and sorted(p.name for p in folder.iterdir()) == before
-    assert sorted(p.name for p in (tmp_path / "cache" / "multi30k").iterdir()) == ["test_2017_mscoco.de.gz",
-                                                                                   "test_2017_mscoco.en.gz"]
+    assert sorted(p.name for p in (tmp_path / "cache" / "multi30k").iterdir()) == [
+        "test_2017_mscoco.de.gz",
+        "test_2017_mscoco.en.gz",
+    ]
     with gzip.open(folder / "test_2018_flickr.de.gz", "wt", encoding="utf-8") as f:
         f.write("ein Hund\n")
     (folder / "test_2018_flickr.en").write_text("a dog\n", encoding="utf-8")
@@ -165,8 +175,13 @@ def test_data_spec_multi30k_and_files(tmp_path, multi30k_dir):
     train, valid = load_train_valid(spec)
     assert len(train) == 29000 and len(valid) == 1014 and train.src_path.endswith("train.de.gz")
     assert len(load_split(spec, "test")) == 1000
-    files = {"source": "files", "train_src": str(write(tmp_path / "a", b"x\ny\n")),
-             "train_tgt": str(write(tmp_path / "b", b"X\nY\n")), "val_src": None, "val_tgt": None}
+    files = {
+        "source": "files",
+        "train_src": str(write(tmp_path / "a", b"x\ny\n")),
+        "train_tgt": str(write(tmp_path / "b", b"X\nY\n")),
+        "val_src": None,
+        "val_tgt": None,
+    }
     train, valid = load_train_valid(files)
     assert train.tgt == ["X", "Y"] and valid is None
     with pytest.raises(ValueError, match="no 'val' split"):
@@ -209,9 +224,28 @@ def test_every_format_reads_back_to_its_date():
 
 def test_ordinals():
     assert [ordinal_suffix(d) for d in (1, 2, 3, 4, 11, 12, 13, 21, 22, 23, 30, 31)] == [
-        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "30th", "31st"]
+        "1st",
+        "2nd",
+        "3rd",
+        "4th",
+        "11th",
+        "12th",
+        "13th",
+        "21st",
+        "22nd",
+        "23rd",
+        "30th",
+        "31st",
+    ]
     assert [ordinal_word(d) for d in (1, 12, 20, 21, 29, 30, 31)] == [
-        "first", "twelfth", "twentieth", "twenty-first", "twenty-ninth", "thirtieth", "thirty-first"]
+        "first",
+        "twelfth",
+        "twentieth",
+        "twenty-first",
+        "twenty-ninth",
+        "thirtieth",
+        "thirty-first",
+    ]
     with pytest.raises(ValueError, match="32"):
         ordinal_word(32)
 

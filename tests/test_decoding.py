@@ -12,8 +12,8 @@ from qkv.data.batching import pad_sequences
 from qkv.data.dates import generate_dates
 from qkv.data.tokenizer import Tokenizer
 from qkv.decoding.search import beam_search, greedy_decode, length_penalty
-from qkv.metrics.scores import exact_match, score_translations
 from qkv.decoding.translate import length_batches, translate_texts
+from qkv.metrics.scores import exact_match, score_translations
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.training import TrainConfig, Trainer, TranslationTask
 
@@ -26,14 +26,25 @@ def trained(tmp_path_factory):
     torch.manual_seed(0)
     pairs = generate_dates(400, seed=11)
     tokenizer = Tokenizer.train(pairs.src + pairs.tgt, vocab_size=300, split_digits=True)
-    config = TransformerConfig(src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size, d_model=32,
-                               num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64, dropout=0.0,
-                               max_len=64, norm_first=True, share_embeddings=True)
+    config = TransformerConfig(
+        src_vocab_size=tokenizer.vocab_size,
+        tgt_vocab_size=tokenizer.vocab_size,
+        d_model=32,
+        num_heads=2,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        d_ff=64,
+        dropout=0.0,
+        max_len=64,
+        norm_first=True,
+        share_embeddings=True,
+    )
     run_dir = tmp_path_factory.mktemp("decode") / "run"
     run_dir.mkdir()
     task = TranslationTask(tokenizer, pairs, None, max_len=config.max_len, pad_id=config.pad_id)
-    trainer = Trainer(Transformer(config), task, TrainConfig(max_tokens=1500, warmup_steps=20, max_steps=60,
-                                                             progress=False), run_dir)
+    trainer = Trainer(
+        Transformer(config), task, TrainConfig(max_tokens=1500, warmup_steps=20, max_steps=60, progress=False), run_dir
+    )
     trainer.train()
     model = trainer.model.eval()
     sources = generate_dates(12, seed=12, split="test").src
@@ -46,8 +57,17 @@ def trained(tmp_path_factory):
 @pytest.fixture(scope="module")
 def untrained():
     torch.manual_seed(3)
-    config = TransformerConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=32, num_heads=4, num_encoder_layers=2,
-                               num_decoder_layers=2, d_ff=64, dropout=0.0, max_len=40)
+    config = TransformerConfig(
+        src_vocab_size=40,
+        tgt_vocab_size=40,
+        d_model=32,
+        num_heads=4,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        d_ff=64,
+        dropout=0.0,
+        max_len=40,
+    )
     model = Transformer(config).eval()
     src = torch.randint(3, 40, (5, 9))
     src[1, 6:] = 0  # padding
@@ -114,8 +134,7 @@ def test_batched_beam_equals_one_sentence_at_a_time(trained, beam_size):
 
 def test_beam_scores_are_teacher_forced_log_probs(trained, untrained):
     for model, src in ((trained[0], trained[3][:4]), untrained):
-        hyps = beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=3, alpha=0.6, extra_len=10,
-                           return_all=True)
+        hyps = beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=3, alpha=0.6, extra_len=10, return_all=True)
         max_len = (src != 0).sum(1) + 10
         for i, sentence in enumerate(hyps):
             assert len(sentence) >= 1

@@ -6,16 +6,20 @@ import json
 import subprocess
 import sys
 
-from qkv.runs.folder import load_run
 from qkv.data.sources import load_split
-from qkv.metrics.scores import exact_match
 from qkv.decoding.translate import translate_texts
+from qkv.metrics.scores import exact_match
+from qkv.runs.folder import load_run
 
 
 def test_qkv_demo_runs_end_to_end(tmp_path):
     out = tmp_path / "demo"
-    result = subprocess.run([sys.executable, "-m", "qkv", "demo", "--out", str(out), "--minutes", "0.15",
-                             "--no-progress"], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "qkv", "demo", "--out", str(out), "--minutes", "0.15", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] > 0 and summary["test_dates"] == 2000 and 0 <= summary["exact_match"] <= 1

@@ -19,22 +19,42 @@ import subprocess
 import sys
 import time
 
+import dist_workers
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import dist_workers
 from qkv.data.dates import generate_dates
 from qkv.runs.translation import resume_run, start_run
 
 # ReLU, not the float32 recipe's GELU: GELU's gradients for negative inputs are tiny but not zero, so, like the
 # key bias's, their rounding noise reaches Adam (4e-6 after 3 steps here); ReLU's are exactly zero
-MODEL = dict(d_model=32, num_heads=2, num_encoder_layers=2, num_decoder_layers=1, d_ff=64, dropout=0.0, max_len=64,
-             bias=False, activation="relu")
+MODEL = dict(
+    d_model=32,
+    num_heads=2,
+    num_encoder_layers=2,
+    num_decoder_layers=1,
+    d_ff=64,
+    dropout=0.0,
+    max_len=64,
+    bias=False,
+    activation="relu",
+)
 LM_MODEL = dict(d_model=32, num_heads=2, num_layers=2, d_ff=64, context=32, dropout=0.0, bias=False)
-TRAIN = dict(max_tokens=300, warmup_steps=4, lr_factor=0.02, max_steps=3, max_minutes=0.0, bf16=False, progress=False,
-             average_last=1, eval_every_minutes=0.0, checkpoint_every_minutes=0.0, log_every_steps=1,
-             label_smoothing=0.1)
+TRAIN = dict(
+    max_tokens=300,
+    warmup_steps=4,
+    lr_factor=0.02,
+    max_steps=3,
+    max_minutes=0.0,
+    bf16=False,
+    progress=False,
+    average_last=1,
+    eval_every_minutes=0.0,
+    checkpoint_every_minutes=0.0,
+    log_every_steps=1,
+    label_smoothing=0.1,
+)
 EMA = {"ema_decay": 0.8}  # a short memory, so that 6 steps move the average well away from the first weights
 
 
@@ -56,22 +76,45 @@ def runs(tmp_path_factory):
     pairs = generate_dates(400, seed=21)
     (root / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (root / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
-    spec = {"source": "files", "train_src": str(root / "s.txt"), "train_tgt": str(root / "t.txt"),
-            "val_src": None, "val_tgt": None}
+    spec = {
+        "source": "files",
+        "train_src": str(root / "s.txt"),
+        "train_tgt": str(root / "t.txt"),
+        "val_src": None,
+        "val_tgt": None,
+    }
     torch.manual_seed(0)
-    base = start_run(root / "base", data=spec, model_options=MODEL, vocab_size=300, train_options=TRAIN,
-                     device="cpu")
+    base = start_run(root / "base", data=spec, model_options=MODEL, vocab_size=300, train_options=TRAIN, device="cpu")
     batches = base.task.batches(0, TRAIN["max_tokens"], 0)
     uneven_tokens = next(t for t in range(200, 400, 10) if len(base.task.batches(0, t, 0)) % 2 == 1)
-    for name in ("ddp", "subword_ddp", "subword_1", "resumed_on_1", "resumed_on_2", "uneven", "uneven_1", "fsdp",
-                 "steps", "steps_fsdp", "fsdp_resumed_on_2", "ema_ddp", "ema_1", "ema_resumed_on_2"):
+    for name in (
+        "ddp",
+        "subword_ddp",
+        "subword_1",
+        "resumed_on_1",
+        "resumed_on_2",
+        "uneven",
+        "uneven_1",
+        "fsdp",
+        "steps",
+        "steps_fsdp",
+        "fsdp_resumed_on_2",
+        "ema_ddp",
+        "ema_1",
+        "ema_resumed_on_2",
+    ):
         shutil.copytree(root / "base", root / name)
     steps = [[batches[2 * k], batches[2 * k + 1]] for k in range(5)]
     # the language model through the same engine
     (root / "lm.txt").write_text("".join(f"{p} -> {q}\n" for p, q in zip(pairs.src, pairs.tgt)), encoding="utf-8")
     torch.manual_seed(0)
-    lm = start_run(root / "lm_base", data={"source": "text", "train_text": str(root / "lm.txt")},
-                   model_options=LM_MODEL, train_options={**TRAIN, "max_tokens": 128}, device="cpu")
+    lm = start_run(
+        root / "lm_base",
+        data={"source": "text", "train_text": str(root / "lm.txt")},
+        model_options=LM_MODEL,
+        train_options={**TRAIN, "max_tokens": 128},
+        device="cpu",
+    )
     lm_batches = lm.task.batches(0, 128, 0)
     lm_steps = [[lm_batches[2 * k], lm_batches[2 * k + 1]] for k in range(5)]
     shutil.copytree(root / "lm_base", root / "lm_steps")
@@ -105,11 +148,15 @@ def runs(tmp_path_factory):
     # 1 process: the second half of "resumed_on_1", and the references
     resume_run(root / "resumed_on_1", train_options={"max_steps": 6, "accum_steps": 2}, device="cpu").train()
     resume_run(root / "ema_1", train_options={"max_steps": 6, "accum_steps": 2, **EMA}, device="cpu").train()
-    resume_run(root / "subword_1", train_options={"max_steps": 6, "accum_steps": 2, "subword_dropout": 0.3},
-               device="cpu").train()
+    resume_run(
+        root / "subword_1", train_options={"max_steps": 6, "accum_steps": 2, "subword_dropout": 0.3}, device="cpu"
+    ).train()
     resume_run(root / "fsdp_resumed_on_1", train_options={"max_steps": 6, "accum_steps": 2}, device="cpu").train()
-    resume_run(root / "uneven_1", train_options={"max_steps": 0, "max_epochs": 1.0, "accum_steps": 2,
-                                                  "max_tokens": uneven_tokens}, device="cpu").train()
+    resume_run(
+        root / "uneven_1",
+        train_options={"max_steps": 0, "max_epochs": 1.0, "accum_steps": 2, "max_tokens": uneven_tokens},
+        device="cpu",
+    ).train()
     return root, steps, lm_steps
 
 
@@ -141,8 +188,12 @@ def test_a_language_model_on_two_ranks_equals_one_process_with_both_batches(runs
 
 def test_accumulating_two_micro_batches_equals_one_batch(runs):
     root, steps, _ = runs
-    assert_close(one_process_steps(root, steps, split=True), one_process_steps(root, steps, split=False), 1e-6,
-                 "2 micro-batches of B/2 vs one batch of B")
+    assert_close(
+        one_process_steps(root, steps, split=True),
+        one_process_steps(root, steps, split=False),
+        1e-6,
+        "2 micro-batches of B/2 vs one batch of B",
+    )
 
 
 def test_subword_dropout_cuts_the_same_on_two_ranks_as_on_one_process(runs):
@@ -174,10 +225,18 @@ def test_the_moving_average_of_the_weights_on_two_ranks_equals_one_process(runs)
 
 def test_fsdp2_matches_ddp(runs):
     root, _, _ = runs
-    assert_close(torch.load(root / "out" / "fsdp_steps.pt"), torch.load(root / "out" / "ddp_steps.pt"), 1e-5,
-                 "FSDP2 vs DDP, Trainer.step")
-    assert_close(weights(root / "fsdp" / "state.pt"), weights(root / "ddp" / "state.pt"), 1e-5,
-                 "FSDP2 vs DDP, the training loop with its checkpoint")
+    assert_close(
+        torch.load(root / "out" / "fsdp_steps.pt"),
+        torch.load(root / "out" / "ddp_steps.pt"),
+        1e-5,
+        "FSDP2 vs DDP, Trainer.step",
+    )
+    assert_close(
+        weights(root / "fsdp" / "state.pt"),
+        weights(root / "ddp" / "state.pt"),
+        1e-5,
+        "FSDP2 vs DDP, the training loop with its checkpoint",
+    )
 
 
 def test_runs_resume_on_another_number_of_processes(runs):
@@ -209,8 +268,12 @@ def test_an_epoch_that_does_not_divide_among_ranks_finishes_like_one_process(run
     root, _, _ = runs
     state = torch.load(root / "uneven" / "state.pt", weights_only=True)["train_state"]
     assert state["epoch"] == 0 and state["step"] > 0  # one epoch, its last step half empty
-    assert_close(weights(root / "uneven" / "state.pt"), weights(root / "uneven_1" / "state.pt"), 1e-6,
-                 "uneven epoch on 2 processes vs 1 process accumulating 2")
+    assert_close(
+        weights(root / "uneven" / "state.pt"),
+        weights(root / "uneven_1" / "state.pt"),
+        1e-6,
+        "uneven epoch on 2 processes vs 1 process accumulating 2",
+    )
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="uses pgrep")
@@ -218,11 +281,45 @@ def test_a_killed_rank_stops_the_launcher_quickly(tmp_path):
     pairs = generate_dates(200, seed=1)
     (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "qkv",
-               "train", "--train-src", str(tmp_path / "s.txt"), "--train-tgt", str(tmp_path / "t.txt"),
-               "--run-dir", str(tmp_path / "run"), "--max-steps", "100000", "--minutes", "0", "--vocab-size", "300",
-               "--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--d-ff", "64",
-               "--no-bf16", "--no-progress", "--max-tokens", "300", "--device", "cpu"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "qkv",
+        "train",
+        "--train-src",
+        str(tmp_path / "s.txt"),
+        "--train-tgt",
+        str(tmp_path / "t.txt"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--max-steps",
+        "100000",
+        "--minutes",
+        "0",
+        "--vocab-size",
+        "300",
+        "--d-model",
+        "32",
+        "--heads",
+        "2",
+        "--encoder-layers",
+        "1",
+        "--decoder-layers",
+        "1",
+        "--d-ff",
+        "64",
+        "--no-bf16",
+        "--no-progress",
+        "--max-tokens",
+        "300",
+        "--device",
+        "cpu",
+    ]
     launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 240

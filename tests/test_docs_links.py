@@ -78,6 +78,7 @@ def link_targets(text: str):
 # ---------------------------------------------------------------------------------------------
 # heading ids, as MkDocs (Python-Markdown's toc) and GitHub write them
 
+
 def _heading_text(raw: str) -> str:
     text = re.sub(r"!\[[^\]]*\]\([^)]*\)", "", raw)  # images add no text
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)  # links: their text
@@ -146,6 +147,7 @@ def api_objects(path: Path) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # the checks; each returns "file:line: problem" strings
 
+
 def _where(path: Path, number: int, root: Path) -> str:
     return f"{path.relative_to(root)}:{number}"
 
@@ -174,22 +176,27 @@ def link_problems(root: Path = ROOT) -> list[str]:
                 problems.append(f"{where}: {target!r} points outside the repository")
                 continue
             if in_docs and docs not in resolved.parents:
-                problems.append(f"{where}: {target!r} leaves docs/, which the site cannot serve (name a "
-                                "repository file as a code span, e.g. `benchmarks/README.md`)")
+                problems.append(
+                    f"{where}: {target!r} leaves docs/, which the site cannot serve (name a "
+                    "repository file as a code span, e.g. `benchmarks/README.md`)"
+                )
                 continue
             if not resolved.exists():
                 problems.append(f"{where}: {target!r} does not exist ({resolved.relative_to(root)})")
                 continue
             if in_docs and resolved.is_dir():
-                problems.append(f"{where}: {target!r} is a folder; link its page (e.g. {file_part.rstrip('/')}/index.md)")
+                problems.append(
+                    f"{where}: {target!r} is a folder; link its page (e.g. {file_part.rstrip('/')}/index.md)"
+                )
                 continue
             if anchor and resolved.suffix == ".md":
                 objects = api_objects(resolved)
                 if any(anchor == o or anchor.startswith(o + ".") for o in objects):
                     continue
                 if anchor not in anchors(resolved, "mkdocs" if in_docs else "github"):
-                    problems.append(f"{where}: {target!r}: {resolved.relative_to(root)} has no heading "
-                                    f"with the anchor #{anchor}")
+                    problems.append(
+                        f"{where}: {target!r}: {resolved.relative_to(root)} has no heading with the anchor #{anchor}"
+                    )
     return problems
 
 
@@ -245,8 +252,9 @@ def test_every_results_path_named_exists():
 
 
 def test_nothing_points_outside_the_repository():
-    problems = outside_problems() + [p for p in link_problems() if "outside the repository" in p
-                                     or "absolute path" in p or "file: link" in p]
+    problems = outside_problems() + [
+        p for p in link_problems() if "outside the repository" in p or "absolute path" in p or "file: link" in p
+    ]
     assert not problems, _report(problems, "references outside the repository (file:line)")
 
 
@@ -263,7 +271,8 @@ def scratch(tmp_path: Path) -> Path:
     (tmp_path / "benchmarks" / "results" / "demo" / "demo_time.json").write_text("{}")
     (tmp_path / "docs" / "translation.md").write_text(
         "# Translation\n\n## Train a model\n\n## Train a model\n\nSee `qkv train`.\n\n"
-        "Evaluate: beam & length\n-----------------------\n\n## Own id {#custom}\n")
+        "Evaluate: beam & length\n-----------------------\n\n## Own id {#custom}\n"
+    )
     (tmp_path / "docs" / "api.md").write_text("# API\n\n::: qkv.Transformer\n")
     return tmp_path
 
@@ -272,13 +281,15 @@ def test_the_checks_pass_good_references(scratch: Path):
     (scratch / "README.md").write_text(
         "[docs](docs/translation.md#train-a-model) [folder](benchmarks/) [web](https://example.org/x)\n"
         "![fig](docs/figures/a.png) `benchmarks/results/demo/demo_time.json` [top](#readme)\n# Readme\n"
-        "[evaluate](docs/translation.md#evaluate-beam--length)\n")
+        "[evaluate](docs/translation.md#evaluate-beam--length)\n"
+    )
     (scratch / "docs" / "index.md").write_text(
         "[t](translation.md#train-a-model_1) [e](translation.md#evaluate-beam-length) [c](translation.md#custom)\n"
         "![f](figures/a.png) [api](api.md#qkv.Transformer.encode) [h](history/log.md)\n"
-        "<img src=\"figures/a.png\"> [ref]: translation.md\n"
+        '<img src="figures/a.png"> [ref]: translation.md\n'
         "```\n[not a link](nowhere.md) ../shared is fine? no: see below\n```\n"
-        "Results: `benchmarks/results/demo/demo_time.json`, benchmarks/results/demo/.\n")
+        "Results: `benchmarks/results/demo/demo_time.json`, benchmarks/results/demo/.\n"
+    )
     (scratch / "docs" / "history" / "log.md").write_text("[back](../translation.md#translation)\n")
     assert link_problems(scratch) == []
     assert results_problems(scratch) == []
@@ -290,13 +301,15 @@ def test_the_checks_find_every_broken_reference(scratch: Path):
     (scratch / "README.md").write_text(
         "line one\n[gone](docs/gone.md) ![img](docs/figures/b.png)\n[up](../elsewhere/README.md)\n"
         "[abs](/etc/passwd) [file](file:///tmp/x.md) [anchor](docs/translation.md#train-a-model_1)\n"
-        "See [design](../shared/DESIGN.md).\n")
+        "See [design](../shared/DESIGN.md).\n"
+    )
     (scratch / "docs" / "index.md").write_text(
         "[out of docs](../README.md) [folder](history/)\n"
         "[missing anchor](translation.md#no-such-heading) [api](api.md#qkv.Nothing)\n"
         "[ref]: translation.md#nope\n"
         "`benchmarks/results/missing.json` and `benchmarks/results/demo/demo_time{,_seed1}.json`\n"
-        "and `..._wd01.json` and benchmarks/results/demo/*.txt\n")
+        "and `..._wd01.json` and benchmarks/results/demo/*.txt\n"
+    )
     links = link_problems(scratch)
     expected_links = [
         "README.md:2: 'docs/gone.md' does not exist",

@@ -85,7 +85,6 @@ def test_dropout_off_zeroes_every_rate_and_puts_them_back():
         assert [model[0].p, model[1].p, model[2].dropout] == [0.0, 0.0, 0.0]
         assert torch.equal(model[1](model[0](x)), x)
     assert [model[0].p, model[1].p, model[2].dropout] == [0.3, 0.2, 0.1]
-    with pytest.raises(RuntimeError):
-        with dropout_off(model):
-            raise RuntimeError("a failed step")
+    with pytest.raises(RuntimeError), dropout_off(model):
+        raise RuntimeError("a failed step")
     assert [model[0].p, model[1].p, model[2].dropout] == [0.3, 0.2, 0.1]

@@ -13,10 +13,10 @@ from qkv.cli import main
 from qkv.data.batching import pad_sequences
 from qkv.data.dates import generate_dates
 from qkv.data.tokenizer import Tokenizer
-from qkv.decoding.search import beam_search, greedy_decode
 from qkv.decoding.ensemble import Ensemble
-from qkv.runs.folder import load_translator
+from qkv.decoding.search import beam_search, greedy_decode
 from qkv.models.transformer import Transformer, TransformerConfig
+from qkv.runs.folder import load_translator
 from qkv.training import TrainConfig, Trainer, TranslationTask
 
 BOS, EOS = 1, 2
@@ -24,9 +24,17 @@ BOS, EOS = 1, 2
 
 def random_model(seed: int, d_model: int, layers: int, vocab: int = 40) -> Transformer:
     torch.manual_seed(seed)
-    config = TransformerConfig(src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=d_model, num_heads=4,
-                               num_encoder_layers=layers, num_decoder_layers=layers, d_ff=2 * d_model, dropout=0.0,
-                               max_len=40)
+    config = TransformerConfig(
+        src_vocab_size=vocab,
+        tgt_vocab_size=vocab,
+        d_model=d_model,
+        num_heads=4,
+        num_encoder_layers=layers,
+        num_decoder_layers=layers,
+        d_ff=2 * d_model,
+        dropout=0.0,
+        max_len=40,
+    )
     return Transformer(config).eval()
 
 
@@ -70,13 +78,26 @@ def trained_pair(tmp_path_factory):
     models = []
     for seed in (0, 1):
         torch.manual_seed(seed)
-        config = TransformerConfig(src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size,
-                                   d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64,
-                                   dropout=0.0, max_len=64, norm_first=True, share_embeddings=True)
+        config = TransformerConfig(
+            src_vocab_size=tokenizer.vocab_size,
+            tgt_vocab_size=tokenizer.vocab_size,
+            d_model=32,
+            num_heads=2,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            d_ff=64,
+            dropout=0.0,
+            max_len=64,
+            norm_first=True,
+            share_embeddings=True,
+        )
         task = TranslationTask(tokenizer, pairs, None, max_len=config.max_len, pad_id=config.pad_id)
-        trainer = Trainer(Transformer(config), task, TrainConfig(max_tokens=1500, warmup_steps=20, max_steps=60,
-                                                                 seed=seed, progress=False),
-                          tmp_path_factory.mktemp(f"seed{seed}"))
+        trainer = Trainer(
+            Transformer(config),
+            task,
+            TrainConfig(max_tokens=1500, warmup_steps=20, max_steps=60, seed=seed, progress=False),
+            tmp_path_factory.mktemp(f"seed{seed}"),
+        )
         trainer.train()
         models.append(trainer.model.eval())
     sources = generate_dates(10, seed=12, split="test").src
@@ -104,10 +125,10 @@ def test_greedy_matches_a_from_scratch_loop_over_the_members(trained_pair):
 def test_beam_scores_are_teacher_forced_ensemble_log_probs(trained_pair):
     models, src = trained_pair
     ensemble = Ensemble(models)
-    cached = beam_search(ensemble, src, bos_id=BOS, eos_id=EOS, beam_size=3, alpha=0.6, extra_len=10,
-                         return_all=True)
-    uncached = beam_search(ensemble, src, bos_id=BOS, eos_id=EOS, beam_size=3, alpha=0.6, extra_len=10,
-                           use_cache=False, return_all=True)
+    cached = beam_search(ensemble, src, bos_id=BOS, eos_id=EOS, beam_size=3, alpha=0.6, extra_len=10, return_all=True)
+    uncached = beam_search(
+        ensemble, src, bos_id=BOS, eos_id=EOS, beam_size=3, alpha=0.6, extra_len=10, use_cache=False, return_all=True
+    )
     assert [[h.tokens for h in hyps] for hyps in cached] == [[h.tokens for h in hyps] for hyps in uncached]
     for row, hyps in zip(src, cached):
         row = row[row != 0][None]
@@ -127,8 +148,27 @@ def test_one_model_twice_decodes_as_the_model_alone(trained_pair):
     assert twice == alone
 
 
-TINY = ["--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--d-ff", "64",
-        "--max-tokens", "800", "--no-progress", "--threads", "1", "--max-steps", "20", "--minutes", "0"]
+TINY = [
+    "--d-model",
+    "32",
+    "--heads",
+    "2",
+    "--encoder-layers",
+    "1",
+    "--decoder-layers",
+    "1",
+    "--d-ff",
+    "64",
+    "--max-tokens",
+    "800",
+    "--no-progress",
+    "--threads",
+    "1",
+    "--max-steps",
+    "20",
+    "--minutes",
+    "0",
+]
 
 
 def test_commands_decode_with_an_ensemble_and_refuse_foreign_runs(tmp_path, capsys):

@@ -11,8 +11,27 @@ from qkv.cli import main
 from qkv.data.sources import load_split
 from qkv.metrics.significance import paired_significance
 
-TINY = ["--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--d-ff", "64",
-        "--max-tokens", "800", "--no-progress", "--threads", "1", "--max-steps", "30", "--minutes", "0"]
+TINY = [
+    "--d-model",
+    "32",
+    "--heads",
+    "2",
+    "--encoder-layers",
+    "1",
+    "--decoder-layers",
+    "1",
+    "--d-ff",
+    "64",
+    "--max-tokens",
+    "800",
+    "--no-progress",
+    "--threads",
+    "1",
+    "--max-steps",
+    "30",
+    "--minutes",
+    "0",
+]
 SPLIT = ["--split", "test", "--limit", "60", "--beam", "2"]
 
 

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv.cli import main
-from qkv.experiments import EXPERIMENTS, run_experiment
-from qkv.experiments import long_range, scaling, softmax_scaling, vit_digits
+from qkv.experiments import EXPERIMENTS, long_range, run_experiment, scaling, softmax_scaling, vit_digits
 from qkv.experiments.common import fit_power_law
 from qkv.experiments.permutation import offset_spread
 from qkv.experiments.report import build_report
@@ -98,8 +97,11 @@ def test_long_range_task_and_models():
     for kind in ("rnn", "lstm"):
         counted = sum(p.numel() for p in models[kind].parameters())
         formula = long_range.recurrent_parameters(
-            kind, vocab_size=config.vocab_size, embed_dim=config.embed_dim,
-            hidden_size=models[kind].rnn.hidden_size, num_classes=config.num_symbols,
+            kind,
+            vocab_size=config.vocab_size,
+            embed_dim=config.embed_dim,
+            hidden_size=models[kind].rnn.hidden_size,
+            num_classes=config.num_symbols,
         )
         assert counted == formula
     # the attention model computes only the last row: equal to the full EncoderLayer's last row
@@ -129,6 +131,7 @@ def test_rnn_jacobian_matches_autograd():
         t = 6 - distance
         per_sequence = []
         for b in range(2):
+
             def from_t(h, b=b, t=t):
                 for s in range(t + 1, 7):
                     h = torch.tanh(x[b, s] + w_hh @ h)
@@ -144,8 +147,13 @@ def test_input_gradient_norms_match_jacobian():
     model = long_range.build_models(long_range.QUICK, 12)["lstm"]
     tokens, _ = long_range.make_batch(long_range.QUICK, 3, 6, torch.Generator().manual_seed(0))
     ours = long_range.input_gradient_norms(model, tokens)
-    m64 = long_range.RecurrentClassifier(kind="lstm", vocab_size=long_range.QUICK.vocab_size, embed_dim=32,
-                                         hidden_size=model.rnn.hidden_size, num_classes=8).double()
+    m64 = long_range.RecurrentClassifier(
+        kind="lstm",
+        vocab_size=long_range.QUICK.vocab_size,
+        embed_dim=32,
+        hidden_size=model.rnn.hidden_size,
+        num_classes=8,
+    ).double()
     m64.load_state_dict(model.state_dict())
     x = m64.embed(tokens).detach()
     jac = torch.autograd.functional.jacobian(m64.features, x)  # (b, f, b, T, e)

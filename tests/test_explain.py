@@ -54,8 +54,19 @@ def test_conventions_agree_and_normalise():
 def test_text_shows_every_step():
     ex = worked_example()
     text = format_example(ex)
-    for needle in ("X  (4 x 6)", "W_Q  (6 x 3)", "S = Q K^T", "S / sqrt(d_k)", "A = softmax", "Z = A V",
-                   "K^T Q", "Z = V A", "Concat(Z^1, ..., Z^h)", "W_O  (6 x 6)", "MultiHead(X) = Concat W_O"):
+    for needle in (
+        "X  (4 x 6)",
+        "W_Q  (6 x 3)",
+        "S = Q K^T",
+        "S / sqrt(d_k)",
+        "A = softmax",
+        "Z = A V",
+        "K^T Q",
+        "Z = V A",
+        "Concat(Z^1, ..., Z^h)",
+        "W_O  (6 x 6)",
+        "MultiHead(X) = Concat W_O",
+    ):
         assert needle in text, needle
     assert f"{ex.z[0, 0].item():.3f}" in text and f"{ex.multi_head[3, 5].item():.3f}" in text
     md = format_example(ex, fmt="markdown", decimals=2)

@@ -58,13 +58,21 @@ def test_fused_kv_cross_attention_equals_separate_and_cache_keeps_it():
     step = torch.randn(2, 1, 24)
     torch.testing.assert_close(
         fused(step, memory, key_padding_mask=keep, cache=got.cache).output,
-        separate(step, memory, key_padding_mask=keep).output, atol=1e-6, rtol=0,
+        separate(step, memory, key_padding_mask=keep).output,
+        atol=1e-6,
+        rtol=0,
     )
 
 
 def test_broadcast_shape_agrees_with_torch():
-    cases = [((2, 1, 5), (3, 1)), ((1,), (4, 3)), ((), (2, 3)), ((2, 3, 4, 5), (1, 1, 5)), ((7,), (7,)),
-             ((2, 1, 1, 6), (2, 4, 3, 6), (3, 1))]
+    cases = [
+        ((2, 1, 5), (3, 1)),
+        ((1,), (4, 3)),
+        ((), (2, 3)),
+        ((2, 3, 4, 5), (1, 1, 5)),
+        ((7,), (7,)),
+        ((2, 1, 1, 6), (2, 4, 3, 6), (3, 1)),
+    ]
     for shapes in cases:
         assert broadcast_shape(*shapes) == tuple(torch.broadcast_shapes(*shapes))
     for shapes in [((2, 3), (3, 2)), ((4,), (5,)), ((2, 1, 5), (3, 4))]:
@@ -120,10 +128,20 @@ def test_low_precision_training_path_error_is_within_the_references_own(dtype, c
     truth.backward(grad)
     truth_grads = (qd.grad, kd.grad, vd.grad)
     low = [t.to(dtype) for t in (q, k, v)]
-    ours = _errors(lambda a, b, c: qkv.scaled_dot_product_attention(a, b, c, attn_mask=keep, is_causal=causal),
-                   *low, grad.to(dtype), truth, truth_grads)
-    theirs = _errors(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=keep, is_causal=causal),
-                     *low, grad.to(dtype), truth, truth_grads)
+    ours = _errors(
+        lambda a, b, c: qkv.scaled_dot_product_attention(a, b, c, attn_mask=keep, is_causal=causal),
+        *low,
+        grad.to(dtype),
+        truth,
+        truth_grads,
+    )
+    theirs = _errors(
+        lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=keep, is_causal=causal),
+        *low,
+        grad.to(dtype),
+        truth,
+        truth_grads,
+    )
     assert ours[0] <= 2 * theirs[0] + 1e-6
     assert ours[1] <= 2 * theirs[1] + 1e-6
 
@@ -148,8 +166,16 @@ def test_low_precision_training_path_runs_in_float32_even_under_autocast(dtype):
 
 
 def _tiny_model(**overrides) -> qkv.Transformer:
-    config = dict(src_vocab_size=40, tgt_vocab_size=40, d_model=16, num_heads=2, num_encoder_layers=2,
-                  num_decoder_layers=2, d_ff=32, max_len=32)
+    config = dict(
+        src_vocab_size=40,
+        tgt_vocab_size=40,
+        d_model=16,
+        num_heads=2,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        d_ff=32,
+        max_len=32,
+    )
     config.update(overrides)
     return qkv.Transformer(qkv.TransformerConfig(**config))
 
@@ -246,8 +272,13 @@ def test_compiled_loss_compiles_once_for_batches_of_any_shape():
         tgt[0, s_tgt // 2 + 1 :] = 0  # padding: fewer real positions than b * s_tgt
         tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
         model.zero_grad()
-        want = F.cross_entropy(model(src, tgt_in).reshape(-1, 40), tgt_out.reshape(-1), ignore_index=0,
-                               label_smoothing=0.1, reduction="sum")
+        want = F.cross_entropy(
+            model(src, tgt_in).reshape(-1, 40),
+            tgt_out.reshape(-1),
+            ignore_index=0,
+            label_smoothing=0.1,
+            reduction="sum",
+        )
         want.backward()
         want_grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad()

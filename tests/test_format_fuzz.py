@@ -78,14 +78,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, example, given, note, settings
 from hypothesis import strategies as st
+from test_reliability import train_args, write_pairs
 
 import qkv
-from qkv.training.checkpoint_files import load_checkpoint
-from qkv.runs.folder import load_run
 from qkv.cli import main
 from qkv.data.prepared import PreparedCorpus, folder_fingerprint, split_files
 from qkv.decoding.search import greedy_decode
-from test_reliability import train_args, write_pairs
+from qkv.runs.folder import load_run
+from qkv.training.checkpoint_files import load_checkpoint
 
 try:
     import resource
@@ -100,8 +100,14 @@ REPORT = os.environ.get("QKV_FUZZ_REPORT")
 
 def fuzz(default: int):
     """Hypothesis settings for one format: ``default`` mutations (``QKV_FUZZ_EXAMPLES`` overrides)."""
-    return settings(max_examples=EXAMPLES or default, deadline=None, derandomize=not os.environ.get("QKV_FUZZ_RANDOM"),
-                    database=None, suppress_health_check=list(HealthCheck), print_blob=True)
+    return settings(
+        max_examples=EXAMPLES or default,
+        deadline=None,
+        derandomize=not os.environ.get("QKV_FUZZ_RANDOM"),
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=True,
+    )
 
 
 # ------------------------------------------------------------------ counting
@@ -219,8 +225,17 @@ def run_cli(argv: list[str], what: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def judge_cli(code: int, out: str, err: str, folder: Path, command: str, reference: str, strict: bool, tally: Tally,
-              kind: str | None = None):
+def judge_cli(
+    code: int,
+    out: str,
+    err: str,
+    folder: Path,
+    command: str,
+    reference: str,
+    strict: bool,
+    tally: Tally,
+    kind: str | None = None,
+):
     """The CLI's rule: exit 0 with the reference output (or, for an edit, any output), or exit 2
     with one line ``qkv <command>: error: ...`` naming a file; never exit 1 (a fault) or a traceback;
     exit 0 for a ``kind`` "neutral" mutation (re-formatted JSON)."""
@@ -231,8 +246,10 @@ def judge_cli(code: int, out: str, err: str, folder: Path, command: str, referen
         if out == reference:
             tally("loaded, same result")
         else:
-            assert not strict, f"qkv {command} succeeded with another output after a mutation that keeps the " \
-                               f"meaning or gives a value of the wrong type:\n{out!r}\nexpected\n{reference!r}"
+            assert not strict, (
+                f"qkv {command} succeeded with another output after a mutation that keeps the "
+                f"meaning or gives a value of the wrong type:\n{out!r}\nexpected\n{reference!r}"
+            )
             tally("loaded, edited value obeyed")
         return
     lines = [line for line in err.splitlines() if line.startswith(f"qkv {command}: error:")]
@@ -300,8 +317,14 @@ NOTABLE_INT64 = [-1, 0, 1, 2**31, 2**32, 2**40, 2**62, 2**63 - 1, -(2**63), 10**
 
 
 @st.composite
-def byte_mutations(draw, size: int, regions: list[tuple[int, int]] | None = None, *, resizing: bool = True,
-                   resize_regions: list[tuple[int, int]] | None = None):
+def byte_mutations(
+    draw,
+    size: int,
+    regions: list[tuple[int, int]] | None = None,
+    *,
+    resizing: bool = True,
+    resize_regions: list[tuple[int, int]] | None = None,
+):
     """A list of 1-3 byte operations on a file of ``size`` bytes. Offsets fall in ``regions``
     (``[start, end)`` pairs; default: the whole file, often its first 256 bytes, where headers
     are). ``resizing``: also truncation, insertion and deletion, at offsets in ``resize_regions``
@@ -347,13 +370,13 @@ def apply_bytes(data: bytes, ops) -> tuple[bytes, list[tuple[int, int]] | None]:
         elif kind in ("int64", "garbage") and out:
             piece = struct.pack("<q", op[2]) if kind == "int64" else op[2]
             piece = piece[: len(out) - at]
-            out[at:at + len(piece)] = piece
+            out[at : at + len(piece)] = piece
         elif kind == "truncate":
             del out[at:]
         elif kind == "insert":
             out[at:at] = op[2]
         elif kind == "delete":
-            del out[at:at + op[2]]
+            del out[at : at + op[2]]
     if len(out) != len(data):
         return bytes(out), None
     differ = np.nonzero(np.frombuffer(bytes(out), np.uint8) != np.frombuffer(data, np.uint8))[0]
@@ -362,8 +385,40 @@ def apply_bytes(data: bytes, ops) -> tuple[bytes, list[tuple[int, int]] | None]:
 
 # ------------------------------------------------------------------ JSON mutations
 KIND_OF = {type(None): "null", bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "object"}
-POOL = [None, True, False, 0, 1, -1, 2, 10**9, 10**12, -(10**12), 2**63, 2**64, 0.0, 0.5, -1.5, 1e308, float("nan"),
-        float("inf"), "", "x", "0", "true", "false", "gelu", "../../x", "\x00", "ünï", [], [1], [None], {}, {"a": 1}]
+POOL = [
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    2,
+    10**9,
+    10**12,
+    -(10**12),
+    2**63,
+    2**64,
+    0.0,
+    0.5,
+    -1.5,
+    1e308,
+    float("nan"),
+    float("inf"),
+    "",
+    "x",
+    "0",
+    "true",
+    "false",
+    "gelu",
+    "../../x",
+    "\x00",
+    "ünï",
+    [],
+    [1],
+    [None],
+    {},
+    {"a": 1},
+]
 
 
 def kind_of(value) -> str:
@@ -372,8 +427,13 @@ def kind_of(value) -> str:
 
 def equal_number(a, b) -> bool:
     numeric = (int, float)
-    return isinstance(a, numeric) and isinstance(b, numeric) and not isinstance(a, bool) and not isinstance(b, bool) \
+    return (
+        isinstance(a, numeric)
+        and isinstance(b, numeric)
+        and not isinstance(a, bool)
+        and not isinstance(b, bool)
         and a == b
+    )
 
 
 def same_kind_values(value) -> list:
@@ -427,7 +487,8 @@ def json_mutations(doc, *, start: list[tuple] | None = None, exclude: tuple = ()
     ``skip(mutation)`` is true), or the document re-formatted (kind "neutral"), or its text
     corrupted at the byte level ("raw", or "neutral" when it still parses to the same value)."""
     return _json_mutations(doc, start, tuple(tuple(e) for e in exclude)).filter(
-        lambda m: m.kind != "excluded" and not (skip and skip(m)))
+        lambda m: m.kind != "excluded" and not (skip and skip(m))
+    )
 
 
 @st.composite
@@ -437,16 +498,23 @@ def _json_mutations(draw, doc, start, exclude):
     if choice == "neutral":
         style = draw(st.sampled_from(["compact", "indent4", "sorted", "reversed", "ascii"]))
         if style == "reversed":
+
             def reverse(node):
                 if isinstance(node, dict):
                     return {k: reverse(node[k]) for k in reversed(list(node))}
                 if isinstance(node, list):
                     return [reverse(x) for x in node]
                 return node
+
             text = json.dumps(reverse(doc), indent=2, ensure_ascii=False)
         else:
-            text = json.dumps(doc, indent={"compact": None, "indent4": 4}.get(style, 2), sort_keys=style == "sorted",
-                              ensure_ascii=style == "ascii", separators=(",", ":") if style == "compact" else None)
+            text = json.dumps(
+                doc,
+                indent={"compact": None, "indent4": 4}.get(style, 2),
+                sort_keys=style == "sorted",
+                ensure_ascii=style == "ascii",
+                separators=(",", ":") if style == "compact" else None,
+            )
         return Mutation(text, "neutral", f"re-formatted ({style})", None)
     if choice == "raw":
         data = original.encode("utf-8")
@@ -455,23 +523,35 @@ def _json_mutations(draw, doc, start, exclude):
             paths = list(differing_paths(doc, json.loads(mutated.decode("utf-8"))))
         except ValueError:
             paths = [()]
-        kind = "neutral" if not paths else "excluded" if all(any(p[:len(e)] == e for e in exclude) for p in paths) \
+        kind = (
+            "neutral"
+            if not paths
+            else "excluded"
+            if all(any(p[: len(e)] == e for e in exclude) for p in paths)
             else "raw"
+        )
         return Mutation(mutated.decode("utf-8", errors="surrogateescape"), kind, "bytes of the text", None)
 
     doc = copy.deepcopy(doc)
     path = tuple(draw(st.sampled_from(start))) if start is not None else ()
     node = get(doc, path)
     while isinstance(node, (dict, list)) and node and draw(st.integers(0, 3)) > 0:
-        keys = [k for k in (list(node) if isinstance(node, dict) else range(len(node)))
-                if not any((*path, k)[:len(e)] == tuple(e) for e in exclude)]
+        keys = [
+            k
+            for k in (list(node) if isinstance(node, dict) else range(len(node)))
+            if not any((*path, k)[: len(e)] == tuple(e) for e in exclude)
+        ]
         if not keys:
             break
         key = keys[draw(st.integers(0, len(keys) - 1))]
         path, node = (*path, key), node[key]
     parent = get(doc, path[:-1]) if path else None
-    ops = ["retype", "nest"] + (["revalue"] if same_kind_values(node) or isinstance(node, list) and node else []) \
-        + (["delete"] if path else []) + (["add"] if isinstance(node, (dict, list)) else [])
+    ops = (
+        ["retype", "nest"]
+        + (["revalue"] if same_kind_values(node) or isinstance(node, list) and node else [])
+        + (["delete"] if path else [])
+        + (["add"] if isinstance(node, (dict, list)) else [])
+    )
     op = draw(st.sampled_from(ops))
 
     def put(value):
@@ -504,8 +584,11 @@ def _json_mutations(draw, doc, start, exclude):
     else:
         value = draw(st.sampled_from(POOL))
         if isinstance(node, dict):
-            name = draw(st.one_of(st.sampled_from(["zz_fuzz", "", "model", "step", "vocab_size", "__metadata__"]),
-                                  st.text(max_size=6)))
+            name = draw(
+                st.one_of(
+                    st.sampled_from(["zz_fuzz", "", "model", "step", "vocab_size", "__metadata__"]), st.text(max_size=6)
+                )
+            )
             if name not in node:
                 kind = "add"
             else:  # an existing key: another value of it
@@ -513,7 +596,7 @@ def _json_mutations(draw, doc, start, exclude):
             node[name] = value
             what = f"{list(path)}: key {name!r} = {value!r:.40}"
             path = (*path, name)
-            if any(path[:len(e)] == e for e in exclude):
+            if any(path[: len(e)] == e for e in exclude):
                 kind = "excluded"
         else:
             at = draw(st.integers(0, len(node)))
@@ -589,9 +672,35 @@ def runs(tmp_path_factory):
     src, tgt = write_pairs(root / "data")
     assert main(train_args(src, tgt, root / "translation", "--average-last", "1")) == 0
     (root / "lm.txt").write_text(LM_TEXT, encoding="utf-8")
-    lm_args = ["train", "--task", "lm", "--train-text", root / "lm.txt", "--run-dir", root / "lm", "--max-steps", "2",
-               "--minutes", "0", "--no-bf16", "--d-model", "32", "--heads", "2", "--layers", "1", "--d-ff", "64",
-               "--context", "16", "--max-tokens", "256", "--no-progress", "--threads", "1"]
+    lm_args = [
+        "train",
+        "--task",
+        "lm",
+        "--train-text",
+        root / "lm.txt",
+        "--run-dir",
+        root / "lm",
+        "--max-steps",
+        "2",
+        "--minutes",
+        "0",
+        "--no-bf16",
+        "--d-model",
+        "32",
+        "--heads",
+        "2",
+        "--layers",
+        "1",
+        "--d-ff",
+        "64",
+        "--context",
+        "16",
+        "--max-tokens",
+        "256",
+        "--no-progress",
+        "--threads",
+        "1",
+    ]
     assert main([str(a) for a in lm_args]) == 0
     (root / "input.txt").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     out = {"root": root, "input": root / "input.txt"}
@@ -601,8 +710,21 @@ def runs(tmp_path_factory):
     code, text, err = run_cli(["translate", root / "translation", root / "input.txt", "--threads", "1"], "translate")
     assert code == 0, err
     out["translate_output"] = text
-    code, text, err = run_cli(["generate", root / "lm", "--prompt", LM_PROMPT, "--max-new-tokens", "6",
-                               "--temperature", "0", "--threads", "1"], "generate")
+    code, text, err = run_cli(
+        [
+            "generate",
+            root / "lm",
+            "--prompt",
+            LM_PROMPT,
+            "--max-new-tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--threads",
+            "1",
+        ],
+        "generate",
+    )
     assert code == 0, err
     out["generate_output"] = text
     out["state"] = torch.load(root / "translation" / "state.pt", weights_only=True, map_location="cpu")
@@ -638,16 +760,37 @@ def prepared(runs, tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz_prepared")
     src, tgt = write_pairs(root / "data", n=60)
     vsrc, vtgt = write_pairs(root / "data", n=20, seed=5, name="valid")
-    args = ["prepare", "--train-src", src, "--train-tgt", tgt, "--val-src", vsrc, "--val-tgt", vtgt, "--out",
-            root / "prep", "--vocab-size", "300", "--no-progress", "--workers", "1"]
+    args = [
+        "prepare",
+        "--train-src",
+        src,
+        "--train-tgt",
+        tgt,
+        "--val-src",
+        vsrc,
+        "--val-tgt",
+        vtgt,
+        "--out",
+        root / "prep",
+        "--vocab-size",
+        "300",
+        "--no-progress",
+        "--workers",
+        "1",
+    ]
     assert main([str(a) for a in args]) == 0
-    return {"folder": root / "prep", "result": read_all(root / "prep"),
-            "manifest": json.loads((root / "prep" / "manifest.json").read_text(encoding="utf-8"))}
+    return {
+        "folder": root / "prep",
+        "result": read_all(root / "prep"),
+        "manifest": json.loads((root / "prep" / "manifest.json").read_text(encoding="utf-8")),
+    }
 
 
-GPT2_CORPUS = ["The quick brown fox jumps over the lazy dog. The dog sleeps.",
-               "Attention is all you need; the transformer attends to every token before it."] * 5
-BERT_WORDS = "the a dog cat runs sleeps on mat time flies like an arrow fruit banana ##s ##ing , .".split()
+GPT2_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps.",
+    "Attention is all you need; the transformer attends to every token before it.",
+] * 5
+BERT_WORDS = ["the", "a", "dog", "cat", "runs", "sleeps", "on", "mat", "time", "flies", "like", "an", "arrow", "fruit", "banana", "##s", "##ing", ",", "."]
 BERT_TEXTS = ["time flies like an arrow", "the dog runs on the mat", "fruit flies like a banana ."]
 
 
@@ -675,13 +818,31 @@ def hf(tmp_path_factory):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(GPT2_CORPUS, trainers.BpeTrainer(
-        vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    bpe.train_from_iterator(
+        GPT2_CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            min_frequency=1,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     torch.manual_seed(1)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=bpe.get_vocab_size(), n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
-        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=bpe.get_vocab_size(),
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
     gpt2.save_pretrained(str(root / "gpt2"))
     bpe.save(str(root / "gpt2" / "tokenizer.json"))
 
@@ -690,9 +851,18 @@ def hf(tmp_path_factory):
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *BERT_WORDS]) + "\n", encoding="utf-8")
     transformers.BertTokenizerFast(vocab_file=str(vocab)).save_pretrained(str(root / "bert"))
     torch.manual_seed(1)
-    bert = transformers.BertModel(transformers.BertConfig(
-        vocab_size=len(BERT_WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=48, max_position_embeddings=40, type_vocab_size=2, initializer_range=0.3))
+    bert = transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=len(BERT_WORDS) + 5,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=48,
+            max_position_embeddings=40,
+            type_vocab_size=2,
+            initializer_range=0.3,
+        )
+    )
     bert.save_pretrained(str(root / "bert"))
     out = {"transformers": transformers, "root": root}
     for name in ("gpt2", "bert"):
@@ -717,7 +887,7 @@ def tensor_entries(data: bytes):
     ``__metadata__``), or None when its header cannot be read."""
     try:
         size = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8:8 + size].decode("utf-8"))
+        header = json.loads(data[8 : 8 + size].decode("utf-8"))
         header.pop("__metadata__", None)
         return header
     except (ValueError, AttributeError, TypeError):
@@ -733,8 +903,17 @@ def data_only(original: bytes, mutated: bytes) -> bool:
 # The known defects' region of a run's config.json, left out of the main tests until fixed:
 # a model field deleted (test_deleted_model_field_is_refused), a model field of
 # the wrong type that qkv does not check (test_model_fields_of_the_wrong_type_are_refused).
-UNTYPED_MODEL_FIELDS = ("layer_norm_eps", "dropout", "attention_dropout", "pad_id", "norm_first", "share_embeddings",
-                        "tie_output", "bias", "scale_embedding")
+UNTYPED_MODEL_FIELDS = (
+    "layer_norm_eps",
+    "dropout",
+    "attention_dropout",
+    "pad_id",
+    "norm_first",
+    "share_embeddings",
+    "tie_output",
+    "bias",
+    "scale_embedding",
+)
 
 
 def run_config_known_bug(m: Mutation) -> bool:
@@ -774,8 +953,11 @@ def special_id_past_vocab(m: Mutation) -> bool:
     try:
         data = json.loads(m.text)
         size = len(data["model"]["vocab"])
-        return any(isinstance(i, int) and i >= size
-                   for token in data["post_processor"]["special_tokens"].values() for i in token["ids"])
+        return any(
+            isinstance(i, int) and i >= size
+            for token in data["post_processor"]["special_tokens"].values()
+            for i in token["ids"]
+        )
     except (ValueError, TypeError, KeyError, AttributeError):
         return False
 
@@ -856,15 +1038,15 @@ def zip_layout(data: bytes) -> ZipLayout:
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         for info in archive.infolist():
             at = info.header_offset
-            name_len, extra_len = struct.unpack("<HH", data[at + 26:at + 30])
+            name_len, extra_len = struct.unpack("<HH", data[at + 26 : at + 30])
             start = at + 30 + name_len + extra_len
             payloads.append((start, start + info.compress_size))
             entries[info.filename] = start
         central = archive.start_dir
     at, largest, biggest = central, 0, -1
-    while data[at:at + 4] == b"PK\x01\x02":
-        size = struct.unpack("<I", data[at + 20:at + 24])[0]
-        name_len, extra_len, comment_len = struct.unpack("<HHH", data[at + 28:at + 34])
+    while data[at : at + 4] == b"PK\x01\x02":
+        size = struct.unpack("<I", data[at + 20 : at + 24])[0]
+        name_len, extra_len, comment_len = struct.unpack("<HHH", data[at + 28 : at + 34])
         if size > biggest:
             largest, biggest = at + 38, size
         at += 46 + name_len + extra_len + comment_len
@@ -883,8 +1065,11 @@ def test_state_pt(runs, tmp_path, record_property):
     layout = zip_layout(data)
 
     @fuzz(150)
-    @given(byte_mutations(len(data), [(0, len(data))],
-                          resize_regions=[(0, 256), (0, len(data)), (layout.central, len(data))]))
+    @given(
+        byte_mutations(
+            len(data), [(0, len(data))], resize_regions=[(0, 256), (0, len(data)), (layout.central, len(data))]
+        )
+    )
     def mutate(ops):
         note(f"{layout}; ops {ops}")
         mutated, _ = apply_bytes(data, ops)
@@ -935,8 +1120,17 @@ def test_cli_translate_config_json(runs, tmp_path, record_property):
         folder = fresh(tmp_path, runs["translation"], RUN_FILES)
         write_text(folder / "config.json", text)
         code, out, err = run_cli(["translate", folder, runs["input"], "--threads", "1"], "translate")
-        judge_cli(code, out, err, folder, "translate", runs["translate_output"],
-                  what_kind in {"neutral", "retype", "delete", "add"}, tally, what_kind)
+        judge_cli(
+            code,
+            out,
+            err,
+            folder,
+            "translate",
+            runs["translate_output"],
+            what_kind in {"neutral", "retype", "delete", "add"},
+            tally,
+            what_kind,
+        )
 
     mutate()
     tally.report(record_property)
@@ -954,8 +1148,9 @@ def test_translate_decode_section_is_checked(runs, tmp_path):
         folder = fresh(tmp_path, runs["translation"], RUN_FILES)
         write_text(folder / "config.json", text)
         code, out, err = run_cli(["translate", folder, runs["input"], "--threads", "1"], "translate")
-        judge_cli(code, out, err, folder, "translate", runs["translate_output"], what_kind != "revalue",
-                  Tally("decode"))
+        judge_cli(
+            code, out, err, folder, "translate", runs["translate_output"], what_kind != "revalue", Tally("decode")
+        )
 
     mutate()
 
@@ -972,10 +1167,32 @@ def test_cli_generate_config_json(runs, tmp_path, record_property):
         note(what)
         folder = fresh(tmp_path, runs["lm"], RUN_FILES)
         write_text(folder / "config.json", text)
-        code, out, err = run_cli(["generate", folder, "--prompt", LM_PROMPT, "--max-new-tokens", "6", "--temperature",
-                                  "0", "--threads", "1"], "generate")
-        judge_cli(code, out, err, folder, "generate", runs["generate_output"],
-                  what_kind in {"neutral", "retype", "delete", "add"}, tally, what_kind)
+        code, out, err = run_cli(
+            [
+                "generate",
+                folder,
+                "--prompt",
+                LM_PROMPT,
+                "--max-new-tokens",
+                "6",
+                "--temperature",
+                "0",
+                "--threads",
+                "1",
+            ],
+            "generate",
+        )
+        judge_cli(
+            code,
+            out,
+            err,
+            folder,
+            "generate",
+            runs["generate_output"],
+            what_kind in {"neutral", "retype", "delete", "add"},
+            tally,
+            what_kind,
+        )
 
     mutate()
     tally.report(record_property)
@@ -992,8 +1209,10 @@ def check_run_config(runs, kind: str, folder: Path, text: str, what_kind: str, t
         judge_loaded(value, runs[f"{kind}_result"], what_kind, {"neutral", "retype", "delete", "add"}, tally)
 
 
-@pytest.mark.parametrize("kind, field, value", [("translation", "layer_norm_eps", True), ("lm", "scale_embedding", 1),
-                                                ("gpt2", "layer_norm_epsilon", True)])
+@pytest.mark.parametrize(
+    "kind, field, value",
+    [("translation", "layer_norm_eps", True), ("lm", "scale_embedding", 1), ("gpt2", "layer_norm_epsilon", True)],
+)
 def test_model_fields_of_the_wrong_type_are_refused(runs, hf, kind, field, value, tmp_path):
     source = hf["gpt2"] if kind == "gpt2" else runs[kind]
     doc = json.loads((source / "config.json").read_text(encoding="utf-8"))
@@ -1040,8 +1259,9 @@ def test_lm_chars_edit_is_refused(runs, tmp_path):
         write_text(folder / "tokenizer.json", text)
         outcome, value = attempt(lambda: lm_result(*load_run(folder)), folder, "tokenizer.json")
         if outcome == "loaded":
-            judge_loaded(value, runs["lm_result"], what_kind, {"neutral", "retype", "revalue", "delete", "add"},
-                         Tally("chars"))
+            judge_loaded(
+                value, runs["lm_result"], what_kind, {"neutral", "retype", "revalue", "delete", "add"}, Tally("chars")
+            )
 
     mutate()
 
@@ -1067,8 +1287,11 @@ def test_prepared_arrays(prepared, tmp_path, record_property):
     contents = {name: (source / name).read_bytes() for name in files}
 
     @fuzz(200)
-    @given(st.sampled_from(files).flatmap(lambda name: st.tuples(st.just(name), byte_mutations(len(contents[name])),
-                                                                   st.booleans())))
+    @given(
+        st.sampled_from(files).flatmap(
+            lambda name: st.tuples(st.just(name), byte_mutations(len(contents[name])), st.booleans())
+        )
+    )
     def mutate(case):
         name, ops, rehash = case
         note(f"{name}: {ops}; rehash {rehash}")
@@ -1124,8 +1347,9 @@ def test_prepared_manifest(prepared, tmp_path, record_property):
         # a deliberate edit may leave a split out (its fingerprint says so); what is read is the reference
         kept = {name: reference["splits"][name] for name in value["splits"] if name in reference["splits"]}
         text = reference["text"] if "valid" in value["splits"] else None
-        assert same(value, {**reference, "splits": kept, "text": text}), \
+        assert same(value, {**reference, "splits": kept, "text": text}), (
             "the prepared folder read differently after a manifest edit"
+        )
         assert kept.keys() == reference["splits"].keys() or deliberate, "a split vanished without a word"
         tally("loaded, same result" if kept.keys() == reference["splits"].keys() else "loaded, a split left out")
 
@@ -1185,12 +1409,31 @@ def hf_fields(model) -> dict:
     """The configuration qkv built a pretrained model with, in Hugging Face's field names."""
     c = model.config
     if isinstance(model, qkv.CausalLM):
-        return {"vocab_size": c.vocab_size, "n_embd": c.d_model, "n_head": c.num_heads, "n_layer": c.num_layers,
-                "n_inner": c.d_ff, "n_positions": c.context, "activation": c.activation,
-                "layer_norm_epsilon": c.layer_norm_eps, "tie_word_embeddings": c.tie_output}
-    return {name: getattr(c, name) for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                "intermediate_size", "hidden_act", "max_position_embeddings",
-                                                "type_vocab_size", "layer_norm_eps")}
+        return {
+            "vocab_size": c.vocab_size,
+            "n_embd": c.d_model,
+            "n_head": c.num_heads,
+            "n_layer": c.num_layers,
+            "n_inner": c.d_ff,
+            "n_positions": c.context,
+            "activation": c.activation,
+            "layer_norm_epsilon": c.layer_norm_eps,
+            "tie_word_embeddings": c.tie_output,
+        }
+    return {
+        name: getattr(c, name)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "hidden_act",
+            "max_position_embeddings",
+            "type_vocab_size",
+            "layer_norm_eps",
+        )
+    }
 
 
 def transformers_fields(transformers, family: str, data: dict) -> dict | None:
@@ -1200,23 +1443,51 @@ def transformers_fields(transformers, family: str, data: dict) -> dict | None:
     try:
         if family == "gpt2":
             c = transformers.GPT2Config.from_dict(data)
-            return {"vocab_size": c.vocab_size, "n_embd": c.n_embd, "n_head": c.n_head, "n_layer": c.n_layer,
-                    "n_inner": c.n_inner if c.n_inner is not None else 4 * c.n_embd, "n_positions": c.n_positions,
-                    "activation": GPT2_ACTIVATIONS.get(c.activation_function),
-                    "layer_norm_epsilon": c.layer_norm_epsilon, "tie_word_embeddings": c.tie_word_embeddings}
+            return {
+                "vocab_size": c.vocab_size,
+                "n_embd": c.n_embd,
+                "n_head": c.n_head,
+                "n_layer": c.n_layer,
+                "n_inner": c.n_inner if c.n_inner is not None else 4 * c.n_embd,
+                "n_positions": c.n_positions,
+                "activation": GPT2_ACTIVATIONS.get(c.activation_function),
+                "layer_norm_epsilon": c.layer_norm_epsilon,
+                "tie_word_embeddings": c.tie_word_embeddings,
+            }
         c = transformers.BertConfig.from_dict(data)
-        return {name: getattr(c, name) for name in ("vocab_size", "hidden_size", "num_hidden_layers",
-                                                    "num_attention_heads", "intermediate_size", "hidden_act",
-                                                    "max_position_embeddings", "type_vocab_size", "layer_norm_eps")}
+        return {
+            name: getattr(c, name)
+            for name in (
+                "vocab_size",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "intermediate_size",
+                "hidden_act",
+                "max_position_embeddings",
+                "type_vocab_size",
+                "layer_norm_eps",
+            )
+        }
     except Exception:  # noqa: BLE001 - transformers refuses a config with many types
         return None
 
 
 # BertConfig's sizes, dropouts, epsilon and padding id: read without checking their types and
 # ranges (test_bert_config_values_are_checked), left out of the main BERT tests.
-BERT_UNCHECKED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                  "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings", "type_vocab_size",
-                  "layer_norm_eps", "pad_token_id")
+BERT_UNCHECKED = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "max_position_embeddings",
+    "type_vocab_size",
+    "layer_norm_eps",
+    "pad_token_id",
+)
 
 
 def check_pretrained_config(hf, family: str, folder: Path, text: str, what_kind: str, tally: Tally) -> None:
@@ -1225,8 +1496,9 @@ def check_pretrained_config(hf, family: str, folder: Path, text: str, what_kind:
     a deleted key) and finite outputs; the reference outputs when the meaning is kept or when
     transformers itself refuses the file (a value of the wrong type)."""
     write_text(folder / "config.json", text)
-    outcome, value = attempt(lambda: (m := qkv.load_pretrained(folder, device="cpu"), pretrained_result(m)), folder,
-                             "config.json")
+    outcome, value = attempt(
+        lambda: (m := qkv.load_pretrained(folder, device="cpu"), pretrained_result(m)), folder, "config.json"
+    )
     if outcome == "refused":
         judge_refused(what_kind, tally)
         return
@@ -1322,8 +1594,9 @@ def test_pretrained_model_safetensors(hf, family, tmp_path, record_property):
         folder = fresh(tmp_path, hf[family])
         mutated, _ = apply_bytes(data, ops)
         (folder / "model.safetensors").write_bytes(mutated)
-        outcome, value = attempt(lambda: pretrained_result(qkv.load_pretrained(folder, device="cpu")), folder,
-                                 "model.safetensors")
+        outcome, value = attempt(
+            lambda: pretrained_result(qkv.load_pretrained(folder, device="cpu")), folder, "model.safetensors"
+        )
         if outcome == "refused":
             judge_refused("neutral" if mutated == data else "changed", tally)
             return
@@ -1358,12 +1631,15 @@ def test_pretrained_tokenizer(hf, family, name, tmp_path, record_property):
     tally.report(record_property)
 
 
-@pytest.mark.parametrize("kind, path, value", [
-    ("translation", ("model", "continuing_subword_prefix"), "true"),  # PanicException while loading
-    ("gpt2", ("model", "continuing_subword_prefix"), "true"),  # PanicException while loading
-    ("bert", ("post_processor", "special_tokens", "[CLS]"), DELETE),  # PanicException at the first encode
-    ("bert", ("model", "unk_token"), "relu"),  # Exception at the first encode of an unknown word
-])
+@pytest.mark.parametrize(
+    "kind, path, value",
+    [
+        ("translation", ("model", "continuing_subword_prefix"), "true"),  # PanicException while loading
+        ("gpt2", ("model", "continuing_subword_prefix"), "true"),  # PanicException while loading
+        ("bert", ("post_processor", "special_tokens", "[CLS]"), DELETE),  # PanicException at the first encode
+        ("bert", ("model", "unk_token"), "relu"),  # Exception at the first encode of an unknown word
+    ],
+)
 def test_tokenizer_panics_and_use_errors_are_one_line(runs, hf, kind, path, value, tmp_path):
     source = runs[kind] if kind == "translation" else hf[kind]
     doc = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
@@ -1381,8 +1657,13 @@ def test_tokenizer_panics_and_use_errors_are_one_line(runs, hf, kind, path, valu
             call = lambda: pretrained_result(qkv.load_pretrained(folder, device="cpu"))  # noqa: E731
         outcome, result = attempt(call, folder, "tokenizer.json")
         if outcome == "loaded":
-            judge_loaded(result, runs[f"{kind}_result"] if kind == "translation" else hf[f"{kind}_result"],
-                         mutation.kind, {"neutral", "retype"}, Tally("tokenizer"))
+            judge_loaded(
+                result,
+                runs[f"{kind}_result"] if kind == "translation" else hf[f"{kind}_result"],
+                mutation.kind,
+                {"neutral", "retype"},
+                Tally("tokenizer"),
+            )
 
     mutate()
 
@@ -1419,15 +1700,17 @@ def test_bert_special_token_id_past_the_vocabulary_is_refused(hf, tmp_path):
     doc = json.loads((hf["bert"] / "tokenizer.json").read_text(encoding="utf-8"))
 
     @fuzz(20)
-    @given(json_mutations(doc, start=[("post_processor", "special_tokens")],
-                          skip=lambda m: not special_id_past_vocab(m)))
+    @given(
+        json_mutations(doc, start=[("post_processor", "special_tokens")], skip=lambda m: not special_id_past_vocab(m))
+    )
     @example(edited(doc, ("post_processor", "special_tokens", "[CLS]", "ids"), [10**9], "revalue"))
     def mutate(mutation):
         note(mutation.what)
         folder = fresh(tmp_path, hf["bert"])
         write_text(folder / "tokenizer.json", mutation.text)
-        outcome, value = attempt(lambda: pretrained_result(qkv.load_pretrained(folder, device="cpu")), folder,
-                                 "tokenizer.json")
+        outcome, value = attempt(
+            lambda: pretrained_result(qkv.load_pretrained(folder, device="cpu")), folder, "tokenizer.json"
+        )
         if outcome == "loaded":
             judge_loaded(value, hf["bert_result"], mutation.kind, {"neutral", "retype"}, Tally("special tokens"))
 

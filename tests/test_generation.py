@@ -19,8 +19,11 @@ def tiny_lm(context: int = 16, vocab_size: int = 50, seed: int = 0) -> CausalLM:
     """A random CausalLM with weights large enough that its next-token distributions are far from
     uniform (so argmax is not decided by rounding)."""
     torch.manual_seed(seed)
-    model = CausalLM(CausalLMConfig(vocab_size=vocab_size, d_model=32, num_heads=4, num_layers=2, d_ff=64,
-                                    context=context, dropout=0.0))
+    model = CausalLM(
+        CausalLMConfig(
+            vocab_size=vocab_size, d_model=32, num_heads=4, num_layers=2, d_ff=64, context=context, dropout=0.0
+        )
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() > 1:
@@ -33,7 +36,7 @@ def reference_greedy(model: CausalLM, ids: torch.Tensor, steps: int) -> torch.Te
     out = ids
     with torch.no_grad():
         for _ in range(steps):
-            logits = model(out[:, -model.config.context:]).logits[:, -1]
+            logits = model(out[:, -model.config.context :]).logits[:, -1]
             out = torch.cat([out, logits.argmax(-1, keepdim=True)], dim=1)
     return out
 
@@ -52,15 +55,17 @@ def test_greedy_with_cache_equals_without(prompt_len, steps):
     assert torch.equal(cached, reference_greedy(model, ids, steps))
     # each row decodes as it would alone
     for row in range(3):
-        assert torch.equal(model.generate(ids[row:row + 1], steps, temperature=0), cached[row:row + 1])
+        assert torch.equal(model.generate(ids[row : row + 1], steps, temperature=0), cached[row : row + 1])
 
 
 @pytest.mark.parametrize("options", [dict(temperature=1.0), dict(temperature=0.7, top_k=10, top_p=0.9)])
 def test_sampling_with_a_generator_is_reproducible_with_and_without_cache(options):
     model = tiny_lm(context=16)
     ids = torch.randint(0, 50, (4, 3))
-    runs = [model.generate(ids, 30, generator=torch.Generator().manual_seed(7), use_cache=use_cache, **options)
-            for use_cache in (True, False, True)]
+    runs = [
+        model.generate(ids, 30, generator=torch.Generator().manual_seed(7), use_cache=use_cache, **options)
+        for use_cache in (True, False, True)
+    ]
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
     other = model.generate(ids, 30, generator=torch.Generator().manual_seed(8), **options)
     assert not torch.equal(other, runs[0])  # the generator is what makes it repeat
@@ -82,16 +87,19 @@ def renormalised(keep: list[int], power: float = 1.0) -> torch.Tensor:
     return p / p.sum()
 
 
-@pytest.mark.parametrize("options, keep", [
-    (dict(top_p=0.75), [0, 1]),  # 0.5 < 0.75 <= 0.5 + 0.3: the nucleus is {0, 1}
-    (dict(top_p=0.85), [0, 1, 2]),
-    (dict(top_p=0.4), [0]),
-    (dict(top_k=3), [0, 1, 2]),
-    (dict(top_k=1), [0]),
-    (dict(top_k=3, top_p=0.75), [0, 1]),
-    (dict(top_p=1.0), [0, 1, 2, 3, 4]),
-    (dict(), [0, 1, 2, 3, 4]),
-])
+@pytest.mark.parametrize(
+    "options, keep",
+    [
+        (dict(top_p=0.75), [0, 1]),  # 0.5 < 0.75 <= 0.5 + 0.3: the nucleus is {0, 1}
+        (dict(top_p=0.85), [0, 1, 2]),
+        (dict(top_p=0.4), [0]),
+        (dict(top_k=3), [0, 1, 2]),
+        (dict(top_k=1), [0]),
+        (dict(top_k=3, top_p=0.75), [0, 1]),
+        (dict(top_p=1.0), [0, 1, 2, 3, 4]),
+        (dict(), [0, 1, 2, 3, 4]),
+    ],
+)
 def test_top_k_and_top_p_on_a_known_distribution(options, keep):
     ids = draws(**options)
     assert set(ids.unique().tolist()) == set(keep)  # never outside; every kept id does occur
@@ -133,22 +141,25 @@ def test_output_at_t_does_not_depend_on_later_tokens():
         base = model(ids).logits
         for t in (0, 5, 14):
             changed = ids.clone()
-            changed[:, t + 1:] = torch.randint(0, 50, (2, 15 - t))
+            changed[:, t + 1 :] = torch.randint(0, 50, (2, 15 - t))
             assert not torch.equal(changed, ids)
             other = model(changed).logits
             assert (other[:, : t + 1] - base[:, : t + 1]).abs().max() <= 1e-5
-            assert (other[:, t + 1:] - base[:, t + 1:]).abs().max() > 1e-3  # the later ones do change
+            assert (other[:, t + 1 :] - base[:, t + 1 :]).abs().max() > 1e-3  # the later ones do change
 
 
-@pytest.mark.parametrize("options, name", [
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(max_new_tokens=2.0), "max_new_tokens"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(temperature=-0.5), "temperature"),
-    (dict(temperature=math.nan), "temperature"),
-    (dict(top_k=0), "top_k"),
-])
+@pytest.mark.parametrize(
+    "options, name",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=2.0), "max_new_tokens"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(temperature=math.nan), "temperature"),
+        (dict(top_k=0), "top_k"),
+    ],
+)
 def test_bad_sampling_options_name_the_option(options, name):
     settings = dict(max_new_tokens=5, temperature=1.0, top_k=None, top_p=None) | options
     with pytest.raises(ValueError, match=name):
@@ -162,8 +173,12 @@ def test_bad_sampling_options_name_the_option(options, name):
 def test_generate_stops_on_request_and_keeps_the_training_mode():
     model = tiny_lm().train()
     seen = []
-    out = model.generate(torch.zeros(2, 3, dtype=torch.long), 10, temperature=0,
-                         on_step=lambda new: seen.append(new.clone()) or len(seen) == 4)
+    out = model.generate(
+        torch.zeros(2, 3, dtype=torch.long),
+        10,
+        temperature=0,
+        on_step=lambda new: seen.append(new.clone()) or len(seen) == 4,
+    )
     assert out.shape == (2, 7) and len(seen) == 4
     assert torch.equal(torch.stack(seen, dim=1), out[:, 3:])
     assert model.training  # generate ran in eval mode and put the mode back
@@ -173,9 +188,20 @@ def test_greedy_equals_transformers_generate():
     transformers = pytest.importorskip("transformers")
     from qkv.pretrained.gpt2 import build_gpt2, gpt2_config
 
-    config = transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                     eos_token_id=None, pad_token_id=0, attn_implementation="eager")
+    config = transformers.GPT2Config(
+        vocab_size=300,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
     torch.manual_seed(3)
     hf = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():  # far from uniform, so argmax is not decided by rounding
@@ -184,8 +210,7 @@ def test_greedy_equals_transformers_generate():
                 param.normal_(0.0, 0.3)
     ours = build_gpt2(gpt2_config(config.to_dict()), hf.state_dict())
     ids = torch.randint(1, 300, (2, 6))
-    want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                       pad_token_id=0)
+    want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert want.shape == (2, 26)
     assert torch.equal(ours.generate(ids, 20, temperature=0), want)
     assert torch.equal(ours.generate(ids, 20, temperature=0, use_cache=False), want)

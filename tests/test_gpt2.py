@@ -21,10 +21,27 @@ CORPUS = [
     "naïve café über 😀 emoji, numbers 12345 and 67.\n\tIndented new lines\n",
     "Hello world! hello World? HELLO, world... <|endoftext|> Another document starts here.",
 ] * 5
-STRINGS = ["Hello world", " the quick brown fox", "naïve café — 😀!", "a<|endoftext|>b <|endoftext|>",
-           "x  \n\n  y\t", "Attention is all you need", ""]
-TINY = dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+STRINGS = [
+    "Hello world",
+    " the quick brown fox",
+    "naïve café — 😀!",
+    "a<|endoftext|>b <|endoftext|>",
+    "x  \n\n  y\t",
+    "Attention is all you need",
+    "",
+]
+TINY = dict(
+    n_embd=32,
+    n_layer=2,
+    n_head=4,
+    n_positions=64,
+    bos_token_id=0,
+    eos_token_id=0,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+    attn_implementation="eager",
+)
 
 
 def perturb(model: torch.nn.Module, seed: int = 0) -> None:
@@ -41,8 +58,13 @@ def train_tokenizer(vocab_size: int = 320) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer)
     assert tok.get_vocab_size() == vocab_size and tok.token_to_id("<|endoftext|>") == 0
     return tok
@@ -53,8 +75,9 @@ def bpe() -> Tokenizer:
     return train_tokenizer()
 
 
-def make_gpt2_folder(folder, bpe: Tokenizer, *, weights: str = "safetensors", tokenizer: str = "json",
-                     **overrides) -> transformers.GPT2LMHeadModel:
+def make_gpt2_folder(
+    folder, bpe: Tokenizer, *, weights: str = "safetensors", tokenizer: str = "json", **overrides
+) -> transformers.GPT2LMHeadModel:
     """A random GPT2LMHeadModel saved into ``folder`` with the tokenizer. ``weights``:
     ``safetensors`` (save_pretrained) or ``bin`` (a pytorch_model.bin of GPT2Model names without
     the ``transformer.`` prefix, with the old ``attn.bias``/``attn.masked_bias`` buffers, as the
@@ -82,13 +105,36 @@ def make_gpt2_folder(folder, bpe: Tokenizer, *, weights: str = "safetensors", to
 
 
 def test_gpt2_config_maps_every_field():
-    config = gpt2_config(dict(model_type="gpt2", vocab_size=500, n_embd=48, n_head=6, n_layer=3, n_inner=100,
-                              n_positions=80, layer_norm_epsilon=1e-6, activation_function="relu",
-                              resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.3))
-    assert (config.vocab_size, config.d_model, config.num_heads, config.num_layers, config.d_ff,
-            config.context) == (500, 48, 6, 3, 100, 80)
+    config = gpt2_config(
+        dict(
+            model_type="gpt2",
+            vocab_size=500,
+            n_embd=48,
+            n_head=6,
+            n_layer=3,
+            n_inner=100,
+            n_positions=80,
+            layer_norm_epsilon=1e-6,
+            activation_function="relu",
+            resid_pdrop=0.2,
+            embd_pdrop=0.2,
+            attn_pdrop=0.3,
+        )
+    )
+    assert (config.vocab_size, config.d_model, config.num_heads, config.num_layers, config.d_ff, config.context) == (
+        500,
+        48,
+        6,
+        3,
+        100,
+        80,
+    )
     assert (config.layer_norm_eps, config.activation, config.dropout, config.attention_dropout) == (
-        1e-6, "relu", 0.2, 0.3)
+        1e-6,
+        "relu",
+        0.2,
+        0.3,
+    )
     assert config.norm_first and config.positional == "learned" and not config.scale_embedding
     assert config.tie_output and config.bias
     defaults = gpt2_config({"model_type": "gpt2"})
@@ -98,11 +144,14 @@ def test_gpt2_config_maps_every_field():
     assert gpt2_config({"model_type": "gpt2", "activation_function": "gelu"}).activation == "gelu"
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    dict(n_inner=40, activation_function="gelu", layer_norm_epsilon=1e-3),
-    dict(n_layer=3, n_head=2, activation_function="relu"),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        dict(n_inner=40, activation_function="gelu", layer_norm_epsilon=1e-3),
+        dict(n_layer=3, n_head=2, activation_function="relu"),
+    ],
+)
 def test_hidden_states_match_gpt2model(overrides):
     config = transformers.GPT2Config(**dict(TINY, vocab_size=301, **overrides))
     torch.manual_seed(0)

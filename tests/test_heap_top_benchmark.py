@@ -8,8 +8,27 @@ from qkv.runtime.heap import HEAP_TRIM_THRESHOLD, _libc
 def test_heap_top_benchmark_alternates_processes_and_reports_each(multi30k_dir, tmp_path):
     heap_top = load_benchmark("heap_top")
     out = tmp_path / "heap_top.json"
-    assert heap_top.main(["--data", str(multi30k_dir), "--precisions", "float32", "--rounds", "2",
-                          "--steps", "1", "--warmup", "0", "--threads", "1", "--out", str(out)]) == 0
+    assert (
+        heap_top.main(
+            [
+                "--data",
+                str(multi30k_dir),
+                "--precisions",
+                "float32",
+                "--rounds",
+                "2",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--threads",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     rounds = report["results"]["float32"]["rounds"]
     assert len(rounds) == 2

@@ -126,8 +126,9 @@ def test_demo_replaces_its_own_earlier_output(tmp_path, user_run, no_training):
     unmarked = tmp_path / "unmarked"
     shutil.copytree(marked, unmarked)
     (unmarked / DEMO_MARKER).unlink()
-    (unmarked / "summary.json").write_text(json.dumps({"exact_match": 0.99, "test_dates": 2000, "steps": 700,
-                                                      "samples": {"3/3/98": "1998-03-03"}}))
+    (unmarked / "summary.json").write_text(
+        json.dumps({"exact_match": 0.99, "test_dates": 2000, "steps": 700, "samples": {"3/3/98": "1998-03-03"}})
+    )
     for out in (marked, unmarked):
         assert is_demo_folder(out)
         check_output_folder(out)
@@ -181,11 +182,14 @@ def parse_error(capsys, argv):
     return err
 
 
-@pytest.mark.parametrize("argv, limit", [
-    (["generate", "no-such-model", "--num-samples", "1000000000"], MAX_SAMPLES),
-    (["translate", "no-such-run", "--beam", "1000000000"], MAX_BEAM),
-    (["evaluate", "no-such-run", "--beam", str(MAX_BEAM + 1)], MAX_BEAM),
-])
+@pytest.mark.parametrize(
+    "argv, limit",
+    [
+        (["generate", "no-such-model", "--num-samples", "1000000000"], MAX_SAMPLES),
+        (["translate", "no-such-run", "--beam", "1000000000"], MAX_BEAM),
+        (["evaluate", "no-such-run", "--beam", str(MAX_BEAM + 1)], MAX_BEAM),
+    ],
+)
 def test_counts_that_size_memory_up_front_are_bounded(tmp_path, capsys, argv, limit):
     err = parse_error(capsys, argv)
     assert f"argument {argv[2]}: expected an integer from 1 to {limit}" in err and "memory" in err

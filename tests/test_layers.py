@@ -46,7 +46,9 @@ def test_encoder_layer_matches_torch(norm_first, activation):
     want = ref(x, src_key_padding_mask=~keep)
     torch.testing.assert_close(got.output[keep], want[keep], atol=1e-5, rtol=0)
     ours.train(), ref.train()
-    torch.testing.assert_close(ours(x, key_padding_mask=keep).output, ref(x, src_key_padding_mask=~keep), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        ours(x, key_padding_mask=keep).output, ref(x, src_key_padding_mask=~keep), atol=1e-5, rtol=0
+    )
     assert got.self_weights.shape == (3, H, 9, 9)
 
 

@@ -26,8 +26,21 @@ def test_ratios_against_hand_counts(tmp_path):
     (run / "val.hyp.de").write_text("x y\nz\n", encoding="utf-8")  # 3 words
     (run / "test_2016.hyp.de").write_text("x y z w\n", encoding="utf-8")  # 4 words
     out = tmp_path / "ratios.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "length_ratios.py"), "--data-dir", str(data),
-                    "--run-dir", str(run), "--out", str(out)], check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "length_ratios.py"),
+            "--data-dir",
+            str(data),
+            "--run-dir",
+            str(run),
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     splits = json.loads(out.read_text())["splits"]
     assert splits["train"]["target_per_source_word"] == round(5 / 6, 4)
     assert splits["val"]["target_per_source_word"] == round(7 / 6, 4)
@@ -49,9 +62,21 @@ def run_on_two_line_splits(tmp_path, hyps: dict) -> subprocess.CompletedProcess:
     run.mkdir()
     for name, text in hyps.items():
         (run / name).write_text(text, encoding="utf-8")
-    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "length_ratios.py"), "--data-dir", str(data),
-                           "--run-dir", str(run), "--out", str(tmp_path / "o.json")], check=False, capture_output=True,
-                          text=True)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "length_ratios.py"),
+            "--data-dir",
+            str(data),
+            "--run-dir",
+            str(run),
+            "--out",
+            str(tmp_path / "o.json"),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_a_translation_file_of_the_wrong_length_is_refused(tmp_path):

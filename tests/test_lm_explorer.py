@@ -13,9 +13,9 @@ import pytest
 import torch
 from test_viz_page import assert_page_holds
 
-from qkv.runs.folder import load_run
 from qkv.cli import main
 from qkv.data.text import CharTokenizer
+from qkv.runs.folder import load_run
 from qkv.runs.translation import run_training, start_run
 from qkv.viz import CausalLMExplorer, check_data, explorer_data, open_explorer
 from qkv.viz.html import page_document
@@ -32,8 +32,13 @@ def lm_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lm")
     (folder / "train.txt").write_text(TEXT, encoding="utf-8")
     torch.manual_seed(0)
-    trainer = start_run(folder / "run", data={"source": "text", "train_text": str(folder / "train.txt")},
-                        model_options=MODEL, train_options=TRAIN, device="cpu")
+    trainer = start_run(
+        folder / "run",
+        data={"source": "text", "train_text": str(folder / "train.txt")},
+        model_options=MODEL,
+        train_options=TRAIN,
+        device="cpu",
+    )
     run_training(trainer)
     return folder / "run"
 
@@ -51,8 +56,7 @@ def independent_attention(model, ids: torch.Tensor) -> list[torch.Tensor]:
     ``softmax(q k^T / sqrt(d_head))`` with the keys after each query set to -inf. Per layer
     ``(h, s, s)``."""
     inputs = []
-    hooks = [layer.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
-             for layer in model.decoder.layers]
+    hooks = [layer.register_forward_pre_hook(lambda m, args: inputs.append(args[0])) for layer in model.decoder.layers]
     try:
         with torch.no_grad():
             model(ids)
@@ -163,8 +167,9 @@ def test_token_labels():
 
 def test_attend_cli_on_a_language_model_run(lm_run, tmp_path, capsys):
     html, data_path = tmp_path / "lm.html", tmp_path / "lm.json"
-    code = main(["attend", "to be or not", "that is", "--model", str(lm_run), "-o", str(html),
-                 "--json", str(data_path)])
+    code = main(
+        ["attend", "to be or not", "that is", "--model", str(lm_run), "-o", str(html), "--json", str(data_path)]
+    )
     assert code == 0, capsys.readouterr().err
     data = json.loads(data_path.read_text())
     check_data(data)
@@ -210,12 +215,25 @@ def test_gpt2_folder_opens_as_a_language_model(tmp_path):
     bpe = tokenizers.Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        min_frequency=1,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     bpe.train_from_iterator(["the cat sat on the mat.\n", "attention is all you need\n"] * 10, trainer)
     folder = tmp_path / "tiny-gpt2"
-    config = transformers.GPT2Config(vocab_size=bpe.get_vocab_size(), n_embd=32, n_layer=2, n_head=4,
-                                     n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=bpe.get_vocab_size(),
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(1)
     transformers.GPT2LMHeadModel(config).save_pretrained(str(folder))
     bpe.save(str(folder / "tokenizer.json"))
@@ -276,8 +294,15 @@ def test_language_model_page_in_a_real_browser(explorer, tmp_path):
 
     text = "to be or not"
     html = write_html(explorer_data([explorer.example(text)]), tmp_path / "lm.html")
-    args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run"]
+    args = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+    ]
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=args)
         try:
@@ -293,14 +318,18 @@ def test_language_model_page_in_a_real_browser(explorer, tmp_path):
             assert queries == [visible(c) for c in text]
             drawn = page.eval_on_selector_all("#head-svg line", "ls => ls.map(l => [+l.dataset.q, +l.dataset.k])")
             assert drawn and all(k <= q for q, k in drawn)  # every line goes to the token itself or an earlier one
-            assert {h for h in page.eval_on_selector_all(
-                "#head-svg line", "ls => ls.map(l => +l.dataset.head)")} == set(range(4))
+            assert {
+                h for h in page.eval_on_selector_all("#head-svg line", "ls => ls.map(l => +l.dataset.head)")
+            } == set(range(4))
             # the model view: one heatmap per layer and head, white above the diagonal
-            cells = page.eval_on_selector_all("#model-grid canvas", """cs => cs.map(c => {
+            cells = page.eval_on_selector_all(
+                "#model-grid canvas",
+                """cs => cs.map(c => {
                 const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data, n = c.width, above = [];
                 for (let q = 0; q < c.height; q++) for (let k = q + 1; k < n; k++) above.push(d[4 * (q * n + k)]);
                 return {layer: +c.dataset.layer, head: +c.dataset.head, above: above, first: d[0]};
-            })""")
+            })""",
+            )
             assert sorted((c["layer"], c["head"]) for c in cells) == [(l, h) for l in range(2) for h in range(4)]
             assert all(set(c["above"]) == {255} and c["first"] == 36 for c in cells)  # token 0 sees only itself
             assert errors == []

@@ -17,20 +17,52 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.runs.folder import load_run
 from qkv.cli import main
 from qkv.data.text import read_text_splits
+from qkv.runs.folder import load_run
 from qkv.runs.translation import resume_run, run_training, start_run
 
 MODEL = dict(d_model=32, num_heads=2, num_layers=1, d_ff=64, context=16, dropout=0.0)
-TRAIN = dict(max_steps=4, max_minutes=0.0, max_tokens=128, warmup_steps=2, lr_factor=1.0, progress=False,
-             eval_every_steps=2, eval_sentences=4, checkpoint_every_minutes=0.0, eval_every_minutes=0.0,
-             average_last=1, log_every_steps=1, bf16=False)
+TRAIN = dict(
+    max_steps=4,
+    max_minutes=0.0,
+    max_tokens=128,
+    warmup_steps=2,
+    lr_factor=1.0,
+    progress=False,
+    eval_every_steps=2,
+    eval_sentences=4,
+    checkpoint_every_minutes=0.0,
+    eval_every_minutes=0.0,
+    average_last=1,
+    log_every_steps=1,
+    bf16=False,
+)
 LINES = ("To be, or not to be", "that is the question", "Whether 'tis nobler in the mind")
 # the last line holds characters found nowhere else: they are in the test split alone
 TEXT = "".join(f"{LINES[i % 3]}: line {i}.\n" for i in range(300)) + "Zounds! Quixotic jest.\n"
-TINY = ["--d-model", "32", "--heads", "2", "--layers", "1", "--d-ff", "64", "--context", "16", "--max-tokens", "128",
-        "--max-steps", "1", "--minutes", "0", "--no-bf16", "--no-progress", "--threads", "1"]
+TINY = [
+    "--d-model",
+    "32",
+    "--heads",
+    "2",
+    "--layers",
+    "1",
+    "--d-ff",
+    "64",
+    "--context",
+    "16",
+    "--max-tokens",
+    "128",
+    "--max-steps",
+    "1",
+    "--minutes",
+    "0",
+    "--no-bf16",
+    "--no-progress",
+    "--threads",
+    "1",
+]
 
 
 def cuts(text: str) -> tuple[int, int]:
@@ -55,7 +87,7 @@ def plain_loss(model, ids: list[int], context: int, windows: int | None = None) 
     total = 0.0
     with torch.no_grad():
         for start in starts:
-            window = tokens[start: start + context + 1]
+            window = tokens[start : start + context + 1]
             logits = model(window[None, :-1]).logits[0]
             total += float(F.cross_entropy(logits, window[1:], reduction="sum"))
     return total, len(starts) * context
@@ -118,8 +150,15 @@ def run(corpus, tmp_path_factory):
     torch.set_num_threads(1)
     run_dir = tmp_path_factory.mktemp("runs") / "lm"
     torch.manual_seed(0)
-    run_training(start_run(run_dir, data={"source": "text", "train_text": str(corpus)}, model_options=MODEL,
-                           train_options=TRAIN, device="cpu"))
+    run_training(
+        start_run(
+            run_dir,
+            data={"source": "text", "train_text": str(corpus)},
+            model_options=MODEL,
+            train_options=TRAIN,
+            device="cpu",
+        )
+    )
     return run_dir
 
 
@@ -150,8 +189,10 @@ def test_val_text_and_test_text_give_the_splits_as_files(tmp_path, capsys):
     for name, text in (("train.txt", TEXT), ("val.txt", val), ("test.txt", test)):
         (tmp_path / name).write_text(text, encoding="utf-8")
     files = ["--train-text", str(tmp_path / "train.txt"), "--val-text", str(tmp_path / "val.txt")]
-    assert main(["train", *files, "--test-text", str(tmp_path / "test.txt"), "--run-dir", str(tmp_path / "run"),
-                 *TINY]) == 0
+    assert (
+        main(["train", *files, "--test-text", str(tmp_path / "test.txt"), "--run-dir", str(tmp_path / "run"), *TINY])
+        == 0
+    )
     ids = char_ids(TEXT + val + test)
     for name, part in (("train", TEXT), ("val", val), ("test", test)):  # all of --train-text trains
         assert stored(tmp_path / "run" / f"{name}.bin") == [ids[c] for c in part], name
@@ -173,8 +214,13 @@ def test_val_text_and_test_text_give_the_splits_as_files(tmp_path, capsys):
 def test_training_validating_and_resuming_never_open_the_test_split(corpus, tmp_path, capsys):
     run_dir = tmp_path / "run"
     torch.manual_seed(0)
-    trainer = start_run(run_dir, data={"source": "text", "train_text": str(corpus)}, model_options=MODEL,
-                        train_options={**TRAIN, "max_steps": 2}, device="cpu")
+    trainer = start_run(
+        run_dir,
+        data={"source": "text", "train_text": str(corpus)},
+        model_options=MODEL,
+        train_options={**TRAIN, "max_steps": 2},
+        device="cpu",
+    )
     written = (run_dir / "test.bin").read_bytes()
     with files_opened() as opened:
         run_training(trainer)
@@ -219,8 +265,9 @@ def test_evaluate_refuses_what_a_language_model_run_has_not(run, capsys, tmp_pat
     line = one_line_error(capsys, "evaluate", main(["evaluate", str(run), "--split", "train"]))
     assert "the splits val and test" in line
     (tmp_path / "other.txt").write_text(TEXT[:200], encoding="utf-8")
-    line = one_line_error(capsys, "evaluate", main(["evaluate", str(run), "--split", "test", "--text",
-                                                    str(tmp_path / "other.txt")]))
+    line = one_line_error(
+        capsys, "evaluate", main(["evaluate", str(run), "--split", "test", "--text", str(tmp_path / "other.txt")])
+    )
     assert "either --split or --text" in line
     scores, _ = evaluate_json(capsys, run, "--text", str(tmp_path / "other.txt"))  # --text keeps working
     assert [(s["split"], s["text"]) for s in scores] == [("text", str(tmp_path / "other.txt"))]

@@ -4,9 +4,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.nn.loss import (fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy, label_smoothed_cross_entropy,
-                      rdrop_cross_entropy)
 from qkv.models.transformer import Transformer, TransformerConfig
+from qkv.nn.loss import (
+    fused_linear_cross_entropy,
+    fused_linear_rdrop_cross_entropy,
+    label_smoothed_cross_entropy,
+    rdrop_cross_entropy,
+)
 
 
 def _reference(hidden, weight, target, smoothing, pad):
@@ -50,8 +54,18 @@ def test_fused_loss_without_gradients_and_with_no_real_target():
 
 def _tiny_transformer_and_batch(dropout: float, seed: int):
     """A 2+2-layer tied model and a padded batch: ``(config, model, src, tgt_in, tgt_out)``."""
-    config = TransformerConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=32, num_heads=4, num_encoder_layers=2,
-                               num_decoder_layers=2, d_ff=64, dropout=dropout, share_embeddings=True, tie_output=True)
+    config = TransformerConfig(
+        src_vocab_size=40,
+        tgt_vocab_size=40,
+        d_model=32,
+        num_heads=4,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        d_ff=64,
+        dropout=dropout,
+        share_embeddings=True,
+        tie_output=True,
+    )
     torch.manual_seed(seed)
     model = Transformer(config)
     src = torch.randint(3, 40, (3, 7))
@@ -123,8 +137,14 @@ def test_rdrop_reference_by_hand():
     kl_ab = sum(a * math.log(a / b) for a, b in zip(pa, pb))
     kl_ba = sum(b * math.log(b / a) for a, b in zip(pa, pb))
     expected = 0.5 * (ce[0] + ce[1]) + alpha / 4 * (kl_ab + kl_ba)
-    got = rdrop_cross_entropy(torch.tensor([za], dtype=torch.float64), torch.tensor([zb], dtype=torch.float64),
-                              torch.tensor([y]), eps, -1, alpha)
+    got = rdrop_cross_entropy(
+        torch.tensor([za], dtype=torch.float64),
+        torch.tensor([zb], dtype=torch.float64),
+        torch.tensor([y]),
+        eps,
+        -1,
+        alpha,
+    )
     assert got.item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -142,8 +162,9 @@ def test_fused_rdrop_loss_and_gradients_match_torch(smoothing, alpha, chunk_rows
     inputs = (hidden_a, hidden_b, weight)
     reference = rdrop_cross_entropy(hidden_a @ weight.T, hidden_b @ weight.T, target, smoothing, 0, alpha)
     grads_ref = torch.autograd.grad(reference * 0.37, inputs)
-    got = fused_linear_rdrop_cross_entropy(hidden_a, hidden_b, weight, target, smoothing, 0, alpha,
-                                           chunk_rows=chunk_rows)
+    got = fused_linear_rdrop_cross_entropy(
+        hidden_a, hidden_b, weight, target, smoothing, 0, alpha, chunk_rows=chunk_rows
+    )
     grads = torch.autograd.grad(got * 0.37, inputs)
     # the fused loss makes its logits in float32
     assert got.item() == pytest.approx(reference.item(), rel=1e-6)
@@ -193,16 +214,16 @@ def test_transformer_rdrop_loss_runs_two_dropout_passes():
     check_transformer_rdrop_loss(model, src, tgt_in, tgt_out, config.pad_id)
     model.eval()
     plain = model.loss(src, tgt_in, tgt_out, label_smoothing=0.1)
-    assert model.loss(src, tgt_in, tgt_out, label_smoothing=0.1, rdrop=2.0).item() == pytest.approx(plain.item(),
-                                                                                                   rel=1e-5)
+    assert model.loss(src, tgt_in, tgt_out, label_smoothing=0.1, rdrop=2.0).item() == pytest.approx(
+        plain.item(), rel=1e-5
+    )
 
 
 @pytest.mark.parametrize("vocab", [20, 100])  # below and above d_model: the plain and the fused path
 def test_causal_lm_rdrop_loss_against_the_reference(vocab):
     from qkv.models.causal_lm import IGNORE, CausalLM, CausalLMConfig
 
-    config = CausalLMConfig(vocab_size=vocab, d_model=32, num_heads=4, num_layers=2, d_ff=64, context=16,
-                            dropout=0.2)
+    config = CausalLMConfig(vocab_size=vocab, d_model=32, num_heads=4, num_layers=2, d_ff=64, context=16, dropout=0.2)
     torch.manual_seed(8)
     model = CausalLM(config)
     ids = torch.randint(0, vocab, (3, 16))

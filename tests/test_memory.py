@@ -121,15 +121,24 @@ def test_limit_memory_growth(monkeypatch):
     kept = []
     monkeypatch.setattr(memory, "keep_heap_top", lambda threshold: kept.append(threshold) or True)
     capacity, top = memory.ONEDNN_CACHE_CAPACITY, memory.HEAP_TRIM_THRESHOLD
-    assert memory.limit_memory_growth() == {"onednn_primitive_cache": capacity, "heap_trim_threshold": top,
-                                            "mmap_threshold": None}
+    assert memory.limit_memory_growth() == {
+        "onednn_primitive_cache": capacity,
+        "heap_trim_threshold": top,
+        "mmap_threshold": None,
+    }
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(capacity)
     # already set (by the user or an earlier call): left alone
     assert memory.limit_memory_growth(onednn_cache_capacity=4, mmap_threshold=2**20) == {
-        "onednn_primitive_cache": None, "heap_trim_threshold": top, "mmap_threshold": 2**20}
+        "onednn_primitive_cache": None,
+        "heap_trim_threshold": top,
+        "mmap_threshold": 2**20,
+    }
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(capacity)
     assert memory.limit_memory_growth(onednn_cache_capacity=None, heap_trim_threshold=None) == {
-        "onednn_primitive_cache": None, "heap_trim_threshold": None, "mmap_threshold": None}
+        "onednn_primitive_cache": None,
+        "heap_trim_threshold": None,
+        "mmap_threshold": None,
+    }
     assert kept == [top, top]
 
 
@@ -137,8 +146,11 @@ def test_keep_heap_top_checks_and_respects_the_user(monkeypatch):
     for bad in (0, 2**31):
         with pytest.raises(ValueError):
             memory.keep_heap_top(bad)
-    for name, value in (("MALLOC_TRIM_THRESHOLD_", "1000000"), ("MALLOC_MMAP_THRESHOLD_", "1000000"),
-                        ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1000000")):
+    for name, value in (
+        ("MALLOC_TRIM_THRESHOLD_", "1000000"),
+        ("MALLOC_MMAP_THRESHOLD_", "1000000"),
+        ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1000000"),
+    ):
         with monkeypatch.context() as m:
             m.setenv(name, value)
             assert memory.keep_heap_top() is False
@@ -147,7 +159,7 @@ def test_keep_heap_top_checks_and_respects_the_user(monkeypatch):
 # Freed blocks at the top of the heap, then the same sizes again: how many pages come back from the OS
 # afresh (minor faults) the second time. Round 1 (16 MiB blocks, mmapped) only lifts glibc's sliding
 # mmap threshold, as a first training step does; rounds 2 and 3 (15 MiB blocks) come from the heap.
-_HEAP_TOP_PROBE = '''
+_HEAP_TOP_PROBE = """
 import ctypes, resource, sys
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -167,7 +179,7 @@ round_trip(15 << 20)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 round_trip(15 << 20)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-'''
+"""
 
 
 @linux
@@ -179,8 +191,9 @@ def test_keep_heap_top_stops_the_next_step_faulting_its_memory_in_again():
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
 
     def faults(mode: str) -> int:
-        out = subprocess.run([sys.executable, "-c", _HEAP_TOP_PROBE, mode], env=env, check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", _HEAP_TOP_PROBE, mode], env=env, check=True, capture_output=True, text=True
+        ).stdout
         return int(out.split()[-1])
 
     pages = 8 * (15 << 20) // 4096

@@ -31,7 +31,12 @@ def ids(b, s, vocab=40):
 def test_paper_base_defaults():
     c = qkv.TransformerConfig()
     assert (c.d_model, c.num_heads, c.num_encoder_layers, c.num_decoder_layers, c.d_ff, c.dropout) == (
-        512, 8, 6, 6, 2048, 0.1,
+        512,
+        8,
+        6,
+        6,
+        2048,
+        0.1,
     )
     model = qkv.Transformer(qkv.TransformerConfig(src_vocab_size=37000, tgt_vocab_size=37000, share_embeddings=True))
     n_params = sum(p.numel() for p in model.parameters())
@@ -87,7 +92,9 @@ def test_encoder_without_positions_is_permutation_equivariant():
     out_perm = model(x[:, perm]).last_hidden_state
     torch.testing.assert_close(out_perm, out[:, perm], atol=1e-5, rtol=0)
     with_positions = qkv.EncoderModel(tiny_config(positional="sinusoidal")).eval()
-    assert not torch.allclose(with_positions(x[:, perm]).last_hidden_state, with_positions(x).last_hidden_state[:, perm], atol=1e-3)
+    assert not torch.allclose(
+        with_positions(x[:, perm]).last_hidden_state, with_positions(x).last_hidden_state[:, perm], atol=1e-3
+    )
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
@@ -122,8 +129,9 @@ def test_need_weights_returns_every_layer():
 
 def test_causal_lm_is_causal_and_learns():
     torch.manual_seed(0)
-    model = qkv.CausalLM(qkv.CausalLMConfig(vocab_size=40, d_model=32, num_heads=4, num_layers=2, d_ff=64,
-                                            context=32, dropout=0.0))
+    model = qkv.CausalLM(
+        qkv.CausalLMConfig(vocab_size=40, d_model=32, num_heads=4, num_layers=2, d_ff=64, context=32, dropout=0.0)
+    )
     x = ids(2, 12)
     logits = model.eval()(x).logits
     changed = x.clone()
@@ -165,13 +173,15 @@ def test_config_round_trip_and_errors(tmp_path):
 @pytest.mark.parametrize("vocab", [40, 100])  # below d_model: plain product; above: the fused loss
 def test_causal_lm_loss_equals_cross_entropy_of_its_logits(vocab):
     torch.manual_seed(0)
-    model = qkv.CausalLM(qkv.CausalLMConfig(vocab_size=vocab, d_model=64, num_heads=4, num_layers=2, d_ff=64,
-                                            context=16, dropout=0.0))
+    model = qkv.CausalLM(
+        qkv.CausalLMConfig(vocab_size=vocab, d_model=64, num_heads=4, num_layers=2, d_ff=64, context=16, dropout=0.0)
+    )
     x, y = torch.randint(0, vocab, (3, 16)), torch.randint(0, vocab, (3, 16))
     y[0, :5] = -100  # nothing predicted there
     loss = model.loss(x, y, label_smoothing=0.1)
-    reference = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, vocab), y.reshape(-1),
-                                                  ignore_index=-100, label_smoothing=0.1, reduction="sum")
+    reference = torch.nn.functional.cross_entropy(
+        model(x).logits.reshape(-1, vocab), y.reshape(-1), ignore_index=-100, label_smoothing=0.1, reduction="sum"
+    )
     torch.testing.assert_close(loss, reference, atol=1e-4, rtol=1e-5)
     grads = torch.autograd.grad(loss, model.token_embedding.weight)[0]
     expected = torch.autograd.grad(reference, model.token_embedding.weight)[0]

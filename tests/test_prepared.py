@@ -12,11 +12,11 @@ import json
 import random
 import shutil
 
+import dist_workers
 import numpy as np
 import pytest
 import torch
 
-import dist_workers
 from qkv.cli import main as qkv_main
 from qkv.data.cached_encoder import LATIN_RANGES, CachedEncoder, split_pieces
 from qkv.data.parallel import read_parallel
@@ -27,10 +27,47 @@ from qkv.runs.translation import resume_run, start_run
 from qkv.training.tasks import TranslationTask
 
 MODEL = dict(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64, dropout=0.1, max_len=48)
-TRAIN = dict(max_tokens=400, warmup_steps=4, lr_factor=0.5, max_steps=6, max_minutes=0.0, bf16=False, progress=False,
-             average_last=1, eval_every_minutes=0.0, checkpoint_every_minutes=0.0, log_every_steps=1)
-WORDS = ["the", "house", "is", "small", "a", "dog", "runs", "over", "green", "fields", "don't", "we'll", "it's",
-         "2014", "3.5", "Haus", "grün", "Straße", "über", "naïve", "😀", "-", ",", "(x)", "  ", "\t"]
+TRAIN = dict(
+    max_tokens=400,
+    warmup_steps=4,
+    lr_factor=0.5,
+    max_steps=6,
+    max_minutes=0.0,
+    bf16=False,
+    progress=False,
+    average_last=1,
+    eval_every_minutes=0.0,
+    checkpoint_every_minutes=0.0,
+    log_every_steps=1,
+)
+WORDS = [
+    "the",
+    "house",
+    "is",
+    "small",
+    "a",
+    "dog",
+    "runs",
+    "over",
+    "green",
+    "fields",
+    "don't",
+    "we'll",
+    "it's",
+    "2014",
+    "3.5",
+    "Haus",
+    "grün",
+    "Straße",
+    "über",
+    "naïve",
+    "😀",
+    "-",
+    ",",
+    "(x)",
+    "  ",
+    "\t",
+]
 
 
 def sentence(rng: random.Random, words: int) -> str:
@@ -57,8 +94,17 @@ def corpus(tmp_path_factory):
     valid = write_pairs(root, "valid", src[:20], tgt[:20])
     tokenizer = Tokenizer.train(src + tgt, vocab_size=400)
     tokenizer.save(root / "tokenizer.json")
-    prepare_corpus(*train, root / "prep", val_src=valid[0], val_tgt=valid[1], tokenizer=root / "tokenizer.json",
-                   max_len=1000, workers=2, chunk_pairs=64, progress=False)
+    prepare_corpus(
+        *train,
+        root / "prep",
+        val_src=valid[0],
+        val_tgt=valid[1],
+        tokenizer=root / "tokenizer.json",
+        max_len=1000,
+        workers=2,
+        chunk_pairs=64,
+        progress=False,
+    )
     return {"root": root, "src": src, "tgt": tgt, "train": train, "tokenizer": tokenizer, "prep": root / "prep"}
 
 
@@ -70,15 +116,32 @@ def test_prepared_ids_are_the_tokenizers_ids_of_each_line(corpus):
         assert split.ids("src", i) == tokenizer.encode(corpus["src"][i]), i
         assert split.ids("tgt", i) == tokenizer.encode(corpus["tgt"][i]), i
     lengths = split.lengths()
-    assert lengths.tolist() == [[len(tokenizer.encode(s)), len(tokenizer.encode(t))]
-                                for s, t in zip(corpus["src"], corpus["tgt"])]
+    assert lengths.tolist() == [
+        [len(tokenizer.encode(s)), len(tokenizer.encode(t))] for s, t in zip(corpus["src"], corpus["tgt"])
+    ]
     assert prepared.text("valid").src == corpus["src"][:20]  # byte-level BPE decodes back to the text
 
 
 def test_cached_encoder_equals_the_tokenizer_on_awkward_text(corpus):
     tokenizer = corpus["tokenizer"]
-    texts = ["", " ", "a", "  two  spaces  ", "tab\tand\ttrailing \t", "it's we'll THEY'RE don't", "x</s>y", "</s>",
-             "1234567 89", "(((", "naïve café", "\u3000wide\u00a0space", "line\rbreak", "a'b'c", "'s'", "end  "]
+    texts = [
+        "",
+        " ",
+        "a",
+        "  two  spaces  ",
+        "tab\tand\ttrailing \t",
+        "it's we'll THEY'RE don't",
+        "x</s>y",
+        "</s>",
+        "1234567 89",
+        "(((",
+        "naïve café",
+        "\u3000wide\u00a0space",
+        "line\rbreak",
+        "a'b'c",
+        "'s'",
+        "end  ",
+    ]
     encoder = CachedEncoder(tokenizer, cache_size=30)  # small: the cache starts again on the way
     for batch in (texts, [t for t in texts if t.isascii() and "</s>" not in t], texts[::-1], corpus["src"][:100]):
         ids, lengths = encoder.encode(batch)
@@ -105,10 +168,21 @@ def test_the_python_split_is_the_tokenizers_on_every_latin_character():
     assert len(chars) > 1000 and "\u00e4" in chars and "\u2019" in chars and "\u20ac" in chars
     checked = 0
     for c in chars:
-        for text in (c, f"a{c}b", f" {c}{c}x", f"1{c} 2", f"x {c} ", f"{c}  y", f"'{c}s", f"{c}\u00e9t\u00e9 {c}",
-                     f"{c}'ll"):
-            theirs = [bytes(BYTE_ALPHABET[ch] for ch in piece).decode("utf-8")
-                      for piece, _ in byte_level.pre_tokenize_str(text)]
+        for text in (
+            c,
+            f"a{c}b",
+            f" {c}{c}x",
+            f"1{c} 2",
+            f"x {c} ",
+            f"{c}  y",
+            f"'{c}s",
+            f"{c}\u00e9t\u00e9 {c}",
+            f"{c}'ll",
+        ):
+            theirs = [
+                bytes(BYTE_ALPHABET[ch] for ch in piece).decode("utf-8")
+                for piece, _ in byte_level.pre_tokenize_str(text)
+            ]
             assert split_pieces(text) == theirs, (hex(ord(c)), text)
             checked += 1
     assert checked == 9 * len(chars)
@@ -131,8 +205,15 @@ def test_a_gzipped_corpus_prepares_to_the_same_folder(corpus, tmp_path):
     for path in corpus["train"]:
         gz.append(tmp_path / (path.name + ".gz"))
         gz[-1].write_bytes(gzip.compress(path.read_bytes()))
-    manifest = prepare_corpus(*gz, tmp_path / "from_gz", tokenizer=corpus["root"] / "tokenizer.json", max_len=1000,
-                              workers=1, chunk_pairs=100, progress=False)
+    manifest = prepare_corpus(
+        *gz,
+        tmp_path / "from_gz",
+        tokenizer=corpus["root"] / "tokenizer.json",
+        max_len=1000,
+        workers=1,
+        chunk_pairs=100,
+        progress=False,
+    )
     plain = PreparedCorpus(corpus["prep"]).manifest
     assert manifest["splits"]["train"]["sha256"] == plain["splits"]["train"]["sha256"]
     for name in ("train.src.bin", "train.tgt.bin", "train.src.idx", "train.len", "train.lines"):
@@ -166,7 +247,8 @@ def test_subword_dropout_cuts_a_prepared_folder_s_ids_without_changing_its_text(
         longer += int(y.num_tgt_tokens > x.num_tgt_tokens)
         for name in ("src", "tgt_out"):
             assert [tokenizer.decode(r) for r in getattr(x, name).tolist()] == [
-                tokenizer.decode(r) for r in getattr(y, name).tolist()]
+                tokenizer.decode(r) for r in getattr(y, name).tolist()
+            ]
     assert longer > len(plan) // 2
 
 
@@ -175,8 +257,14 @@ def _record_epoch(ctx, out: str, run_dir: str, folder: str) -> None:
     example indices of the real (non-stand-in) batches this rank trained on."""
     from pathlib import Path
 
-    trainer = start_run(run_dir, data={"source": "prepared", "folder": folder}, model_options=MODEL,
-                        train_options={**TRAIN, "max_steps": 0, "max_epochs": 1.0}, device="cpu", dist=ctx)
+    trainer = start_run(
+        run_dir,
+        data={"source": "prepared", "folder": folder},
+        model_options=MODEL,
+        train_options={**TRAIN, "max_steps": 0, "max_epochs": 1.0},
+        device="cpu",
+        dist=ctx,
+    )
     made, trained = {}, []
     make_batch, step = trainer.task.make_batch, trainer.step
 
@@ -199,20 +287,28 @@ def test_two_processes_take_disjoint_batches_that_cover_the_epoch(corpus, tmp_pa
     out.mkdir()
     dist_workers.launch(_record_epoch, (str(out), str(tmp_path / "run"), str(corpus["prep"])), timeout=240)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    task = TranslationTask(corpus["tokenizer"], PreparedCorpus(corpus["prep"]).split("train"), None, max_len=48,
-                           pad_id=0)
+    task = TranslationTask(
+        corpus["tokenizer"], PreparedCorpus(corpus["prep"]).split("train"), None, max_len=48, pad_id=0
+    )
     plan = [list(b) for b in task.batches(0, TRAIN["max_tokens"], 0)]  # TrainConfig's default seed
     assert ranks[0] == plan[0::2] and ranks[1] == plan[1::2]  # accum 1: batch k goes to process k mod 2
     seen = [set(i for b in r for i in b) for r in ranks]
     assert not seen[0] & seen[1]
-    kept = {i for i in range(600) if max(len(corpus["tokenizer"].encode(corpus["src"][i])),
-                                         len(corpus["tokenizer"].encode(corpus["tgt"][i]))) + 1 <= 48}
+    kept = {
+        i
+        for i in range(600)
+        if max(len(corpus["tokenizer"].encode(corpus["src"][i])), len(corpus["tokenizer"].encode(corpus["tgt"][i]))) + 1
+        <= 48
+    }
     assert seen[0] | seen[1] == kept
 
 
 def _metrics(run_dir):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if json.loads(x).get("event") == "train"]
+    return [
+        json.loads(x)
+        for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if json.loads(x).get("event") == "train"
+    ]
 
 
 def test_a_run_resumed_mid_epoch_from_a_prepared_folder_equals_the_uninterrupted_run(corpus, tmp_path):
@@ -240,19 +336,27 @@ def test_bad_lines_are_left_out_and_listed_by_file_and_line(corpus, tmp_path):
     src[9] = b"caf\xe9 au lait"  # line 10: Latin-1, not UTF-8
     src[19] = b" ".join([b"house"] * 60)  # line 20: over 32 tokens
     paths = write_pairs(tmp_path, "bad", src, tgt, raw=True)
-    manifest = prepare_corpus(*paths, tmp_path / "out", tokenizer=corpus["root"] / "tokenizer.json", max_len=32,
-                              progress=False)
+    manifest = prepare_corpus(
+        *paths, tmp_path / "out", tokenizer=corpus["root"] / "tokenizer.json", max_len=32, progress=False
+    )
     dropped, listed = manifest["dropped"]["train"], manifest["dropped_first"]["train"]
-    longer = {i + 1 for i in range(40) if i not in (4, 9, 19) and max(
-        len(corpus["tokenizer"].encode(corpus["src"][i])), len(corpus["tokenizer"].encode(corpus["tgt"][i]))) + 1 > 32}
+    longer = {
+        i + 1
+        for i in range(40)
+        if i not in (4, 9, 19)
+        and max(len(corpus["tokenizer"].encode(corpus["src"][i])), len(corpus["tokenizer"].encode(corpus["tgt"][i])))
+        + 1
+        > 32
+    }
     assert dropped == {"empty": 1, "not_utf8": 1, "over_long": 1 + len(longer)}
     assert f"{paths[1]}:5: empty line" in listed and f"{paths[0]}:10: not UTF-8" in listed
     assert any(x.startswith(f"{paths[0]}:20: too long") for x in listed)
     lines = np.fromfile(tmp_path / "out" / "train.lines", dtype=np.int64).tolist()
     assert lines == [n for n in range(1, 41) if n not in {5, 10, 20} | longer]
     split = PreparedCorpus(tmp_path / "out").split("train")
-    assert [split.ids("src", k) for k in range(len(lines))] == [corpus["tokenizer"].encode(corpus["src"][n - 1])
-                                                                for n in lines]
+    assert [split.ids("src", k) for k in range(len(lines))] == [
+        corpus["tokenizer"].encode(corpus["src"][n - 1]) for n in lines
+    ]
 
 
 def test_misaligned_files_are_refused_before_anything_is_written(corpus, tmp_path):
@@ -274,17 +378,47 @@ def test_cli_errors_exit_2_with_one_line_and_write_nothing(corpus, tmp_path, cap
     tiny = ["--d-model", 32, "--heads", 2, "--encoder-layers", 1, "--decoder-layers", 1, "--d-ff", 64]
     cases = [
         (["prepare", "--train-src", paths[0], "--train-tgt", paths[1], "--out", tmp_path / "p"], "misaligned"),
-        (["prepare", "--train-src", corpus["train"][0], "--train-tgt", corpus["train"][1], "--out", corpus["prep"]],
-         "exists"),
-        (["prepare", "--train-src", corpus["train"][0], "--train-tgt", tmp_path / "nope", "--out", tmp_path / "p"],
-         "no such file"),
-        (["prepare", "--train-src", corpus["train"][0], "--train-tgt", corpus["train"][1], "--out", tmp_path / "p",
-          "--tokenizer", corpus["root"] / "tokenizer.json", "--vocab-size", 500], "--vocab-size"),
+        (
+            ["prepare", "--train-src", corpus["train"][0], "--train-tgt", corpus["train"][1], "--out", corpus["prep"]],
+            "exists",
+        ),
+        (
+            ["prepare", "--train-src", corpus["train"][0], "--train-tgt", tmp_path / "nope", "--out", tmp_path / "p"],
+            "no such file",
+        ),
+        (
+            [
+                "prepare",
+                "--train-src",
+                corpus["train"][0],
+                "--train-tgt",
+                corpus["train"][1],
+                "--out",
+                tmp_path / "p",
+                "--tokenizer",
+                corpus["root"] / "tokenizer.json",
+                "--vocab-size",
+                500,
+            ],
+            "--vocab-size",
+        ),
         (["train", "--prepared", tmp_path / "nope", "--run-dir", tmp_path / "r", *tiny], "no such folder"),
         (["train", "--prepared", tmp_path / "not_prepared", "--run-dir", tmp_path / "r"], "not a prepared folder"),
         (["train", "--prepared", corpus["prep"], "--data", "dates", "--run-dir", tmp_path / "r"], "one of"),
-        (["train", "--prepared", corpus["prep"], "--train-src", corpus["train"][0], "--train-tgt",
-          corpus["train"][1], "--run-dir", tmp_path / "r"], "one of"),
+        (
+            [
+                "train",
+                "--prepared",
+                corpus["prep"],
+                "--train-src",
+                corpus["train"][0],
+                "--train-tgt",
+                corpus["train"][1],
+                "--run-dir",
+                tmp_path / "r",
+            ],
+            "one of",
+        ),
         (["train", "--prepared", corpus["prep"], "--run-dir", tmp_path / "r", "--layers", 2], "--layers"),
     ]
     before = sorted(p.name for p in tmp_path.iterdir())
@@ -298,10 +432,37 @@ def test_cli_errors_exit_2_with_one_line_and_write_nothing(corpus, tmp_path, cap
 
 
 def test_train_prepared_with_the_paper_recipe(corpus, tmp_path, capsys):
-    code, lines = _cli(capsys, "train", "--prepared", corpus["prep"], "--recipe", "paper-base", "--run-dir",
-                       tmp_path / "run", "--d-model", 32, "--heads", 2, "--encoder-layers", 1, "--decoder-layers", 1,
-                       "--d-ff", 64, "--max-len", 48, "--max-tokens", 400, "--accum-steps", 1, "--max-steps", 2,
-                       "--eval-every-steps", 0, "--no-progress")
+    code, lines = _cli(
+        capsys,
+        "train",
+        "--prepared",
+        corpus["prep"],
+        "--recipe",
+        "paper-base",
+        "--run-dir",
+        tmp_path / "run",
+        "--d-model",
+        32,
+        "--heads",
+        2,
+        "--encoder-layers",
+        1,
+        "--decoder-layers",
+        1,
+        "--d-ff",
+        64,
+        "--max-len",
+        48,
+        "--max-tokens",
+        400,
+        "--accum-steps",
+        1,
+        "--max-steps",
+        2,
+        "--eval-every-steps",
+        0,
+        "--no-progress",
+    )
     assert code == 0, lines
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["data"] == {"source": "prepared", "folder": str(corpus["prep"].resolve())}
@@ -314,11 +475,23 @@ def test_train_prepared_with_the_paper_recipe(corpus, tmp_path, capsys):
 
 def test_a_changed_prepared_folder_refuses_resume(corpus, tmp_path, capsys):
     shutil.copytree(corpus["prep"], tmp_path / "prep")
-    start_run(tmp_path / "run", data={"source": "prepared", "folder": str(tmp_path / "prep")}, model_options=MODEL,
-              train_options={**TRAIN, "max_steps": 1}, device="cpu")
+    start_run(
+        tmp_path / "run",
+        data={"source": "prepared", "folder": str(tmp_path / "prep")},
+        model_options=MODEL,
+        train_options={**TRAIN, "max_steps": 1},
+        device="cpu",
+    )
     # prepared again with a shorter --max-len: fewer pairs
-    prepare_corpus(corpus["train"][0], corpus["train"][1], tmp_path / "prep",
-                   tokenizer=corpus["root"] / "tokenizer.json", max_len=40, overwrite=True, progress=False)
+    prepare_corpus(
+        corpus["train"][0],
+        corpus["train"][1],
+        tmp_path / "prep",
+        tokenizer=corpus["root"] / "tokenizer.json",
+        max_len=40,
+        overwrite=True,
+        progress=False,
+    )
     with pytest.raises(ValueError, match="changed since this run started"):
         resume_run(tmp_path / "run")
     state = (tmp_path / "run" / "state.pt").read_bytes()

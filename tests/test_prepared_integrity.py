@@ -11,16 +11,34 @@ import shutil
 
 import numpy as np
 import pytest
+from test_reliability import one_line_error, snapshot
 
 from qkv.cli import main
 from qkv.data import prepared as prepared_module
 from qkv.data.dates import generate_dates
 from qkv.data.prepared import CACHE_FILE, PreparedCorpus, folder_fingerprint, split_files
 from qkv.data.preparing import prepare_corpus
-from test_reliability import one_line_error, snapshot
 
-MODEL = ["--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--d-ff", "64",
-         "--max-tokens", "600", "--no-progress", "--threads", "1", "--no-bf16", "--minutes", "0"]
+MODEL = [
+    "--d-model",
+    "32",
+    "--heads",
+    "2",
+    "--encoder-layers",
+    "1",
+    "--decoder-layers",
+    "1",
+    "--d-ff",
+    "64",
+    "--max-tokens",
+    "600",
+    "--no-progress",
+    "--threads",
+    "1",
+    "--no-bf16",
+    "--minutes",
+    "0",
+]
 HOUR_NS = 3600 * 10**9
 
 
@@ -33,8 +51,16 @@ def pristine(tmp_path_factory):
         for side, lines in (("src", pairs.src), ("tgt", pairs.tgt)):
             files[name, side] = root / f"{name}.{side}"
             files[name, side].write_text("\n".join(lines) + "\n", encoding="utf-8")
-    prepare_corpus(files["train", "src"], files["train", "tgt"], root / "prep", val_src=files["valid", "src"],
-                   val_tgt=files["valid", "tgt"], vocab_size=300, workers=1, progress=False)
+    prepare_corpus(
+        files["train", "src"],
+        files["train", "tgt"],
+        root / "prep",
+        val_src=files["valid", "src"],
+        val_tgt=files["valid", "tgt"],
+        vocab_size=300,
+        workers=1,
+        progress=False,
+    )
     return root / "prep"
 
 
@@ -75,17 +101,20 @@ def test_a_clean_folder_trains(folder, tmp_path, capsys):
     assert train(capsys, folder, tmp_path / "run") == 0
 
 
-@pytest.mark.parametrize("damage, file, expected", [
-    ("every target id 7", "train.tgt.bin", ["changed since it was prepared", "SHA-256"]),
-    ("every source id 5", "train.src.bin", ["changed since it was prepared", "SHA-256"]),
-    ("every source offset 2**40", "train.src.idx", ["the first offset is 1099511627776, not 0"]),
-    ("an id past the vocabulary", "train.tgt.bin", ["is outside the vocabulary of", "position 3, pair 0"]),
-    ("the vocabulary's own size as an id", "valid.src.bin", ["is outside the vocabulary of"]),
-    ("offsets that go back", "train.tgt.idx", ["the offsets go back at pair 4"]),
-    ("a length table that disagrees", "train.len", ["pair 7's tgt length is 999", "train.tgt.idx"]),
-    ("a changed tokenizer", "tokenizer.json", ["changed since it was prepared"]),
-    ("a manifest whose hash was edited", "manifest.json", ["fingerprint is not that of the hashes"]),
-])
+@pytest.mark.parametrize(
+    "damage, file, expected",
+    [
+        ("every target id 7", "train.tgt.bin", ["changed since it was prepared", "SHA-256"]),
+        ("every source id 5", "train.src.bin", ["changed since it was prepared", "SHA-256"]),
+        ("every source offset 2**40", "train.src.idx", ["the first offset is 1099511627776, not 0"]),
+        ("an id past the vocabulary", "train.tgt.bin", ["is outside the vocabulary of", "position 3, pair 0"]),
+        ("the vocabulary's own size as an id", "valid.src.bin", ["is outside the vocabulary of"]),
+        ("offsets that go back", "train.tgt.idx", ["the offsets go back at pair 4"]),
+        ("a length table that disagrees", "train.len", ["pair 7's tgt length is 999", "train.tgt.idx"]),
+        ("a changed tokenizer", "tokenizer.json", ["changed since it was prepared"]),
+        ("a manifest whose hash was edited", "manifest.json", ["fingerprint is not that of the hashes"]),
+    ],
+)
 def test_damage_refuses_a_run_naming_the_file(folder, tmp_path, capsys, damage, file, expected):
     vocab = PreparedCorpus(folder).manifest["vocab_size"]
     dtype = ids_dtype(folder)
@@ -103,8 +132,9 @@ def test_damage_refuses_a_run_naming_the_file(folder, tmp_path, capsys, damage, 
         offsets = np.fromfile(folder / file, dtype=np.int64)
         overwrite(folder / file, np.int64, offsets[4] - 1, 5)
     elif damage == "a length table that disagrees":
-        overwrite(folder / file, PreparedCorpus(folder).manifest["splits"]["train"]["lengths_dtype"], 999,
-                  2 * 7 + 1)  # row 7, the target column
+        overwrite(
+            folder / file, PreparedCorpus(folder).manifest["splits"]["train"]["lengths_dtype"], 999, 2 * 7 + 1
+        )  # row 7, the target column
     elif damage == "a changed tokenizer":
         (folder / file).write_bytes((folder / file).read_bytes() + b" ")
     else:
@@ -187,8 +217,25 @@ def test_resume_refuses_a_changed_copy_of_the_pairs_in_the_run_folder(tmp_path, 
         (tmp_path / f"train.{side}").write_text("\n".join(lines) + "\n", encoding="utf-8")
     run = tmp_path / "run"
     capsys.readouterr()
-    assert main(["train", "--train-src", str(tmp_path / "train.src"), "--train-tgt", str(tmp_path / "train.tgt"),
-                 "--run-dir", str(run), "--max-steps", "1", "--vocab-size", "300", *MODEL]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--train-src",
+                str(tmp_path / "train.src"),
+                "--train-tgt",
+                str(tmp_path / "train.tgt"),
+                "--run-dir",
+                str(run),
+                "--max-steps",
+                "1",
+                "--vocab-size",
+                "300",
+                *MODEL,
+            ]
+        )
+        == 0
+    )
     config = json.loads((run / "config.json").read_text(encoding="utf-8"))
     assert config["prepared"] == {"folder": "data", "fingerprint": PreparedCorpus(run / "data").fingerprint}
     resume = ["train", "--run-dir", str(run), "--resume", "--max-steps", "2", "--no-progress"]

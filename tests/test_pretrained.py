@@ -22,7 +22,7 @@ SENTENCES = [
     "The quick brown fox jumps over the lazy dog, then naps in the afternoon sun.",
     "ok",
 ]
-WORDS = "the a dog cat runs sleeps on mat beach time flies like an arrow fruit banana ##s ##ing , .".split()
+WORDS = ["the", "a", "dog", "cat", "runs", "sleeps", "on", "mat", "beach", "time", "flies", "like", "an", "arrow", "fruit", "banana", "##s", "##ing", ",", "."]
 
 
 def minilm_path():
@@ -50,9 +50,17 @@ def write_vocab(folder) -> None:
 def make_hf_bert(folder, *, model_class=None, **overrides):
     """A randomly initialised Hugging Face BERT saved with save_pretrained, plus a vocab.txt."""
     settings = dict(
-        vocab_size=len(WORDS) + 5, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
-        intermediate_size=80, max_position_embeddings=40, type_vocab_size=3, layer_norm_eps=1e-7,
-        hidden_act="gelu_new", initializer_range=0.3, attn_implementation="eager",
+        vocab_size=len(WORDS) + 5,
+        hidden_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=80,
+        max_position_embeddings=40,
+        type_vocab_size=3,
+        layer_norm_eps=1e-7,
+        hidden_act="gelu_new",
+        initializer_range=0.3,
+        attn_implementation="eager",
     )
     settings.update(overrides)
     config = transformers.BertConfig(**settings)
@@ -66,8 +74,9 @@ def make_hf_bert(folder, *, model_class=None, **overrides):
 def assert_bert_matches(ours, hf, input_ids, attention_mask, token_type_ids):
     with torch.no_grad():
         got = ours(input_ids, attention_mask, token_type_ids, output_attentions=True)
-        want = hf(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                  output_attentions=True)
+        want = hf(
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, output_attentions=True
+        )
     real = attention_mask.bool()
     assert (got.last_hidden_state - want.last_hidden_state)[real].abs().max() <= 1e-4
     assert (got.pooler_output - want.pooler_output).abs().max() <= 1e-4

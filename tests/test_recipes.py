@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from qkv.models.transformer import Transformer, TransformerConfig
-from qkv.runs.recipes import (MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST, recipe_overrides, step_batches,
-                         translation_recipes)
+from qkv.runs.recipes import (
+    MODEL_WHERE_BF16_IS_FAST,
+    RECIPES,
+    TRAIN_WHERE_BF16_IS_FAST,
+    recipe_overrides,
+    step_batches,
+    translation_recipes,
+)
 from qkv.training import TrainConfig
 
 
@@ -29,10 +35,13 @@ def expected_parameters(vocab: int, d: int, d_ff: int, layers: int) -> int:
     return vocab * d + layers * (encoder_layer + decoder_layer)
 
 
-@pytest.mark.parametrize("name,d,heads,d_ff,dropout,paper_millions,tolerance", [
-    ("paper-base", 512, 8, 2048, 0.1, 65, 0.05),
-    ("paper-big", 1024, 16, 4096, 0.3, 213, 0.01),
-])
+@pytest.mark.parametrize(
+    "name,d,heads,d_ff,dropout,paper_millions,tolerance",
+    [
+        ("paper-base", 512, 8, 2048, 0.1, 65, 0.05),
+        ("paper-big", 1024, 16, 4096, 0.3, 213, 0.01),
+    ],
+)
 def test_paper_models_match_table_3(name, d, heads, d_ff, dropout, paper_millions, tolerance):
     recipe = RECIPES[name]
     vocab = recipe["vocab_size"]
@@ -82,11 +91,13 @@ def test_a_recipe_replaces_the_data_recipe_whole(source):
     model, train, vocab = recipe_overrides("paper-base", source, world_size=8)
     own = RECIPES[source]
     merged_model = TransformerConfig(**{**own["model"], **model}, src_vocab_size=vocab, tgt_vocab_size=vocab)
-    assert merged_model == TransformerConfig(**RECIPES["paper-base"]["model"], src_vocab_size=vocab,
-                                             tgt_vocab_size=vocab)
+    assert merged_model == TransformerConfig(
+        **RECIPES["paper-base"]["model"], src_vocab_size=vocab, tgt_vocab_size=vocab
+    )
     # also where the data's recipe changes its model for fast bf16 (start_run puts those under the options)
-    fast_model = TransformerConfig(**{**own["model"], **own.get(MODEL_WHERE_BF16_IS_FAST, {}), **model},
-                                   src_vocab_size=vocab, tgt_vocab_size=vocab)
+    fast_model = TransformerConfig(
+        **{**own["model"], **own.get(MODEL_WHERE_BF16_IS_FAST, {}), **model}, src_vocab_size=vocab, tgt_vocab_size=vocab
+    )
     assert fast_model == merged_model
     merged_train = TrainConfig(**{**own["train"], **train})
     assert merged_train == TrainConfig(**{**RECIPES["paper-base"]["train"], "max_tokens": 3125, "accum_steps": 1})
@@ -124,8 +135,23 @@ def corpus(tmp_path):
     return ["--train-src", tmp_path / "train.en", "--train-tgt", tmp_path / "train.de"]
 
 
-TINY = ["--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--d-ff", "64",
-        "--vocab-size", "300", "--max-steps", "1", "--no-progress"]
+TINY = [
+    "--d-model",
+    "32",
+    "--heads",
+    "2",
+    "--encoder-layers",
+    "1",
+    "--decoder-layers",
+    "1",
+    "--d-ff",
+    "64",
+    "--vocab-size",
+    "300",
+    "--max-steps",
+    "1",
+    "--no-progress",
+]
 
 
 def test_cli_trains_with_the_named_recipe(tmp_path, corpus):
@@ -137,8 +163,12 @@ def test_cli_trains_with_the_named_recipe(tmp_path, corpus):
     model, train = config["model"], config["train"]
     assert (model["d_model"], model["num_heads"], model["d_ff"]) == (32, 2, 64)  # explicit options win
     assert (model["dropout"], model["max_len"], model["share_embeddings"]) == (0.3, 256, True)  # the recipe's
-    assert (train["warmup_steps"], train["lr_factor"], train["clip_norm"], train["label_smoothing"]) == (4000, 1.0,
-                                                                                                       0.0, 0.1)
+    assert (train["warmup_steps"], train["lr_factor"], train["clip_norm"], train["label_smoothing"]) == (
+        4000,
+        1.0,
+        0.0,
+        0.1,
+    )
     assert (train["average_last"], train["checkpoint_every_steps"], train["max_minutes"]) == (20, 600, 0.0)
     assert (train["max_tokens"], train["accum_steps"], train["max_steps"]) == (3000, 8, 1)  # 8 x 3,000 on 1 process
     assert train["bf16"] == bf16_is_fast("cpu")
@@ -148,8 +178,11 @@ def test_cli_trains_with_the_named_recipe(tmp_path, corpus):
     config = json.loads((default / "config.json").read_text())
     train = config["train"]
     own = {**RECIPES["files"]["train"], **(RECIPES["files"][TRAIN_WHERE_BF16_IS_FAST] if bf16_is_fast("cpu") else {})}
-    assert (train["warmup_steps"], train["max_tokens"], train["accum_steps"]) == (own["warmup_steps"],
-                                                                                  own["max_tokens"], 1)
+    assert (train["warmup_steps"], train["max_tokens"], train["accum_steps"]) == (
+        own["warmup_steps"],
+        own["max_tokens"],
+        1,
+    )
     assert (config["model"]["attention_dropout"], "attention_dropout" in RECIPES["files"]["model"]) == (0.1, False)
 
 

@@ -16,8 +16,25 @@ import torch
 from qkv.cli import main
 from qkv.data.dates import generate_dates
 
-TINY = ["--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--d-ff", "64",
-        "--max-tokens", "600", "--no-progress", "--threads", "1", "--vocab-size", "300"]
+TINY = [
+    "--d-model",
+    "32",
+    "--heads",
+    "2",
+    "--encoder-layers",
+    "1",
+    "--decoder-layers",
+    "1",
+    "--d-ff",
+    "64",
+    "--max-tokens",
+    "600",
+    "--no-progress",
+    "--threads",
+    "1",
+    "--vocab-size",
+    "300",
+]
 
 
 def snapshot(folder):
@@ -42,8 +59,22 @@ def write_pairs(folder, n=60, seed=4, name="train"):
 
 
 def train_args(src, tgt, run_dir, *extra):
-    return ["train", "--train-src", str(src), "--train-tgt", str(tgt), "--run-dir", str(run_dir), "--max-steps", "2",
-            "--minutes", "0", "--no-bf16", *TINY, *extra]
+    return [
+        "train",
+        "--train-src",
+        str(src),
+        "--train-tgt",
+        str(tgt),
+        "--run-dir",
+        str(run_dir),
+        "--max-steps",
+        "2",
+        "--minutes",
+        "0",
+        "--no-bf16",
+        *TINY,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +159,15 @@ def test_a_kill_between_checkpoint_files_never_mixes_steps(tmp_path, monkeypatch
     model = dict(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64)
     # the paper's schedule: the run below changes max_steps (3, then 4, then 6), which would move a
     # budget schedule's rate (it falls to zero at max_steps) and so the weights, kill or no kill
-    options = dict(max_steps=6, max_tokens=300, progress=False, average_last=1, label_smoothing=0.1,
-                   schedule="inverse_sqrt")
+    options = dict(
+        max_steps=6, max_tokens=300, progress=False, average_last=1, label_smoothing=0.1, schedule="inverse_sqrt"
+    )
 
     def fresh(name):
         torch.manual_seed(0)
-        return start_run(tmp_path / name, data=spec, model_options=model, vocab_size=300,
-                         train_options=options, device="cpu")
+        return start_run(
+            tmp_path / name, data=spec, model_options=model, vocab_size=300, train_options=options, device="cpu"
+        )
 
     full = fresh("full")
     full.train()
@@ -167,14 +200,17 @@ def test_a_kill_between_checkpoint_files_never_mixes_steps(tmp_path, monkeypatch
 
 
 # ----------------------------------------------------------------- 4. options checked after the folder is made
-@pytest.mark.parametrize("option, message", [
-    (["--dropout", "1.5"], "dropout must be in [0, 1)"),
-    (["--attention-dropout", "1"], "attention_dropout must be in [0, 1)"),
-    (["--max-tokens", "0"], "max_tokens (--max-tokens) must be >= 1"),
-    (["--eval-sentences", "0"], "eval_sentences (--eval-sentences) must be >= 1"),
-    (["--accum-steps", "0"], "accum_steps (--accum-steps) must be >= 1"),
-    (["--device", "cuda"], "CUDA is not available"),
-])
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--dropout", "1.5"], "dropout must be in [0, 1)"),
+        (["--attention-dropout", "1"], "attention_dropout must be in [0, 1)"),
+        (["--max-tokens", "0"], "max_tokens (--max-tokens) must be >= 1"),
+        (["--eval-sentences", "0"], "eval_sentences (--eval-sentences) must be >= 1"),
+        (["--accum-steps", "0"], "accum_steps (--accum-steps) must be >= 1"),
+        (["--device", "cuda"], "CUDA is not available"),
+    ],
+)
 def test_bad_options_write_nothing(tmp_path, capsys, option, message):
     if option[0] == "--device" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -191,7 +227,8 @@ def test_both_directions_is_refused_where_it_means_nothing(tmp_path, capsys, tra
     assert "--both-directions is for translation from text" in one_line_error(capsys, "train", code)
     code = main(["train", "--run-dir", str(trained[0]), "--resume", "--both-directions"])
     assert "--both-directions: a resumed run keeps the model and data it started with" in one_line_error(
-        capsys, "train", code)
+        capsys, "train", code
+    )
     assert not (tmp_path / "lm").exists()
 
 
@@ -216,11 +253,14 @@ def test_damaged_run_files_give_one_line_errors(tmp_path, capsys, trained, monke
     assert "tokenizer.json" in one_line_error(capsys, "translate", main(["translate", str(run)]))
 
 
-@pytest.mark.parametrize("option, message", [
-    (["--heads", "0"], "num_heads must be a positive integer"),
-    (["--threads", "-1"], "--threads"),
-    (["--accum-steps", "0"], "accum_steps (--accum-steps) must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--heads", "0"], "num_heads must be a positive integer"),
+        (["--threads", "-1"], "--threads"),
+        (["--accum-steps", "0"], "accum_steps (--accum-steps) must be >= 1"),
+    ],
+)
 def test_bad_numbers_are_one_line_errors(tmp_path, capsys, option, message):
     src, tgt = write_pairs(tmp_path / "data")
     try:
@@ -251,10 +291,13 @@ def test_embed_rejects_non_utf8_stdin_in_one_line(capsys, monkeypatch):
 
 
 # ----------------------------------------------------------------- 6. nonsense accepted silently
-@pytest.mark.parametrize("option, message", [
-    (["--minutes", "-5"], "max_minutes (--minutes) must be >= 0"),
-    (["--max-steps", "-1"], "max_steps (--max-steps) must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--minutes", "-5"], "max_minutes (--minutes) must be >= 0"),
+        (["--max-steps", "-1"], "max_steps (--max-steps) must be >= 0"),
+    ],
+)
 def test_negative_budgets_are_refused(tmp_path, capsys, option, message):
     src, tgt = write_pairs(tmp_path / "data")
     code = main(train_args(src, tgt, tmp_path / "run", *option))
@@ -305,8 +348,19 @@ def test_a_missing_data_dir_is_an_error_not_a_download(tmp_path, capsys, monkeyp
     import urllib.request
 
     monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: pytest.fail("tried to download"))
-    code = main(["train", "--data", "multi30k", "--data-dir", str(tmp_path / "nope"), "--run-dir",
-                 str(tmp_path / "run"), "--max-steps", "1"])
+    code = main(
+        [
+            "train",
+            "--data",
+            "multi30k",
+            "--data-dir",
+            str(tmp_path / "nope"),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--max-steps",
+            "1",
+        ]
+    )
     assert "nope" in one_line_error(capsys, "train", code)
     assert not (tmp_path / "run").exists()
 
@@ -344,22 +398,32 @@ def test_an_absurd_length_penalty_is_refused_not_an_overflow(capsys, trained):
 
 
 # ----------------------------------------------------------------- damaged JSON, one reader
-@pytest.mark.parametrize("damage", [b'{"model": {"d_model": 3', '{"model": "caf\u00e9"}'.encode("latin-1"), b"\xff\xfe"])
+@pytest.mark.parametrize(
+    "damage", [b'{"model": {"d_model": 3', '{"model": "caf\u00e9"}'.encode("latin-1"), b"\xff\xfe"]
+)
 def test_every_json_reader_names_a_damaged_file_in_one_line(tmp_path, damage):
     """Run configs, prepared manifests and checkpoint configs are read by qkv.runtime.fileio.read_json: a
     file cut short or not UTF-8 is a ValueError naming it, on one line."""
-    from qkv.runs.folder import read_run_config
     from qkv.cli.generate import open_language_model
     from qkv.data.prepared import PreparedCorpus
-    from qkv.runtime.fileio import read_json
     from qkv.pretrained import load_pretrained, read_config_dict
+    from qkv.runs.folder import read_run_config
+    from qkv.runtime.fileio import read_json
     from qkv.viz.explorers import open_explorer
 
     (tmp_path / "config.json").write_bytes(damage)
     (tmp_path / "manifest.json").write_bytes(damage)
-    readers = {"config.json": [read_run_config, read_config_dict, load_pretrained, open_explorer, open_language_model,
-                               lambda folder: read_json(folder / "config.json")],
-               "manifest.json": [PreparedCorpus]}
+    readers = {
+        "config.json": [
+            read_run_config,
+            read_config_dict,
+            load_pretrained,
+            open_explorer,
+            open_language_model,
+            lambda folder: read_json(folder / "config.json"),
+        ],
+        "manifest.json": [PreparedCorpus],
+    }
     for name, calls in readers.items():
         for read in calls:
             with pytest.raises(ValueError) as err:

@@ -22,8 +22,17 @@ TOKENS = SimpleNamespace(bos_id=BOS, eos_id=EOS)
 
 def random_model(seed: int) -> Transformer:
     torch.manual_seed(seed)
-    config = TransformerConfig(src_vocab_size=30, tgt_vocab_size=30, d_model=32, num_heads=4, num_encoder_layers=1,
-                               num_decoder_layers=2, d_ff=64, dropout=0.0, max_len=24)
+    config = TransformerConfig(
+        src_vocab_size=30,
+        tgt_vocab_size=30,
+        d_model=32,
+        num_heads=4,
+        num_encoder_layers=1,
+        num_decoder_layers=2,
+        d_ff=64,
+        dropout=0.0,
+        max_len=24,
+    )
     return Transformer(config).eval()
 
 
@@ -66,10 +75,14 @@ def test_pick_adds_the_channel_per_source_token_to_the_length_normalised_score()
     lists.tgt_len = np.array([2, 8, 3, 3])
     lists.channel = np.array([-9.0, -1.0, -4.0, -2.0])
     lists.src_len = np.array([4, 4, 2, 2])
+
     def by_hand(alpha, lam):
-        score = [f / ((5 + n) / 6) ** alpha + lam * c / m for f, n, c, m in
-                 zip(lists.forward, lists.tgt_len, lists.channel, lists.src_len)]
+        score = [
+            f / ((5 + n) / 6) ** alpha + lam * c / m
+            for f, n, c, m in zip(lists.forward, lists.tgt_len, lists.channel, lists.src_len)
+        ]
         return [lists.text[max(g, key=lambda j: score[j])] for g in lists.groups]
+
     assert lists.pick(0.0, 0.0) == ["a", "c"]  # raw log-probabilities
     assert lists.pick(0.0, 1.0) == ["b", "d"]  # the channel prefers b and d
     for alpha in (0.0, 0.6, 2.0, 5.0):
@@ -80,11 +93,16 @@ def test_pick_adds_the_channel_per_source_token_to_the_length_normalised_score()
 def test_bad_run_folders_and_outputs_are_one_line_errors_that_write_nothing(tmp_path):
     script = str(rerank.__file__)
     out = tmp_path / "o.json"
-    done = subprocess.run([sys.executable, script, "--forward", str(tmp_path / "missing"), "--out", str(out)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, script, "--forward", str(tmp_path / "missing"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode != 0 and done.stderr.strip().splitlines() == [
-        f"error: {tmp_path / 'missing' / 'config.json'}: not a qkv run folder (config.json missing)"]
-    done = subprocess.run([sys.executable, script, "--forward", str(tmp_path), "--out", str(tmp_path)],
-                          capture_output=True, text=True)
+        f"error: {tmp_path / 'missing' / 'config.json'}: not a qkv run folder (config.json missing)"
+    ]
+    done = subprocess.run(
+        [sys.executable, script, "--forward", str(tmp_path), "--out", str(tmp_path)], capture_output=True, text=True
+    )
     assert done.returncode != 0 and "--out names a directory" in done.stderr and "Traceback" not in done.stderr
     assert not out.exists()

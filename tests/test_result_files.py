@@ -42,7 +42,8 @@ def test_result_options_refuse_in_one_line_and_overwrite_allows(tmp_path, capsys
         check_result_file(parser, parser.parse_args(["--out", str(old)]))
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"bench: error: {old}: exists; pass --overwrite to replace it, or choose another --out")
+        f"bench: error: {old}: exists; pass --overwrite to replace it, or choose another --out"
+    )
     assert check_result_file(parser, parser.parse_args(["--out", str(old), "--overwrite"])) == old
     assert check_result_file(parser, parser.parse_args([])) == tmp_path / "default.json"
     assert old.read_text() == OLD
@@ -51,12 +52,18 @@ def test_result_options_refuse_in_one_line_and_overwrite_allows(tmp_path, capsys
 # script, its arguments ({out}: an existing result file, {dir}: an empty folder), what must not appear
 REFUSALS = [
     ("train_multi30k", ["--minutes", "1", "--out", "{out}", "--run-dir", "{dir}/run"], "{dir}/run"),
-    ("train_multi30k_ensemble", ["--members", "2", "--minutes", "1", "--out", "{out}", "--run-dir", "{dir}/ens"],
-     "{dir}/ens"),
+    (
+        "train_multi30k_ensemble",
+        ["--members", "2", "--minutes", "1", "--out", "{out}", "--run-dir", "{dir}/ens"],
+        "{dir}/ens",
+    ),
     ("demo_time", ["--out", "{out}"], None),
     ("significance", ["--run", "a={dir}/a", "--run", "b={dir}/b", "--out", "{out}"], None),
-    ("recipe_sweep", ["--collect", str(BENCHMARKS / "results" / "multi30k" / "multi30k_en_de_xeon_bf16.json"),
-                      "--out", "{out}"], None),
+    (
+        "recipe_sweep",
+        ["--collect", str(BENCHMARKS / "results" / "multi30k" / "multi30k_en_de_xeon_bf16.json"), "--out", "{out}"],
+        None,
+    ),
     ("explorer_draw", ["--output", "{out}"], None),
     ("heap_top", ["--data", "{dir}", "--out", "{out}"], None),
     ("cpu_step_paths", ["--out", "{out}"], None),
@@ -96,8 +103,21 @@ def test_a_benchmark_refuses_an_existing_result_before_any_work(script, argv, ab
 def test_qkv_bench_keeps_an_earlier_suite_result_unless_overwrite(tmp_path, capsys):
     from qkv.cli import main
 
-    argv = ["bench", "attention", "--quick", "--seq-lens", "16", "--contenders", "qkv_fast", "--dtypes", "float32",
-            "--passes", "forward", "--out", str(tmp_path)]
+    argv = [
+        "bench",
+        "attention",
+        "--quick",
+        "--seq-lens",
+        "16",
+        "--contenders",
+        "qkv_fast",
+        "--dtypes",
+        "float32",
+        "--passes",
+        "forward",
+        "--out",
+        str(tmp_path),
+    ]
     (tmp_path / "attention.json").write_text(OLD)
     assert main(argv) == 2
     assert "attention.json: exists; pass --overwrite" in capsys.readouterr().err

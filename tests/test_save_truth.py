@@ -34,12 +34,32 @@ from qkv.cli import main
 from qkv.cli.train import Terminated
 from qkv.data.dates import generate_dates
 
-TINY = ["--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--d-ff", "64",
-        "--max-tokens", "600", "--no-progress", "--threads", "1", "--vocab-size", "300"]
+TINY = [
+    "--d-model",
+    "32",
+    "--heads",
+    "2",
+    "--encoder-layers",
+    "1",
+    "--decoder-layers",
+    "1",
+    "--d-ff",
+    "64",
+    "--max-tokens",
+    "600",
+    "--no-progress",
+    "--threads",
+    "1",
+    "--vocab-size",
+    "300",
+]
 
 # every form in which a message (old or new) says which step the run folder holds
-CLAIMS = [r"checkpoint saved at step (\d+)", r"the last whole step \((\d+)\) is saved",
-          r"the run folder (?:holds|keeps) step (\d+)"]
+CLAIMS = [
+    r"checkpoint saved at step (\d+)",
+    r"the last whole step \((\d+)\) is saved",
+    r"the run folder (?:holds|keeps) step (\d+)",
+]
 
 
 def claimed_steps(text):
@@ -67,8 +87,22 @@ def write_pairs(folder, n=60, seed=4):
 
 
 def train_args(src, tgt, run_dir, *extra):
-    return ["train", "--train-src", str(src), "--train-tgt", str(tgt), "--run-dir", str(run_dir), "--minutes", "0",
-            "--no-bf16", "--eval-every-steps", "0", *TINY, *extra]
+    return [
+        "train",
+        "--train-src",
+        str(src),
+        "--train-tgt",
+        str(tgt),
+        "--run-dir",
+        str(run_dir),
+        "--minutes",
+        "0",
+        "--no-bf16",
+        "--eval-every-steps",
+        "0",
+        *TINY,
+        *extra,
+    ]
 
 
 def final_line(err, run, *, launcher=False):
@@ -179,8 +213,12 @@ def tmpfs(tmp_path):
         where = tmp_path / "tmpfs"
         where.mkdir()
         try:
-            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={pages(size)}", "tmpfs", str(where)],
-                                  capture_output=True, text=True, timeout=60)
+            done = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={pages(size)}", "tmpfs", str(where)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
         except (OSError, subprocess.SubprocessError) as err:
             pytest.skip(f"cannot mount a tmpfs here: {err}")
         if done.returncode != 0:
@@ -210,8 +248,11 @@ def test_a_full_disk_reports_the_step_on_disk_and_the_files_resume(tmp_path, tmp
     # so at step 4 (a third weight file, step_4) the new state.pt does not fit
     state, weight = (reference / "state.pt").stat().st_size, (reference / "last.safetensors").stat().st_size
     big = {"state.pt", "last.safetensors", "model.safetensors", "curves.png"}
-    others = sum(pages(p.stat().st_size) for p in reference.rglob("*")
-                 if p.is_file() and p.name not in big and p.parent.name != "checkpoints")
+    others = sum(
+        pages(p.stat().st_size)
+        for p in reference.rglob("*")
+        if p.is_file() and p.name not in big and p.parent.name != "checkpoints"
+    )
     disk = tmpfs(others + 2 * pages(state) + 2 * pages(weight) + weight // 2)
     run = disk / "run"
 
@@ -290,16 +331,59 @@ def test_a_killed_rank_leaves_rank_0_naming_the_step_on_disk(tmp_path, strategy)
     (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
     (tmp_path / "hooked_qkv.py").write_text(HOOKED_QKV, encoding="utf-8")
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(tmp_path / "hooked_qkv.py"), "train", "--train-src", str(tmp_path / "s.txt"), "--train-tgt",
-               str(tmp_path / "t.txt"), "--run-dir", str(run), "--max-steps", "100", "--minutes", "0",
-               "--vocab-size", "300", "--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers",
-               "1", "--d-ff", "64", "--no-bf16", "--no-progress", "--max-tokens", "300", "--device", "cpu",
-               "--threads", "1", "--checkpoint-every-steps", "5", "--average-last", "2", "--eval-every-steps", "0",
-               "--strategy", strategy, *(["--stall-lone-save"] if strategy == "ddp" else [])]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(tmp_path / "hooked_qkv.py"),
+        "train",
+        "--train-src",
+        str(tmp_path / "s.txt"),
+        "--train-tgt",
+        str(tmp_path / "t.txt"),
+        "--run-dir",
+        str(run),
+        "--max-steps",
+        "100",
+        "--minutes",
+        "0",
+        "--vocab-size",
+        "300",
+        "--d-model",
+        "32",
+        "--heads",
+        "2",
+        "--encoder-layers",
+        "1",
+        "--decoder-layers",
+        "1",
+        "--d-ff",
+        "64",
+        "--no-bf16",
+        "--no-progress",
+        "--max-tokens",
+        "300",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--checkpoint-every-steps",
+        "5",
+        "--average-last",
+        "2",
+        "--eval-every-steps",
+        "0",
+        "--strategy",
+        strategy,
+        *(["--stall-lone-save"] if strategy == "ddp" else []),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                                start_new_session=True)
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         _, err = launcher.communicate(timeout=480)
     finally:

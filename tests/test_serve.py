@@ -21,7 +21,7 @@ import qkv
 from qkv.viz.explorers import EncoderExplorer
 from qkv.viz.server import MAX_BODY_BYTES, ExplorerApp, RequestError, make_server
 
-WORDS = "the a dog cat runs sleeps on mat beach time flies like an arrow".split()
+WORDS = ["the", "a", "dog", "cat", "runs", "sleeps", "on", "mat", "beach", "time", "flies", "like", "an", "arrow"]
 
 
 def make_tiny_bert(folder: Path) -> Path:
@@ -29,8 +29,12 @@ def make_tiny_bert(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
     config = transformers.BertConfig(
-        vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=48, max_position_embeddings=24,
+        vocab_size=len(WORDS) + 5,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=24,
     )
     torch.manual_seed(2)
     transformers.BertModel(config).save_pretrained(str(folder))
@@ -69,8 +73,9 @@ def request(address, method, path, body: bytes | None = None, headers: dict | No
 
 
 def post_json(address, payload) -> tuple[int, dict]:
-    status, ctype, body = request(address, "POST", "/api/attend", json.dumps(payload).encode(),
-                                  {"Content-Type": "application/json"})
+    status, ctype, body = request(
+        address, "POST", "/api/attend", json.dumps(payload).encode(), {"Content-Type": "application/json"}
+    )
     assert ctype.startswith("application/json")
     return status, json.loads(body)
 
@@ -127,8 +132,18 @@ def test_http_routes_and_errors(server):
 
 def test_serve_command_binds_localhost(tiny_bert_dir, tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-c", "import sys; from qkv.cli import main; sys.exit(main())",
-           "serve", "--model", str(tiny_bert_dir), "--port", "0", "--text", "a cat"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from qkv.cli import main; sys.exit(main())",
+        "serve",
+        "--model",
+        str(tiny_bert_dir),
+        "--port",
+        "0",
+        "--text",
+        "a cat",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
@@ -145,8 +160,16 @@ def test_serve_command_binds_localhost(tiny_bert_dir, tmp_path):
 
 
 def test_serve_command_fails_cleanly_on_a_bad_model(tmp_path):
-    cmd = [sys.executable, "-c", "import sys; from qkv.cli import main; sys.exit(main())",
-           "serve", "--model", str(tmp_path / "missing"), "--port", "0"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from qkv.cli import main; sys.exit(main())",
+        "serve",
+        "--model",
+        str(tmp_path / "missing"),
+        "--port",
+        "0",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().startswith("qkv serve: error:") and "\n" not in result.stderr.strip()
@@ -216,8 +239,10 @@ def assert_json_error(headers, body: bytes) -> str:
 def stall(address, *, sent: bytes = b'{"text": "the', length: int = 100) -> socket.socket:
     """A slow client: a POST whose headers promise ``length`` bytes of body, then only ``sent``."""
     sock = socket.create_connection(address, timeout=HANG_GUARD_S)
-    sock.sendall(b"POST /api/attend HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (length, sent))
+    sock.sendall(
+        b"POST /api/attend HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (length, sent)
+    )
     return sock
 
 
@@ -350,9 +375,13 @@ def test_limits_are_checked(app, tmp_path, capsys):
             make_server(app, host="127.0.0.1", port=0, **limits)
     missing = str(tmp_path / "missing-model")  # the options are checked before any model is opened
     for args, flag in [
-        (["--timeout", "0"], "--timeout"), (["--timeout", "-1"], "--timeout"), (["--timeout", "nan"], "--timeout"),
-        (["--max-concurrent", "0"], "--max-concurrent"), (["--port", "70000"], "--port"),
-        (["--port", "-1"], "--port"), (["--max-chars", "0"], "--max-chars"),
+        (["--timeout", "0"], "--timeout"),
+        (["--timeout", "-1"], "--timeout"),
+        (["--timeout", "nan"], "--timeout"),
+        (["--max-concurrent", "0"], "--max-concurrent"),
+        (["--port", "70000"], "--port"),
+        (["--port", "-1"], "--port"),
+        (["--max-chars", "0"], "--max-chars"),
     ]:
         assert main(["serve", "--model", missing, *args]) == 2
         err = capsys.readouterr().err.strip()

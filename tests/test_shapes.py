@@ -17,7 +17,11 @@ from qkv.runtime.padded_linear import ROW_MULTIPLE, Linear, linear, padded_rows,
 
 def test_padded_rows():
     assert [padded_rows(n) for n in (1, ROW_MULTIPLE - 1, ROW_MULTIPLE, ROW_MULTIPLE + 1)] == [
-        ROW_MULTIPLE, ROW_MULTIPLE, ROW_MULTIPLE, 2 * ROW_MULTIPLE]
+        ROW_MULTIPLE,
+        ROW_MULTIPLE,
+        ROW_MULTIPLE,
+        2 * ROW_MULTIPLE,
+    ]
 
 
 def test_which_products_are_padded():
@@ -57,8 +61,12 @@ def test_linear_matches_the_unpadded_product_and_its_gradients(shape):
     # and both are the float64 product, to bf16 accuracy
     reference = x.detach().double() @ weight.detach().double().T + bias.detach().double()
     torch.testing.assert_close(results[0][0].double(), reference, rtol=2e-2, atol=0.15)
-    torch.testing.assert_close(results[0][2].double(), upstream.reshape(-1, 48).double().T
-                               @ x.detach().reshape(-1, 64).double(), rtol=2e-2, atol=0.5)
+    torch.testing.assert_close(
+        results[0][2].double(),
+        upstream.reshape(-1, 48).double().T @ x.detach().reshape(-1, 64).double(),
+        rtol=2e-2,
+        atol=0.5,
+    )
     assert results[0][0].shape == (*shape[:-1], 48)
 
 

@@ -12,10 +12,10 @@ import pytest
 import sacrebleu
 from bench_loader import load_benchmark
 
-from qkv.metrics.significance import paired_significance
 from qkv.metrics.scores import read_translations
+from qkv.metrics.significance import paired_significance
 
-WORDS = "ein mann eine frau zwei hunde spielen im park auf der straße mit einem ball und lachen laut".split()
+WORDS = ["ein", "mann", "eine", "frau", "zwei", "hunde", "spielen", "im", "park", "auf", "der", "straße", "mit", "einem", "ball", "und", "lachen", "laut"]
 
 
 def references(n: int, seed: int = 0) -> list[str]:
@@ -53,8 +53,9 @@ def test_scores_are_sacrebleus_and_a_real_difference_is_found():
 def test_equally_good_systems_are_not_called_different():
     refs = references(300)
     # the same damage rate, different words damaged: any difference is the sample's
-    out = paired_significance({"a": damaged(refs, 0.3, seed=1), "b": damaged(refs, 0.3, seed=2)}, refs,
-                              resamples=300, trials=300)
+    out = paired_significance(
+        {"a": damaged(refs, 0.3, seed=1), "b": damaged(refs, 0.3, seed=2)}, refs, resamples=300, trials=300
+    )
     assert abs(out["b"]["bleu"] - out["a"]["bleu"]) < 3
     assert out["b"]["p_bootstrap"] > 0.05 and out["b"]["p_randomization"] > 0.05
 
@@ -128,8 +129,22 @@ def test_the_script_compares_run_folders_and_files(tmp_path, significance, capsy
     good_file = tmp_path / "good.txt"
     good_file.write_text("".join(h + "\n" for h in good), encoding="utf-8")
     out = tmp_path / "sig.json"
-    code = significance.main(["--data", str(data), "--run", f"poor={run}", "--run", f"good={good_file}",
-                              "--resamples", "200", "--trials", "200", "--out", str(out)])
+    code = significance.main(
+        [
+            "--data",
+            str(data),
+            "--run",
+            f"poor={run}",
+            "--run",
+            f"good={good_file}",
+            "--resamples",
+            "200",
+            "--trials",
+            "200",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr()
     assert code == 0, printed.err
     report = json.loads(out.read_text())
@@ -142,12 +157,15 @@ def test_the_script_compares_run_folders_and_files(tmp_path, significance, capsy
 def test_the_script_refuses_a_missing_file_and_a_single_run(tmp_path, significance, capsys):
     data = multi30k_folder(tmp_path, ["a", "b"])
     out = tmp_path / "sig.json"
-    code = significance.main(["--data", str(data), "--run", f"a={tmp_path}", "--run", f"b={tmp_path}",
-                              "--out", str(out)])
+    code = significance.main(
+        ["--data", str(data), "--run", f"a={tmp_path}", "--run", f"b={tmp_path}", "--out", str(out)]
+    )
     assert code == 2 and "val.hyp.de: no such file" in capsys.readouterr().err and not out.exists()
-    for argv, message in ((["--run", f"a={tmp_path}"], "at least one other --run"),
-                          (["--run", "nopath"], "NAME=PATH"),
-                          (["--run", f"a={tmp_path}", "--run", f"a={tmp_path}"], "its own NAME")):
+    for argv, message in (
+        (["--run", f"a={tmp_path}"], "at least one other --run"),
+        (["--run", "nopath"], "NAME=PATH"),
+        (["--run", f"a={tmp_path}", "--run", f"a={tmp_path}"], "its own NAME"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             significance.main(["--data", str(data), *argv, "--out", str(out)])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import sacrebleu
-
 from bench_loader import load_benchmark
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,8 +42,22 @@ def test_candidates_train_side_by_side_and_score_as_qkv_evaluate_does(tmp_path, 
     from qkv.cli import main
 
     root, out = tmp_path / "sweep", tmp_path / "sweep.json"
-    argv = [sys.executable, str(REPO / "benchmarks" / "step_matched_sweep.py"), "--data", str(multi30k_dir),
-            "--steps", "3", "--only", "recipe,lr07", "--eval-limit", "6", "--run-root", str(root), "--out", str(out)]
+    argv = [
+        sys.executable,
+        str(REPO / "benchmarks" / "step_matched_sweep.py"),
+        "--data",
+        str(multi30k_dir),
+        "--steps",
+        "3",
+        "--only",
+        "recipe,lr07",
+        "--eval-limit",
+        "6",
+        "--run-root",
+        str(root),
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -71,7 +84,11 @@ def test_candidates_train_side_by_side_and_score_as_qkv_evaluate_does(tmp_path, 
 
     rerun = subprocess.run(argv, capture_output=True, text=True, timeout=600)  # would train over the runs
     assert rerun.returncode == 2 and "an earlier sweep's runs" in rerun.stderr
-    bad = subprocess.run([*argv[:2], "--only", "recipe,nope", "--run-root", str(tmp_path / "new"), "--out",
-                          str(tmp_path / "new.json")], capture_output=True, text=True, timeout=600)
+    bad = subprocess.run(
+        [*argv[:2], "--only", "recipe,nope", "--run-root", str(tmp_path / "new"), "--out", str(tmp_path / "new.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert bad.returncode == 2 and "unknown candidates: nope" in bad.stderr
     assert not (tmp_path / "new").exists() and not (tmp_path / "new.json").exists()

@@ -140,7 +140,11 @@ def test_a_language_model_run_refuses_subword_dropout_and_leaves_no_folder(tmp_p
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 50, encoding="utf-8")
     with pytest.raises(ValueError, match="subword"):
-        start_run(tmp_path / "run", data={"source": "text", "train_text": str(text)},
-                  model_options={"d_model": 32, "num_heads": 2, "num_layers": 1, "d_ff": 64, "context": 16},
-                  train_options={"subword_dropout": 0.1, "max_steps": 1, "progress": False}, device="cpu")
+        start_run(
+            tmp_path / "run",
+            data={"source": "text", "train_text": str(text)},
+            model_options={"d_model": 32, "num_heads": 2, "num_layers": 1, "d_ff": 64, "context": 16},
+            train_options={"subword_dropout": 0.1, "max_steps": 1, "progress": False},
+            device="cpu",
+        )
     assert not (tmp_path / "run").exists()

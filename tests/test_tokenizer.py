@@ -35,15 +35,18 @@ def test_special_ids_and_vocab(tokenizer):
     assert len(tokenizer.encode(" Männer")) == 1
 
 
-@pytest.mark.parametrize("text", [
-    "Zwei junge weiße Männer sind im Freien.",
-    "  leading and trailing spaces  ",
-    "tabs\tand\u00a0non-breaking spaces",
-    "never seen: 日本語, emoji 🙂🐕, math ∑x², ÆØÅ",
-    "a",
-    "",
-    "<s> </s> <pad> <unk>: text that spells the special tokens",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Zwei junge weiße Männer sind im Freien.",
+        "  leading and trailing spaces  ",
+        "tabs\tand\u00a0non-breaking spaces",
+        "never seen: 日本語, emoji 🙂🐕, math ∑x², ÆØÅ",
+        "a",
+        "",
+        "<s> </s> <pad> <unk>: text that spells the special tokens",
+    ],
+)
 def test_round_trip_exact(tokenizer, text):
     ids = tokenizer.encode(text)
     assert tokenizer.decode(ids) == text

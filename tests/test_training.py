@@ -10,29 +10,42 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from qkv.runs import folder
-from qkv.training import checkpoint_files
 from qkv.data.dates import generate_dates
 from qkv.data.parallel import ParallelText
 from qkv.data.tokenizer import Tokenizer
 from qkv.decoding.translate import translate_texts
-from qkv.nn.loss import label_smoothed_cross_entropy
 from qkv.models.transformer import Transformer, TransformerConfig
+from qkv.nn.loss import label_smoothed_cross_entropy
+from qkv.runs import folder
 from qkv.runs.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST
 from qkv.runs.translation import resume_run, start_run
-from qkv.training import TrainConfig, Trainer, TranslationTask, inverse_sqrt_lr
+from qkv.training import TrainConfig, Trainer, TranslationTask, checkpoint_files, inverse_sqrt_lr
 
-TINY = dict(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64, max_len=64,
-            norm_first=True, share_embeddings=True)
+TINY = dict(
+    d_model=32,
+    num_heads=2,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    d_ff=64,
+    max_len=64,
+    norm_first=True,
+    share_embeddings=True,
+)
 
 
 def tiny_run(tmp_path, pairs: ParallelText, train: TrainConfig, name="run", dropout=0.1, **model):
     tokenizer = Tokenizer.train(pairs.src + pairs.tgt, vocab_size=300, split_digits=True)
-    config = TransformerConfig(src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size,
-                               dropout=dropout, pad_id=tokenizer.pad_id, **{**TINY, **model})
+    config = TransformerConfig(
+        src_vocab_size=tokenizer.vocab_size,
+        tgt_vocab_size=tokenizer.vocab_size,
+        dropout=dropout,
+        pad_id=tokenizer.pad_id,
+        **{**TINY, **model},
+    )
     run_dir = tmp_path / name
-    folder.create_run(run_dir, {"model": asdict(config), "train": asdict(train), "data": {"source": "dates"}},
-                    tokenizer)
+    folder.create_run(
+        run_dir, {"model": asdict(config), "train": asdict(train), "data": {"source": "dates"}}, tokenizer
+    )
     torch.manual_seed(0)
     return Trainer(Transformer(config), translation(tokenizer, pairs, config), train, run_dir)
 
@@ -75,8 +88,9 @@ def test_label_smoothed_loss_against_torch_and_by_hand(smoothing):
 
 def test_trainer_applies_schedule_and_adam_settings(tmp_path):
     pairs = generate_dates(64, seed=0)
-    train = TrainConfig(max_tokens=400, warmup_steps=4, lr_factor=2.0, max_steps=6, progress=False, average_last=1,
-                        log_every_steps=1)
+    train = TrainConfig(
+        max_tokens=400, warmup_steps=4, lr_factor=2.0, max_steps=6, progress=False, average_last=1, log_every_steps=1
+    )
     trainer = tiny_run(tmp_path, pairs, train)
     trainer.train()
     group = trainer.optimizer.param_groups[0]
@@ -88,14 +102,22 @@ def test_trainer_applies_schedule_and_adam_settings(tmp_path):
     assert group["lr"] == pytest.approx(logged[-1]["lr"])
 
 
-
 @pytest.mark.parametrize("decay", [1.0, 0.25])
 def test_budget_schedule_falls_to_zero_at_the_end_of_the_budget(tmp_path, decay):
     """Step s of an 8-step budget is taken with s - 1 of 8 steps spent: the paper's rate times
     min(1, (1 - spent) / decay), computed here by hand."""
     pairs = generate_dates(64, seed=0)
-    train = TrainConfig(max_tokens=400, warmup_steps=2, lr_factor=2.0, max_steps=8, progress=False, average_last=1,
-                        log_every_steps=1, schedule="budget", decay_fraction=decay)
+    train = TrainConfig(
+        max_tokens=400,
+        warmup_steps=2,
+        lr_factor=2.0,
+        max_steps=8,
+        progress=False,
+        average_last=1,
+        log_every_steps=1,
+        schedule="budget",
+        decay_fraction=decay,
+    )
     trainer = tiny_run(tmp_path, pairs, train)
     trainer.train()
     logged = [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -119,13 +141,22 @@ def test_budget_progress_is_the_largest_share_spent():
     with pytest.raises(ValueError, match="schedule"):
         TrainConfig(schedule="cosine")
 
+
 # --------------------------------------------------------------------------- learning
 def test_tiny_model_overfits_64_pairs(tmp_path):
     pairs = generate_dates(64, seed=5)
     # 600 steps: at 400, a 2-core AVX512 Xeon's float32 kernels still got 1 of the 64 dates wrong
     # (an AVX2 EPYC none); 500 and 600 got all 64 on both
-    train = TrainConfig(max_tokens=2000, warmup_steps=30, lr_factor=1.0, max_steps=600, label_smoothing=0.0,
-                        progress=False, average_last=1, log_every_steps=50)
+    train = TrainConfig(
+        max_tokens=2000,
+        warmup_steps=30,
+        lr_factor=1.0,
+        max_steps=600,
+        label_smoothing=0.0,
+        progress=False,
+        average_last=1,
+        log_every_steps=50,
+    )
     trainer = tiny_run(tmp_path, pairs, train, dropout=0.0, d_model=64, d_ff=128)
     trainer.train()
     assert trainer.state.epoch >= 300  # one batch an epoch
@@ -136,8 +167,9 @@ def test_tiny_model_overfits_64_pairs(tmp_path):
 
 
 # --------------------------------------------------------------------------- resume
-RESUME = dict(max_tokens=300, accum_steps=2, warmup_steps=5, max_steps=12, progress=False, average_last=1,
-              log_every_steps=100)
+RESUME = dict(
+    max_tokens=300, accum_steps=2, warmup_steps=5, max_steps=12, progress=False, average_last=1, log_every_steps=100
+)
 
 
 def params(model):
@@ -154,7 +186,9 @@ def assert_same_weights(a, b):
 def uninterrupted(tmp_path_factory):
     pairs = generate_dates(200, seed=1)
     trainer = tiny_run(tmp_path_factory.mktemp("full"), pairs, TrainConfig(**RESUME))
-    assert len(trainer.task.batches(0, RESUME['max_tokens'], 0)) > 3  # several batches an epoch, so the epoch position matters
+    assert (
+        len(trainer.task.batches(0, RESUME["max_tokens"], 0)) > 3
+    )  # several batches an epoch, so the epoch position matters
     trainer.train()
     return pairs, params(trainer.model), trainer.state
 
@@ -164,9 +198,12 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path, uninterrupted):
     first = tiny_run(tmp_path, pairs, TrainConfig(**{**RESUME, "max_steps": 5}))
     first.train()
     torch.manual_seed(123)  # a fresh process would not share the RNG: resume must restore it
-    second = Trainer(Transformer(first.model.config), translation(first.task.tokenizer, pairs, first.model.config),
-                     TrainConfig(**RESUME),
-                     first.run_dir)
+    second = Trainer(
+        Transformer(first.model.config),
+        translation(first.task.tokenizer, pairs, first.model.config),
+        TrainConfig(**RESUME),
+        first.run_dir,
+    )
     second.resume()
     assert second.state.step == 5
     second.train()
@@ -181,8 +218,12 @@ def stopped_and_resumed(tmp_path, pairs, options: dict, *, stop_at: int = 5, nam
     first = tiny_run(tmp_path, pairs, TrainConfig(**{**options, "max_steps": stop_at}), name=name)
     first.train()
     torch.manual_seed(123)
-    second = Trainer(Transformer(first.model.config), translation(first.task.tokenizer, pairs, first.model.config),
-                     TrainConfig(**options), first.run_dir)
+    second = Trainer(
+        Transformer(first.model.config),
+        translation(first.task.tokenizer, pairs, first.model.config),
+        TrainConfig(**options),
+        first.run_dir,
+    )
     second.resume()
     second.train()
     return second
@@ -209,8 +250,12 @@ def test_a_run_saved_before_best_score_was_renamed_resumes_with_its_score(tmp_pa
     saved["train_state"]["best_bleu"] = 12.5  # the field's name in runs saved before
     del saved["train_state"]["best_score"]
     torch.save(saved, state_file)
-    second = Trainer(Transformer(first.model.config), translation(first.task.tokenizer, pairs, first.model.config),
-                     TrainConfig(**RESUME), first.run_dir)
+    second = Trainer(
+        Transformer(first.model.config),
+        translation(first.task.tokenizer, pairs, first.model.config),
+        TrainConfig(**RESUME),
+        first.run_dir,
+    )
     second.resume()
     assert (second.state.step, second.state.best_score) == (3, 12.5)
 
@@ -256,8 +301,12 @@ def test_ema_decay_given_on_resume_starts_the_average_there(tmp_path):
     pairs = generate_dates(200, seed=1)
     first = tiny_run(tmp_path, pairs, TrainConfig(**{**RESUME, "max_steps": 5}))
     first.train()
-    second = Trainer(Transformer(first.model.config), translation(first.task.tokenizer, pairs, first.model.config),
-                     TrainConfig(**{**RESUME, "max_steps": 6, "ema_decay": 0.9}), first.run_dir)
+    second = Trainer(
+        Transformer(first.model.config),
+        translation(first.task.tokenizer, pairs, first.model.config),
+        TrainConfig(**{**RESUME, "max_steps": 6, "ema_decay": 0.9}),
+        first.run_dir,
+    )
     second.resume()
     second.train()  # one step: the average is that step's weights
     assert all(torch.equal(v, params(second.model)[k]) for k, v in params(second.ema.module).items())
@@ -267,8 +316,9 @@ def test_rdrop_starts_when_its_share_of_the_budget_is_spent(tmp_path, monkeypatc
     """--rdrop-start 0.5 of 4 steps: steps 1-2 run each batch once, steps 3-4 twice (R-Drop); the
     step's loss is the model's R-Drop loss of its batch then."""
     pairs = generate_dates(64, seed=5)
-    train = TrainConfig(max_tokens=400, warmup_steps=4, max_steps=4, progress=False, average_last=1, rdrop=2.0,
-                        rdrop_start=0.5)
+    train = TrainConfig(
+        max_tokens=400, warmup_steps=4, max_steps=4, progress=False, average_last=1, rdrop=2.0, rdrop_start=0.5
+    )
     trainer = tiny_run(tmp_path, pairs, train, dropout=0.1)
     seen, loss = [], TranslationTask.loss
 
@@ -290,12 +340,15 @@ def test_dropout_starts_when_its_share_of_the_budget_is_spent(tmp_path, monkeypa
     equals the same model's loss in eval mode (the dropout-free reference); steps 3-4 drop again
     (residual and attention dropout), and the model's rates are the configured ones afterwards."""
     pairs = generate_dates(64, seed=5)
-    train = TrainConfig(max_tokens=400, warmup_steps=4, max_steps=4, progress=False, average_last=1,
-                        dropout_start=0.5)
+    train = TrainConfig(max_tokens=400, warmup_steps=4, max_steps=4, progress=False, average_last=1, dropout_start=0.5)
     trainer = tiny_run(tmp_path, pairs, train, dropout=0.3, attention_dropout=0.2)
-    rates = lambda: sorted({round(float(getattr(m, "p", getattr(m, "dropout", 0.0))), 3)  # noqa: E731
-                            for m in trainer.model.modules() if hasattr(m, "p") or isinstance(
-                                getattr(m, "dropout", None), float)})
+    rates = lambda: sorted(
+        {
+            round(float(getattr(m, "p", getattr(m, "dropout", 0.0))), 3)  # noqa: E731
+            for m in trainer.model.modules()
+            if hasattr(m, "p") or isinstance(getattr(m, "dropout", None), float)
+        }
+    )
     assert rates() == [0.2, 0.3]
     seen, loss = [], TranslationTask.loss
 
@@ -342,9 +395,12 @@ def test_ctrl_c_mid_step_saves_and_resumes_exactly(tmp_path, uninterrupted, monk
         first.train()
     saved = json.loads(json.dumps(torch.load(first.run_dir / "state.pt", weights_only=True)["train_state"]))
     assert saved["step"] == 6  # the half-done step is dropped
-    second = Trainer(Transformer(first.model.config), translation(first.task.tokenizer, pairs, first.model.config),
-                     TrainConfig(**RESUME),
-                     first.run_dir)
+    second = Trainer(
+        Transformer(first.model.config),
+        translation(first.task.tokenizer, pairs, first.model.config),
+        TrainConfig(**RESUME),
+        first.run_dir,
+    )
     second.resume()
     second.train()
     assert_same_weights(params(second.model), expected)
@@ -354,8 +410,16 @@ def test_ctrl_c_mid_step_saves_and_resumes_exactly(tmp_path, uninterrupted, monk
 def test_checkpoint_averaging_and_best(tmp_path):
     pairs = generate_dates(100, seed=2)
     valid = generate_dates(20, seed=3, split="test")
-    train = TrainConfig(max_tokens=400, warmup_steps=5, max_steps=8, checkpoint_every_steps=2, average_last=3,
-                        eval_every_steps=4, eval_sentences=20, progress=False)
+    train = TrainConfig(
+        max_tokens=400,
+        warmup_steps=5,
+        max_steps=8,
+        checkpoint_every_steps=2,
+        average_last=3,
+        eval_every_steps=4,
+        eval_sentences=20,
+        progress=False,
+    )
     trainer = tiny_run(tmp_path, pairs, train)
     trainer.task.valid = valid
     trainer.train()
@@ -382,11 +446,22 @@ def test_checkpoint_averaging_and_best(tmp_path):
 
 def test_stop_at_exact_match(tmp_path):
     pairs = generate_dates(64, seed=5)
-    train = TrainConfig(max_tokens=2000, warmup_steps=1, lr_factor=1e-12, max_steps=5, eval_every_steps=1,
-                        eval_sentences=8, stop_at_exact_match=0.99, progress=False, average_last=1)
+    train = TrainConfig(
+        max_tokens=2000,
+        warmup_steps=1,
+        lr_factor=1e-12,
+        max_steps=5,
+        eval_every_steps=1,
+        eval_sentences=8,
+        stop_at_exact_match=0.99,
+        progress=False,
+        average_last=1,
+    )
     trainer = tiny_run(tmp_path, pairs, train, dropout=0.0)
     # references = the model's own translations, and a learning rate too small to change them
-    trainer.task.valid = ParallelText(pairs.src[:8], translate_texts(trainer.model, trainer.task.tokenizer, pairs.src[:8]))
+    trainer.task.valid = ParallelText(
+        pairs.src[:8], translate_texts(trainer.model, trainer.task.tokenizer, pairs.src[:8])
+    )
     trainer.train()
     assert trainer.state.stopped_early and trainer.state.step == 1
     trainer.task.valid = ParallelText(pairs.src[:8], ["never produced"] * 8)
@@ -399,8 +474,9 @@ def test_bf16_autocast_training(tmp_path):
     from qkv.runtime.precision import autocast_context
 
     pairs = generate_dates(64, seed=5)
-    train = TrainConfig(max_tokens=2000, warmup_steps=10, max_steps=20, bf16=True, progress=False,
-                        average_last=1, log_every_steps=1)
+    train = TrainConfig(
+        max_tokens=2000, warmup_steps=10, max_steps=20, bf16=True, progress=False, average_last=1, log_every_steps=1
+    )
     trainer = tiny_run(tmp_path, pairs, train, dropout=0.0)
     batch_src = torch.tensor([trainer.task.src_ids[0] + [2]])
     with autocast_context("cpu", True):
@@ -425,8 +501,15 @@ def test_compiled_training_follows_the_eager_run(tmp_path, monkeypatch):
     runs = {}
     for compile_loss in (False, True):
         torch._dynamo.reset()
-        train = TrainConfig(max_tokens=600, warmup_steps=4, max_steps=6, compile=compile_loss, progress=False,
-                            average_last=1, log_every_steps=1)
+        train = TrainConfig(
+            max_tokens=600,
+            warmup_steps=4,
+            max_steps=6,
+            compile=compile_loss,
+            progress=False,
+            average_last=1,
+            log_every_steps=1,
+        )
         with monkeypatch.context() as patch:
             patch.setattr(torch, "compile", compile_with_aot_eager)
             trainer = tiny_run(tmp_path, pairs, train, name=f"compile-{compile_loss}", dropout=0.0)
@@ -443,12 +526,15 @@ def test_compiled_training_follows_the_eager_run(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------- run folders
-@pytest.mark.parametrize("bad, expected", [
-    ("misaligned", "misaligned parallel files"),
-    ("empty", "file is empty"),
-    ("latin1", "line 2: not valid UTF-8"),
-    ("blank", "line 3: empty line"),
-])
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        ("misaligned", "misaligned parallel files"),
+        ("empty", "file is empty"),
+        ("latin1", "line 2: not valid UTF-8"),
+        ("blank", "line 3: empty line"),
+    ],
+)
 def test_bad_data_leaves_no_run_folder(tmp_path, bad, expected):
     src = tmp_path / "train.src"
     tgt = tmp_path / "train.tgt"
@@ -472,10 +558,20 @@ def test_start_and_resume_run_from_files(tmp_path):
     pairs = generate_dates(120, seed=7)
     (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
-    spec = {"source": "files", "train_src": str(tmp_path / "s.txt"), "train_tgt": str(tmp_path / "t.txt"),
-            "val_src": None, "val_tgt": None}
-    trainer = start_run(tmp_path / "run", data=spec, model_options=TINY, vocab_size=300,
-                        train_options=dict(max_steps=3, max_minutes=0, max_tokens=500, progress=False, bf16=False))
+    spec = {
+        "source": "files",
+        "train_src": str(tmp_path / "s.txt"),
+        "train_tgt": str(tmp_path / "t.txt"),
+        "val_src": None,
+        "val_tgt": None,
+    }
+    trainer = start_run(
+        tmp_path / "run",
+        data=spec,
+        model_options=TINY,
+        vocab_size=300,
+        train_options=dict(max_steps=3, max_minutes=0, max_tokens=500, progress=False, bf16=False),
+    )
     trainer.train()
     with pytest.raises(ValueError, match="run folder exists"):
         start_run(tmp_path / "run", data=spec, model_options=TINY)
@@ -496,15 +592,21 @@ def test_recipe_bf16_only_where_it_is_fast(tmp_path, monkeypatch, fast):
     pairs = generate_dates(60, seed=3)
     (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
-    spec = {"source": "files", "train_src": str(tmp_path / "s.txt"), "train_tgt": str(tmp_path / "t.txt"),
-            "val_src": None, "val_tgt": None}
+    spec = {
+        "source": "files",
+        "train_src": str(tmp_path / "s.txt"),
+        "train_tgt": str(tmp_path / "t.txt"),
+        "val_src": None,
+        "val_tgt": None,
+    }
     options = dict(max_steps=1, progress=False)
     recipe = start_run(tmp_path / "recipe", data=spec, model_options=TINY, vocab_size=300, train_options=options)
     assert recipe.config.bf16 is fast  # the files recipe asks for bf16; kept only where it pays
     saved = json.loads((tmp_path / "recipe" / "config.json").read_text())["train"]["bf16"]
     assert saved is fast
-    asked = start_run(tmp_path / "asked", data=spec, model_options=TINY, vocab_size=300,
-                      train_options={**options, "bf16": True})
+    asked = start_run(
+        tmp_path / "asked", data=spec, model_options=TINY, vocab_size=300, train_options={**options, "bf16": True}
+    )
     assert asked.config.bf16 is True  # an explicit request is honoured (with a warning when slow)
     # the recipe's model for fast bf16 (more epochs fit the budget) only where the run is in fast bf16
     files = RECIPES["files"]
@@ -517,12 +619,18 @@ def test_recipe_bf16_only_where_it_is_fast(tmp_path, monkeypatch, fast):
     assert files[TRAIN_WHERE_BF16_IS_FAST]["lr_factor"] != files["train"]["lr_factor"]
     assert recipe.config.lr_factor == lr_factor
     assert json.loads((tmp_path / "recipe" / "config.json").read_text())["train"]["lr_factor"] == lr_factor
-    plain = start_run(tmp_path / "fp32", data=spec, model_options=TINY, vocab_size=300,
-                      train_options={**options, "bf16": False})
+    plain = start_run(
+        tmp_path / "fp32", data=spec, model_options=TINY, vocab_size=300, train_options={**options, "bf16": False}
+    )
     assert plain.model.config.dropout == files["model"]["dropout"]  # float32 makes the recipe's own steps
     assert plain.config.lr_factor == files["train"]["lr_factor"]
-    given = start_run(tmp_path / "given", data=spec, model_options={**TINY, "dropout": 0.05}, vocab_size=300,
-                      train_options={**options, "lr_factor": 0.3})
+    given = start_run(
+        tmp_path / "given",
+        data=spec,
+        model_options={**TINY, "dropout": 0.05},
+        vocab_size=300,
+        train_options={**options, "lr_factor": 0.3},
+    )
     assert (given.model.config.dropout, given.config.lr_factor) == (0.05, 0.3)  # explicit options win
 
 
@@ -544,8 +652,9 @@ def test_first_step_after_the_step0_checkpoint_equals_a_hand_written_adam_step(t
     import copy
 
     pairs = generate_dates(64, seed=5)
-    train = TrainConfig(max_tokens=400, warmup_steps=4, max_steps=1, progress=False, average_last=1,
-                        label_smoothing=0.1)
+    train = TrainConfig(
+        max_tokens=400, warmup_steps=4, max_steps=1, progress=False, average_last=1, label_smoothing=0.1
+    )
     trainer = tiny_run(tmp_path, pairs, train, dropout=0.0)
     reference = copy.deepcopy(trainer.model)
     trainer.save()  # what start_run does when it creates the run folder
@@ -566,8 +675,9 @@ def test_the_loop_returns_freed_heap_memory_and_logs_resident_memory(tmp_path, m
     calls = []
     monkeypatch.setattr(qkv.runtime.heap, "trim_heap", lambda: calls.append(1) or True)
     pairs = generate_dates(64, seed=5)
-    train = TrainConfig(max_tokens=400, warmup_steps=4, max_steps=100, progress=False, average_last=1,
-                        log_every_steps=50)
+    train = TrainConfig(
+        max_tokens=400, warmup_steps=4, max_steps=100, progress=False, average_last=1, log_every_steps=50
+    )
     tiny_run(tmp_path, pairs, train).train()
     assert len(calls) == 2  # after steps 50 and 100
     logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -579,12 +689,12 @@ def test_options_with_choices_are_choices_on_the_command_line():
     from qkv.cli import build_parser
 
     parser = build_parser("train")
-    args = parser.parse_args(["train", "--run-dir", "r", "--strategy", "fsdp", "--schedule", "budget",
-                              "--decay-fraction", "0.3"])
+    args = parser.parse_args(
+        ["train", "--run-dir", "r", "--strategy", "fsdp", "--schedule", "budget", "--decay-fraction", "0.3"]
+    )
     assert (args.strategy, args.schedule, args.decay_fraction) == ("fsdp", "budget", 0.3)
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--run-dir", "r", "--schedule", "cosine"])
-
 
 
 def _fake_clock(monkeypatch, module, timings: list[float]) -> None:
@@ -679,10 +789,16 @@ def test_both_directions_trains_on_the_pairs_then_the_same_pairs_reversed(tmp_pa
     pairs = generate_dates(60, seed=4)
     (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
-    spec = {"source": "files", "train_src": str(tmp_path / "s.txt"), "train_tgt": str(tmp_path / "t.txt"),
-            "val_src": str(tmp_path / "s.txt"), "val_tgt": str(tmp_path / "t.txt")}
-    options = dict(model_options=TINY, vocab_size=300, train_options=dict(max_steps=1, progress=False, bf16=False),
-                   device="cpu")
+    spec = {
+        "source": "files",
+        "train_src": str(tmp_path / "s.txt"),
+        "train_tgt": str(tmp_path / "t.txt"),
+        "val_src": str(tmp_path / "s.txt"),
+        "val_tgt": str(tmp_path / "t.txt"),
+    }
+    options = dict(
+        model_options=TINY, vocab_size=300, train_options=dict(max_steps=1, progress=False, bf16=False), device="cpu"
+    )
     one_way = start_run(tmp_path / "one", data=spec, **options)
     both = start_run(tmp_path / "both", data={**spec, "both_directions": True}, **options)
     tokenizer = Tokenizer.load(tmp_path / "both" / "tokenizer.json")
@@ -706,10 +822,24 @@ def test_both_directions_until_drops_the_reversed_pairs_and_a_resume_keeps_them_
     pairs = generate_dates(24, seed=9)
     (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
-    spec = {"source": "files", "train_src": str(tmp_path / "s.txt"), "train_tgt": str(tmp_path / "t.txt"),
-            "val_src": None, "val_tgt": None, "both_directions": True}
-    train = dict(max_steps=12, max_tokens=150, warmup_steps=4, progress=False, bf16=False, average_last=1,
-                 log_every_steps=100, both_directions_until=0.5)
+    spec = {
+        "source": "files",
+        "train_src": str(tmp_path / "s.txt"),
+        "train_tgt": str(tmp_path / "t.txt"),
+        "val_src": None,
+        "val_tgt": None,
+        "both_directions": True,
+    }
+    train = dict(
+        max_steps=12,
+        max_tokens=150,
+        warmup_steps=4,
+        progress=False,
+        bf16=False,
+        average_last=1,
+        log_every_steps=100,
+        both_directions_until=0.5,
+    )
     options = dict(data=spec, model_options=TINY, vocab_size=300, train_options=train, device="cpu")
     torch.manual_seed(0)  # the same initial weights for both runs
     full = start_run(tmp_path / "full", **options)
@@ -764,8 +894,15 @@ def test_weight_decay_steps_equal_hand_written_adamw_on_matrices_only(tmp_path):
 
     pairs = generate_dates(64, seed=5)
     wd, b1, b2, eps = 0.1, 0.9, 0.98, 1e-9
-    train = TrainConfig(max_tokens=400, warmup_steps=4, max_steps=2, progress=False, average_last=1,
-                        label_smoothing=0.1, weight_decay=wd)
+    train = TrainConfig(
+        max_tokens=400,
+        warmup_steps=4,
+        max_steps=2,
+        progress=False,
+        average_last=1,
+        label_smoothing=0.1,
+        weight_decay=wd,
+    )
     trainer = tiny_run(tmp_path, pairs, train, dropout=0.0)
     reference = copy.deepcopy(trainer.model)
     batches = [trainer.task.make_batch(b) for b in trainer.task.batches(0, train.max_tokens, train.seed)[:2]]
@@ -788,16 +925,21 @@ def test_weight_decay_steps_equal_hand_written_adamw_on_matrices_only(tmp_path):
                 p -= lr * (m[n] / (1 - b1**t)) / ((v[n] / (1 - b2**t)).sqrt() + eps)
     # a key bias shifts every score of a query alike, which softmax ignores: its gradient is zero but for
     # rounding, which Adam's normalisation blows up to +-lr whatever its size; those are left out
-    ours, theirs = ({k: w for k, w in params(model).items() if not k.endswith("k_proj.bias")}
-                    for model in (trainer.model, reference))
+    ours, theirs = (
+        {k: w for k, w in params(model).items() if not k.endswith("k_proj.bias")}
+        for model in (trainer.model, reference)
+    )
     assert_same_weights(ours, theirs)
     # and the decay mattered: the same two steps without it end elsewhere
     plain = tiny_run(tmp_path, pairs, TrainConfig(**{**asdict(train), "weight_decay": 0.0}), name="plain", dropout=0.0)
     for batch in batches:
         plain.step([batch])
     assert isinstance(plain.optimizer, torch.optim.Adam) and len(plain.optimizer.param_groups) == 1
-    assert not torch.allclose(params(plain.model)["encoder.layers.0.feed_forward.linear1.weight"],
-                              params(trainer.model)["encoder.layers.0.feed_forward.linear1.weight"], atol=1e-6)
+    assert not torch.allclose(
+        params(plain.model)["encoder.layers.0.feed_forward.linear1.weight"],
+        params(trainer.model)["encoder.layers.0.feed_forward.linear1.weight"],
+        atol=1e-6,
+    )
 
 
 def test_a_run_with_weight_decay_resumes_exactly(tmp_path, uninterrupted):

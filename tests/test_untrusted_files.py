@@ -45,9 +45,38 @@ def lm_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("untrusted_lm")
     text = root / "train.txt"
     text.write_text("".join(f"to be or not to be, line {i}.\n" for i in range(200)), encoding="utf-8")
-    assert main(["train", "--train-text", str(text), "--run-dir", str(root / "lm"), "--max-steps",
-                 "2", "--minutes", "0", "--no-bf16", "--d-model", "32", "--heads", "2", "--layers", "1", "--d-ff",
-                 "64", "--context", "16", "--max-tokens", "256", "--no-progress", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--train-text",
+                str(text),
+                "--run-dir",
+                str(root / "lm"),
+                "--max-steps",
+                "2",
+                "--minutes",
+                "0",
+                "--no-bf16",
+                "--d-model",
+                "32",
+                "--heads",
+                "2",
+                "--layers",
+                "1",
+                "--d-ff",
+                "64",
+                "--context",
+                "16",
+                "--max-tokens",
+                "256",
+                "--no-progress",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     return root / "lm"
 
 
@@ -64,8 +93,11 @@ def test_a_pickled_payload_in_state_pt_is_refused_and_never_runs(run, tmp_path, 
     torch.save({**saved, "extra": Payload(marker)}, copy / "state.pt")
     before = (copy / "state.pt").read_bytes()
 
-    line = one_line_error(capsys, "train", main(["train", "--run-dir", str(copy), "--resume", "--max-steps", "3",
-                                                 "--no-progress", "--threads", "1"]))
+    line = one_line_error(
+        capsys,
+        "train",
+        main(["train", "--run-dir", str(copy), "--resume", "--max-steps", "3", "--no-progress", "--threads", "1"]),
+    )
     assert "state.pt" in line and "posix.system" in line and "--trust-checkpoint" in line
     assert not marker.exists() and (copy / "state.pt").read_bytes() == before
     # the premise: the loader qkv used before (full unpickling) runs the payload
@@ -81,8 +113,14 @@ def test_trust_checkpoint_converts_an_older_state_once(run, tmp_path, capsys):
 
     copy = copy_of(run, tmp_path)
     saved = torch.load(copy / "state.pt", weights_only=True)
-    torch.save({**saved, "numpy_rng": np.random.default_rng(0).bit_generator.state["state"]["state"],
-                "np_state": np.random.RandomState(0).get_state()}, copy / "state.pt")
+    torch.save(
+        {
+            **saved,
+            "numpy_rng": np.random.default_rng(0).bit_generator.state["state"]["state"],
+            "np_state": np.random.RandomState(0).get_state(),
+        },
+        copy / "state.pt",
+    )
     args = ["train", "--run-dir", str(copy), "--resume", "--max-steps", "3", "--no-progress", "--threads", "1"]
     line = one_line_error(capsys, "train", main(args))
     assert "numpy" in line and "--trust-checkpoint" in line
@@ -137,8 +175,11 @@ def test_optimizer_shard_metadata_and_items_never_unpickle_code(tmp_path):
 
     bad = tmp_path / "real" / ".metadata"
     bad.write_bytes(pickle.dumps(Payload(marker)))
-    with pytest.raises(ValueError, match=r"\.metadata: not a readable optimizer shard index \(refused to load "
-                                         r"posix\.system\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"\.metadata: not a readable optimizer shard index \(refused to load "
+        r"posix\.system\)",
+    ):
         read_dcp_metadata(bad)
     assert not marker.exists()
     dcp.load({"lr": 0}, checkpoint_id=str(tmp_path / "item"), no_dist=True)  # the premise: torch's own loader runs it
@@ -168,8 +209,14 @@ PEAK_MB = 1500  # importing torch and qkv takes ~400 MB; the refused configs ask
 
 
 def run_loaders(commands: list[list[str]], cwd: Path) -> tuple[list[dict], float]:
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(commands)], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     return report["results"], report["peak_mb"]
@@ -184,11 +231,13 @@ def edit_json(path: Path, change) -> None:
 def translation_loaders(folder: Path) -> list[list[str]]:
     text = folder.parent / "input.txt"
     text.write_text("12/05/1999\n", encoding="utf-8")
-    return [["translate", str(folder), str(text), "--threads", "1"],
-            ["evaluate", str(folder), "--src", str(text), "--ref", str(text), "--threads", "1"],
-            ["attend", "12/05/1999", "--model", str(folder), "-o", str(folder.parent / "a.html")],
-            ["serve", "--model", str(folder), "--port", "0"],
-            ["train", "--run-dir", str(folder), "--resume", "--max-steps", "3", "--no-progress", "--threads", "1"]]
+    return [
+        ["translate", str(folder), str(text), "--threads", "1"],
+        ["evaluate", str(folder), "--src", str(text), "--ref", str(text), "--threads", "1"],
+        ["attend", "12/05/1999", "--model", str(folder), "-o", str(folder.parent / "a.html")],
+        ["serve", "--model", str(folder), "--port", "0"],
+        ["train", "--run-dir", str(folder), "--resume", "--max-steps", "3", "--no-progress", "--threads", "1"],
+    ]
 
 
 HUGE = {
@@ -215,10 +264,12 @@ def test_a_config_asking_for_a_huge_model_is_refused_by_every_loader_in_small_me
 def test_a_language_model_config_asking_for_a_huge_model_is_refused(lm_run, tmp_path):
     copy = copy_of(lm_run, tmp_path)
     edit_json(copy / "config.json", lambda c: c["model"].update(num_layers=10_000, d_model=10**6))
-    commands = [["generate", str(copy), "--prompt", "to", "--max-new-tokens", "5"],
-                ["evaluate", str(copy), "--threads", "1"],
-                ["attend", "to be", "--model", str(copy), "-o", str(tmp_path / "a.html")],
-                ["train", "--run-dir", str(copy), "--resume", "--max-steps", "3", "--no-progress"]]
+    commands = [
+        ["generate", str(copy), "--prompt", "to", "--max-new-tokens", "5"],
+        ["evaluate", str(copy), "--threads", "1"],
+        ["attend", "to be", "--model", str(copy), "-o", str(tmp_path / "a.html")],
+        ["train", "--run-dir", str(copy), "--resume", "--max-steps", "3", "--no-progress"],
+    ]
     results, peak_mb = run_loaders(commands, tmp_path)
     for result in results:
         lines = [line for line in result["stderr"].splitlines() if ": error: " in line]
@@ -252,14 +303,24 @@ def test_a_pretrained_folder_asking_for_a_huge_model_is_refused_before_building(
     gpt2 = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=32)).save_pretrained(gpt2)
     bert = tmp_path / "bert"
-    BertModel(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-                         vocab_size=50, max_position_embeddings=32)).save_pretrained(bert)
-    cases = [(gpt2, {"n_embd": 10**6}, "tensor shapes disagree with config.json"),
-             (gpt2, {"n_layer": 10**9}, "config.json: n_layer is 1000000000"),
-             (gpt2, {"n_positions": 10**9}, "tensor shapes disagree"),
-             (bert, {"hidden_size": 10**6, "num_attention_heads": 1}, "tensor shapes disagree with config.json"),
-             (bert, {"intermediate_size": 10**9}, "tensor shapes disagree"),
-             (bert, {"num_hidden_layers": 10_000}, "config.json: num_hidden_layers is 10000")]
+    BertModel(
+        BertConfig(
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            vocab_size=50,
+            max_position_embeddings=32,
+        )
+    ).save_pretrained(bert)
+    cases = [
+        (gpt2, {"n_embd": 10**6}, "tensor shapes disagree with config.json"),
+        (gpt2, {"n_layer": 10**9}, "config.json: n_layer is 1000000000"),
+        (gpt2, {"n_positions": 10**9}, "tensor shapes disagree"),
+        (bert, {"hidden_size": 10**6, "num_attention_heads": 1}, "tensor shapes disagree with config.json"),
+        (bert, {"intermediate_size": 10**9}, "tensor shapes disagree"),
+        (bert, {"num_hidden_layers": 10_000}, "config.json: num_hidden_layers is 10000"),
+    ]
     for folder, change, expected in cases:
         copy = tmp_path / "copy"
         shutil.rmtree(copy, ignore_errors=True)
@@ -271,14 +332,19 @@ def test_a_pretrained_folder_asking_for_a_huge_model_is_refused_before_building(
     # every command that reads such folders, in a fresh process whose peak memory is measured
     for folder, name in ((gpt2, "big_gpt2"), (bert, "big_bert")):
         shutil.copytree(folder, tmp_path / name)
-        edit_json(tmp_path / name / "config.json",
-                  lambda c: c.update({"n_embd": 10**6} if "n_embd" in c else {"hidden_size": 10**6,
-                                                                             "num_attention_heads": 1}))
-    commands = [["generate", str(tmp_path / "big_gpt2"), "--prompt", "a", "--max-new-tokens", "2"],
-                ["attend", "a b", "--model", str(tmp_path / "big_gpt2"), "-o", str(tmp_path / "a.html")],
-                ["embed", "a b", "--model", str(tmp_path / "big_bert")],
-                ["attend", "a b", "--model", str(tmp_path / "big_bert"), "-o", str(tmp_path / "b.html")],
-                ["serve", "--model", str(tmp_path / "big_bert"), "--port", "0"]]
+        edit_json(
+            tmp_path / name / "config.json",
+            lambda c: c.update(
+                {"n_embd": 10**6} if "n_embd" in c else {"hidden_size": 10**6, "num_attention_heads": 1}
+            ),
+        )
+    commands = [
+        ["generate", str(tmp_path / "big_gpt2"), "--prompt", "a", "--max-new-tokens", "2"],
+        ["attend", "a b", "--model", str(tmp_path / "big_gpt2"), "-o", str(tmp_path / "a.html")],
+        ["embed", "a b", "--model", str(tmp_path / "big_bert")],
+        ["attend", "a b", "--model", str(tmp_path / "big_bert"), "-o", str(tmp_path / "b.html")],
+        ["serve", "--model", str(tmp_path / "big_bert"), "--port", "0"],
+    ]
     results, peak_mb = run_loaders(commands, tmp_path)
     for result in results:
         lines = [line for line in result["stderr"].splitlines() if ": error: " in line]

@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from test_viz_page import assert_page_holds
 
 import qkv
 from qkv import Transformer, TransformerConfig
@@ -24,7 +25,6 @@ from qkv.viz import (
     render_html,
 )
 from qkv.viz.html import page_document
-from test_viz_page import assert_page_holds
 
 SENTENCE = "time flies like an arrow"
 
@@ -48,11 +48,18 @@ class WordTokenizer:
 
 @pytest.fixture(scope="module")
 def tiny_seq2seq():
-    tokenizer = WordTokenizer("a dog runs on the beach ein hund läuft am strand".split())
+    tokenizer = WordTokenizer(["a", "dog", "runs", "on", "the", "beach", "ein", "hund", "läuft", "am", "strand"])
     torch.manual_seed(3)
     config = TransformerConfig(
-        src_vocab_size=15, tgt_vocab_size=15, d_model=32, num_heads=4, num_encoder_layers=2,
-        num_decoder_layers=3, d_ff=64, max_len=32, dropout=0.0,
+        src_vocab_size=15,
+        tgt_vocab_size=15,
+        d_model=32,
+        num_heads=4,
+        num_encoder_layers=2,
+        num_decoder_layers=3,
+        d_ff=64,
+        max_len=32,
+        dropout=0.0,
     )
     return Transformer(config).eval(), tokenizer
 
@@ -70,12 +77,17 @@ def minilm():
 
 def make_tiny_bert(folder):
     transformers = pytest.importorskip("transformers")
-    words = "the a dog cat runs sleeps on mat beach time flies like an arrow".split()
+    words = ["the", "a", "dog", "cat", "runs", "sleeps", "on", "mat", "beach", "time", "flies", "like", "an", "arrow"]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
     config = transformers.BertConfig(
-        vocab_size=len(words) + 5, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-        intermediate_size=48, max_position_embeddings=32, initializer_range=0.3,
+        vocab_size=len(words) + 5,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=32,
+        initializer_range=0.3,
     )
     torch.manual_seed(2)
     transformers.BertModel(config).save_pretrained(str(folder))
@@ -230,8 +242,21 @@ def test_html_is_self_contained_and_escapes_text():
 def test_attend_cli_writes_html_json_and_png(tmp_path, capsys):
     model_dir = make_tiny_bert(tmp_path / "tiny-bert")
     html, data_path, png_dir = tmp_path / "out.html", tmp_path / "out.json", tmp_path / "png"
-    code = main(["attend", "the dog runs", "a cat sleeps", "--model", str(model_dir), "-o", str(html),
-                 "--json", str(data_path), "--png", str(png_dir)])
+    code = main(
+        [
+            "attend",
+            "the dog runs",
+            "a cat sleeps",
+            "--model",
+            str(model_dir),
+            "-o",
+            str(html),
+            "--json",
+            str(data_path),
+            "--png",
+            str(png_dir),
+        ]
+    )
     assert code == 0
     data = json.loads(data_path.read_text())
     check_data(data)
@@ -252,8 +277,15 @@ def test_attend_cli_on_a_translation_run_folder(tmp_path, tiny_seq2seq):
     model, _ = tiny_seq2seq
     tokenizer = data.Tokenizer.train(["a dog runs on the beach", "ein hund läuft am strand"] * 5, vocab_size=300)
     config = TransformerConfig(
-        src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size, d_model=32, num_heads=4,
-        num_encoder_layers=2, num_decoder_layers=2, d_ff=64, max_len=32, share_embeddings=True,
+        src_vocab_size=tokenizer.vocab_size,
+        tgt_vocab_size=tokenizer.vocab_size,
+        d_model=32,
+        num_heads=4,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        d_ff=64,
+        max_len=32,
+        share_embeddings=True,
     )
     run = folder.create_run(tmp_path / "run", {"model": config.__dict__}, tokenizer)
     checkpoint.save_weights(Transformer(config), run / "model.safetensors")

@@ -15,12 +15,14 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from test_viz import WordTokenizer, make_tiny_bert
+from test_viz_page import assert_page_holds
 
 import qkv
 from qkv import Transformer, TransformerConfig
-from qkv.models.causal_lm import CausalLM, CausalLMConfig
 from qkv.cli import main
 from qkv.data.text import CharTokenizer
+from qkv.models.causal_lm import CausalLM, CausalLMConfig
 from qkv.pretrained import mean_pool
 from qkv.viz import (
     AttentionView,
@@ -38,8 +40,6 @@ from qkv.viz.html import page_document
 from qkv.viz.lm_explorer import visible
 from qkv.viz.saliency import cosine_saliency, next_token_saliency, translation_saliency
 from qkv.viz.server import ExplorerApp, RequestError
-from test_viz import WordTokenizer, make_tiny_bert
-from test_viz_page import assert_page_holds
 
 # ---- independent references -----------------------------------------------------------------
 
@@ -69,8 +69,10 @@ def matmul(a: list[list[float]], b: list[list[float]]) -> list[list[float]]:
 
 def mean_heads_renormalised(layer: list, *, residual: bool) -> list[list[float]]:
     heads, s_q, s_k = len(layer), len(layer[0]), len(layer[0][0])
-    mixed = [[sum(layer[h][i][j] for h in range(heads)) / heads + (1.0 if residual and i == j else 0.0)
-              for j in range(s_k)] for i in range(s_q)]
+    mixed = [
+        [sum(layer[h][i][j] for h in range(heads)) / heads + (1.0 if residual and i == j else 0.0) for j in range(s_k)]
+        for i in range(s_q)
+    ]
     return [[v / sum(row) for v in row] for row in mixed]
 
 
@@ -175,8 +177,14 @@ def hand_built_heads(n: int = 6) -> torch.Tensor:
     delimiter += 0.1 / n
     split = 0.45 * previous + 0.45 * eye + 0.1 / n
     split[0] = 1.0 / n  # the first token has no previous one: spread evenly
-    heads = [0.9 * previous + 0.1 / n, delimiter, torch.full((n, n), 1.0 / n, dtype=torch.float64),
-             0.8 * following + 0.2 / n, 0.7 * eye + 0.3 / n, split]
+    heads = [
+        0.9 * previous + 0.1 / n,
+        delimiter,
+        torch.full((n, n), 1.0 / n, dtype=torch.float64),
+        0.8 * following + 0.2 / n,
+        0.7 * eye + 0.3 / n,
+        split,
+    ]
     return torch.stack(heads)[None]  # (1, 6, n, n)
 
 
@@ -186,8 +194,9 @@ def test_head_labels_on_hand_set_heads():
     view = AttentionView("self-attention", tokens, tokens, list(att.float()))
     fields = view_fields(view)
     assert fields["delimiters"] == [0, 5]
-    assert fields["labels"] == [["previous-token head", "delimiter head", "broad head", "next-token head",
-                                 "same-token head", None]]
+    assert fields["labels"] == [
+        ["previous-token head", "delimiter head", "broad head", "next-token head", "same-token head", None]
+    ]
     # the same uniform head but causal: row i can only spread over i + 1 keys, and it does, so it is broad
     causal = torch.tril(torch.ones(6, 6, dtype=torch.float64))
     causal = causal / causal.sum(-1, keepdim=True)
@@ -216,11 +225,18 @@ def test_rollout_equals_a_matrix_product_loop():
 
 @pytest.fixture(scope="module")
 def seq2seq():
-    tokenizer = WordTokenizer("a dog runs on the beach ein hund läuft am strand".split())
+    tokenizer = WordTokenizer(["a", "dog", "runs", "on", "the", "beach", "ein", "hund", "läuft", "am", "strand"])
     torch.manual_seed(3)
     config = TransformerConfig(
-        src_vocab_size=15, tgt_vocab_size=15, d_model=16, num_heads=2, num_encoder_layers=2,
-        num_decoder_layers=2, d_ff=32, max_len=16, dropout=0.0,
+        src_vocab_size=15,
+        tgt_vocab_size=15,
+        d_model=16,
+        num_heads=2,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        d_ff=32,
+        max_len=16,
+        dropout=0.0,
     )
     return Transformer(config).eval(), tokenizer
 
@@ -338,9 +354,12 @@ def tiny_bert(tmp_path_factory):
 def cosine_of(encoder, batches):
     def function(factors):
         with scaled_embeddings(encoder.embeddings.word_embeddings, factors):
-            pooled = [mean_pool(encoder(b.input_ids, b.attention_mask, b.token_type_ids).last_hidden_state,
-                                b.attention_mask) for b in batches]
+            pooled = [
+                mean_pool(encoder(b.input_ids, b.attention_mask, b.token_type_ids).last_hidden_state, b.attention_mask)
+                for b in batches
+            ]
         return torch.nn.functional.cosine_similarity(pooled[0], pooled[1], dim=-1)  # (1,)
+
     return function
 
 
@@ -421,10 +440,13 @@ def test_byte_level_tokens_are_readable():
         backend = Backend()
 
     assert encoder_token_labels(ByteLevelTokenizer(), ["<s>", "\u0120flies", "\u00c3\u00a9", "\u0120"]) == [
-        "<s>", "\u2423flies", "\u00e9", "\u2423"]
+        "<s>",
+        "\u2423flies",
+        "\u00e9",
+        "\u2423",
+    ]
     # a tokenizer that is not byte-level (WordPiece) keeps "é" as it is; a tab is made visible
-    assert encoder_token_labels(WordTokenizer([]), ["caf\u00e9", "##s", "a\tb"]) == [
-        "caf\u00e9", "##s", "a\u21e5b"]
+    assert encoder_token_labels(WordTokenizer([]), ["caf\u00e9", "##s", "a\tb"]) == ["caf\u00e9", "##s", "a\u21e5b"]
 
 
 # ---- two sentences ------------------------------------------------------------------------------
@@ -443,8 +465,10 @@ def test_compare_finds_the_head_made_to_differ():
     same = softmax_attention(2, 3, 7, 7, seed=4).float()
     other = same.clone()
     other[1, 2] = softmax_attention(1, 1, 7, 7, seed=5)[0, 0].float()  # layer 1 head 2 differs
-    examples = [make_example(" ".join(first[1:-1]), [AttentionView("self-attention", first, first, list(same))]),
-                make_example(" ".join(second[1:-1]), [AttentionView("self-attention", second, second, list(other))])]
+    examples = [
+        make_example(" ".join(first[1:-1]), [AttentionView("self-attention", first, first, list(same))]),
+        make_example(" ".join(second[1:-1]), [AttentionView("self-attention", second, second, list(other))]),
+    ]
     compare = compare_field(examples)
     assert compare["shared"] == [[0, 0], [2, 2], [3, 3], [6, 6]]
     top, *rest = compare["heads"]
@@ -460,8 +484,12 @@ def test_compare_finds_the_head_made_to_differ():
     check_data(data)
     assert shared_tokens(["a", "b", "c", "b"], ["b", "a", "b"]) in ([[0, 1], [1, 2]], [[1, 0], [3, 2]])
     with pytest.raises(ValueError, match="share no token"):
-        compare_field([make_example("x", [AttentionView("v", ["x"], ["x"], [torch.ones(1, 1, 1)])]),
-                       make_example("y", [AttentionView("v", ["y"], ["y"], [torch.ones(1, 1, 1)])])])
+        compare_field(
+            [
+                make_example("x", [AttentionView("v", ["x"], ["x"], [torch.ones(1, 1, 1)])]),
+                make_example("y", [AttentionView("v", ["y"], ["y"], [torch.ones(1, 1, 1)])]),
+            ]
+        )
 
 
 # ---- qkv attend --compare / --corpus, /api/attend -------------------------------------------------
@@ -478,8 +506,25 @@ def test_attend_compare_and_corpus_end_to_end(tiny_bert, tmp_path, capsys):
     lines = ["the dog runs on the beach", "", "a cat sleeps on the mat", "time flies like an arrow"]
     corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
     html, out_json = tmp_path / "out.html", tmp_path / "out.json"
-    assert main(["attend", "the dog runs", "a dog sleeps", "--compare", "--corpus", str(corpus),
-                 "--model", str(folder), "-o", str(html), "--json", str(out_json)]) == 0
+    assert (
+        main(
+            [
+                "attend",
+                "the dog runs",
+                "a dog sleeps",
+                "--compare",
+                "--corpus",
+                str(corpus),
+                "--model",
+                str(folder),
+                "-o",
+                str(html),
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     assert "heads whose shared tokens attend most differently: layer" in capsys.readouterr().err
     data = json.loads(out_json.read_text())
     check_data(data)
@@ -493,8 +538,9 @@ def test_attend_compare_and_corpus_end_to_end(tiny_bert, tmp_path, capsys):
         a, b = first["attention"][row["layer"]][row["head"]], second["attention"][row["layer"]][row["head"]]
         want = sum(tv_loop(a[i], b[i], cols, cols) for i in cols) / 3
         assert abs(row["difference"] - want) <= 2e-4
-    assert [r["difference"] for r in compare["heads"]] == sorted((r["difference"] for r in compare["heads"]),
-                                                                 reverse=True)
+    assert [r["difference"] for r in compare["heads"]] == sorted(
+        (r["difference"] for r in compare["heads"]), reverse=True
+    )
     assert data["examples"][0]["saliency"]["about"].startswith("cosine similarity with \u201ca dog sleeps\u201d")
     # the corpus: each statistic averaged over the three sentences, by loops over their own weights
     explorer = EncoderExplorer(model=encoder, name="tiny-bert")
@@ -505,8 +551,9 @@ def test_attend_compare_and_corpus_end_to_end(tiny_bert, tmp_path, capsys):
     for text in sentences:
         (view,) = explorer.views(text)
         delimiters = [0, len(view.keys) - 1]
-        per_sentence.append([[loop_stats(head.double().tolist(), delimiters) for head in layer]
-                             for layer in view.attentions])
+        per_sentence.append(
+            [[loop_stats(head.double().tolist(), delimiters) for head in layer] for layer in view.attentions]
+        )
     for name in stats:
         for layer in range(3):
             for head in range(4):
@@ -553,9 +600,11 @@ def test_api_attend_answers_with_the_fields_and_compares(tiny_bert):
     data = explorer_data(answer["examples"])
     data["compare"] = answer["compare"]
     check_data(data)
-    for payload, words in (({"text": "the dog", "compare": ""}, "'compare' must be a non-empty string"),
-                           ({"text": "the dog", "compare": "x" * 41}, "'compare' has 41 characters"),
-                           ({"text": "the dog", "compare": 3}, "'compare' must be a non-empty string")):
+    for payload, words in (
+        ({"text": "the dog", "compare": ""}, "'compare' must be a non-empty string"),
+        ({"text": "the dog", "compare": "x" * 41}, "'compare' has 41 characters"),
+        ({"text": "the dog", "compare": 3}, "'compare' must be a non-empty string"),
+    ):
         with pytest.raises(RequestError) as err:
             app.attend(payload)
         assert err.value.status == 400 and words in err.value.message
@@ -569,8 +618,16 @@ def test_check_data_names_the_bad_field(seq2seq):
     example = Seq2SeqExplorer(model=model, tokenizer=tokenizer, name="tiny").example("a dog runs", target="ein hund")
     good = explorer_data([example, copy.deepcopy(example)])
     good["compare"] = compare_field(good["examples"])
-    good["corpus"] = {"file": "f.txt", "sentences": 2, "views": {"encoder self-attention": {
-        "stats": copy.deepcopy(example["views"][0]["stats"]), "labels": copy.deepcopy(example["views"][0]["labels"])}}}
+    good["corpus"] = {
+        "file": "f.txt",
+        "sentences": 2,
+        "views": {
+            "encoder self-attention": {
+                "stats": copy.deepcopy(example["views"][0]["stats"]),
+                "labels": copy.deepcopy(example["views"][0]["labels"]),
+            }
+        },
+    }
     check_data(good)
 
     def broken(edit) -> str:
@@ -594,4 +651,5 @@ def test_check_data_names_the_bad_field(seq2seq):
     assert "'compare': 'heads'" in broken(lambda d: d["compare"]["heads"][0].update(layer=7))
     assert "'corpus': 'sentences'" in broken(lambda d: d["corpus"].update(sentences=0))
     assert "'corpus' view 'encoder self-attention': 'labels'" in broken(
-        lambda d: d["corpus"]["views"]["encoder self-attention"]["labels"].pop())
+        lambda d: d["corpus"]["views"]["encoder self-attention"]["labels"].pop()
+    )

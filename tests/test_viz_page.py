@@ -20,8 +20,26 @@ from qkv.viz import AttentionView, explorer_data, make_example, write_html
 from qkv.viz.html import json_for_script, pack_weights, packed_for_page, page_document, render_html
 
 # weights around the two places that matter: the line threshold 0.01 and the 0.0005 steps below it
-EDGES = [0.0, 0.0001, 0.0002, 0.0003, 0.0005, 0.0007, 0.0024, 0.0025, 0.0026, 0.0097, 0.0098, 0.0099,
-         0.01, 0.0101, 0.0123, 0.5, 0.9999, 1.0]
+EDGES = [
+    0.0,
+    0.0001,
+    0.0002,
+    0.0003,
+    0.0005,
+    0.0007,
+    0.0024,
+    0.0025,
+    0.0026,
+    0.0097,
+    0.0098,
+    0.0099,
+    0.01,
+    0.0101,
+    0.0123,
+    0.5,
+    0.9999,
+    1.0,
+]
 
 
 def decoded(packed: dict) -> np.ndarray:
@@ -50,24 +68,45 @@ def assert_page_holds(page: dict, data: dict) -> None:
             for key in ("attention", "rollout"):
                 assert (key in view) == (key in drawn), key
                 if key in view:
-                    assert_packed_close(np.array(drawn.pop(key), dtype=np.float64),
-                                        np.array(view.pop(key), dtype=np.float64))
+                    assert_packed_close(
+                        np.array(drawn.pop(key), dtype=np.float64), np.array(view.pop(key), dtype=np.float64)
+                    )
     assert page == data
 
 
 def test_pack_weights_keeps_every_line_and_rounds_only_small_weights():
     rng = np.random.default_rng(0)
     grid = rng.dirichlet(np.full(40, 0.3), size=(2, 3, 40)).round(4)  # (L, H, s_q, s_k), 4 decimals
-    grid[0, 0, 0, :len(EDGES)] = EDGES
+    grid[0, 0, 0, : len(EDGES)] = EDGES
     packed = pack_weights(grid.tolist())
     assert packed["packed"] == "qkv-weights/1" and packed["shape"] == [2, 3, 40, 40]
     got = decoded(packed)
     assert_packed_close(got, grid)
     below = got[grid < 0.01]
     assert np.all(np.isclose(below * 2000, np.rint(below * 2000)) | np.isclose(below, 0.0099))  # 0.0005 steps
-    assert got[0, 0, 0, :len(EDGES)].tolist() == pytest.approx(
-        [0.0, 0.0, 0.0, 0.0005, 0.0005, 0.0005, 0.0025, 0.0025, 0.0025, 0.0095, 0.0099, 0.0099,
-         0.01, 0.0101, 0.0123, 0.5, 0.9999, 1.0], abs=1e-12)
+    assert got[0, 0, 0, : len(EDGES)].tolist() == pytest.approx(
+        [
+            0.0,
+            0.0,
+            0.0,
+            0.0005,
+            0.0005,
+            0.0005,
+            0.0025,
+            0.0025,
+            0.0025,
+            0.0095,
+            0.0099,
+            0.0099,
+            0.01,
+            0.0101,
+            0.0123,
+            0.5,
+            0.9999,
+            1.0,
+        ],
+        abs=1e-12,
+    )
 
 
 @pytest.mark.parametrize("grid", [[[0.12345, 0.5]], [[-0.1, 0.5]], [[7.0, 0.5]], []])
@@ -99,7 +138,7 @@ def test_the_browser_unpacks_what_python_packed(tmp_path):
     rng = np.random.default_rng(2)
     heads = torch.softmax(torch.tensor(rng.normal(size=(2, n, n)) * 4), -1)
     heads[0, 0] = 0.0
-    heads[0, 0, :len(EDGES)] = torch.tensor(EDGES, dtype=heads.dtype)  # 0.01 itself must draw a line
+    heads[0, 0, : len(EDGES)] = torch.tensor(EDGES, dtype=heads.dtype)  # 0.01 itself must draw a line
     words = [f"t{i}" for i in range(n)]
     view = AttentionView("self-attention", words, words, [heads, heads.flip(0)])
     data = explorer_data([make_example(" ".join(words), [view])])
@@ -113,17 +152,23 @@ def test_the_browser_unpacks_what_python_packed(tmp_path):
             watch = Watch(page)
             page.goto(html.as_uri())
             wait_renders(page, 0)
-            unpacked = np.array(page.evaluate(
-                "() => window.qkvExplorer.data.examples[0].views[0].attention"
-                ".map(layer => layer.map(head => head.map(row => Array.from(row))))"))
-            kinds = page.evaluate("() => window.qkvExplorer.data.examples[0].views[0].attention[0][0]"
-                                  ".map(row => row.constructor.name)")
+            unpacked = np.array(
+                page.evaluate(
+                    "() => window.qkvExplorer.data.examples[0].views[0].attention"
+                    ".map(layer => layer.map(head => head.map(row => Array.from(row))))"
+                )
+            )
+            kinds = page.evaluate(
+                "() => window.qkvExplorer.data.examples[0].views[0].attention[0][0].map(row => row.constructor.name)"
+            )
             assert set(kinds) == {"Float32Array"}
             assert_packed_close(unpacked, exact, slack=6e-8)  # float32 rounding of 4-decimal numbers
             # layer 0, every head: one line per weight of at least 0.01 in the JSON, 0.01 included
             assert int(page.get_attribute("#head-svg", "data-lines")) == int((exact[0] >= 0.01).sum())
-            drawn = page.eval_on_selector_all("#head-svg line[data-head='0'][data-q='0']",
-                                              "ls => ls.map(l => [+l.dataset.k, l.getAttribute('stroke-opacity')])")
+            drawn = page.eval_on_selector_all(
+                "#head-svg line[data-head='0'][data-q='0']",
+                "ls => ls.map(l => [+l.dataset.k, l.getAttribute('stroke-opacity')])",
+            )
             assert drawn == [[k, f"{w:.4f}"] for k, w in enumerate(EDGES) if w >= 0.01]
             assert watch.errors == [] and blocked == []
             context.close()
@@ -135,10 +180,9 @@ def test_a_long_head_view_saved_as_png_has_its_lines(tmp_path):
     """Over 4,000 lines the PNG strokes them batched by colour and opacity level (figure.js): the
     focused query's lines reach the keys the JSON gives 0.05 or more and none it gives under 0.01
     (lighter lines are a few levels from white, too faint to tell from the edges of others)."""
+    from explorer_documents import long_document
     from PIL import Image
     from test_browser import ARGS, CHROMIUM, Watch, offline_page, sync_api, wait_renders
-
-    from explorer_documents import long_document
 
     data = long_document(tokens=300, layers=1, heads=2, seed=3)  # head 1: 4,209 lines
     weights = np.array(data["examples"][0]["views"][0]["attention"][0])  # (heads, s, s)
@@ -156,14 +200,17 @@ def test_a_long_head_view_saved_as_png_has_its_lines(tmp_path):
             assert page.get_attribute("#head-svg", "data-mode") == "canvas"  # over 4,000 lines
             page.click("#head-toggles .head-toggle[data-head='0']")  # head 1 alone
             page.hover(f"#head-svg text.query[data-index='{query}']")
-            geometry = page.evaluate("""(q) => {
+            geometry = page.evaluate(
+                """(q) => {
                 const s = document.getElementById('head-svg');
                 const y = t => +t.getAttribute('y');
                 return { width: window.qkvExplorer.tab('attention').figures['head-view']().width,
                          end: +s.querySelector('text.key').getAttribute('x') - 6,
                          start: +s.querySelector('text.query').getAttribute('x') + 6,
                          yq: y(s.querySelector(`text.query[data-index='${q}']`)),
-                         yk: Array.from(s.querySelectorAll('text.key'), y) }; }""", query)
+                         yk: Array.from(s.querySelectorAll('text.key'), y) }; }""",
+                query,
+            )
             with page.expect_download() as info:
                 page.evaluate("() => window.qkvExplorer.save('head-view', 'png')")
             image = Image.open(info.value.path()).convert("RGB")
@@ -176,8 +223,9 @@ def test_a_long_head_view_saved_as_png_has_its_lines(tmp_path):
 
     def inked(yk: float) -> bool:  # any pixel near where the line to this key passes x is not white
         y = 34 + yk + (geometry["yq"] - yk) * 3 / gap  # 34: the title above the drawing
-        pixels = [image.getpixel((round((x + dx) * scale), round((y + dy) * scale)))
-                  for dx in (-1, 0, 1) for dy in (-1, 0, 1)]
+        pixels = [
+            image.getpixel((round((x + dx) * scale), round((y + dy) * scale))) for dx in (-1, 0, 1) for dy in (-1, 0, 1)
+        ]
         return any(min(px) < 250 for px in pixels)
 
     near = range(query - 12, query + 13)  # where the lines are not so steep that neighbours overlap

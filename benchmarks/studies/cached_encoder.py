@@ -77,11 +77,16 @@ def main() -> int:
     for lang, sentences in texts.items():
         expected = [tokenizer.encode(t) for t in sentences]
         n = len(sentences)
-        row = {"sentences": n, "not_ascii": round(sum(not t.isascii() for t in sentences) / n, 3),
-               "latin_path_share": round(sum(cached_encoder.LATIN_TEXT.fullmatch(t) is not None for t in sentences) / n,
-                                         3)}
-        row["tokenizer_s"] = timed(lambda: tokenizer.backend.encode_batch(sentences, add_special_tokens=False),
-                                   args.repeats)
+        row = {
+            "sentences": n,
+            "not_ascii": round(sum(not t.isascii() for t in sentences) / n, 3),
+            "latin_path_share": round(
+                sum(cached_encoder.LATIN_TEXT.fullmatch(t) is not None for t in sentences) / n, 3
+            ),
+        }
+        row["tokenizer_s"] = timed(
+            lambda: tokenizer.backend.encode_batch(sentences, add_special_tokens=False), args.repeats
+        )
         for name, latin in (("ascii_fast_path", False), ("latin_fast_path", True)):
             with fast_path(latin):
                 cold = timed(lambda: cached_encoder.CachedEncoder(tokenizer).encode(sentences), args.repeats)
@@ -100,10 +105,14 @@ def main() -> int:
         row["latin_over_ascii_cold"] = round(row["ascii_fast_path"]["cold_s"] / row["latin_fast_path"]["cold_s"], 2)
         results[lang] = row
         print(lang, {k: v for k, v in row.items()}, flush=True)
-    report = {"what": "CachedEncoder vs the tokenizers library on Multi30k training text, one thread",
-              "command": "python benchmarks/cached_encoder.py", "vocab_size": tokenizer.vocab_size,
-              "repeats": args.repeats, "languages": results,
-              "machine": {**environment(), "load_average_end": list(os.getloadavg())}}
+    report = {
+        "what": "CachedEncoder vs the tokenizers library on Multi30k training text, one thread",
+        "command": "python benchmarks/cached_encoder.py",
+        "vocab_size": tokenizer.vocab_size,
+        "repeats": args.repeats,
+        "languages": results,
+        "machine": {**environment(), "load_average_end": list(os.getloadavg())},
+    }
     write_result(args.out, report)
     return 0
 

@@ -41,12 +41,19 @@ def _worker(ctx, out: str, batches_path: str, mode: str, steps: int, warmup: int
     from qkv.bench.training import multi30k_config
     from qkv.data.batching import Batch
     from qkv.models.transformer import Transformer
-    from qkv.training import Trainer, TrainConfig
+    from qkv.training import TrainConfig, Trainer
 
     torch.set_num_threads(threads)
     saved = torch.load(batches_path, weights_only=True)  # tensors and numbers only: no pickled objects
-    data = BenchData([Batch(*fields) for fields in saved["batches"]], [], saved["vocab_size"], saved["pad_id"],
-                     saved["bos_id"], saved["eos_id"], "")
+    data = BenchData(
+        [Batch(*fields) for fields in saved["batches"]],
+        [],
+        saved["vocab_size"],
+        saved["pad_id"],
+        saved["bos_id"],
+        saved["eos_id"],
+        "",
+    )
     torch.manual_seed(0)
     model = Transformer(multi30k_config(data))
     trainer = Trainer(model, _Task(), TrainConfig(progress=False), dist=ctx)
@@ -88,13 +95,31 @@ def measure(mode: str, out: Path, batches_path: Path, steps: int, warmup: int) -
         dist_workers.launch(_worker, (str(out), str(batches_path), mode, steps, warmup, 1), timeout=1800)
     else:
         threads = int(mode.split("x")[1])
-        code = ("import sys; sys.path.insert(0, %r); import distributed as d; d._alone(%r, %r, %r, %d, %d, %d)"
-                % (str(Path(__file__).parent), str(out), str(batches_path), mode, steps, warmup, threads))
-        subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parents[2] / "tests"), os.environ.get("PYTHONPATH", "")])})
+        code = "import sys; sys.path.insert(0, %r); import distributed as d; d._alone(%r, %r, %r, %d, %d, %d)" % (
+            str(Path(__file__).parent),
+            str(out),
+            str(batches_path),
+            mode,
+            steps,
+            warmup,
+            threads,
+        )
+        subprocess.run(
+            [sys.executable, "-c", code],
+            check=True,
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(
+                    [str(Path(__file__).resolve().parents[2] / "tests"), os.environ.get("PYTHONPATH", "")]
+                ),
+            },
+        )
     result = torch.load(out / f"{mode}.pt", weights_only=True)
-    return {"tokens_per_s": sum(result["tokens"]) / sum(result["times"]), "step_s": result["times"],
-            "tokens": sum(result["tokens"])}
+    return {
+        "tokens_per_s": sum(result["tokens"]) / sum(result["times"]),
+        "step_s": result["times"],
+        "tokens": sum(result["tokens"]),
+    }
 
 
 def projection() -> dict:
@@ -111,8 +136,9 @@ def projection() -> dict:
     for name, sizes in PAPER.items():
         sizes = dict(sizes)
         total_steps = sizes.pop("steps")
-        config = TransformerConfig(src_vocab_size=37000, tgt_vocab_size=37000, share_embeddings=True, dropout=0.0,
-                                   max_len=256, **sizes)
+        config = TransformerConfig(
+            src_vocab_size=37000, tgt_vocab_size=37000, share_embeddings=True, dropout=0.0, max_len=256, **sizes
+        )
         model = Transformer(config)
         counted = 4
         src = torch.randint(4, 37000, (counted, length))
@@ -123,14 +149,25 @@ def projection() -> dict:
         flops = counter.get_total_flops() * sentences // counted
         per_gpu = {}
         for gpu, peak in GPUS.items():
-            per_gpu[gpu] = {str(n): {"seconds_per_step": flops / (n * peak * UTILISATION),
-                                     "hours_for_schedule": flops * total_steps / (n * peak * UTILISATION) / 3600}
-                            for n in (1, 8, 64)}
-        rows[name] = {"parameters": sum(p.numel() for p in model.parameters()),
-                      "flops_per_step": flops, "tokens_per_step": 2 * sentences * length,
-                      "schedule_steps": total_steps, "gpus": per_gpu}
-    return {"assumptions": f"{UTILISATION:.0%} of peak bf16 throughput, no communication cost; a projection, "
-                           "not a measurement", "models": rows}
+            per_gpu[gpu] = {
+                str(n): {
+                    "seconds_per_step": flops / (n * peak * UTILISATION),
+                    "hours_for_schedule": flops * total_steps / (n * peak * UTILISATION) / 3600,
+                }
+                for n in (1, 8, 64)
+            }
+        rows[name] = {
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "flops_per_step": flops,
+            "tokens_per_step": 2 * sentences * length,
+            "schedule_steps": total_steps,
+            "gpus": per_gpu,
+        }
+    return {
+        "assumptions": f"{UTILISATION:.0%} of peak bf16 throughput, no communication cost; a projection, "
+        "not a measurement",
+        "models": rows,
+    }
 
 
 def main() -> int:
@@ -152,9 +189,16 @@ def main() -> int:
     results = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         batches_path = Path(tmp, "batches.pt")
-        torch.save({"batches": [(b.src, b.tgt_in, b.tgt_out, b.num_tgt_tokens) for b in data.batches],
-                    "vocab_size": data.vocab_size, "pad_id": data.pad_id, "bos_id": data.bos_id,
-                    "eos_id": data.eos_id}, batches_path)
+        torch.save(
+            {
+                "batches": [(b.src, b.tgt_in, b.tgt_out, b.num_tgt_tokens) for b in data.batches],
+                "vocab_size": data.vocab_size,
+                "pad_id": data.pad_id,
+                "bos_id": data.bos_id,
+                "eos_id": data.eos_id,
+            },
+            batches_path,
+        )
         for round_ in range(args.rounds):
             for mode in modes:
                 results[mode].append(measure(mode, Path(tmp), batches_path, args.steps, args.warmup))
@@ -172,8 +216,13 @@ def main() -> int:
         "machine": {**environment(), "load_average": os.getloadavg(), "platform": platform.platform()},
     }
     write_result(args.out, report)
-    print({k: round(v, 1) for k, v in median.items()}, "2x1/1x2 =", round(report["two_processes_vs_two_threads"], 3),
-          "efficiency", round(report["scaling_efficiency_2_processes"], 3))
+    print(
+        {k: round(v, 1) for k, v in median.items()},
+        "2x1/1x2 =",
+        round(report["two_processes_vs_two_threads"], 3),
+        "efficiency",
+        round(report["scaling_efficiency_2_processes"], 3),
+    )
     return 0
 
 

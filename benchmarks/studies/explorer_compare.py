@@ -63,21 +63,29 @@ def main(argv: list[str] | None = None) -> int:
         "top_heads": [{k: h[k] for k in ("layer", "head", "difference")} for h in compare["heads"][: args.top]],
         "token": TOKEN,
         f"top_heads_for_{TOKEN}": [
-            {"layer": h["layer"], "head": h["head"], "difference": h["per_token"][slot],
-             "head_difference": h["difference"],
-             "attention_in_sentence_1": row(first, h, a), "attention_in_sentence_2": row(second, h, b)}
+            {
+                "layer": h["layer"],
+                "head": h["head"],
+                "difference": h["per_token"][slot],
+                "head_difference": h["difference"],
+                "attention_in_sentence_1": row(first, h, a),
+                "attention_in_sentence_2": row(second, h, b),
+            }
             for h in by_token[: args.top]
         ],
         "mean_difference_all_heads": round(sum(h["difference"] for h in compare["heads"]) / len(compare["heads"]), 4),
-        f"mean_{TOKEN}_difference_all_heads": round(sum(h["per_token"][slot] for h in compare["heads"])
-                                                   / len(compare["heads"]), 4),
+        f"mean_{TOKEN}_difference_all_heads": round(
+            sum(h["per_token"][slot] for h in compare["heads"]) / len(compare["heads"]), 4
+        ),
         "machine": machine(),
     }
     write_result(args.output, result)
     print(f"wrote {args.output}")
     for h in result[f"top_heads_for_{TOKEN}"]:
-        print(f"layer {h['layer']} head {h['head']}: {TOKEN} differs by {h['difference']:.3f} "
-              f"(head over all shared tokens: {h['head_difference']:.3f})")
+        print(
+            f"layer {h['layer']} head {h['head']}: {TOKEN} differs by {h['difference']:.3f} "
+            f"(head over all shared tokens: {h['head_difference']:.3f})"
+        )
     return 0
 
 

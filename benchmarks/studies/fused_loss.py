@@ -26,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: cpu_step_paths, a sibling suite
 
 import cpu_step_paths  # noqa: E402
+
 import qkv.models.transformer  # noqa: E402
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
@@ -41,8 +42,9 @@ SMOOTHING = 0.1
 
 def loss_of_commit(revision: str):
     """``fused_linear_cross_entropy`` as ``src/qkv/nn/loss.py`` had it at ``revision``."""
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:src/qkv/nn/loss.py"], capture_output=True,
-                            text=True)
+    source = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{revision}:src/qkv/nn/loss.py"], capture_output=True, text=True
+    )
     if source.returncode != 0:
         raise ValueError(f"--before {revision}: {source.stderr.strip()}")
     with tempfile.TemporaryDirectory() as folder:
@@ -69,9 +71,11 @@ def distance_from_float64(loss_fn, rows, weight, target, bf16: bool) -> dict:
     reference = F.cross_entropy(h64 @ w64.T, target, label_smoothing=SMOOTHING, reduction="sum")  # all float64
     reference.backward()
     loss, grad_rows, grad_weight = loss_alone(loss_fn, rows, weight, target, bf16)
-    return {"loss": abs(loss.item() - reference.item()) / reference.item(),
-            "grad_hidden": ((grad_rows.double() - h64.grad).norm() / h64.grad.norm()).item(),
-            "grad_weight": ((grad_weight.double() - w64.grad).norm() / w64.grad.norm()).item()}
+    return {
+        "loss": abs(loss.item() - reference.item()) / reference.item(),
+        "grad_hidden": ((grad_rows.double() - h64.grad).norm() / h64.grad.norm()).item(),
+        "grad_weight": ((grad_weight.double() - w64.grad).norm() / w64.grad.norm()).item(),
+    }
 
 
 @contextlib.contextmanager
@@ -87,8 +91,14 @@ def models_use(loss_fn):
 
 def summarise(timings: dict, work: list[float], unit: str) -> dict:
     """Per contender: median seconds and ``unit`` per second; today's speed over the earlier one's."""
-    out = {name: {"median_s": t.median, f"{unit}_per_s": round(sum(work[: len(t.times)]) / sum(t.times), 1),
-                  "samples": len(t.times)} for name, t in timings.items()}
+    out = {
+        name: {
+            "median_s": t.median,
+            f"{unit}_per_s": round(sum(work[: len(t.times)]) / sum(t.times), 1),
+            "samples": len(t.times),
+        }
+        for name, t in timings.items()
+    }
     today, before = list(timings)
     out["today_over_before"] = round(ratio(out[today][f"{unit}_per_s"], out[before][f"{unit}_per_s"]), 3)
     out["today_over_before_paired"] = round(paired_ratio(timings[before].times, timings[today].times), 3)
@@ -96,12 +106,17 @@ def summarise(timings: dict, work: list[float], unit: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--before", default="1f9dd2b", help="the commit whose src/qkv/nn/loss.py is compared")
     parser.add_argument("--data", default=None, help="folder with Multi30k (default: $QKV_DATA/multi30k or the cache)")
-    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="auto: bf16 autocast where bf16 products are fast (as the recipe), else float32")
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="auto: bf16 autocast where bf16 products are fast (as the recipe), else float32",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30, help="timed rounds of the loss alone and of the step")
     parser.add_argument("--batches", type=int, default=30, help="real batches cycled through")
@@ -146,22 +161,35 @@ def main(argv: list[str] | None = None) -> int:
     whole = time_interleaved(steps, device=torch.device("cpu"), repeats=args.repeats, warmup=3)
     tokens = [rows_per_batch[(3 + i) % len(rows_per_batch)] for i in range(args.repeats)]
 
-    report = {"what": "the fused loss of today against an earlier commit's, interleaved: alone (forward + backward "
-                      "of a median batch's real target positions) and in the Multi30k recipe's training step; "
-                      "today_over_before > 1 means today's is faster",
-              "command": " ".join(["python"] + sys.argv), "before": args.before, "bf16": bf16, "data": data.info,
-              "positions": n, "vocab": config.tgt_vocab_size, "d_model": config.d_model,
-              "loss_alone": summarise(alone, [n] * args.repeats, "positions"),
-              "training_step": summarise(whole, tokens, "target_tokens"),
-              "relative_error_vs_float64": errors, "start_up_settings": start_up, "machine": environment()}
+    report = {
+        "what": "the fused loss of today against an earlier commit's, interleaved: alone (forward + backward "
+        "of a median batch's real target positions) and in the Multi30k recipe's training step; "
+        "today_over_before > 1 means today's is faster",
+        "command": " ".join(["python"] + sys.argv),
+        "before": args.before,
+        "bf16": bf16,
+        "data": data.info,
+        "positions": n,
+        "vocab": config.tgt_vocab_size,
+        "d_model": config.d_model,
+        "loss_alone": summarise(alone, [n] * args.repeats, "positions"),
+        "training_step": summarise(whole, tokens, "target_tokens"),
+        "relative_error_vs_float64": errors,
+        "start_up_settings": start_up,
+        "machine": environment(),
+    }
     write_result(out, report)
     for part in ("loss_alone", "training_step"):
         r = report[part]
-        print(f"{part:14s} today {r['today_over_before']:.3f}x the speed of {args.before}'s "
-              f"(paired {r['today_over_before_paired']:.3f}x)")
+        print(
+            f"{part:14s} today {r['today_over_before']:.3f}x the speed of {args.before}'s "
+            f"(paired {r['today_over_before_paired']:.3f}x)"
+        )
     for name, e in errors.items():
-        print(f"{name:24s} relative error vs float64: loss {e['loss']:.1e}, d hidden {e['grad_hidden']:.1e}, "
-              f"d weight {e['grad_weight']:.1e}")
+        print(
+            f"{name:24s} relative error vs float64: loss {e['loss']:.1e}, d hidden {e['grad_hidden']:.1e}, "
+            f"d weight {e['grad_weight']:.1e}"
+        )
     print(f"wrote {out}")
     return 0
 

@@ -31,14 +31,14 @@ from pathlib import Path
 
 import torch
 
-from qkv.runs import folder as ckpt
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data import Tokenizer, load_multi30k, resolve_multi30k
-from qkv.metrics.scores import score_translations
 from qkv.decoding.translate import translate_texts
+from qkv.metrics.scores import score_translations
 from qkv.models.transformer import Transformer, TransformerConfig
+from qkv.runs import folder as ckpt
 from qkv.runtime.precision import slow_bf16_reason
 from qkv.training import TrainConfig, Trainer, TranslationTask
 
@@ -48,8 +48,12 @@ REPO = Path(__file__).resolve().parents[2]
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None, help="Multi30k folder (default: $QKV_DATA/multi30k or the cache)")
-    p.add_argument("--compare", choices=("bf16", "compile", "seed"), default="bf16",
-                   help="what the second run changes against the float32 eager one")
+    p.add_argument(
+        "--compare",
+        choices=("bf16", "compile", "seed"),
+        default="bf16",
+        help="what the second run changes against the float32 eager one",
+    )
     p.add_argument("--steps", type=int, default=200, help="optimizer steps of each run")
     p.add_argument("--max-tokens", type=int, default=3000)
     p.add_argument("--warmup", type=int, default=100)
@@ -66,8 +70,11 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     slow = slow_bf16_reason("cpu") if args.compare == "bf16" else None
     if slow and not args.force:
-        print(f"precision_bleu: not run: {slow}; the bf16 run would take tens of times the fp32 one "
-              "(--force runs it anyway)", file=sys.stderr)
+        print(
+            f"precision_bleu: not run: {slow}; the bf16 run would take tens of times the fp32 one "
+            "(--force runs it anyway)",
+            file=sys.stderr,
+        )
         return 2
 
     folder = resolve_multi30k(args.data, download=False)
@@ -79,9 +86,18 @@ def main() -> int:
         test.src, test.tgt = test.src[: args.test_limit], test.tgt[: args.test_limit]
     tokenizer = Tokenizer.train(train.src + train.tgt, vocab_size=8000)
     model_config = TransformerConfig(
-        src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size, d_model=256, num_heads=4,
-        num_encoder_layers=3, num_decoder_layers=3, d_ff=1024, dropout=0.1, max_len=512, share_embeddings=True,
-        tie_output=True, pad_id=tokenizer.pad_id,
+        src_vocab_size=tokenizer.vocab_size,
+        tgt_vocab_size=tokenizer.vocab_size,
+        d_model=256,
+        num_heads=4,
+        num_encoder_layers=3,
+        num_decoder_layers=3,
+        d_ff=1024,
+        dropout=0.1,
+        max_len=512,
+        share_embeddings=True,
+        tie_output=True,
+        pad_id=tokenizer.pad_id,
     )
     torch.manual_seed(0)
     initial = Transformer(model_config).state_dict()
@@ -90,14 +106,28 @@ def main() -> int:
     for name in ("fp32", other):
         bf16 = name == "bf16"
         train_config = TrainConfig(
-            max_tokens=args.max_tokens, warmup_steps=args.warmup, lr_factor=args.lr_factor, bf16=bf16,
-            compile=name == "compile", max_steps=args.steps, average_last=1, progress=False, log_every_steps=20,
+            max_tokens=args.max_tokens,
+            warmup_steps=args.warmup,
+            lr_factor=args.lr_factor,
+            bf16=bf16,
+            compile=name == "compile",
+            max_steps=args.steps,
+            average_last=1,
+            progress=False,
+            log_every_steps=20,
             seed=0,
         )
         run_dir = Path(args.run_dir) / name
-        ckpt.create_run(run_dir, {"model": asdict(model_config), "train": asdict(train_config),
-                                  "data": {"source": "multi30k", "src_lang": "en", "tgt_lang": "de"}},
-                        tokenizer, overwrite=True)
+        ckpt.create_run(
+            run_dir,
+            {
+                "model": asdict(model_config),
+                "train": asdict(train_config),
+                "data": {"source": "multi30k", "src_lang": "en", "tgt_lang": "de"},
+            },
+            tokenizer,
+            overwrite=True,
+        )
         model = Transformer(model_config)
         model.load_state_dict(copy.deepcopy(initial))
         torch.manual_seed(2 if name == "seed" else 1)  # dropout masks' seed: the same except for "seed"
@@ -106,8 +136,12 @@ def main() -> int:
         start = time.perf_counter()
         state = trainer.train()
         seconds = time.perf_counter() - start
-        entry = {"steps": state.step, "train_seconds": round(seconds, 1), "target_tokens": state.tokens,
-                 "tokens_per_s": round(state.tokens / seconds, 1)}
+        entry = {
+            "steps": state.step,
+            "train_seconds": round(seconds, 1),
+            "target_tokens": state.tokens,
+            "tokens_per_s": round(state.tokens / seconds, 1),
+        }
         decodings = [(name, bf16)] + ([("bf16_model_fp32_decoding", False)] if bf16 else [])
         for label, decode_bf16 in decodings:
             start = time.perf_counter()
@@ -116,8 +150,14 @@ def main() -> int:
             entry[f"test_bleu_{'bf16' if decode_bf16 else 'fp32'}_decoding"] = scores["bleu"]
             entry[f"test_chrf_{'bf16' if decode_bf16 else 'fp32'}_decoding"] = scores["chrf"]
             entry["bleu_signature"] = scores["bleu_signature"]
-            logging.info("%s (%s): test BLEU %.2f, chrF %.2f, %.0f s to decode", name, label, scores["bleu"],
-                         scores["chrf"], time.perf_counter() - start)
+            logging.info(
+                "%s (%s): test BLEU %.2f, chrF %.2f, %.0f s to decode",
+                name,
+                label,
+                scores["bleu"],
+                scores["chrf"],
+                time.perf_counter() - start,
+            )
         runs[name] = entry
         model.train()
     fp32_bleu = runs["fp32"]["test_bleu_fp32_decoding"]
@@ -127,9 +167,15 @@ def main() -> int:
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "environment": environment(),
         "model": asdict(model_config),
-        "train": {"steps": args.steps, "max_tokens": args.max_tokens, "warmup": args.warmup,
-                  "lr_factor": args.lr_factor, "train_pairs": len(train.src), "test_pairs": len(test.src),
-                  "decoding": "greedy"},
+        "train": {
+            "steps": args.steps,
+            "max_tokens": args.max_tokens,
+            "warmup": args.warmup,
+            "lr_factor": args.lr_factor,
+            "train_pairs": len(train.src),
+            "test_pairs": len(test.src),
+            "decoding": "greedy",
+        },
         "runs": runs,
         "compare": other,
         f"bleu_change_{other}_minus_fp32": round(runs[other][f"test_bleu_{other_decoding}_decoding"] - fp32_bleu, 2),

@@ -20,9 +20,9 @@ import sacremoses
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
-from qkv.runs.folder import read_run_config
 from qkv.data.sources import load_split
 from qkv.metrics.scores import read_translations, score_translations
+from qkv.runs.folder import read_run_config
 
 
 def main() -> int:
@@ -38,8 +38,13 @@ def main() -> int:
     benchmark = json.loads(Path(args.benchmark).read_text())
     if Path(benchmark["run_dir"]).resolve() != run_dir.resolve():
         raise SystemExit(f"{args.benchmark} describes {benchmark['run_dir']}, not {run_dir}")
-    report = {"task": benchmark["task"], "command": " ".join(["python"] + sys.argv), "benchmark": args.benchmark,
-              "run_dir": str(run_dir), "scores": {}}
+    report = {
+        "task": benchmark["task"],
+        "command": " ".join(["python"] + sys.argv),
+        "benchmark": args.benchmark,
+        "run_dir": str(run_dir),
+        "scores": {},
+    }
     for split, name in (("val", "val"), ("test", "test_2016")):
         hyps = read_translations(run_dir / f"{name}.hyp.{tgt}")  # a translation may be empty
         scores = score_translations(hyps, load_split(spec, split).tgt, target_lang=tgt)
@@ -49,9 +54,18 @@ def main() -> int:
         report["scores"][f"{name}_beam5"] = scores
     report["machine"] = {**environment(), "sacremoses": sacremoses.__version__}
     write_result(args.out, report)
-    print(json.dumps({k: {"sacrebleu": v["bleu"], "papers_form": v["bleu_papers_form"]["bleu"],
-                          "compound_split": v.get("bleu_compound_split", {}).get("bleu")}
-                      for k, v in report["scores"].items()}))
+    print(
+        json.dumps(
+            {
+                k: {
+                    "sacrebleu": v["bleu"],
+                    "papers_form": v["bleu_papers_form"]["bleu"],
+                    "compound_split": v.get("bleu_compound_split", {}).get("bleu"),
+                }
+                for k, v in report["scores"].items()
+            }
+        )
+    )
     return 0
 
 

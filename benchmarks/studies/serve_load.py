@@ -72,12 +72,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--stalled must be >= 0, --timeout and --max-seconds > 0")
 
     machine = describe_machine()
-    command = [sys.executable, "-c", "import sys; from qkv.cli import main; sys.exit(main())",
-               "serve", "--port", "0", "--timeout", f"{args.timeout:g}", "--max-concurrent", str(args.max_concurrent)]
+    command = [
+        sys.executable,
+        "-c",
+        "import sys; from qkv.cli import main; sys.exit(main())",
+        "serve",
+        "--port",
+        "0",
+        "--timeout",
+        f"{args.timeout:g}",
+        "--max-concurrent",
+        str(args.max_concurrent),
+    ]
     command += ["--model", args.model] if args.model else []
     with tempfile.TemporaryFile("w+") as server_log:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=server_log, text=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=server_log, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
+        )
         try:
             address = wait_for_address(proc, deadline_s=180)
             rss_before = memory(proc.pid)
@@ -102,26 +113,49 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python benchmarks/studies/serve_load.py", *(argv if argv is not None else sys.argv[1:])]),
         "server_command": " ".join(["qkv"] + command[3:]),
         "model": args.model or "all-MiniLM-L6-v2 (the qkv serve default)",
-        "settings": {"requests": args.requests, "clients": args.clients, "stalled_connections": args.stalled,
-                     "server_timeout_s": args.timeout, "server_max_concurrent": args.max_concurrent,
-                     "retry_after_honoured": True, "max_attempts_per_request": MAX_ATTEMPTS},
+        "settings": {
+            "requests": args.requests,
+            "clients": args.clients,
+            "stalled_connections": args.stalled,
+            "server_timeout_s": args.timeout,
+            "server_max_concurrent": args.max_concurrent,
+            "retry_after_honoured": True,
+            "max_attempts_per_request": MAX_ATTEMPTS,
+        },
         "valid_requests_answered_200": answered,
         "valid_requests_unanswered": args.requests - answered,
         "server_errors_5xx_except_503": server_5xx,
         **load,
         "server_cpu_s": round(cpu_after - cpu_before, 2),
-        "server_rss_mib": {"before": rss_before["VmRSS"], "after": rss_after["VmRSS"],
-                           "peak": rss_after["VmHWM"]},
+        "server_rss_mib": {"before": rss_before["VmRSS"], "after": rss_after["VmRSS"], "peak": rss_after["VmHWM"]},
         "server_log_tracebacks": log.count("Traceback"),
         "machine": machine,
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
-    result["ok"] = (answered == args.requests and server_5xx == 0 and result["server_log_tracebacks"] == 0
-                    and load["stalled"]["longest_held_s"] is not None
-                    and load["stalled"]["longest_held_s"] < args.timeout + 5)
+    result["ok"] = (
+        answered == args.requests
+        and server_5xx == 0
+        and result["server_log_tracebacks"] == 0
+        and load["stalled"]["longest_held_s"] is not None
+        and load["stalled"]["longest_held_s"] < args.timeout + 5
+    )
     write_result(args.out, result)
-    print(json.dumps({k: result[k] for k in ("valid_requests_answered_200", "server_errors_5xx_except_503",
-                                             "busy_503", "latency_ms", "requests_per_s", "server_rss_mib", "ok")}))
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in (
+                    "valid_requests_answered_200",
+                    "server_errors_5xx_except_503",
+                    "busy_503",
+                    "latency_ms",
+                    "requests_per_s",
+                    "server_rss_mib",
+                    "ok",
+                )
+            }
+        )
+    )
     print(f"wrote {args.out}")
     return 0 if result["ok"] else 1
 
@@ -183,8 +217,10 @@ def run_load(address: tuple[str, int], args) -> dict:
         while not stop.is_set():
             try:
                 sock = socket.create_connection(address, timeout=args.timeout + 30)
-                sock.sendall(b"POST /api/attend HTTP/1.0\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: 200\r\n\r\n" + b'{"text": "' + b"a" * 10)
+                sock.sendall(
+                    b"POST /api/attend HTTP/1.0\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 200\r\n\r\n" + b'{"text": "' + b"a" * 10
+                )
                 sent = time.perf_counter()
                 reply = b""
                 while chunk := sock.recv(4096):
@@ -229,12 +265,15 @@ def run_load(address: tuple[str, int], args) -> dict:
         "connection_error_kinds": error_kinds,
         "other_statuses": other_statuses,
         "latency_ms": {
-            "p50": percentile(latencies, 50), "p99": percentile(latencies, 99),
+            "p50": percentile(latencies, 50),
+            "p99": percentile(latencies, 99),
             "max": round(1000 * max(latencies), 1) if latencies else None,
             "note": "first attempt to 200, including 503 retries and their Retry-After waits",
         },
-        "latency_of_the_200_attempt_ms": {"p50": percentile(attempt_latencies, 50),
-                                          "p99": percentile(attempt_latencies, 99)},
+        "latency_of_the_200_attempt_ms": {
+            "p50": percentile(attempt_latencies, 50),
+            "p99": percentile(attempt_latencies, 99),
+        },
         "elapsed_s": round(elapsed, 2),
         "requests_per_s": round(counts["answered_200"] / elapsed, 2),
         "stalled": stalled,
@@ -292,8 +331,10 @@ def cpu_seconds(pid: int) -> float:
 
 def describe_machine() -> dict:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
-                 platform.processor() or "unknown")
+    model = next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+        platform.processor() or "unknown",
+    )
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
@@ -301,8 +342,9 @@ def describe_machine() -> dict:
     flags_line = next((line for line in lscpu.splitlines() if line.startswith("Flags:")), "")
     flags = set(flags_line.split(":", 1)[1].split()) if flags_line else set()
     if not flags:  # lscpu missing: the same flags from /proc/cpuinfo
-        flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
-                          if line.startswith("flags")), []))
+        flags = set(
+            next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+        )
     import torch
 
     return {

@@ -24,11 +24,12 @@ import torch
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
-from qkv.training.checkpoint_files import average_weight_files, load_weights as load_weight_file
-from qkv.runs.folder import load_run, read_run_config
 from qkv.data.sources import load_split
-from qkv.metrics.scores import score_translations
 from qkv.decoding.translate import translate_texts
+from qkv.metrics.scores import score_translations
+from qkv.runs.folder import load_run, read_run_config
+from qkv.training.checkpoint_files import average_weight_files
+from qkv.training.checkpoint_files import load_weights as load_weight_file
 
 
 def floats(text: str) -> list[float]:
@@ -57,9 +58,12 @@ def load_weights(run_dir: Path, weights: str, scratch: Path):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", required=True)
-    p.add_argument("--weights", default="model,last",
-                   help="comma-separated: model (the run's average), last, best, ema (--ema-decay), or avgK (the "
-                        "last K checkpoints the run kept, averaged here)")
+    p.add_argument(
+        "--weights",
+        default="model,last",
+        help="comma-separated: model (the run's average), last, best, ema (--ema-decay), or avgK (the "
+        "last K checkpoints the run kept, averaged here)",
+    )
     p.add_argument("--beams", type=ints, default=[4, 5, 8])
     p.add_argument("--alphas", type=floats, default=[0.6, 1.0, 1.4, 2.0])
     p.add_argument("--threads", type=int, default=None)
@@ -80,20 +84,41 @@ def main() -> int:
             start = time.perf_counter()
             hyps = translate_texts(model, tokenizer, val.src, beam_size=beam, alpha=alpha)
             scores = score_translations(hyps, val.tgt, target_lang=tgt)
-            rows.append({"weights": weights, "beam": beam, "alpha": alpha, "val_bleu": scores["bleu"],
-                         "val_bleu_papers_form": scores["bleu_papers_form"]["bleu"],
-                         "val_details": scores["bleu_details"], "seconds": round(time.perf_counter() - start, 1)})
+            rows.append(
+                {
+                    "weights": weights,
+                    "beam": beam,
+                    "alpha": alpha,
+                    "val_bleu": scores["bleu"],
+                    "val_bleu_papers_form": scores["bleu_papers_form"]["bleu"],
+                    "val_details": scores["bleu_details"],
+                    "seconds": round(time.perf_counter() - start, 1),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     best = max(rows, key=lambda r: r["val_bleu"])
     model, tokenizer = load_weights(run_dir, best["weights"], scratch)
     hyps = translate_texts(model, tokenizer, test.src, beam_size=best["beam"], alpha=best["alpha"])
     test_scores = score_translations(hyps, test.tgt, target_lang=tgt)
-    report = {"command": " ".join(["python"] + sys.argv), "run_dir": str(run_dir), "chosen_on": "val",
-              "grid": rows, "chosen": {k: best[k] for k in ("weights", "beam", "alpha", "val_bleu")},
-              "test_2016": test_scores, "machine": environment()}
+    report = {
+        "command": " ".join(["python"] + sys.argv),
+        "run_dir": str(run_dir),
+        "chosen_on": "val",
+        "grid": rows,
+        "chosen": {k: best[k] for k in ("weights", "beam", "alpha", "val_bleu")},
+        "test_2016": test_scores,
+        "machine": environment(),
+    }
     write_result(args.out, report)
-    print(json.dumps({"chosen": report["chosen"], "test_2016_bleu": test_scores["bleu"],
-                      "test_2016_papers_form": test_scores["bleu_papers_form"]["bleu"]}))
+    print(
+        json.dumps(
+            {
+                "chosen": report["chosen"],
+                "test_2016_bleu": test_scores["bleu"],
+                "test_2016_papers_form": test_scores["bleu_papers_form"]["bleu"],
+            }
+        )
+    )
     return 0
 
 

@@ -31,13 +31,43 @@ def make_folder(pairs: int, scratch: Path) -> tuple[Path, dict]:
     text, prepared = scratch / f"wmt_{pairs}", scratch / f"prepared_{pairs}"
     seconds = {}
     start = time.perf_counter()
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_wmt_like.py"), "--pairs", str(pairs), "--out",
-                    str(text), "--overwrite"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "make_wmt_like.py"),
+            "--pairs",
+            str(pairs),
+            "--out",
+            str(text),
+            "--overwrite",
+        ],
+        check=True,
+    )
     seconds["generate"] = round(time.perf_counter() - start, 1)
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "qkv", "prepare", "--train-src", str(text / "train.en"), "--train-tgt",
-                    str(text / "train.de"), "--val-src", str(text / "valid.en"), "--val-tgt", str(text / "valid.de"),
-                    "--out", str(prepared), "--workers", "2", "--overwrite", "--no-progress"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qkv",
+            "prepare",
+            "--train-src",
+            str(text / "train.en"),
+            "--train-tgt",
+            str(text / "train.de"),
+            "--val-src",
+            str(text / "valid.en"),
+            "--val-tgt",
+            str(text / "valid.de"),
+            "--out",
+            str(prepared),
+            "--workers",
+            "2",
+            "--overwrite",
+            "--no-progress",
+        ],
+        check=True,
+    )
     seconds["prepare"] = round(time.perf_counter() - start, 1)
     return prepared, seconds
 
@@ -84,7 +114,7 @@ def main() -> None:
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     result = {
         "what": "PreparedCorpus.verify on a prepared folder: every array's SHA-256, offsets, lengths and ids; "
-                "'first' with no verified.json (files in the page cache), 'cached' with it",
+        "'first' with no verified.json (files in the page cache), 'cached' with it",
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "commit": commit.strip() or None,
@@ -98,8 +128,14 @@ def main() -> None:
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     write_result(out, result)
-    print(json.dumps({k: result[k] for k in ("folder", "seconds_first", "seconds_cached", "mib_per_s_first",
-                                             "peak_rss_added_mib")}))
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in ("folder", "seconds_first", "seconds_cached", "mib_per_s_first", "peak_rss_added_mib")
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

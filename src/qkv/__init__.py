@@ -12,8 +12,6 @@ from qkv.attention import (
     scaled_dot_product_attention,
     use_backend,
 )
-from qkv.nn.dropout import Dropout
-from qkv.nn.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOutput
 from qkv.models.causal_lm import CausalLM, CausalLMConfig, CausalLMOutput
 from qkv.models.transformer import (
     DecoderOutput,
@@ -22,6 +20,8 @@ from qkv.models.transformer import (
     Transformer,
     TransformerConfig,
 )
+from qkv.nn.dropout import Dropout
+from qkv.nn.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOutput
 from qkv.nn.positional import LearnedPositionalEncoding, SinusoidalPositionalEncoding, sinusoidal_table
 
 __version__ = "0.1.0"

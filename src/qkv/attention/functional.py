@@ -109,9 +109,7 @@ def masked_softmax(scores: Tensor) -> Tensor:
     return weights.masked_fill(fully_masked, 0.0)
 
 
-def check_attention_inputs(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float = 0.0
-) -> None:
+def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float = 0.0) -> None:
     """Raise ``ValueError`` naming the offending shapes, dtypes or devices.
 
     Runs on every attention call, so it reads each shape once and compares plain tuples (a few

@@ -50,9 +50,10 @@ class AttentionOutput:
 def _fusable(*projections: nn.Module) -> bool:
     """Plain ``nn.Linear`` projections without hooks, of the same input size, can be fused into
     one product; a hook (e.g. one that records a projection) needs its own module call."""
-    return all(
-        type(p) in (nn.Linear, Linear) and not p._forward_hooks and not p._forward_pre_hooks for p in projections
-    ) and len({p.in_features for p in projections}) == 1
+    return (
+        all(type(p) in (nn.Linear, Linear) and not p._forward_hooks and not p._forward_pre_hooks for p in projections)
+        and len({p.in_features for p in projections}) == 1
+    )
 
 
 class MultiHeadAttention(nn.Module):

@@ -77,9 +77,7 @@ def _module_call(name: str, module: nn.Module, x: Tensor, causal: bool, mask: Te
         return call
 
     def call_torch() -> Tensor:
-        out, attn = module(
-            x, x, x, attn_mask=mask, is_causal=causal, need_weights=weights, average_attn_weights=False
-        )
+        out, attn = module(x, x, x, attn_mask=mask, is_causal=causal, need_weights=weights, average_attn_weights=False)
         return (out, attn) if weights else out
 
     return call_torch
@@ -117,7 +115,9 @@ def _build_modules(embed_dim: int, heads: int, dtype: torch.dtype, device: torch
     return {"qkv": qkv_mha, "torch": torch_mha}
 
 
-def _fits(name: str, batch: int, heads: int, s: int, dtype: torch.dtype, backward: bool, device: torch.device) -> str | None:
+def _fits(
+    name: str, batch: int, heads: int, s: int, dtype: torch.dtype, backward: bool, device: torch.device
+) -> str | None:
     """Why a quadratic-memory contender is skipped (None when it should fit in free memory)."""
     if name not in _QUADRATIC:
         return None
@@ -188,22 +188,48 @@ def attention_benchmark(
     for s, dtype_name, is_causal, pass_name in tqdm(grid, desc="attention", disable=not progress):
         results.append(
             _one_point(
-                s, DTYPES[dtype_name], is_causal, pass_name == "forward_backward", batch=batch, heads=heads,
-                head_dim=head_dim, device=device, repeats=repeats if s < 4096 else min(repeats, 3),
-                warmup=warmup if s < 4096 else min(warmup, 1), budget_s=budget_s,
-                with_weights=s <= weights_max_len, memory=memory, min_sample_s=min_sample_s,
-                slow_bf16=slow_bf16, only=contenders,
+                s,
+                DTYPES[dtype_name],
+                is_causal,
+                pass_name == "forward_backward",
+                batch=batch,
+                heads=heads,
+                head_dim=head_dim,
+                device=device,
+                repeats=repeats if s < 4096 else min(repeats, 3),
+                warmup=warmup if s < 4096 else min(warmup, 1),
+                budget_s=budget_s,
+                with_weights=s <= weights_max_len,
+                memory=memory,
+                min_sample_s=min_sample_s,
+                slow_bf16=slow_bf16,
+                only=contenders,
             )
         )
         point = results[-1]
         logger.info(
             "s=%d %s causal=%s %s: qkv_fast/torch_sdpa %s, qkv_reference/qkv_fast %s",
-            s, dtype_name, is_causal, pass_name, _fmt(point["ratios"].get("qkv_fast_vs_torch_sdpa")),
+            s,
+            dtype_name,
+            is_causal,
+            pass_name,
+            _fmt(point["ratios"].get("qkv_fast_vs_torch_sdpa")),
             _fmt(point["ratios"].get("reference_vs_qkv_fast")),
         )
-    config = dict(seq_lens=list(seq_lens), dtypes=list(dtypes), causal=list(causal), passes=list(passes), batch=batch,
-                  heads=heads, head_dim=head_dim, device=str(device), repeats=repeats, warmup=warmup,
-                  slow_bf16=slow_bf16, contenders=list(contenders or known))
+    config = dict(
+        seq_lens=list(seq_lens),
+        dtypes=list(dtypes),
+        causal=list(causal),
+        passes=list(passes),
+        batch=batch,
+        heads=heads,
+        head_dim=head_dim,
+        device=str(device),
+        repeats=repeats,
+        warmup=warmup,
+        slow_bf16=slow_bf16,
+        contenders=list(contenders or known),
+    )
     return {"config": config, "results": results}
 
 
@@ -255,8 +281,20 @@ def _one_point(
             module = modules["qkv" if name.startswith("qkv") else "torch"]
             forward, leaves, grad_out = _module_call(name, module, x, is_causal, mask), tuple(module.parameters()), x
         contenders[name] = _with_backward(forward, leaves, grad_out) if backward else _no_grad(forward)
-    timings = time_interleaved(contenders, device=device, repeats=repeats, warmup=warmup, budget_s=budget_s,
-                               memory=memory, min_sample_s=min_sample_s, settle=True) if contenders else {}
+    timings = (
+        time_interleaved(
+            contenders,
+            device=device,
+            repeats=repeats,
+            warmup=warmup,
+            budget_s=budget_s,
+            memory=memory,
+            min_sample_s=min_sample_s,
+            settle=True,
+        )
+        if contenders
+        else {}
+    )
     entry = {
         "seq_len": s,
         "dtype": str(dtype).replace("torch.", ""),
@@ -270,7 +308,8 @@ def _one_point(
     entry["ratios"] = {
         "qkv_fast_vs_torch_sdpa": ratio(med.get("qkv_fast"), med.get("torch_sdpa")),  # target <= 1.05
         "qkv_fast_vs_torch_sdpa_paired": paired_ratio(timings["qkv_fast"].times, timings["torch_sdpa"].times)
-        if "qkv_fast" in timings and "torch_sdpa" in timings else None,
+        if "qkv_fast" in timings and "torch_sdpa" in timings
+        else None,
         "reference_vs_qkv_fast": ratio(med.get("qkv_reference"), med.get("qkv_fast")),  # target >= 3 at s=2048
         "qkv_mha_vs_torch_mha": ratio(med.get("qkv_mha"), med.get("torch_mha")),
         "qkv_need_weights_cost": ratio(med.get("qkv_mha_weights"), med.get("qkv_mha")),
@@ -304,5 +343,11 @@ def plot_attention(report: dict, path) -> None:
         for name, timing in point["timings"].items():
             if timing["median_s"] is not None:
                 panels.setdefault(title, {}).setdefault(name, []).append((point["seq_len"], timing["median_s"] * 1e3))
-    line_panels(panels, path, xlabel="sequence length s", ylabel="ms per call", log=True,
-                title="attention: time per call (lower is better)")
+    line_panels(
+        panels,
+        path,
+        xlabel="sequence length s",
+        ylabel="ms per call",
+        log=True,
+        title="attention: time per call (lower is better)",
+    )

@@ -64,7 +64,9 @@ class TorchTransformerMT(nn.Module):
             d_model=config.d_model,
             nhead=config.num_heads,
             custom_encoder=nn.TransformerEncoder(
-                nn.TransformerEncoderLayer(**layer_kwargs), config.num_encoder_layers, norm=final_norm(),
+                nn.TransformerEncoderLayer(**layer_kwargs),
+                config.num_encoder_layers,
+                norm=final_norm(),
                 enable_nested_tensor=False,
             ),
             custom_decoder=nn.TransformerDecoder(

@@ -36,8 +36,16 @@ class BenchData:
         moved = [
             Batch(b.src.to(device), b.tgt_in.to(device), b.tgt_out.to(device), b.num_tgt_tokens) for b in self.batches
         ]
-        return BenchData(moved, self.sources, self.vocab_size, self.pad_id, self.bos_id, self.eos_id,
-                         self.description, dict(self.info))
+        return BenchData(
+            moved,
+            self.sources,
+            self.vocab_size,
+            self.pad_id,
+            self.bos_id,
+            self.eos_id,
+            self.description,
+            dict(self.info),
+        )
 
 
 def multi30k_data(
@@ -77,8 +85,13 @@ def multi30k_data(
     src_ids, tgt_ids = tokenizer.encode_batch(src_text), tokenizer.encode_batch(tgt_text)
     order = token_batches([len(s) + 1 for s in src_ids], [len(t) + 1 for t in tgt_ids], max_tokens, seed=seed)
     batches = [
-        make_batch([src_ids[i] for i in index], [tgt_ids[i] for i in index], pad_id=tokenizer.pad_id,
-                   bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+        make_batch(
+            [src_ids[i] for i in index],
+            [tgt_ids[i] for i in index],
+            pad_id=tokenizer.pad_id,
+            bos_id=tokenizer.bos_id,
+            eos_id=tokenizer.eos_id,
+        )
         for index in order[:num_batches]
     ]
     sources = tokenizer.encode_batch(valid.src)
@@ -91,8 +104,16 @@ def multi30k_data(
         "mean_target_tokens_per_batch": round(sum(b.num_tgt_tokens for b in batches) / len(batches), 1),
     }
     logger.info("Multi30k %s->%s: %s", src_lang, tgt_lang, info)
-    return BenchData(batches, sources, tokenizer.vocab_size, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id,
-                     f"Multi30k {src_lang}->{tgt_lang} train, joint BPE {tokenizer.vocab_size}", info)
+    return BenchData(
+        batches,
+        sources,
+        tokenizer.vocab_size,
+        tokenizer.pad_id,
+        tokenizer.bos_id,
+        tokenizer.eos_id,
+        f"Multi30k {src_lang}->{tgt_lang} train, joint BPE {tokenizer.vocab_size}",
+        info,
+    )
 
 
 def synthetic_data(
@@ -117,10 +138,23 @@ def synthetic_data(
         return [rng.randrange(4, vocab_size) for _ in range(rng.randint(max(1, longest // 2), longest - 1))]
 
     batches = [
-        make_batch([sentence(src_len) for _ in range(batch_size)], [sentence(tgt_len) for _ in range(batch_size)],
-                   pad_id=0, bos_id=1, eos_id=2)
+        make_batch(
+            [sentence(src_len) for _ in range(batch_size)],
+            [sentence(tgt_len) for _ in range(batch_size)],
+            pad_id=0,
+            bos_id=1,
+            eos_id=2,
+        )
         for _ in range(num_batches)
     ]
     sources = [sentence(src_len) for _ in range(num_sources)]
-    return BenchData(batches, sources, vocab_size, 0, 1, 2, f"synthetic ids, vocabulary {vocab_size}",
-                     {"batches": num_batches, "batch_size": batch_size})
+    return BenchData(
+        batches,
+        sources,
+        vocab_size,
+        0,
+        1,
+        2,
+        f"synthetic ids, vocabulary {vocab_size}",
+        {"batches": num_batches, "batch_size": batch_size},
+    )

@@ -86,10 +86,18 @@ def decoding_benchmark(
         def call() -> object:
             with autocast_context(device, bf16):
                 if beam == 1:
-                    return greedy_decode(qkv_model, src, bos_id=data.bos_id, eos_id=never, extra_len=extra,
-                                         use_cache=use_cache)
-                return beam_search(qkv_model, src, bos_id=data.bos_id, eos_id=never, beam_size=beam,
-                                   extra_len=extra, use_cache=use_cache)
+                    return greedy_decode(
+                        qkv_model, src, bos_id=data.bos_id, eos_id=never, extra_len=extra, use_cache=use_cache
+                    )
+                return beam_search(
+                    qkv_model,
+                    src,
+                    bos_id=data.bos_id,
+                    eos_id=never,
+                    beam_size=beam,
+                    extra_len=extra,
+                    use_cache=use_cache,
+                )
 
         return call
 
@@ -111,9 +119,15 @@ def decoding_benchmark(
                 def call() -> object:
                     with torch.no_grad(), autocast_context(device, bf16):
                         return marian.generate(
-                            input_ids=src, attention_mask=attention_mask, num_beams=beam, do_sample=False,
-                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=True,
-                            length_penalty=0.6 if beam > 1 else 1.0, early_stopping=False,
+                            input_ids=src,
+                            attention_mask=attention_mask,
+                            num_beams=beam,
+                            do_sample=False,
+                            max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens,
+                            use_cache=True,
+                            length_penalty=0.6 if beam > 1 else 1.0,
+                            early_stopping=False,
                         )
 
                 return call
@@ -127,8 +141,11 @@ def decoding_benchmark(
     timings = time_interleaved(contenders, device=device, repeats=repeats, warmup=warmup)
     med = {name: t.median for name, t in timings.items()}
     results = {
-        name: {**t.as_dict(), "tokens_per_sentence": sorted(set(generated[name])),
-               "tokens_per_s": batch_size * new_tokens / t.median if t.median else None}
+        name: {
+            **t.as_dict(),
+            "tokens_per_sentence": sorted(set(generated[name])),
+            "tokens_per_s": batch_size * new_tokens / t.median if t.median else None,
+        }
         for name, t in timings.items()
     }
     ratios = {
@@ -137,10 +154,21 @@ def decoding_benchmark(
         "qkv_greedy_vs_hf_greedy": ratio(med.get("hf_greedy"), med.get("qkv_greedy")),  # > 1: qkv faster
         "qkv_beam_vs_hf_beam": ratio(med.get("hf_beam"), med.get("qkv_beam")),  # target >= 1
     }
-    config_out = dict(device=str(device), batch_size=batch_size, src_len=src_len, new_tokens=new_tokens,
-                      beam_size=beam_size, bf16=bf16, repeats=repeats, warmup=warmup, d_model=config.d_model,
-                      layers=[config.num_encoder_layers, config.num_decoder_layers], heads=config.num_heads,
-                      d_ff=config.d_ff, vocab=config.tgt_vocab_size)
+    config_out = dict(
+        device=str(device),
+        batch_size=batch_size,
+        src_len=src_len,
+        new_tokens=new_tokens,
+        beam_size=beam_size,
+        bf16=bf16,
+        repeats=repeats,
+        warmup=warmup,
+        d_model=config.d_model,
+        layers=[config.num_encoder_layers, config.num_decoder_layers],
+        heads=config.num_heads,
+        d_ff=config.d_ff,
+        vocab=config.tgt_vocab_size,
+    )
     return {"config": config_out, "data": data.description, "contenders": results, "ratios": ratios}
 
 
@@ -158,5 +186,9 @@ def plot_decoding(report: dict, path) -> None:
 
     values = {n: r["tokens_per_s"] for n, r in report["contenders"].items() if r["tokens_per_s"]}
     c = report["config"]
-    bar_chart(values, path, ylabel="generated tokens / s (higher is better)",
-              title=f"decoding {c['new_tokens']} tokens, batch {c['batch_size']}, beam {c['beam_size']}")
+    bar_chart(
+        values,
+        path,
+        ylabel="generated tokens / s (higher is better)",
+        title=f"decoding {c['new_tokens']} tokens, batch {c['batch_size']}, beam {c['beam_size']}",
+    )

@@ -49,7 +49,7 @@ def line_panels(
         ax.set_xlabel(xlabel, fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.grid(True, alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     handles, labels = next(iter(axes.flat)).get_legend_handles_labels()
     if handles:

@@ -47,7 +47,7 @@ def machine() -> dict:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
     if cpu["flags"] is None:  # no /proc/cpuinfo (not Linux): the flags were not read, not absent
-        info.update({name: UNKNOWN for name in SPEED_FLAGS})
+        info.update(dict.fromkeys(SPEED_FLAGS, UNKNOWN))
     return info
 
 
@@ -67,12 +67,17 @@ def git_commit(where: str | Path | None = None) -> str:
     when tracked files differ from it, or ``"unknown"`` outside a git checkout (an installed wheel)."""
     where = Path(where) if where is not None else Path(__file__).resolve().parent
     try:
-        head = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
+        head = subprocess.run(
+            ["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         if head.returncode != 0 or not head.stdout.strip():
             return UNKNOWN
-        status = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True, timeout=30)
+        status = subprocess.run(
+            ["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.SubprocessError):
         return UNKNOWN
     sha = head.stdout.strip()
@@ -93,8 +98,13 @@ def stamp(report: dict, argv: list[str] | None = None) -> dict:
     merged = {**found["machine"], **own} if isinstance(own, dict) else found["machine"]
     if own is not None and not isinstance(own, dict):
         merged["note"] = own
-    return {**report, "machine": merged, "command": report.get("command") or found["command"],
-            "date": found["date"], "commit": found["commit"]}
+    return {
+        **report,
+        "machine": merged,
+        "command": report.get("command") or found["command"],
+        "date": found["date"],
+        "commit": found["commit"],
+    }
 
 
 def write_result(path: str | Path, report: dict, argv: list[str] | None = None) -> Path:

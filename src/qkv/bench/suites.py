@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from qkv.bench.data import BenchData, multi30k_data, synthetic_data
-from qkv.bench.timing import environment
 from qkv.bench.provenance import write_result
+from qkv.bench.timing import environment
 from qkv.runtime.precision import slow_bf16_reason
 
 logger = logging.getLogger(__name__)
@@ -44,8 +44,9 @@ def _model_config(data: BenchData, quick: bool):
     from qkv.bench.training import multi30k_config
 
     if quick:
-        return multi30k_config(data, d_model=64, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=128,
-                               max_len=128)
+        return multi30k_config(
+            data, d_model=64, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=128, max_len=128
+        )
     return multi30k_config(data)
 
 
@@ -130,9 +131,11 @@ def summarize(report: dict) -> str:
     """A markdown summary of one suite's report (the ratios that the issue's targets are about)."""
     suite = report["suite"]
     env = report["environment"]
-    head = (f"**{suite}** on {env.get('cuda_device') or env.get('cpu_model') or env.get('machine')}, "
-            f"{env.get('torch_threads')} threads, torch {env.get('torch')}, load average "
-            f"{', '.join(f'{x:.1f}' for x in env.get('load_average') or [])}")
+    head = (
+        f"**{suite}** on {env.get('cuda_device') or env.get('cpu_model') or env.get('machine')}, "
+        f"{env.get('torch_threads')} threads, torch {env.get('torch')}, load average "
+        f"{', '.join(f'{x:.1f}' for x in env.get('load_average') or [])}"
+    )
     lines = [head, ""]
     if suite == "attention":
         lines += [
@@ -166,8 +169,12 @@ def summarize(report: dict) -> str:
         lines += [f"\nnot timed: {name}: {why}" for name, why in report.get("skipped", {}).items()]
     elif suite == "decoding":
         c = report["config"]
-        lines += [f"batch {c['batch_size']}, {c['new_tokens']} new tokens, beam {c['beam_size']}", "",
-                  "| contender | seconds per batch | generated tokens/s |", "|---|---|---|"]
+        lines += [
+            f"batch {c['batch_size']}, {c['new_tokens']} new tokens, beam {c['beam_size']}",
+            "",
+            "| contender | seconds per batch | generated tokens/s |",
+            "|---|---|---|",
+        ]
         for name, r in report["contenders"].items():
             sec = "failed: " + str(r["error"]) if r["median_s"] is None else f"{r['median_s']:.3f}"
             tps = "n/a" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}"

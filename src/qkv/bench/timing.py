@@ -107,7 +107,7 @@ def time_interleaved(
         except (RuntimeError, MemoryError) as err:  # out of memory, unsupported dtype, ...
             results[name].error = _describe(err)
             logger.warning("%s failed in warm-up: %s", name, results[name].error)
-    inners = {name: inner for name in names}
+    inners = dict.fromkeys(names, inner)
     if min_sample_s > 0:
         for name in names:
             if results[name].error is None:

@@ -27,9 +27,9 @@ from torch import nn
 from qkv.bench.competitors import TorchTransformerMT, build_marian, count_parameters
 from qkv.bench.data import BenchData
 from qkv.bench.timing import paired_ratio, ratio, time_interleaved
-from qkv.nn.loss import label_smoothed_cross_entropy
 from qkv.models.transformer import Transformer, TransformerConfig
-from qkv.training import Trainer, TrainConfig
+from qkv.nn.loss import label_smoothed_cross_entropy
+from qkv.training import TrainConfig, Trainer
 from qkv.training.tasks import TranslationTask, translation_loss
 
 logger = logging.getLogger(__name__)
@@ -41,9 +41,18 @@ def multi30k_config(data: BenchData, **overrides) -> TransformerConfig:
     """The Multi30k model of the translation benchmark: d_model 256, 4 heads, 3+3 layers, d_ff 1024,
     shared embeddings and tied output over the joint vocabulary; ``overrides`` replace fields."""
     fields = dict(
-        src_vocab_size=data.vocab_size, tgt_vocab_size=data.vocab_size, d_model=256, num_heads=4,
-        num_encoder_layers=3, num_decoder_layers=3, d_ff=1024, dropout=0.1, max_len=512,
-        share_embeddings=True, tie_output=True, pad_id=data.pad_id,
+        src_vocab_size=data.vocab_size,
+        tgt_vocab_size=data.vocab_size,
+        d_model=256,
+        num_heads=4,
+        num_encoder_layers=3,
+        num_decoder_layers=3,
+        d_ff=1024,
+        dropout=0.1,
+        max_len=512,
+        share_embeddings=True,
+        tie_output=True,
+        pad_id=data.pad_id,
     )
     fields.update(overrides)
     return TransformerConfig(**fields)
@@ -82,8 +91,9 @@ class _ContenderTask:
             self.loss_fn = functools.partial(_loss_from_logits, pad_id=pad_id)
 
 
-def _loss_from_logits(model: nn.Module, src, tgt_in, tgt_out, *, label_smoothing: float, pad_id: int,
-                      rdrop: float = 0.0):
+def _loss_from_logits(
+    model: nn.Module, src, tgt_in, tgt_out, *, label_smoothing: float, pad_id: int, rdrop: float = 0.0
+):
     if rdrop:
         raise ValueError("the benchmark's contenders other than qkv's Transformer have no R-Drop loss")
     logits = model(src, tgt_in)  # (b, s_tgt, V)
@@ -149,8 +159,9 @@ def training_benchmark(
             logger.warning("%s left out: %s", name, err)
             continue
         parameters[name] = count_parameters(model)
-        steps[name] = make_train_step(model, data, device=device, bf16=bf16, compile_model=compile_model,
-                                      d_model=config.d_model)
+        steps[name] = make_train_step(
+            model, data, device=device, bf16=bf16, compile_model=compile_model, d_model=config.d_model
+        )
     timings = time_interleaved(steps, device=device, repeats=repeats, warmup=warmup, budget_s=budget_s)
     # every contender consumed the same batches: `warmup` untimed, then one per timed round
     tokens = [b.num_tgt_tokens for b in data.batches]
@@ -196,5 +207,9 @@ def plot_training(report: dict, path) -> None:
     from qkv.bench.plots import bar_chart
 
     values = {n: r["tokens_per_s"] for n, r in report["contenders"].items() if r["tokens_per_s"]}
-    bar_chart(values, path, ylabel="target tokens / s (higher is better)",
-              title=f"training step, {report['data']['description']}")
+    bar_chart(
+        values,
+        path,
+        ylabel="target tokens / s (higher is better)",
+        title=f"training step, {report['data']['description']}",
+    )

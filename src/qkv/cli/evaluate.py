@@ -37,55 +37,87 @@ from pathlib import Path
 
 import numpy as np
 
-from qkv.cli.options import (MAX_BEAM, add_ensemble_option, beam_size, length_penalty, non_negative_int, positive_int,
-                             set_threads)
+from qkv.cli.options import (
+    MAX_BEAM,
+    add_ensemble_option,
+    beam_size,
+    length_penalty,
+    non_negative_int,
+    positive_int,
+    set_threads,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run folder made by qkv train")
-    parser.add_argument("--split", default=None,
-                        help="a split of the run's data: Multi30k train/val/test (test 2016) or a later test set "
-                             "(test_2017_flickr, test_2017_mscoco, test_2018_flickr: fetched into the cache when "
-                             "missing), dates val/test, files val, a language model val/test (default: test, or "
-                             "val for files; a language model: val then test)")
+    parser.add_argument(
+        "--split",
+        default=None,
+        help="a split of the run's data: Multi30k train/val/test (test 2016) or a later test set "
+        "(test_2017_flickr, test_2017_mscoco, test_2018_flickr: fetched into the cache when "
+        "missing), dates val/test, files val, a language model val/test (default: test, or "
+        "val for files; a language model: val then test)",
+    )
     parser.add_argument("--src", help="score this source file instead of a split (needs --ref)")
     parser.add_argument("--ref", help="reference translations of --src, line-aligned")
-    parser.add_argument("--tgt-lang", help="the references' language, for the Moses rules of the papers' BLEU forms "
-                                           "(default: the run's Multi30k target, else the reference file's "
-                                           "extension, e.g. de for newstest2014.de)")
+    parser.add_argument(
+        "--tgt-lang",
+        help="the references' language, for the Moses rules of the papers' BLEU forms "
+        "(default: the run's Multi30k target, else the reference file's "
+        "extension, e.g. de for newstest2014.de)",
+    )
     parser.add_argument("--text", help="a language model: score this UTF-8 text instead of the run's splits")
-    parser.add_argument("--beam", type=beam_size, default=None,
-                        help=f"beam size, 1 to {MAX_BEAM} (1 = greedy; default: the run's recipe's, else 5)")
-    parser.add_argument("--alpha", type=length_penalty, default=None,
-                        help="length penalty exponent, 0 to 10 (default: the run's recipe's, else 0.6)")
+    parser.add_argument(
+        "--beam",
+        type=beam_size,
+        default=None,
+        help=f"beam size, 1 to {MAX_BEAM} (1 = greedy; default: the run's recipe's, else 5)",
+    )
+    parser.add_argument(
+        "--alpha",
+        type=length_penalty,
+        default=None,
+        help="length penalty exponent, 0 to 10 (default: the run's recipe's, else 0.6)",
+    )
     parser.add_argument("--weights", choices=["model", "best", "last", "ema"], default="model")
-    parser.add_argument("--limit", type=non_negative_int, default=0,
-                        help="score only the first N sentences (a language model: windows) (0 = all)")
+    parser.add_argument(
+        "--limit",
+        type=non_negative_int,
+        default=0,
+        help="score only the first N sentences (a language model: windows) (0 = all)",
+    )
     parser.add_argument("--hyp-out", help="also write the translations to this file")
-    parser.add_argument("--json", action="store_true", help="print the scores as one JSON object (a language model: "
-                                                              "one a line per split scored, each with its split)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the scores as one JSON object (a language model: one a line per split scored, each with its split)",
+    )
     parser.add_argument("--bf16", action="store_true", help="decode under bfloat16 autocast")
     add_ensemble_option(parser)
-    parser.add_argument("--against", action="append", default=[], metavar="RUN_OR_FILE",
-                        help="compare with another translation run (decoded here on the same sentences, with "
-                             "its own recipe's beam and alpha unless --beam/--alpha are given) or a file of "
-                             "translations, one per line (with --limit N: its first N lines): paired bootstrap "
-                             "and approximate randomization p-values for each BLEU difference (repeatable)")
+    parser.add_argument(
+        "--against",
+        action="append",
+        default=[],
+        metavar="RUN_OR_FILE",
+        help="compare with another translation run (decoded here on the same sentences, with "
+        "its own recipe's beam and alpha unless --beam/--alpha are given) or a file of "
+        "translations, one per line (with --limit N: its first N lines): paired bootstrap "
+        "and approximate randomization p-values for each BLEU difference (repeatable)",
+    )
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from qkv.runs.folder import load_run, run_task
-    from qkv.runtime.device import pick_device
-    from qkv.runtime.fileio import check_output_file, write_text
     from qkv.data.parallel import read_parallel
     from qkv.data.sources import load_split
-    from qkv.runs.folder import load_translator
+    from qkv.decoding.translate import translate_texts
     from qkv.metrics.bleu_forms import check_lang
     from qkv.metrics.scores import exact_match, score_translations
-    from qkv.decoding.translate import translate_texts
+    from qkv.runs.folder import load_run, load_translator, run_task
     from qkv.runs.recipes import decode_settings
+    from qkv.runtime.device import pick_device
+    from qkv.runtime.fileio import check_output_file, write_text
 
     if bool(args.src) != bool(args.ref):
         raise ValueError("give both --src and --ref, or a --split")
@@ -121,11 +153,18 @@ def run(args: argparse.Namespace) -> int:
     against = _read_against(args, others, config, len(src))
     target_lang = args.tgt_lang or target_language(config.get("data") or {}, args.ref)
     decode = decode_settings(config, beam_size=args.beam, alpha=args.alpha)
-    hyps = translate_texts(model, tokenizer, src, **decode, bf16=args.bf16,
-                           progress=sys.stderr.isatty())
+    hyps = translate_texts(model, tokenizer, src, **decode, bf16=args.bf16, progress=sys.stderr.isatty())
     scores = score_translations(hyps, refs, target_lang=target_lang)
-    scores.update(split=name, sentences=len(src), beam=decode["beam_size"], alpha=decode["alpha"], weights=args.weights,
-                  bf16=args.bf16, target_lang=target_lang, exact_match=round(exact_match(hyps, refs), 4))
+    scores.update(
+        split=name,
+        sentences=len(src),
+        beam=decode["beam_size"],
+        alpha=decode["alpha"],
+        weights=args.weights,
+        bf16=args.bf16,
+        target_lang=target_lang,
+        exact_match=round(exact_match(hyps, refs), 4),
+    )
     if args.ensemble:
         scores["ensemble"] = [args.run_dir, *args.ensemble]
     if others:
@@ -137,8 +176,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(scores))
         return 0
     members = f", an ensemble of {1 + len(args.ensemble)} runs" if args.ensemble else ""
-    print(f"{name}: {len(src)} sentences, beam {decode['beam_size']}, alpha {decode['alpha']}, {args.weights} weights"
-          f"{members}")
+    print(
+        f"{name}: {len(src)} sentences, beam {decode['beam_size']}, alpha {decode['alpha']}, {args.weights} weights"
+        f"{members}"
+    )
     print(f"BLEU {scores['bleu']:.2f}  ({scores['bleu_signature']})")
     print(f"     {scores['bleu_details']}")
     print(f"chrF {scores['chrf']:.2f}  ({scores['chrf_signature']})")
@@ -170,8 +211,8 @@ def _read_against(args: argparse.Namespace, others: list[str], config: dict, sen
     """Each --against as what it holds, checked before anything is decoded: a translations file's lines
     (``sentences`` of them, the first ones under --limit), a run folder's config (a translation run of
     this run's language pair, where both name one)."""
-    from qkv.runs.folder import read_run_config, run_task
     from qkv.metrics.scores import read_translations
+    from qkv.runs.folder import read_run_config, run_task
 
     held = {}
     for path in others:
@@ -188,19 +229,20 @@ def _read_against(args: argparse.Namespace, others: list[str], config: dict, sen
             if args.limit:
                 translations = translations[: args.limit]
             if len(translations) != sentences:
-                raise ValueError(f"--against {path}: {len(translations)} translations for the {sentences} sentences "
-                                 "scored (one line each)")
+                raise ValueError(
+                    f"--against {path}: {len(translations)} translations for the {sentences} sentences "
+                    "scored (one line each)"
+                )
             held[path] = translations
     return held
 
 
-def _compare(args: argparse.Namespace, against: dict, hyps: list[str], src: list[str], refs: list[str],
-             device) -> dict:
+def _compare(args: argparse.Namespace, against: dict, hyps: list[str], src: list[str], refs: list[str], device) -> dict:
     """This run's translations against each of ``against``'s (from :func:`_read_against`): a run is
     decoded here on ``src`` (its own recipe's beam and alpha unless given); then the paired tests."""
-    from qkv.runs.folder import load_run
-    from qkv.metrics.significance import paired_significance
     from qkv.decoding.translate import translate_texts
+    from qkv.metrics.significance import paired_significance
+    from qkv.runs.folder import load_run
     from qkv.runs.recipes import decode_settings
 
     name = " + ".join([args.run_dir, *args.ensemble])
@@ -209,15 +251,18 @@ def _compare(args: argparse.Namespace, against: dict, hyps: list[str], src: list
         if isinstance(held, dict):  # a run's config
             model, tokenizer, _ = load_run(path, args.weights)
             decode = decode_settings(held, beam_size=args.beam, alpha=args.alpha)
-            systems[path] = translate_texts(model.to(device), tokenizer, src, **decode, bf16=args.bf16,
-                                            progress=sys.stderr.isatty())
+            systems[path] = translate_texts(
+                model.to(device), tokenizer, src, **decode, bf16=args.bf16, progress=sys.stderr.isatty()
+            )
             del model
         else:
             systems[path] = held
     resamples, trials = 1000, 10000
-    return {"tests": f"two-sided, against {name}: paired bootstrap ({resamples} resamples; its mean and 95% "
-                     f"interval, mean +- ci95) and approximate randomization ({trials} trials)",
-            "results": paired_significance(systems, refs, resamples=resamples, trials=trials)}
+    return {
+        "tests": f"two-sided, against {name}: paired bootstrap ({resamples} resamples; its mean and 95% "
+        f"interval, mean +- ci95) and approximate randomization ({trials} trials)",
+        "results": paired_significance(systems, refs, resamples=resamples, trials=trials),
+    }
 
 
 def _direction(config: dict) -> tuple[str, str] | None:
@@ -232,9 +277,11 @@ def _print_comparison(comparison: dict) -> None:
     print(f"against the others ({comparison['tests']}):")
     for line in significance_lines(comparison["results"]):
         print(f"  {line}")
-    print("  (a difference is larger than chance at p < 0.05; the interval is the score's own spread over "
-          "resampled sentences;\n   'differ': sentences translated otherwise than by the first, and where only a "
-          "few differ the randomization p is too small to trust)")
+    print(
+        "  (a difference is larger than chance at p < 0.05; the interval is the score's own spread over "
+        "resampled sentences;\n   'differ': sentences translated otherwise than by the first, and where only a "
+        "few differ the randomization p is too small to trust)"
+    )
 
 
 def target_language(spec: dict, ref: str | None) -> str | None:
@@ -263,8 +310,9 @@ def _evaluate_language_model(args: argparse.Namespace, model, tokenizer, config:
     from qkv.runs.language_model import missing_test_split
 
     if args.src or args.ref:
-        raise ValueError("a language-model run is scored on its splits (--split val or test) or on --text FILE, not "
-                         "--src/--ref")
+        raise ValueError(
+            "a language-model run is scored on its splits (--split val or test) or on --text FILE, not --src/--ref"
+        )
     if args.text and args.split:
         raise ValueError("give either --split or --text, not both")
     if args.split not in (None, *LM_SPLIT_NAMES):
@@ -285,10 +333,15 @@ def _evaluate_language_model(args: argparse.Namespace, model, tokenizer, config:
         if args.json:
             print(json.dumps(scores), flush=True)
         else:
-            print(f"{name}: {scores['tokens']} tokens in {scores['windows']} windows of {scores['context']}, "
-                  f"{args.weights} weights")
-            print(f"loss {scores['loss']:.4f} nats/token  perplexity {scores['perplexity']:.3f}  "
-                  f"{scores['bits_per_char']:.4f} bits/char", flush=True)
+            print(
+                f"{name}: {scores['tokens']} tokens in {scores['windows']} windows of {scores['context']}, "
+                f"{args.weights} weights"
+            )
+            print(
+                f"loss {scores['loss']:.4f} nats/token  perplexity {scores['perplexity']:.3f}  "
+                f"{scores['bits_per_char']:.4f} bits/char",
+                flush=True,
+            )
     if not args.text and not args.split and missing:
         print(f"note: {missing}; only the validation split is scored", file=sys.stderr)
     return 0
@@ -316,5 +369,12 @@ def _score_tokens(args: argparse.Namespace, model, tokenizer, tokens: np.ndarray
     if args.limit:
         windows = min(windows, args.limit)
     figures = task.validate(model, windows, args.bf16)
-    return {"tokens": windows * context, "windows": windows, "context": context, "weights": args.weights,
-            "loss": figures["val_loss"], "perplexity": figures["val_ppl"], "bits_per_char": figures["val_bpc"]}
+    return {
+        "tokens": windows * context,
+        "windows": windows,
+        "context": context,
+        "weights": args.weights,
+        "loss": figures["val_loss"],
+        "perplexity": figures["val_ppl"],
+        "bits_per_char": figures["val_bpc"],
+    }

@@ -1,7 +1,7 @@
 """``qkv explain``: scaled dot-product and multi-head attention worked by hand, step by step.
 
-    qkv explain                       # 4 tokens, 6 features, d_k = 3, 2 heads
-    qkv explain --format markdown -o attention-by-hand.md
+qkv explain                       # 4 tokens, 6 features, d_k = 3, 2 heads
+qkv explain --format markdown -o attention-by-hand.md
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=4, help="number of tokens n (default 4)")
     parser.add_argument("--dim", type=int, default=6, help="features per token d (default 6)")
     parser.add_argument("--dk", type=int, default=3, help="query/key/value size of the single head (default 3)")
-    parser.add_argument("--heads", type=int, default=2, help="heads of the multi-head part; must divide --dim (default 2)")
+    parser.add_argument(
+        "--heads", type=int, default=2, help="heads of the multi-head part; must divide --dim (default 2)"
+    )
     parser.add_argument("--format", choices=("text", "markdown"), default="text", help="output format (default text)")
     parser.add_argument("--decimals", type=int, default=3, help="decimals printed (default 3)")
     parser.add_argument("-o", "--output", help="write to this file instead of standard output")

@@ -27,13 +27,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     parser.add_argument("--top-p", type=float, default=None, help="sample within the nucleus of probability p, (0, 1]")
-    parser.add_argument("--num-samples", type=num_samples, default=1,
-                        help=f"samples to generate, together in one batch (default 1, at most {MAX_SAMPLES})")
+    parser.add_argument(
+        "--num-samples",
+        type=num_samples,
+        default=1,
+        help=f"samples to generate, together in one batch (default 1, at most {MAX_SAMPLES})",
+    )
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one each time)")
-    parser.add_argument("--stop", action="append", default=[], help="stop a sample at this text (repeatable); "
-                                                                    "the stop text is not printed")
-    parser.add_argument("--weights", choices=["model", "best", "last"], default="model",
-                        help="which weights of a run folder (default: model)")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="stop a sample at this text (repeatable); the stop text is not printed",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=["model", "best", "last"],
+        default="model",
+        help="which weights of a run folder (default: model)",
+    )
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
@@ -84,14 +96,14 @@ class _Streamer:
             shown = self.texts[0] if self.done[0] else self.texts[0][: max(0, len(self.texts[0]) - self.hold)]
             shown = shown.rstrip("\ufffd") if not self.done[0] else shown
             if len(shown) > self.printed:
-                self.out.write(shown[self.printed:])
+                self.out.write(shown[self.printed :])
                 self.out.flush()
                 self.printed = len(shown)
         return all(self.done)
 
     def finish(self, prompt: str) -> None:
         if self.stream:
-            self.out.write(self.texts[0][self.printed:] + "\n")
+            self.out.write(self.texts[0][self.printed :] + "\n")
         else:
             for i, text in enumerate(self.texts):
                 self.out.write(f"---------- sample {i + 1} ----------\n{prompt}{text}\n")
@@ -126,7 +138,14 @@ def run(args: argparse.Namespace) -> int:
     if streamer.stream:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
-    model.generate(batch, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   generator=generator, on_step=streamer.step)
+    model.generate(
+        batch,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        generator=generator,
+        on_step=streamer.step,
+    )
     streamer.finish(args.prompt)
     return 0

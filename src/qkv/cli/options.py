@@ -33,10 +33,20 @@ length_penalty = _number(float, 0.0, "a number from 0 to 10", maximum=10.0)
 # than ending in MemoryError (a length that is streamed, e.g. --max-new-tokens, is not bounded)
 MAX_SAMPLES = 100
 MAX_BEAM = 100
-num_samples = _number(int, 1, f"an integer from 1 to {MAX_SAMPLES} (the samples are generated together as one "
-                              "batch, so memory grows with their number)", maximum=MAX_SAMPLES)
-beam_size = _number(int, 1, f"an integer from 1 to {MAX_BEAM} (beam search decodes that many copies of each "
-                            "sentence at once, so memory grows with it)", maximum=MAX_BEAM)
+num_samples = _number(
+    int,
+    1,
+    f"an integer from 1 to {MAX_SAMPLES} (the samples are generated together as one "
+    "batch, so memory grows with their number)",
+    maximum=MAX_SAMPLES,
+)
+beam_size = _number(
+    int,
+    1,
+    f"an integer from 1 to {MAX_BEAM} (beam search decodes that many copies of each "
+    "sentence at once, so memory grows with it)",
+    maximum=MAX_BEAM,
+)
 
 
 def set_threads(threads: int | None) -> None:
@@ -50,7 +60,12 @@ def set_threads(threads: int | None) -> None:
 
 def add_ensemble_option(parser: argparse.ArgumentParser) -> None:
     """``--ensemble RUN [RUN ...]`` for the subcommands that decode (translate, evaluate)."""
-    parser.add_argument("--ensemble", nargs="+", metavar="RUN", default=[],
-                        help="decode with these translation runs too, averaging every run's next-token "
-                             "probabilities (an ensemble; they must share the first run's tokenizer: trained "
-                             "on the same data). The first run's recipe gives the default beam and alpha")
+    parser.add_argument(
+        "--ensemble",
+        nargs="+",
+        metavar="RUN",
+        default=[],
+        help="decode with these translation runs too, averaging every run's next-token "
+        "probabilities (an ensemble; they must share the first run's tokenizer: trained "
+        "on the same data). The first run's recipe gives the default beam and alpha",
+    )

@@ -29,18 +29,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--val-src", help="validation source file (optional)")
     parser.add_argument("--val-tgt", help="validation target file")
     parser.add_argument("--out", required=True, help="the prepared folder to create")
-    parser.add_argument("--vocab-size", type=positive_int, default=None,
-                        help=f"shared BPE vocabulary to learn (default {DEFAULT_VOCAB}; the paper: 37000)")
-    parser.add_argument("--tokenizer", help="use this tokenizer.json (e.g. another prepared folder's) instead of "
-                                            "learning one")
-    parser.add_argument("--tokenizer-sample", type=non_negative_int, default=1_000_000,
-                        help="learn the tokenizer on at most this many pairs, spread evenly over the corpus (0: all; "
-                             "default 1,000,000)")
-    parser.add_argument("--max-len", type=positive_int, default=DEFAULT_MAX_LEN,
-                        help=f"longest sentence kept, in tokens with BOS/EOS: the model's --max-len (default "
-                             f"{DEFAULT_MAX_LEN}); longer pairs are left out and counted")
-    parser.add_argument("--workers", type=positive_int, default=None,
-                        help="processes that tokenize (default: one per CPU core)")
+    parser.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        default=None,
+        help=f"shared BPE vocabulary to learn (default {DEFAULT_VOCAB}; the paper: 37000)",
+    )
+    parser.add_argument(
+        "--tokenizer", help="use this tokenizer.json (e.g. another prepared folder's) instead of learning one"
+    )
+    parser.add_argument(
+        "--tokenizer-sample",
+        type=non_negative_int,
+        default=1_000_000,
+        help="learn the tokenizer on at most this many pairs, spread evenly over the corpus (0: all; "
+        "default 1,000,000)",
+    )
+    parser.add_argument(
+        "--max-len",
+        type=positive_int,
+        default=DEFAULT_MAX_LEN,
+        help=f"longest sentence kept, in tokens with BOS/EOS: the model's --max-len (default "
+        f"{DEFAULT_MAX_LEN}); longer pairs are left out and counted",
+    )
+    parser.add_argument(
+        "--workers", type=positive_int, default=None, help="processes that tokenize (default: one per CPU core)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it is a prepared folder")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -56,10 +70,19 @@ def run(args: argparse.Namespace) -> int:
     workers = args.workers or cores or 1
     start = time.perf_counter()
     manifest = prepare_corpus(
-        args.train_src, args.train_tgt, args.out, val_src=args.val_src, val_tgt=args.val_tgt,
-        vocab_size=args.vocab_size or DEFAULT_VOCAB, tokenizer=args.tokenizer, tokenizer_sample=args.tokenizer_sample,
-        max_len=args.max_len, workers=workers, overwrite=args.overwrite,
-        progress=not args.no_progress and sys.stderr.isatty())
+        args.train_src,
+        args.train_tgt,
+        args.out,
+        val_src=args.val_src,
+        val_tgt=args.val_tgt,
+        vocab_size=args.vocab_size or DEFAULT_VOCAB,
+        tokenizer=args.tokenizer,
+        tokenizer_sample=args.tokenizer_sample,
+        max_len=args.max_len,
+        workers=workers,
+        overwrite=args.overwrite,
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
     seconds = time.perf_counter() - start
     size = sum(p.stat().st_size for p in Path(args.out).iterdir() if p.is_file())
     parts, any_bad = [], False
@@ -69,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
         note = f" (left out: {', '.join(f'{n:,} {REASONS[k]}' for k, n in dropped.items())})" if dropped else ""
         parts.append(f"{info['pairs']:,} {split} pairs{note}")
     listed = f"; the first bad lines are listed in {Path(args.out) / 'manifest.json'}" if any_bad else ""
-    print(f"prepared {' and '.join(parts)} into {args.out}: {size / 2**20:,.0f} MiB, a {manifest['vocab_size']:,}-token "
-          f"vocabulary, {seconds:.0f} s ({manifest['lines']['train'] / seconds:,.0f} pairs/s){listed}", file=sys.stderr)
+    print(
+        f"prepared {' and '.join(parts)} into {args.out}: {size / 2**20:,.0f} MiB, a {manifest['vocab_size']:,}-token "
+        f"vocabulary, {seconds:.0f} s ({manifest['lines']['train'] / seconds:,.0f} pairs/s){listed}",
+        file=sys.stderr,
+    )
     return 0

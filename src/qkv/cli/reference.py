@@ -110,8 +110,11 @@ def _groups(parser: argparse.ArgumentParser) -> list[tuple[str, str | None, list
     """(title, description, actions) per argument group, as ``--help`` shows them (empty ones left out)."""
     out = []
     for group in parser._action_groups:
-        actions = [a for a in group._group_actions if a.help is not argparse.SUPPRESS
-                   and not isinstance(a, argparse._SubParsersAction)]
+        actions = [
+            a
+            for a in group._group_actions
+            if a.help is not argparse.SUPPRESS and not isinstance(a, argparse._SubParsersAction)
+        ]
         if actions:
             out.append((group.title or "options", group.description, actions))
     return out

@@ -1,6 +1,6 @@
 """``qkv report``: every experiment's results and figures in one self-contained HTML page.
 
-    qkv experiment all --quick && qkv report      # -> qkv-out/experiments/report.html
+qkv experiment all --quick && qkv report      # -> qkv-out/experiments/report.html
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from qkv.cli.experiment import DEFAULT_OUT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default=DEFAULT_OUT, help=f"folder holding the experiments' results (default {DEFAULT_OUT})")
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"folder holding the experiments' results (default {DEFAULT_OUT})"
+    )
     parser.add_argument("-o", "--output", help="HTML file to write (default <out>/report.html)")
     parser.add_argument("--title", default="qkv experiments", help="page title")
 

@@ -1,9 +1,9 @@
 """``qkv serve``: the attention explorer as a local web app; type a sentence, see every head.
 
-    qkv serve                                       # all-MiniLM-L6-v2 on http://127.0.0.1:8000/
-    qkv serve --model runs/multi30k --model path/to/bert --port 8080
-    qkv serve --model runs/shakespeare              # a language model's causal self-attention
-    qkv serve --timeout 5 --max-concurrent 8        # tighter limits for slow or many clients
+qkv serve                                       # all-MiniLM-L6-v2 on http://127.0.0.1:8000/
+qkv serve --model runs/multi30k --model path/to/bert --port 8080
+qkv serve --model runs/shakespeare              # a language model's causal self-attention
+qkv serve --timeout 5 --max-concurrent 8        # tighter limits for slow or many clients
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ DEFAULT_TEXT = "time flies like an arrow"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", action="append",
+        "--model",
+        action="append",
         help="a BERT or GPT-2 checkpoint folder, or a qkv translation or language-model run folder; "
-             "repeat for several "
-             "(default: all-MiniLM-L6-v2). Only these can be used from the page.",
+        "repeat for several "
+        "(default: all-MiniLM-L6-v2). Only these can be used from the page.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
@@ -28,15 +29,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--text",
         help=f"the sentence shown when the page opens (default {DEFAULT_TEXT!r}, or for a character-level "
-             "language model whose vocabulary lacks its characters, the start of the run's own text)",
+        "language model whose vocabulary lacks its characters, the start of the run's own text)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=10.0,
+        "--timeout",
+        type=float,
+        default=10.0,
         help="seconds a client has to send a whole request (and to take the answer); a client that stalls "
-             "gets 408 and is disconnected (default 10)",
+        "gets 408 and is disconnected (default 10)",
     )
     parser.add_argument(
-        "--max-concurrent", type=int, default=32,
+        "--max-concurrent",
+        type=int,
+        default=32,
         help="connections served at once; more are turned away at once with 503 and Retry-After (default 32)",
     )
 
@@ -76,13 +81,16 @@ def run(args: argparse.Namespace) -> int:
     app = ExplorerApp(explorers=explorers, max_chars=args.max_chars, initial_text=text)
     app.page()  # draw the first sentence now, so a broken model fails before serving
     try:
-        server = make_server(app, host=args.host, port=args.port, timeout=args.timeout,
-                             max_concurrent=args.max_concurrent)
+        server = make_server(
+            app, host=args.host, port=args.port, timeout=args.timeout, max_concurrent=args.max_concurrent
+        )
     except OSError as err:  # the port is taken, the address is not this machine's, ...
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from None
     host, port = server.server_address[:2]
-    print(f"serving the attention explorer on http://{host}:{port}/ (models: {', '.join(explorers)}; Ctrl-C to stop)",
-          flush=True)
+    print(
+        f"serving the attention explorer on http://{host}:{port}/ (models: {', '.join(explorers)}; Ctrl-C to stop)",
+        flush=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -39,19 +39,44 @@ MODEL_OPTIONS = {
     "layers": (None, "num_layers", int, "layers of a language model"),
     "d_ff": ("d_ff", "d_ff", int, "inner width of the feed-forward layers"),
     "dropout": ("dropout", "dropout", float, "residual and embedding dropout, in [0, 1)"),
-    "attention_dropout": ("attention_dropout", "attention_dropout", float,
-                          "dropout on the attention weights, in [0, 1) (not in the paper; default 0)"),
+    "attention_dropout": (
+        "attention_dropout",
+        "attention_dropout",
+        float,
+        "dropout on the attention weights, in [0, 1) (not in the paper; default 0)",
+    ),
     "activation": ("activation", "activation", str, "feed-forward activation: relu, gelu or gelu_tanh"),
     "norm_first": ("norm_first", "norm_first", bool, "pre-LN instead of the paper's post-LN"),
-    "max_len": ("max_len", None, int, "longest sequence in tokens (translation; longer training pairs are "
-                                      "dropped, with a count)"),
+    "max_len": (
+        "max_len",
+        None,
+        int,
+        "longest sequence in tokens (translation; longer training pairs are dropped, with a count)",
+    ),
     "context": (None, "context", int, "tokens a language model attends over (its training windows)"),
     "share_embeddings": ("share_embeddings", None, bool, "one embedding table for source and target"),
 }
 LM_OPTIONS = ("tokenizer", "windows")  # language-model options that are neither model nor TrainConfig fields
 TASKS = ("translation", "lm")
-DATA_OPTIONS = ("task", "data", "prepared", "data_dir", "src_lang", "tgt_lang", "train_src", "train_tgt", "val_src",
-                "val_tgt", "train_text", "val_text", "test_text", "vocab_size", "recipe", "both_directions", *LM_OPTIONS)
+DATA_OPTIONS = (
+    "task",
+    "data",
+    "prepared",
+    "data_dir",
+    "src_lang",
+    "tgt_lang",
+    "train_src",
+    "train_tgt",
+    "val_src",
+    "val_tgt",
+    "train_text",
+    "val_text",
+    "test_text",
+    "vocab_size",
+    "recipe",
+    "both_directions",
+    *LM_OPTIONS,
+)
 
 
 def _train_fields():
@@ -65,49 +90,88 @@ def _train_fields():
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("data (one of --data, --prepared, --train-src/--train-tgt or --train-text)")
-    data.add_argument("--task", choices=TASKS, help="what to train (default: what the data is for: a language "
-                                                    "model for tinyshakespeare and --train-text, else translation); "
-                                                    "given, it must agree with the data")
-    data.add_argument("--data", choices=["multi30k", "dates", "tinyshakespeare"],
-                      help="a known data set (tinyshakespeare: a language model)")
-    data.add_argument("--prepared", metavar="DIR",
-                      help="a prepared folder made by qkv prepare (its tokenizer, training and validation pairs; "
-                           "every process reads it a batch at a time)")
-    data.add_argument("--data-dir", help="folder with the Multi30k files or tiny Shakespeare's input.txt (default: "
-                                         "$QKV_DATA/multi30k or $QKV_DATA/tinyshakespeare, the cache, or a download)")
+    data.add_argument(
+        "--task",
+        choices=TASKS,
+        help="what to train (default: what the data is for: a language "
+        "model for tinyshakespeare and --train-text, else translation); "
+        "given, it must agree with the data",
+    )
+    data.add_argument(
+        "--data",
+        choices=["multi30k", "dates", "tinyshakespeare"],
+        help="a known data set (tinyshakespeare: a language model)",
+    )
+    data.add_argument(
+        "--prepared",
+        metavar="DIR",
+        help="a prepared folder made by qkv prepare (its tokenizer, training and validation pairs; "
+        "every process reads it a batch at a time)",
+    )
+    data.add_argument(
+        "--data-dir",
+        help="folder with the Multi30k files or tiny Shakespeare's input.txt (default: "
+        "$QKV_DATA/multi30k or $QKV_DATA/tinyshakespeare, the cache, or a download)",
+    )
     data.add_argument("--src-lang", choices=["en", "de", "fr"], help="Multi30k source language (default en)")
     data.add_argument("--tgt-lang", choices=["en", "de", "fr"], help="Multi30k target language (default de)")
-    data.add_argument("--both-directions", action="store_true", default=None,
-                      help="translation from text: train on the pairs and on the same pairs reversed (one model "
-                           "for both ways; validation stays in the given direction)")
+    data.add_argument(
+        "--both-directions",
+        action="store_true",
+        default=None,
+        help="translation from text: train on the pairs and on the same pairs reversed (one model "
+        "for both ways; validation stays in the given direction)",
+    )
     data.add_argument("--train-src", help="training source file, one sentence a line (.gz allowed)")
     data.add_argument("--train-tgt", help="training target file, line-aligned with --train-src")
     data.add_argument("--val-src", help="validation source file (optional)")
     data.add_argument("--val-tgt", help="validation target file")
     data.add_argument("--train-text", help="UTF-8 text to train a language model on")
-    data.add_argument("--val-text", help="validation text (default: --train-text is cut by position: its first 90%% "
-                                         "of characters train, the next 5%% validate, the last 5%% are the test split)")
-    data.add_argument("--test-text", help="test text, with --val-text (without it, the run has no test split); "
-                                          "training never reads it: qkv evaluate scores it")
-    data.add_argument("--tokenizer", choices=["char", "bpe"], help="a language model's tokens: characters "
-                                                                  "(default) or byte-level BPE (--vocab-size)")
-    data.add_argument("--windows", choices=["random", "strided"],
-                      help="a language model's training windows: random offsets (default) or non-overlapping")
+    data.add_argument(
+        "--val-text",
+        help="validation text (default: --train-text is cut by position: its first 90%% "
+        "of characters train, the next 5%% validate, the last 5%% are the test split)",
+    )
+    data.add_argument(
+        "--test-text",
+        help="test text, with --val-text (without it, the run has no test split); "
+        "training never reads it: qkv evaluate scores it",
+    )
+    data.add_argument(
+        "--tokenizer",
+        choices=["char", "bpe"],
+        help="a language model's tokens: characters (default) or byte-level BPE (--vocab-size)",
+    )
+    data.add_argument(
+        "--windows",
+        choices=["random", "strided"],
+        help="a language model's training windows: random offsets (default) or non-overlapping",
+    )
     run = parser.add_argument_group("run folder")
-    run.add_argument("--run-dir", required=True, help="the run folder (created; it must not exist unless "
-                                                      "--resume or --overwrite)")
+    run.add_argument(
+        "--run-dir", required=True, help="the run folder (created; it must not exist unless --resume or --overwrite)"
+    )
     run.add_argument("--resume", action="store_true", help="continue the run in --run-dir where it stopped")
-    run.add_argument("--trust-checkpoint", action="store_true",
-                     help="with --resume: load a state.pt that holds pickled Python objects (written by an older "
-                          "qkv) in full, once, and rewrite it in the safe form; loading such a file can run any "
-                          "code, so only for a run you made yourself")
-    run.add_argument("--overwrite", action="store_true",
-                     help="replace --run-dir if it is a qkv run folder (or empty), once every check has passed")
+    run.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="with --resume: load a state.pt that holds pickled Python objects (written by an older "
+        "qkv) in full, once, and rewrite it in the safe form; loading such a file can run any "
+        "code, so only for a run you made yourself",
+    )
+    run.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace --run-dir if it is a qkv run folder (or empty), once every check has passed",
+    )
     model = parser.add_argument_group("model (defaults: the data set's recipe; fixed once a run exists)")
-    model.add_argument("--recipe", choices=translation_recipes(),
-                       help="train with this recipe instead of the data set's: paper-base / paper-big are the "
-                            "paper's WMT 2014 models (Table 3; ~25k tokens a step over max_tokens x accum_steps x "
-                            "processes, set for the number of processes unless --max-tokens/--accum-steps say)")
+    model.add_argument(
+        "--recipe",
+        choices=translation_recipes(),
+        help="train with this recipe instead of the data set's: paper-base / paper-big are the "
+        "paper's WMT 2014 models (Table 3; ~25k tokens a step over max_tokens x accum_steps x "
+        "processes, set for the number of processes unless --max-tokens/--accum-steps say)",
+    )
     add_model_arguments(model)
     add_train_arguments(parser.add_argument_group("training (defaults: the recipe; with --resume: the run's own)"))
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
@@ -118,8 +182,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_model_arguments(group, *, translation_only: bool = False) -> None:
     """``--vocab-size`` and the model options (:data:`MODEL_OPTIONS`; with ``translation_only``, those
     of a translation model): declared here once, for ``qkv train`` and the training benchmarks."""
-    group.add_argument("--vocab-size", type=int, help="BPE vocabulary (recipe: 8000; dates 600; a language model "
-                                                      "with --tokenizer bpe 2000)")
+    group.add_argument(
+        "--vocab-size",
+        type=int,
+        help="BPE vocabulary (recipe: 8000; dates 600; a language model with --tokenizer bpe 2000)",
+    )
     for option, (translation_field, _, kind, help_text) in MODEL_OPTIONS.items():
         if translation_only and translation_field is None:
             continue
@@ -173,11 +240,17 @@ def data_spec(args: argparse.Namespace) -> dict:
     spec = _data_spec(args)
     task = "lm" if spec["source"] in TEXT_SOURCES else "translation"
     if args.task is not None and args.task != task:
-        given = {"tinyshakespeare": "--data tinyshakespeare", "text": "--train-text", "prepared": "--prepared (a "
-                 "parallel corpus)", "files": "--train-src/--train-tgt"}.get(spec["source"], f"--data {args.data}")
-        raise ValueError(f"--task {args.task} does not fit {given}, which trains "
-                         f"{'a language model' if task == 'lm' else 'a translation model'}: use --task {task}, or "
-                         f"{'--train-text FILE / --data tinyshakespeare' if args.task == 'lm' else 'parallel data'}")
+        given = {
+            "tinyshakespeare": "--data tinyshakespeare",
+            "text": "--train-text",
+            "prepared": "--prepared (a parallel corpus)",
+            "files": "--train-src/--train-tgt",
+        }.get(spec["source"], f"--data {args.data}")
+        raise ValueError(
+            f"--task {args.task} does not fit {given}, which trains "
+            f"{'a language model' if task == 'lm' else 'a translation model'}: use --task {task}, or "
+            f"{'--train-text FILE / --data tinyshakespeare' if args.task == 'lm' else 'parallel data'}"
+        )
     return spec
 
 
@@ -210,10 +283,17 @@ def _source_spec(args: argparse.Namespace) -> dict:
         if not args.train_text:
             raise ValueError(f"{'--val-text' if args.val_text else '--test-text'} needs --train-text")
         if args.test_text and not args.val_text:
-            raise ValueError("--test-text needs --val-text (without --val-text, the last 5% of --train-text is the "
-                             "test split and the 5% before it validates)")
-        return {"source": "text", **{k: (str(Path(f).resolve()) if f else None)
-                                     for k, f in zip(("train_text", "val_text", "test_text"), texts)}}
+            raise ValueError(
+                "--test-text needs --val-text (without --val-text, the last 5% of --train-text is the "
+                "test split and the 5% before it validates)"
+            )
+        return {
+            "source": "text",
+            **{
+                k: (str(Path(f).resolve()) if f else None)
+                for k, f in zip(("train_text", "val_text", "test_text"), texts)
+            },
+        }
     if args.data == "multi30k":
         folder = _data_dir(args)
         src, tgt = args.src_lang or "en", args.tgt_lang or "de"
@@ -223,8 +303,10 @@ def _source_spec(args: argparse.Namespace) -> dict:
     if args.data == "dates":
         return {"source": "dates", "train_size": 20000, "valid_size": 1000, "seed": args.seed or 0}
     if not (args.train_src and args.train_tgt):
-        raise ValueError("no training data: pass --data multi30k/dates/tinyshakespeare, --prepared DIR, --train-src "
-                         "and --train-tgt, or --train-text")
+        raise ValueError(
+            "no training data: pass --data multi30k/dates/tinyshakespeare, --prepared DIR, --train-src "
+            "and --train-tgt, or --train-text"
+        )
     keys = ("train_src", "train_tgt", "val_src", "val_tgt")
     return {"source": "files", **{k: (str(Path(f).resolve()) if f else None) for k, f in zip(keys, files)}}
 
@@ -233,8 +315,8 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    from qkv.runtime.device import pick_device
     from qkv.runs.translation import resume_run, start_run
+    from qkv.runtime.device import pick_device
     from qkv.training.distributed import init_distributed, shutdown
 
     set_threads(args.threads)  # under torchrun, OMP_NUM_THREADS (1 by default) sets each process's share
@@ -247,8 +329,10 @@ def run(args: argparse.Namespace) -> int:
         if args.overwrite:
             raise ValueError("--resume continues a run and --overwrite replaces it: give one of them")
         if fixed:
-            raise ValueError(f"{', '.join(fixed)}: a resumed run keeps the model and data it started with; "
-                             "drop these options, or start a new --run-dir")
+            raise ValueError(
+                f"{', '.join(fixed)}: a resumed run keeps the model and data it started with; "
+                "drop these options, or start a new --run-dir"
+            )
         if not Path(args.run_dir).is_dir():
             raise FileNotFoundError(f"{args.run_dir}: no run folder to resume")
     elif args.trust_checkpoint:
@@ -258,8 +342,9 @@ def run(args: argparse.Namespace) -> int:
         model_options = model_options_from(args, is_lm=spec["source"] in TEXT_SOURCES)
         vocab_size, recipe_note, decode = args.vocab_size, None, None
         if args.recipe:  # the named recipe in place of the data's; explicit options still go over it
-            model_options, train_options, vocab_size, recipe_note = _with_recipe(args, spec, model_options,
-                                                                                 train_options)
+            model_options, train_options, vocab_size, recipe_note = _with_recipe(
+                args, spec, model_options, train_options
+            )
             decode = RECIPES[args.recipe].get("decode")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one process of several
         dist = init_distributed(args.device)
@@ -272,21 +357,36 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("qkv.cli.train").info(recipe_note)
     try:
         if args.resume:
-            trainer = resume_run(args.run_dir, train_options=train_options, device=args.device, dist=dist,
-                                 trust_checkpoint=args.trust_checkpoint)
+            trainer = resume_run(
+                args.run_dir,
+                train_options=train_options,
+                device=args.device,
+                dist=dist,
+                trust_checkpoint=args.trust_checkpoint,
+            )
         else:
             torch.manual_seed(args.seed or 0)
             lm_options = {k: getattr(args, k) for k in LM_OPTIONS if getattr(args, k) is not None}
-            trainer = start_run(args.run_dir, data=spec, model_options=model_options, train_options=train_options,
-                                vocab_size=vocab_size, lm_options=lm_options, overwrite=args.overwrite,
-                                device=args.device, dist=dist, decode=decode)
+            trainer = start_run(
+                args.run_dir,
+                data=spec,
+                model_options=model_options,
+                train_options=train_options,
+                vocab_size=vocab_size,
+                lm_options=lm_options,
+                overwrite=args.overwrite,
+                device=args.device,
+                dist=dist,
+                decode=decode,
+            )
         return _train(trainer, args.run_dir)
     finally:
         shutdown()
 
 
-def _with_recipe(args: argparse.Namespace, spec: dict, model_options: dict,
-                 train_options: dict) -> tuple[dict, dict, int, str]:
+def _with_recipe(
+    args: argparse.Namespace, spec: dict, model_options: dict, train_options: dict
+) -> tuple[dict, dict, int, str]:
     """Model options, training options and vocabulary size of ``--recipe`` (under the explicit
     options), and a line saying how a step's tokens are split."""
     import os
@@ -296,14 +396,20 @@ def _with_recipe(args: argparse.Namespace, spec: dict, model_options: dict,
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     recipe_model, recipe_train, recipe_vocab = recipe_overrides(
-        args.recipe, recipe_source(spec["source"]), world_size=world, max_tokens=args.max_tokens,
-        accum_steps=args.accum_steps)
+        args.recipe,
+        recipe_source(spec["source"]),
+        world_size=world,
+        max_tokens=args.max_tokens,
+        accum_steps=args.accum_steps,
+    )
     train_options = {**recipe_train, **train_options}
     note = f"recipe {args.recipe}"
     if "tokens_per_step" in RECIPES[args.recipe]:
         max_tokens, accum = train_options["max_tokens"], train_options["accum_steps"]
-        note += (f": a step is {world} process(es) x {accum} batch(es) x {max_tokens} padded tokens = "
-                 f"{world * accum * max_tokens} (the recipe's {RECIPES[args.recipe]['tokens_per_step']})")
+        note += (
+            f": a step is {world} process(es) x {accum} batch(es) x {max_tokens} padded tokens = "
+            f"{world * accum * max_tokens} (the recipe's {RECIPES[args.recipe]['tokens_per_step']})"
+        )
     vocab_size = recipe_vocab if args.vocab_size is None else args.vocab_size
     return {**recipe_model, **model_options}, train_options, vocab_size, note
 
@@ -386,15 +492,24 @@ def _train(trainer, run_dir: str) -> int:
         except KeyboardInterrupt as err:
             if trainer.dist.is_main:
                 what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
-                print(f"{what}: {_what_is_saved(run_dir, trainer.state.step)}; continue with "
-                      f"qkv train --run-dir {run_dir} --resume", file=sys.stderr)
+                print(
+                    f"{what}: {_what_is_saved(run_dir, trainer.state.step)}; continue with "
+                    f"qkv train --run-dir {run_dir} --resume",
+                    file=sys.stderr,
+                )
             return 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
         except TrainingCrashed as err:
-            print(f"qkv train: error: {err}; {_what_is_saved(run_dir, err.step)}: after fixing the cause, "
-                  f"continue with qkv train --run-dir {run_dir} --resume", file=sys.stderr)
+            print(
+                f"qkv train: error: {err}; {_what_is_saved(run_dir, err.step)}: after fixing the cause, "
+                f"continue with qkv train --run-dir {run_dir} --resume",
+                file=sys.stderr,
+            )
             return 1
         s = trainer.state
         if trainer.dist.is_main:
-            print(f"trained {s.step} steps ({s.seconds / 60:.1f} min, {s.tokens / max(s.seconds, 1e-9):.0f} "
-                  f"target tokens/s) on {trainer.dist.world_size} process(es); wrote {path}", file=sys.stderr)
+            print(
+                f"trained {s.step} steps ({s.seconds / 60:.1f} min, {s.tokens / max(s.seconds, 1e-9):.0f} "
+                f"target tokens/s) on {trainer.dist.world_size} process(es); wrote {path}",
+                file=sys.stderr,
+            )
         return 0

@@ -1,8 +1,8 @@
 """``qkv translate``: translate lines with a trained run folder.
 
-    echo "A man rides a bike." | qkv translate runs/en-de --beam 5
-    qkv translate runs/en-de sentences.en -o sentences.de
-    qkv translate runs/en-de sentences.en --ensemble runs/en-de-seed1   # two runs, probabilities averaged
+echo "A man rides a bike." | qkv translate runs/en-de --beam 5
+qkv translate runs/en-de sentences.en -o sentences.de
+qkv translate runs/en-de sentences.en --ensemble runs/en-de-seed1   # two runs, probabilities averaged
 """
 
 from __future__ import annotations
@@ -18,12 +18,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run folder made by qkv train")
     parser.add_argument("input", nargs="?", help="file with one sentence a line (.gz allowed; default: stdin)")
     parser.add_argument("-o", "--output", help="write the translations here (default: stdout)")
-    parser.add_argument("--beam", type=beam_size, default=None,
-                        help=f"beam size, 1 to {MAX_BEAM} (1 = greedy; default: the run's recipe's, else 5)")
-    parser.add_argument("--alpha", type=length_penalty, default=None,
-                        help="length penalty exponent, 0 to 10 (default: the run's recipe's, else 0.6)")
-    parser.add_argument("--weights", choices=["model", "best", "last"], default="model",
-                        help="model = averaged final weights (default), best = best validation BLEU, last")
+    parser.add_argument(
+        "--beam",
+        type=beam_size,
+        default=None,
+        help=f"beam size, 1 to {MAX_BEAM} (1 = greedy; default: the run's recipe's, else 5)",
+    )
+    parser.add_argument(
+        "--alpha",
+        type=length_penalty,
+        default=None,
+        help="length penalty exponent, 0 to 10 (default: the run's recipe's, else 0.6)",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=["model", "best", "last"],
+        default="model",
+        help="model = averaged final weights (default), best = best validation BLEU, last",
+    )
     parser.add_argument("--bf16", action="store_true", help="decode under bfloat16 autocast")
     add_ensemble_option(parser)
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
@@ -32,11 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from qkv.data.parallel import decode_lines, read_lines
-    from qkv.runtime.device import pick_device
-    from qkv.runs.folder import load_translator
     from qkv.decoding.translate import translate_texts
-    from qkv.runtime.fileio import check_output_file, write_text
+    from qkv.runs.folder import load_translator
     from qkv.runs.recipes import decode_settings
+    from qkv.runtime.device import pick_device
+    from qkv.runtime.fileio import check_output_file, write_text
 
     if args.output:  # checked before translating: a bad path must not cost the work
         check_output_file(args.output, "-o/--output")
@@ -46,8 +58,9 @@ def run(args: argparse.Namespace) -> int:
     decode = decode_settings(config, beam_size=args.beam, alpha=args.alpha)
     model.to(device)
     lines = read_lines(args.input) if args.input else decode_lines(sys.stdin.buffer.read())
-    outputs = translate_texts(model, tokenizer, lines, **decode, bf16=args.bf16,
-                              progress=len(lines) > 100 and sys.stderr.isatty())
+    outputs = translate_texts(
+        model, tokenizer, lines, **decode, bf16=args.bf16, progress=len(lines) > 100 and sys.stderr.isatty()
+    )
     text = "".join(line + "\n" for line in outputs)
     if args.output:
         write_text(Path(args.output).resolve(), text)

@@ -36,8 +36,12 @@ class Batch:
 
     def to(self, device: torch.device | str) -> Batch:
         """The same batch on ``device`` (non-blocking copies)."""
-        return Batch(self.src.to(device, non_blocking=True), self.tgt_in.to(device, non_blocking=True),
-                     self.tgt_out.to(device, non_blocking=True), self.num_tgt_tokens)
+        return Batch(
+            self.src.to(device, non_blocking=True),
+            self.tgt_in.to(device, non_blocking=True),
+            self.tgt_out.to(device, non_blocking=True),
+            self.num_tgt_tokens,
+        )
 
 
 def pad_sequences(seqs: list[list[int]], pad_id: int) -> Tensor:
@@ -80,7 +84,7 @@ class BatchPlan(Sequence):
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(len(self)))]
         b = int(self.batch_order[k])
-        return self.order[self.bounds[b]: self.bounds[b + 1]].tolist()
+        return self.order[self.bounds[b] : self.bounds[b + 1]].tolist()
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, (BatchPlan, list, tuple)):
@@ -120,8 +124,9 @@ def bucket_batches(
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     lengths = np.asarray(lengths)
     index_type = np.int32 if len(lengths) < 2**31 else np.int64
-    order = (np.arange(len(lengths), dtype=index_type) if indices is None
-             else np.array(indices, dtype=index_type))  # a copy: shuffled and sorted in place
+    order = (
+        np.arange(len(lengths), dtype=index_type) if indices is None else np.array(indices, dtype=index_type)
+    )  # a copy: shuffled and sorted in place
     rng = np.random.default_rng(seed) if seed is not None else None
     if rng is not None:
         rng.shuffle(order)
@@ -130,7 +135,7 @@ def bucket_batches(
     pool = max(1, bucket_size * max_tokens // mean_len) if rng is not None else max(1, n)
     starts: list[np.ndarray] = []
     for first in range(0, n, pool):
-        chunk = order[first: first + pool]
+        chunk = order[first : first + pool]
         keys = lengths[chunk].astype(np.int64)
         by_length = np.argsort(keys, kind="stable")  # stable: equal lengths keep the shuffled order
         chunk[:] = chunk[by_length]
@@ -153,7 +158,7 @@ def _greedy_cuts(sorted_lengths: np.ndarray, max_tokens: int) -> np.ndarray:
         if room <= 1:
             start += 1
             continue
-        fits = sorted_lengths[start + 1: start + room] * np.arange(2, room + 1) <= max_tokens
+        fits = sorted_lengths[start + 1 : start + room] * np.arange(2, room + 1) <= max_tokens
         start += 1 + (len(fits) if fits.all() else int(np.argmin(fits)))
     return np.array(cuts, dtype=np.int64)
 
@@ -171,5 +176,6 @@ def token_batches(
     target, whichever is larger."""
     if len(src_lengths) != len(tgt_lengths):
         raise ValueError(f"{len(src_lengths)} source lengths but {len(tgt_lengths)} target lengths")
-    return bucket_batches(np.maximum(np.asarray(src_lengths), np.asarray(tgt_lengths)), max_tokens, seed=seed,
-                          bucket_size=bucket_size)
+    return bucket_batches(
+        np.maximum(np.asarray(src_lengths), np.asarray(tgt_lengths)), max_tokens, seed=seed, bucket_size=bucket_size
+    )

@@ -37,8 +37,10 @@ from qkv.data.tokenizer import Tokenizer
 
 _SPACE = r"\t\n\x0b\x0c\r "
 # GPT-2's pattern ('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+) for ASCII text
-ASCII_PIECES = re.compile(rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_SPACE}A-Za-z0-9]+"
-                          rf"|[{_SPACE}]+(?![^{_SPACE}])|[{_SPACE}]+")
+ASCII_PIECES = re.compile(
+    rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_SPACE}A-Za-z0-9]+"
+    rf"|[{_SPACE}]+(?![^{_SPACE}])|[{_SPACE}]+"
+)
 # GPT-2's pattern as the tokenizer spells it, for the regex module (which knows \p{L} and \p{N})
 UNICODE_PIECES = regex.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
 # the characters whose split the tests check against the tokenizer's (see the module docstring)
@@ -52,10 +54,17 @@ def is_plain_byte_level(tokenizer: Tokenizer) -> bool:
     config = json.loads(tokenizer.backend.to_str())
     pre = config.get("pre_tokenizer") or {}
     model = config.get("model") or {}
-    return (config.get("normalizer") is None and config.get("post_processor") is None
-            and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
-            and model.get("type") == "BPE" and model.get("dropout") is None
-            and not model.get("continuing_subword_prefix") and not model.get("end_of_word_suffix"))
+    return (
+        config.get("normalizer") is None
+        and config.get("post_processor") is None
+        and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space")
+        and model.get("type") == "BPE"
+        and model.get("dropout") is None
+        and not model.get("continuing_subword_prefix")
+        and not model.get("end_of_word_suffix")
+    )
 
 
 def split_pieces(text: str) -> list[str]:
@@ -84,8 +93,7 @@ class CachedEncoder:
         self.cache_size = cache_size
 
     def _fast(self, text: str) -> bool:
-        return (self.fast and LATIN_TEXT.fullmatch(text) is not None
-                and not any(token in text for token in self.added))
+        return self.fast and LATIN_TEXT.fullmatch(text) is not None and not any(token in text for token in self.added)
 
     def _ids_bytes(self, ids: list[int]) -> bytes:
         return np.asarray(ids, dtype=self.dtype).tobytes()
@@ -107,8 +115,9 @@ class CachedEncoder:
         cache = self.cache
         slow = [t for t, f in zip(texts, fast) if not f]
         slow_ids = iter(self.backend.encode_batch(slow, add_special_tokens=False) if slow else [])
-        parts = [b"".join([cache[p] for p in ps]) if ps is not None else self._ids_bytes(next(slow_ids).ids)
-                 for ps in pieces]
+        parts = [
+            b"".join([cache[p] for p in ps]) if ps is not None else self._ids_bytes(next(slow_ids).ids) for ps in pieces
+        ]
         lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)) // self.dtype.itemsize
         return np.frombuffer(b"".join(parts), dtype=self.dtype), lengths
 

@@ -19,8 +19,14 @@ from qkv.runtime.fileio import atomic_path
 logger = logging.getLogger(__name__)
 
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/{name}"
-MULTI30K_SPLITS = {"train": "train", "val": "val", "valid": "val", "test": "test_2016_flickr",
-                   "test2016": "test_2016_flickr", "test_2016_flickr": "test_2016_flickr"}
+MULTI30K_SPLITS = {
+    "train": "train",
+    "val": "val",
+    "valid": "val",
+    "test": "test_2016_flickr",
+    "test2016": "test_2016_flickr",
+    "test_2016_flickr": "test_2016_flickr",
+}
 # The later shared tasks' test sets (WMT 2017 and 2018; MSCOCO: captions of other images). Nothing in
 # qkv chooses a setting on them; they are fetched into the cache the first time a split is asked for.
 MULTI30K_LATER_TESTS = ("test_2017_flickr", "test_2017_mscoco", "test_2018_flickr")
@@ -136,8 +142,9 @@ def resolve_multi30k(root: str | Path | None = None, *, download: bool = True) -
     return cache
 
 
-def download_multi30k(folder: Path, langs: tuple[str, ...] = ("en", "de"), timeout: float = 60.0,
-                      stems: tuple[str, ...] | None = None) -> None:
+def download_multi30k(
+    folder: Path, langs: tuple[str, ...] = ("en", "de"), timeout: float = 60.0, stems: tuple[str, ...] | None = None
+) -> None:
     """Download the task-1 raw files for ``langs`` into ``folder`` (each file written atomically):
     ``stems`` (default: train, val and test 2016; the later test sets when asked for)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -152,8 +159,11 @@ def download_multi30k(folder: Path, langs: tuple[str, ...] = ("en", "de"), timeo
             url = MULTI30K_URL.format(name=name)
             logger.info("downloading %s", url)
             try:
-                with atomic_path(target) as tmp, open(tmp, "wb") as out, \
-                        urllib.request.urlopen(url, timeout=timeout) as response:
+                with (
+                    atomic_path(target) as tmp,
+                    open(tmp, "wb") as out,
+                    urllib.request.urlopen(url, timeout=timeout) as response,
+                ):
                     shutil.copyfileobj(response, out)
             except OSError as err:
                 raise FileNotFoundError(
@@ -176,8 +186,9 @@ def multi30k_paths(folder: str | Path, split: str, src_lang: str, tgt_lang: str)
     return paths[0], paths[1]
 
 
-def load_multi30k(folder: str | Path, split: str, src_lang: str = "en", tgt_lang: str = "de", *,
-                  download: bool = False) -> ParallelText:
+def load_multi30k(
+    folder: str | Path, split: str, src_lang: str = "en", tgt_lang: str = "de", *, download: bool = False
+) -> ParallelText:
     """Read one Multi30k split for ``src_lang -> tgt_lang`` from ``folder``. A later test set
     (:data:`MULTI30K_LATER_TESTS`) that ``folder`` lacks is read from the cache instead, downloaded
     there first when ``download`` is True (``folder`` itself is never written)."""

@@ -93,7 +93,7 @@ class SplitWriter:
         names = split_files(split)
         self.files = {name: open(self.folder / name, "wb") for name in names}
         self.hashes = {name: hashlib.sha256() for name in names}
-        self.pairs, self.tokens = 0, {side: 0 for side in SIDES}
+        self.pairs, self.tokens = 0, dict.fromkeys(SIDES, 0)
         for side in SIDES:
             self._write(f"{split}.{side}.idx", np.zeros(1, dtype=np.int64))
 
@@ -102,8 +102,14 @@ class SplitWriter:
         self.files[name].write(data)
         self.hashes[name].update(data)
 
-    def append(self, src_ids: np.ndarray, src_lengths: np.ndarray, tgt_ids: np.ndarray, tgt_lengths: np.ndarray,
-               lines: np.ndarray) -> None:
+    def append(
+        self,
+        src_ids: np.ndarray,
+        src_lengths: np.ndarray,
+        tgt_ids: np.ndarray,
+        tgt_lengths: np.ndarray,
+        lines: np.ndarray,
+    ) -> None:
         """Add pairs: each side's ids end to end and each sentence's length, and their line numbers."""
         if not len(lines):
             return
@@ -115,7 +121,9 @@ class SplitWriter:
             self.tokens[side] += len(ids)
         table = np.stack([np.asarray(src_lengths), np.asarray(tgt_lengths)], axis=1)
         if table.size and int(table.max()) > np.iinfo(self.lengths_dtype).max:
-            raise ValueError(f"a sentence of {int(table.max())} tokens does not fit the {self.lengths_dtype} length table")
+            raise ValueError(
+                f"a sentence of {int(table.max())} tokens does not fit the {self.lengths_dtype} length table"
+            )
         self._write(f"{self.split}.len", table.astype(self.lengths_dtype))
         self._write(f"{self.split}.lines", np.asarray(lines, dtype=np.int64))
         self.pairs += len(lines)
@@ -126,8 +134,12 @@ class SplitWriter:
             handle.flush()
             os.fsync(handle.fileno())
             handle.close()
-        return {"pairs": self.pairs, "src_tokens": self.tokens["src"], "tgt_tokens": self.tokens["tgt"],
-                "sha256": {name: h.hexdigest() for name, h in self.hashes.items()}}
+        return {
+            "pairs": self.pairs,
+            "src_tokens": self.tokens["src"],
+            "tgt_tokens": self.tokens["tgt"],
+            "sha256": {name: h.hexdigest() for name, h in self.hashes.items()},
+        }
 
 
 @contextmanager
@@ -158,8 +170,10 @@ def check_output_folder(out: Path, *, overwrite: bool) -> None:
     if not overwrite:
         raise ValueError(f"{out}: exists; pass --overwrite to replace it, or choose another --out")
     if not (is_prepared_folder(out) or not any(out.iterdir())):
-        raise ValueError(f"{out}: not a prepared folder (no manifest.json) and not empty; --overwrite only replaces "
-                         "a prepared folder")
+        raise ValueError(
+            f"{out}: not a prepared folder (no manifest.json) and not empty; --overwrite only replaces "
+            "a prepared folder"
+        )
 
 
 def folder_fingerprint(tokenizer_sha: str, splits: dict[str, dict]) -> str:
@@ -176,9 +190,17 @@ def write_manifest(folder: Path, tokenizer: Tokenizer, splits: dict[str, dict], 
     tokenizer_sha = hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
     fingerprint = folder_fingerprint(tokenizer_sha, splits)
     first = next(iter(splits.values()))
-    manifest = {MARKER: FORMAT, "fingerprint": fingerprint, "vocab_size": tokenizer.vocab_size,
-                "ids_dtype": str(token_dtype(tokenizer.vocab_size)), "lengths_dtype": first["lengths_dtype"],
-                "tokenizer": "tokenizer.json", "tokenizer_sha256": tokenizer_sha, "splits": splits, **info}
+    manifest = {
+        MARKER: FORMAT,
+        "fingerprint": fingerprint,
+        "vocab_size": tokenizer.vocab_size,
+        "ids_dtype": str(token_dtype(tokenizer.vocab_size)),
+        "lengths_dtype": first["lengths_dtype"],
+        "tokenizer": "tokenizer.json",
+        "tokenizer_sha256": tokenizer_sha,
+        "splits": splits,
+        **info,
+    }
     write_json(folder / "manifest.json", manifest)
     return manifest
 
@@ -193,8 +215,10 @@ def write_token_lists(folder: Path, tokenizer: Tokenizer, splits: dict[str, tupl
         writer = SplitWriter(folder, name, **dtypes)
         try:
             lengths = [np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)) for ids in (src, tgt)]
-            flat = [np.fromiter((i for s in ids for i in s), dtype=dtypes["ids_dtype"], count=int(n.sum()))
-                    for ids, n in zip((src, tgt), lengths)]
+            flat = [
+                np.fromiter((i for s in ids for i in s), dtype=dtypes["ids_dtype"], count=int(n.sum()))
+                for ids, n in zip((src, tgt), lengths)
+            ]
             writer.append(flat[0], lengths[0], flat[1], lengths[1], np.asarray(lines, dtype=np.int64))
         finally:
             written[name] = {**writer.close(), "lengths_dtype": str(dtypes["lengths_dtype"])}
@@ -259,8 +283,12 @@ class HashCache:
         path = self.path.parent / name
         before = _identity(path)
         entry = self.entries.get(name)
-        if isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and expected in (None, entry["sha256"]) \
-                and all(entry.get(key) == value for key, value in before.items()):
+        if (
+            isinstance(entry, dict)
+            and isinstance(entry.get("sha256"), str)
+            and expected in (None, entry["sha256"])
+            and all(entry.get(key) == value for key, value in before.items())
+        ):
             return entry["sha256"]
         started = time.time_ns()
         digest = sha256_file(path)
@@ -277,9 +305,16 @@ class HashCache:
         if not (self.keep and self.changed):
             return
         try:
-            write_json(self.path, {"format": CACHE_FORMAT, "what": "SHA-256 of this prepared folder's files as last "
-                                   "computed, valid while a file's size, inode, mtime and ctime are these; deleting "
-                                   "this file only means hashing again", "files": self.entries})
+            write_json(
+                self.path,
+                {
+                    "format": CACHE_FORMAT,
+                    "what": "SHA-256 of this prepared folder's files as last "
+                    "computed, valid while a file's size, inode, mtime and ctime are these; deleting "
+                    "this file only means hashing again",
+                    "files": self.entries,
+                },
+            )
             self.changed = False
         except OSError as err:
             logger.info("%s: not kept (%s); the files will be hashed again next time", self.path, err)
@@ -323,16 +358,20 @@ def _check_manifest(path: Path, manifest) -> None:
             if not count(info.get(field)):
                 raise bad(f"splits.{name}.{field}", f"is {info.get(field)!r}, not a count")
         if info.get("lengths_dtype") not in ARRAY_DTYPES:
-            raise bad(f"splits.{name}.lengths_dtype", f"is {info.get('lengths_dtype')!r}, not one of "
-                      f"{', '.join(ARRAY_DTYPES)}")
+            raise bad(
+                f"splits.{name}.lengths_dtype",
+                f"is {info.get('lengths_dtype')!r}, not one of {', '.join(ARRAY_DTYPES)}",
+            )
         hashes = info.get("sha256")
         missing = [f for f in split_files(name) if not isinstance(hashes, dict) or not isinstance(hashes.get(f), str)]
         if missing:
             raise bad(f"splits.{name}.sha256", f"lists no hash for {', '.join(missing)}")
     sources = manifest.get("sources")  # where each split's text came from (for messages); qkv always writes it
     if not isinstance(sources, dict) or not all(
-            isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, (str, type(None)))
-                                            for k, v in files.items()) for files in sources.values()):
+        isinstance(files, dict)
+        and all(isinstance(k, str) and isinstance(v, (str, type(None))) for k, v in files.items())
+        for files in sources.values()
+    ):
         raise bad("sources", "is not an object of splits, each naming its source and target files")
 
 
@@ -355,8 +394,10 @@ class PreparedSplit:
         self._fds: dict[str, int] = {}
         self._pid = None
         self.num_tokens = {side: int(info[f"{side}_tokens"]) for side in SIDES}
-        expected = {f"{name}.len": self.num_pairs * 2 * self.lengths_dtype.itemsize,
-                    f"{name}.lines": self.num_pairs * 8}
+        expected = {
+            f"{name}.len": self.num_pairs * 2 * self.lengths_dtype.itemsize,
+            f"{name}.lines": self.num_pairs * 8,
+        }
         for side in SIDES:
             expected[f"{name}.{side}.bin"] = self.num_tokens[side] * self.ids_dtype.itemsize
             expected[f"{name}.{side}.idx"] = (self.num_pairs + 1) * 8
@@ -365,8 +406,10 @@ class PreparedSplit:
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: missing from the prepared folder {folder}")
             if path.stat().st_size != size:
-                raise ValueError(f"{path}: {path.stat().st_size} bytes, the manifest says {size}; the prepared folder "
-                                 "is damaged: prepare it again")
+                raise ValueError(
+                    f"{path}: {path.stat().st_size} bytes, the manifest says {size}; the prepared folder "
+                    "is damaged: prepare it again"
+                )
 
     def __len__(self) -> int:
         return self.num_pairs
@@ -389,27 +432,34 @@ class PreparedSplit:
             if first != 0:
                 raise ValueError(f"{index}: the first offset is {first}, not 0; {remedy}")
             if last != self.num_tokens[side]:
-                raise ValueError(f"{index}: the last offset is {last}, but {ids.name} holds {self.num_tokens[side]} "
-                                 f"ids; {remedy}")
+                raise ValueError(
+                    f"{index}: the last offset is {last}, but {ids.name} holds {self.num_tokens[side]} ids; {remedy}"
+                )
             for start in range(0, n, SCAN_ITEMS):
                 count = min(SCAN_ITEMS, n - start)
                 steps = np.diff(_window(index, int64, start, count + 1))
                 if (steps < 0).any():
                     k = int(np.argmax(steps < 0))
-                    raise ValueError(f"{index}: the offsets go back at pair {start + k} (it would hold {int(steps[k])} "
-                                     f"ids); {remedy}")
+                    raise ValueError(
+                        f"{index}: the offsets go back at pair {start + k} (it would hold {int(steps[k])} "
+                        f"ids); {remedy}"
+                    )
                 lengths = _window(table, self.lengths_dtype, start, count, 2)[:, column]
                 if not np.array_equal(lengths, steps):
                     k = int(np.argmax(lengths != steps))
-                    raise ValueError(f"{table}: pair {start + k}'s {side} length is {int(lengths[k])}, but "
-                                     f"{index.name}'s offsets give {int(steps[k])}; {remedy}")
+                    raise ValueError(
+                        f"{table}: pair {start + k}'s {side} length is {int(lengths[k])}, but "
+                        f"{index.name}'s offsets give {int(steps[k])}; {remedy}"
+                    )
             for start in range(0, self.num_tokens[side], SCAN_ITEMS):
                 window = _window(ids, self.ids_dtype, start, min(SCAN_ITEMS, self.num_tokens[side] - start))
                 if int(window.max()) >= vocab_size:
                     at = start + int(np.argmax(window >= vocab_size))
                     pair = int(np.searchsorted(_window(index, int64, 0, n + 1), at, side="right")) - 1
-                    raise ValueError(f"{ids}: id {int(window[at - start])} (position {at}, pair {pair}) is outside "
-                                     f"the vocabulary of {vocab_size} ids; {remedy}")
+                    raise ValueError(
+                        f"{ids}: id {int(window[at - start])} (position {at}, pair {pair}) is outside "
+                        f"the vocabulary of {vocab_size} ids; {remedy}"
+                    )
 
     def _fd(self, file: str) -> int:
         if self._pid != os.getpid():  # descriptors are not shared with a forked process
@@ -511,8 +561,10 @@ class PreparedCorpus:
         if not isinstance(expected[tokenizer], str):
             raise ValueError(f"{path}: tokenizer_sha256 is missing; {remedy}")
         if folder_fingerprint(expected[tokenizer], manifest["splits"]) != self.fingerprint:
-            raise ValueError(f"{path}: the fingerprint is not that of the hashes the manifest lists (the manifest "
-                             f"was edited); {remedy}")
+            raise ValueError(
+                f"{path}: the fingerprint is not that of the hashes the manifest lists (the manifest "
+                f"was edited); {remedy}"
+            )
         limit = manifest["vocab_size"] if vocab_size is None else min(vocab_size, manifest["vocab_size"])
         for name in manifest["splits"]:
             split = self.split(name)
@@ -527,8 +579,10 @@ class PreparedCorpus:
                     raise FileNotFoundError(f"{self.folder / file}: missing from the prepared folder {self.folder}")
                 got = hashes.sha256(file, want)
                 if got != want:
-                    raise ValueError(f"{self.folder / file}: changed since it was prepared (SHA-256 {got[:12]}, the "
-                                     f"manifest's {want[:12]}); {remedy}")
+                    raise ValueError(
+                        f"{self.folder / file}: changed since it was prepared (SHA-256 {got[:12]}, the "
+                        f"manifest's {want[:12]}); {remedy}"
+                    )
         finally:
             hashes.save()
 
@@ -542,8 +596,13 @@ class PreparedCorpus:
         """The split ``name`` (``train`` or ``valid``). Raises ``ValueError`` when there is none."""
         if not self.has(name):
             raise ValueError(f"{self.folder}: no {name!r} split (it has {', '.join(self.manifest['splits'])})")
-        return PreparedSplit(self.folder, name, self.manifest["splits"][name], np.dtype(self.manifest["ids_dtype"]),
-                             self.manifest.get("sources", {}).get(name, {}))
+        return PreparedSplit(
+            self.folder,
+            name,
+            self.manifest["splits"][name],
+            np.dtype(self.manifest["ids_dtype"]),
+            self.manifest.get("sources", {}).get(name, {}),
+        )
 
     def text(self, name: str, tokenizer: Tokenizer | None = None) -> ParallelText:
         """A split's sentences as text (decoded: byte-level BPE gives back the text exactly), for
@@ -552,5 +611,9 @@ class PreparedCorpus:
         split = self.split(name)
         src, tgt = split.read(range(len(split)))
         source = split.source
-        return ParallelText([tokenizer.decode(x) for x in src], [tokenizer.decode(x) for x in tgt],
-                            source.get("src", ""), source.get("tgt", ""))
+        return ParallelText(
+            [tokenizer.decode(x) for x in src],
+            [tokenizer.decode(x) for x in tgt],
+            source.get("src", ""),
+            source.get("tgt", ""),
+        )

@@ -29,8 +29,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from qkv.data.cached_encoder import CachedEncoder
-from qkv.data.prepared import SplitWriter, building_folder, check_output_folder, length_dtype, token_dtype, \
-    write_manifest
+from qkv.data.prepared import (
+    SplitWriter,
+    building_folder,
+    check_output_folder,
+    length_dtype,
+    token_dtype,
+    write_manifest,
+)
 from qkv.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -66,9 +72,11 @@ def check_aligned(src: Path, tgt: Path) -> int:
     n_src, n_tgt = count_lines(src), count_lines(tgt)
     if n_src != n_tgt:
         shorter, n = (src, n_src) if n_src < n_tgt else (tgt, n_tgt)
-        raise ValueError(f"misaligned parallel files: {src} has {n_src:,} lines, {tgt} has {n_tgt:,} ({shorter} ends "
-                         f"at line {n:,}; line {n + 1:,} of the other has no partner): fix the files, qkv never "
-                         "guesses an alignment")
+        raise ValueError(
+            f"misaligned parallel files: {src} has {n_src:,} lines, {tgt} has {n_tgt:,} ({shorter} ends "
+            f"at line {n:,}; line {n + 1:,} of the other has no partner): fix the files, qkv never "
+            "guesses an alignment"
+        )
     return n_src
 
 
@@ -133,8 +141,15 @@ def encode_chunk(first_line: int, src_lines: list[bytes], tgt_lines: list[bytes]
             bad.append(("over_long", side, int(lines[i]), f"{n} tokens + 1 > --max-len {max_len}"))
         src_ids, tgt_ids = src_ids[np.repeat(keep, src_len)], tgt_ids[np.repeat(keep, tgt_len)]
         src_len, tgt_len, lines = src_len[keep], tgt_len[keep], lines[keep]
-    return {"src_ids": src_ids, "src_len": src_len, "tgt_ids": tgt_ids, "tgt_len": tgt_len, "lines": lines,
-            "bad": sorted(bad, key=lambda b: b[2]), "read": len(src_lines)}
+    return {
+        "src_ids": src_ids,
+        "src_len": src_len,
+        "tgt_ids": tgt_ids,
+        "tgt_len": tgt_len,
+        "lines": lines,
+        "bad": sorted(bad, key=lambda b: b[2]),
+        "read": len(src_lines),
+    }
 
 
 def _chunks(src: Path, tgt: Path, chunk_pairs: int):
@@ -231,8 +246,13 @@ def prepare_corpus(
         raise ValueError("give both --val-src and --val-tgt, or neither")
     if val_src:
         paths["valid"] = (Path(val_src), Path(val_tgt))
-    for name, value, low in (("--vocab-size", vocab_size, 260), ("--max-len", max_len, 3), ("--workers", workers, 1),
-                             ("--tokenizer-sample", tokenizer_sample, 0), ("chunk_pairs", chunk_pairs, 1)):
+    for name, value, low in (
+        ("--vocab-size", vocab_size, 260),
+        ("--max-len", max_len, 3),
+        ("--workers", workers, 1),
+        ("--tokenizer-sample", tokenizer_sample, 0),
+        ("chunk_pairs", chunk_pairs, 1),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     if max_len >= 2**32:
@@ -256,11 +276,25 @@ def prepare_corpus(
     else:
         stride = max(1, math.ceil(lines["train"] / tokenizer_sample)) if tokenizer_sample else 1
         sample = math.ceil(lines["train"] / stride)
-        logger.info("learning a %d-token BPE vocabulary on %s of %s pairs (every %s)", vocab_size, f"{sample:,}",
-                    f"{lines['train']:,}", "one" if stride == 1 else f"{stride}th")
+        logger.info(
+            "learning a %d-token BPE vocabulary on %s of %s pairs (every %s)",
+            vocab_size,
+            f"{sample:,}",
+            f"{lines['train']:,}",
+            "one" if stride == 1 else f"{stride}th",
+        )
         sentences = sampled_sentences(*paths["train"], stride)
-        tok = Tokenizer.train(tqdm(sentences, total=2 * sample, desc="learning BPE", unit="sentences",
-                                   disable=not progress, dynamic_ncols=True), vocab_size=vocab_size)
+        tok = Tokenizer.train(
+            tqdm(
+                sentences,
+                total=2 * sample,
+                desc="learning BPE",
+                unit="sentences",
+                disable=not progress,
+                dynamic_ncols=True,
+            ),
+            vocab_size=vocab_size,
+        )
         tokenizer_info = {"learned_on_pairs": sample, "every": stride, "vocab_size_asked": vocab_size}
     seconds["tokenizer"] = time.perf_counter() - start
 
@@ -271,31 +305,57 @@ def prepare_corpus(
     try:
         with building_folder(out, overwrite=overwrite) as folder:
             for split, (src, tgt) in paths.items():
-                report[split] = _write_split(folder, split, src, tgt, encoders, dtypes, lines[split], chunk_pairs,
-                                             progress)
+                report[split] = _write_split(
+                    folder, split, src, tgt, encoders, dtypes, lines[split], chunk_pairs, progress
+                )
             seconds["tokenize"] = time.perf_counter() - start
-            sources = {split: {"src": str(src.resolve()), "tgt": str(tgt.resolve())}
-                       for split, (src, tgt) in paths.items()}
+            sources = {
+                split: {"src": str(src.resolve()), "tgt": str(tgt.resolve())} for split, (src, tgt) in paths.items()
+            }
             manifest = write_manifest(
-                folder, tok, {split: r.pop("written") for split, r in report.items()}, sources=sources,
-                lines=lines, dropped={split: r["dropped"] for split, r in report.items()},
-                dropped_first={split: r["listed"] for split, r in report.items()}, max_len=max_len,
-                tokenizer_source=tokenizer_info, workers=workers, seconds={k: round(v, 2) for k, v in seconds.items()})
+                folder,
+                tok,
+                {split: r.pop("written") for split, r in report.items()},
+                sources=sources,
+                lines=lines,
+                dropped={split: r["dropped"] for split, r in report.items()},
+                dropped_first={split: r["listed"] for split, r in report.items()},
+                max_len=max_len,
+                tokenizer_source=tokenizer_info,
+                workers=workers,
+                seconds={k: round(v, 2) for k, v in seconds.items()},
+            )
     finally:
         encoders.close()
     return manifest
 
 
-def _write_split(folder: Path, split: str, src: Path, tgt: Path, encoders: _Encoders, dtypes: dict, total: int,
-                 chunk_pairs: int, progress: bool) -> dict:
+def _write_split(
+    folder: Path,
+    split: str,
+    src: Path,
+    tgt: Path,
+    encoders: _Encoders,
+    dtypes: dict,
+    total: int,
+    chunk_pairs: int,
+    progress: bool,
+) -> dict:
     writer = SplitWriter(folder, split, **dtypes)
-    dropped, listed, read = {reason: 0 for reason in REASONS}, [], 0
+    dropped, listed, read = dict.fromkeys(REASONS, 0), [], 0
     try:
-        with tqdm(total=total, desc=f"tokenizing {split}", unit="pairs", unit_scale=True, disable=not progress,
-                  dynamic_ncols=True) as bar:
+        with tqdm(
+            total=total,
+            desc=f"tokenizing {split}",
+            unit="pairs",
+            unit_scale=True,
+            disable=not progress,
+            dynamic_ncols=True,
+        ) as bar:
             for result in encoders.map(_chunks(src, tgt, chunk_pairs)):
-                writer.append(result["src_ids"], result["src_len"], result["tgt_ids"], result["tgt_len"],
-                              result["lines"])
+                writer.append(
+                    result["src_ids"], result["src_len"], result["tgt_ids"], result["tgt_len"], result["lines"]
+                )
                 for reason, side, line, detail in result["bad"]:
                     dropped[reason] += 1
                     if len(listed) < LISTED:
@@ -311,7 +371,11 @@ def _write_split(folder: Path, split: str, src: Path, tgt: Path, encoders: _Enco
     if not written["pairs"]:
         raise ValueError(f"{src} / {tgt}: none of the {total:,} pairs is usable ({dropped}); nothing prepared")
     if sum(dropped.values()):
-        logger.warning("%s: left out %s of %s pairs (%s)", split, f"{sum(dropped.values()):,}", f"{total:,}",
-                       ", ".join(f"{n:,} {REASONS[r]}" for r, n in dropped.items() if n))
-    return {"written": {**written, "lengths_dtype": str(dtypes["lengths_dtype"])}, "dropped": dropped,
-            "listed": listed}
+        logger.warning(
+            "%s: left out %s of %s pairs (%s)",
+            split,
+            f"{sum(dropped.values()):,}",
+            f"{total:,}",
+            ", ".join(f"{n:,} {REASONS[r]}" for r, n in dropped.items() if n),
+        )
+    return {"written": {**written, "lengths_dtype": str(dtypes["lengths_dtype"])}, "dropped": dropped, "listed": listed}

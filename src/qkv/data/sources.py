@@ -43,8 +43,10 @@ def check_spec(spec: dict) -> dict:
     if source == "prepared" and not spec.get("folder"):
         raise ValueError("training on a prepared folder needs its path (--prepared DIR)")
     if spec.get("both_directions") and source == "prepared":
-        raise ValueError("--both-directions adds the reversed pairs of text data; a prepared folder holds its "
-                         "pairs as they were prepared")
+        raise ValueError(
+            "--both-directions adds the reversed pairs of text data; a prepared folder holds its "
+            "pairs as they were prepared"
+        )
     return spec
 
 
@@ -53,8 +55,12 @@ def both_directions(pairs: ParallelText) -> ParallelText:
     translates both ways. No language tag is added: a source sentence's own language says which way
     to translate it. (Bidirectional training of this kind is a known regulariser for small corpora,
     e.g. Ding et al. 2021, "Improving Neural Machine Translation by Bidirectional Training".)"""
-    return ParallelText(pairs.src + pairs.tgt, pairs.tgt + pairs.src, f"{pairs.src_path}+{pairs.tgt_path}",
-                        f"{pairs.tgt_path}+{pairs.src_path}")
+    return ParallelText(
+        pairs.src + pairs.tgt,
+        pairs.tgt + pairs.src,
+        f"{pairs.src_path}+{pairs.tgt_path}",
+        f"{pairs.tgt_path}+{pairs.src_path}",
+    )
 
 
 def load_train_valid(spec: dict) -> tuple[ParallelText, ParallelText | None]:

@@ -51,7 +51,7 @@ def _uniform(*keys: np.ndarray) -> np.ndarray:
         x ^= x >> np.uint64(29)
         x *= _MIX[1]
         x ^= x >> np.uint64(32)
-    return (x >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+    return (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
 class SubwordDropout:
@@ -70,8 +70,9 @@ class SubwordDropout:
             raise ValueError(f"subword dropout must be in (0, 1), got {p!r}")
         self.parts, self.p, self.seed, self.max_len = merge_parts(tokenizer), float(p), int(seed), int(max_len)
 
-    def split_pairs(self, src: list[list[int]], tgt: list[list[int]], examples, *, epoch: int
-                    ) -> tuple[list[list[int]], list[list[int]]]:
+    def split_pairs(
+        self, src: list[list[int]], tgt: list[list[int]], examples, *, epoch: int
+    ) -> tuple[list[list[int]], list[list[int]]]:
         """Both sides of the pairs ``examples`` as this epoch cuts them."""
         return self.split(src, examples, epoch=epoch, side=0), self.split(tgt, examples, epoch=epoch, side=1)
 

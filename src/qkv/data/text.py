@@ -61,7 +61,9 @@ def read_text(path: str | Path) -> str:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {err.start}: {data[err.start:err.start + 1]!r})") from None
+        raise ValueError(
+            f"{path}:{line}: not UTF-8 text (byte {err.start}: {data[err.start : err.start + 1]!r})"
+        ) from None
     if not text.strip():
         raise ValueError(f"{path}: the text is empty")
     return text
@@ -79,18 +81,25 @@ def resolve_tinyshakespeare(root: str | Path | None = None, *, download: bool = 
         if (folder / "input.txt").is_file():
             return folder / "input.txt"
     if not download:
-        raise FileNotFoundError(f"tiny Shakespeare (input.txt) not found in {', '.join(map(str, candidates))}; set "
-                                "QKV_DATA to a folder holding tinyshakespeare/input.txt")
+        raise FileNotFoundError(
+            f"tiny Shakespeare (input.txt) not found in {', '.join(map(str, candidates))}; set "
+            "QKV_DATA to a folder holding tinyshakespeare/input.txt"
+        )
     target = cache / "input.txt"
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("downloading %s", TINYSHAKESPEARE_URL)
     try:
-        with atomic_path(target) as tmp, open(tmp, "wb") as out, \
-                urllib.request.urlopen(TINYSHAKESPEARE_URL, timeout=60) as response:
+        with (
+            atomic_path(target) as tmp,
+            open(tmp, "wb") as out,
+            urllib.request.urlopen(TINYSHAKESPEARE_URL, timeout=60) as response,
+        ):
             shutil.copyfileobj(response, out)
     except OSError as err:
-        raise FileNotFoundError(f"could not download {TINYSHAKESPEARE_URL} ({err}); put input.txt in "
-                                "$QKV_DATA/tinyshakespeare or pass --data-dir") from err
+        raise FileNotFoundError(
+            f"could not download {TINYSHAKESPEARE_URL} ({err}); put input.txt in "
+            "$QKV_DATA/tinyshakespeare or pass --data-dir"
+        ) from err
     return target
 
 
@@ -102,10 +111,15 @@ def check_text_spec(spec: dict) -> dict:
         if not spec.get("train_text"):
             raise ValueError("training a language model on a file needs --train-text FILE")
         if spec.get("test_text") and not spec.get("val_text"):
-            raise ValueError("--test-text needs --val-text (without --val-text, the last 5% of --train-text is the "
-                             "test split and the 5% before it validates)")
-        named = {"--train-text": spec["train_text"], "--val-text": spec.get("val_text"),
-                 "--test-text": spec.get("test_text")}
+            raise ValueError(
+                "--test-text needs --val-text (without --val-text, the last 5% of --train-text is the "
+                "test split and the 5% before it validates)"
+            )
+        named = {
+            "--train-text": spec["train_text"],
+            "--val-text": spec.get("val_text"),
+            "--test-text": spec.get("test_text"),
+        }
         seen = {}
         for flag, path in named.items():
             if not path:
@@ -155,8 +169,7 @@ def read_text_splits(spec: dict) -> TextSplits:
         chars = {"train": [0, len(text)], "val": [0, len(val)], "test": [0, len(test)] if test is not None else None}
         return TextSplits(text, val, test, where, chars)
     a, b = split_positions(len(text))
-    where = (f"{train_path} (by position: characters [0, {a}) train, [{a}, {b}) validation, [{b}, {len(text)}) "
-             "test)")
+    where = f"{train_path} (by position: characters [0, {a}) train, [{a}, {b}) validation, [{b}, {len(text)}) test)"
     return TextSplits(text[:a], text[a:b], text[b:], where, {"train": [0, a], "val": [a, b], "test": [b, len(text)]})
 
 
@@ -192,8 +205,9 @@ class CharTokenizer:
         except KeyError:
             missing = sorted({c for c in text if c not in self._ids})
             shown = ", ".join(repr(c) for c in missing[:10]) + (" ..." if len(missing) > 10 else "")
-            raise ValueError(f"{len(missing)} character(s) not in the model's vocabulary of {self.vocab_size}: "
-                             f"{shown}") from None
+            raise ValueError(
+                f"{len(missing)} character(s) not in the model's vocabulary of {self.vocab_size}: {shown}"
+            ) from None
 
     def decode(self, ids: Iterable[int]) -> str:
         return "".join(self.chars[int(i)] for i in ids)

@@ -32,8 +32,10 @@ class Tokenizer:
         ids = backend.get_vocab(with_added_tokens=True).values()
         size = backend.get_vocab_size(with_added_tokens=True)
         if len(set(ids)) != size or min(ids, default=0) < 0 or max(ids, default=-1) != size - 1:
-            raise ValueError(f"its ids must be 0..{size - 1} (one per token), got ids up to {max(ids, default=-1)}: "
-                             "a model's embedding is sized by the token count")
+            raise ValueError(
+                f"its ids must be 0..{size - 1} (one per token), got ids up to {max(ids, default=-1)}: "
+                "a model's embedding is sized by the token count"
+            )
         # a text that spells a special token ("<s>", "</s>", ...) is text: its bytes, not the special id
         # (else the literal string vanished on a round trip and an "</s>" in a sentence ended it)
         backend.encode_special_tokens = True

@@ -39,7 +39,8 @@ class Ensemble(nn.Module):
                 if getattr(c, name) != getattr(first, name):
                     raise ValueError(
                         f"model {i} has {name} {getattr(c, name)} but model 1 has {getattr(first, name)}: "
-                        "ensembled models must share one tokenizer")
+                        "ensembled models must share one tokenizer"
+                    )
         self.members = nn.ModuleList(models)
         self.config = first  # decoding reads pad_id and max_len from it
         self._widths = [m.config.d_model for m in models]

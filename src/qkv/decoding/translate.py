@@ -78,4 +78,3 @@ def length_batches(ids: list[list[int]], budget: int) -> list[list[int]]:
     if current:
         batches.append(current)
     return batches
-

@@ -160,11 +160,32 @@ def worked_example(*, tokens: int = 4, dim: int = 6, dk: int = 3, heads: int = 2
         mha.out_proj.weight.copy_(w_o.T)
         result = mha(x[None], need_weights=True)
     example = WorkedExample(
-        x=x, w_q=w_q, w_k=w_k, w_v=w_v, q=q, k=k, v=v, scores=scores, scaled=scaled, weights=weights, z=z,
-        q_cols=q_cols, k_cols=k_cols, v_cols=v_cols, scores_cols=scores_cols, weights_cols=weights_cols,
-        z_cols=z_cols, heads=head_list, concat=concat, w_o=w_o, multi_head=multi_head,
-        library_z=library_z, library_weights=library_weights[0], library_multi_head=result.output[0],
-        library_head_weights=result.weights[0], seed=seed,
+        x=x,
+        w_q=w_q,
+        w_k=w_k,
+        w_v=w_v,
+        q=q,
+        k=k,
+        v=v,
+        scores=scores,
+        scaled=scaled,
+        weights=weights,
+        z=z,
+        q_cols=q_cols,
+        k_cols=k_cols,
+        v_cols=v_cols,
+        scores_cols=scores_cols,
+        weights_cols=weights_cols,
+        z_cols=z_cols,
+        heads=head_list,
+        concat=concat,
+        w_o=w_o,
+        multi_head=multi_head,
+        library_z=library_z,
+        library_weights=library_weights[0],
+        library_multi_head=result.output[0],
+        library_head_weights=result.weights[0],
+        seed=seed,
     )
     example.checks = {
         "columns vs rows: weights (A_cols vs A^T)": _diff(weights_cols, weights.T),
@@ -213,8 +234,9 @@ class _Writer:
             label = max(len(r) for r in rows)
             self.lines.append(title)
             self.lines.append(" " * (label + 2) + " ".join(c.rjust(width) for c in cols))
-            self.lines += [f"{r.rjust(label)} [" + " ".join(c.rjust(width) for c in row) + " ]"
-                           for r, row in zip(rows, cells)]
+            self.lines += [
+                f"{r.rjust(label)} [" + " ".join(c.rjust(width) for c in row) + " ]" for r, row in zip(rows, cells)
+            ]
             self.lines.append("")
 
     def text(self) -> str:
@@ -231,7 +253,7 @@ def format_example(example: WorkedExample, *, fmt: str = "text", decimals: int =
     kdims = [f"k{j}" for j in range(d_k)]
     code = "`" if fmt == "markdown" else ""
     w.heading(f"Scaled dot-product attention by hand: {n} tokens, {d} features, d_k = {d_k} (seed {example.seed})")
-    w.say(f"Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V   (Attention Is All You Need, section 3.2.1)")
+    w.say("Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V   (Attention Is All You Need, section 3.2.1)")
 
     w.heading("Convention 1, rows (the paper, PyTorch): one token per row")
     w.say("Step 1. The input X: one row per token.")
@@ -245,41 +267,55 @@ def format_example(example: WorkedExample, *, fmt: str = "text", decimals: int =
     q0, k1 = example.q[0].tolist(), example.k[min(1, n - 1)].tolist()
     terms = " + ".join(f"({a:.{decimals}f})({b:.{decimals}f})" for a, b in zip(q0, k1))
     j = min(1, n - 1)
-    w.say(f"Step 4. Scores S = Q K^T: S[i, j] = q_i . k_j, how well query i matches key j. "
-          f"For example S[0, {j}] = {terms} = {example.scores[0, j].item():.{decimals}f}.")
+    w.say(
+        f"Step 4. Scores S = Q K^T: S[i, j] = q_i . k_j, how well query i matches key j. "
+        f"For example S[0, {j}] = {terms} = {example.scores[0, j].item():.{decimals}f}."
+    )
     w.matrix("S = Q K^T   (rows: queries, columns: keys)", example.scores, toks, toks)
-    w.say(f"Step 5. Divide by sqrt(d_k) = sqrt({d_k}) = {math.sqrt(d_k):.{decimals}f} so the scores keep "
-          "unit variance as d_k grows (see `qkv experiment softmax-scaling`).")
+    w.say(
+        f"Step 5. Divide by sqrt(d_k) = sqrt({d_k}) = {math.sqrt(d_k):.{decimals}f} so the scores keep "
+        "unit variance as d_k grows (see `qkv experiment softmax-scaling`)."
+    )
     w.matrix("S / sqrt(d_k)", example.scaled, toks, toks)
     row = example.scaled[0]
     exps = torch.exp(row - row.max())
-    w.say(f"Step 6. Softmax over each row: a_ij = exp(s_ij) / sum_j' exp(s_ij'). Row 0: exp(s - max) = "
-          f"[{', '.join(f'{v:.{decimals}f}' for v in exps.tolist())}], sum {exps.sum().item():.{decimals}f}; "
-          "each row of A sums to 1.")
+    w.say(
+        f"Step 6. Softmax over each row: a_ij = exp(s_ij) / sum_j' exp(s_ij'). Row 0: exp(s - max) = "
+        f"[{', '.join(f'{v:.{decimals}f}' for v in exps.tolist())}], sum {exps.sum().item():.{decimals}f}; "
+        "each row of A sums to 1."
+    )
     w.matrix("A = softmax(S / sqrt(d_k))   (each row sums to 1)", example.weights, toks, toks)
     w.say("Step 7. The output: each token's new vector is the A-weighted average of the values, Z = A V.")
     w.matrix("Z = A V", example.z, toks, kdims)
 
     w.heading("Convention 2, columns: one token per column")
-    w.say(f"Here X is d x n (our X^T) and the projections are d_k x d (our W^T): {code}Q = W_Q X{code}, "
-          f"{code}K = W_K X{code}, {code}V = W_V X{code}.")
+    w.say(
+        f"Here X is d x n (our X^T) and the projections are d_k x d (our W^T): {code}Q = W_Q X{code}, "
+        f"{code}K = W_K X{code}, {code}V = W_V X{code}."
+    )
     for name, m in (("Q (columns)", example.q_cols), ("K (columns)", example.k_cols), ("V (columns)", example.v_cols)):
         w.matrix(name, m, kdims, toks)
-    w.say("Scores K^T Q: entry [j, i] = k_j . q_i, so each column belongs to one query; the softmax runs "
-          "down each column; the output is Z = V A with one token per column.")
+    w.say(
+        "Scores K^T Q: entry [j, i] = k_j . q_i, so each column belongs to one query; the softmax runs "
+        "down each column; the output is Z = V A with one token per column."
+    )
     w.matrix("K^T Q   (rows: keys, columns: queries)", example.scores_cols, toks, toks)
     w.matrix("A = softmax over each column of K^T Q / sqrt(d_k)", example.weights_cols, toks, toks)
     w.matrix("Z = V A (columns)", example.z_cols, kdims, toks)
-    w.say(f"Same numbers, transposed: max |A_cols - A_rows^T| = "
-          f"{example.checks['columns vs rows: weights (A_cols vs A^T)']:.1e}, max |Z_cols - Z_rows^T| = "
-          f"{example.checks['columns vs rows: output (Z_cols vs Z^T)']:.1e}.")
+    w.say(
+        f"Same numbers, transposed: max |A_cols - A_rows^T| = "
+        f"{example.checks['columns vs rows: weights (A_cols vs A^T)']:.1e}, max |Z_cols - Z_rows^T| = "
+        f"{example.checks['columns vs rows: output (Z_cols vs Z^T)']:.1e}."
+    )
 
     h = len(example.heads)
     d_h = d // h
     hdims = [f"k{j}" for j in range(d_h)]
     w.heading(f"Multi-head attention: {h} heads of d_h = d / h = {d_h}")
-    w.say("MultiHead(X) = Concat(head_1, ..., head_h) W_O, head_i = Attention(X W_Q^i, X W_K^i, X W_V^i) "
-          "(section 3.2.2). Each head scales by sqrt(d_h).")
+    w.say(
+        "MultiHead(X) = Concat(head_1, ..., head_h) W_O, head_i = Attention(X W_Q^i, X W_K^i, X W_V^i) "
+        "(section 3.2.2). Each head scales by sqrt(d_h)."
+    )
     for i, head in enumerate(example.heads, start=1):
         w.say(f"Head {i}:")
         for name, m in ((f"W_Q^{i}", head.w_q), (f"W_K^{i}", head.w_k), (f"W_V^{i}", head.w_v)):

@@ -125,8 +125,13 @@ def input_gradient_norms(model: nn.Module, tokens: Tensor) -> list[float]:
 
 
 def run(
-    *, out: str | Path, quick: bool = False, seed: int = 0, device: str | None = None,
-    config: LongRangeConfig | None = None, progress: bool = True,
+    *,
+    out: str | Path,
+    quick: bool = False,
+    seed: int = 0,
+    device: str | None = None,
+    config: LongRangeConfig | None = None,
+    progress: bool = True,
 ) -> ExperimentResult:
     """Train the three models at every distance; measure accuracy and gradient norms; write
     ``results.json`` and ``long_range.png`` under ``<out>/long-range``."""
@@ -169,8 +174,12 @@ def run(
         "chance": 1.0 / config.num_symbols,
         "parameters": parameters,
         "training": training,
-        "rnn_jacobian_norm": {"distance": list(range(1, len(rnn_init) + 1)), "init": rnn_init, "trained": rnn_trained,
-                              "trained_shortest": rnn_shortest},
+        "rnn_jacobian_norm": {
+            "distance": list(range(1, len(rnn_init) + 1)),
+            "init": rnn_init,
+            "trained": rnn_trained,
+            "trained_shortest": rnn_shortest,
+        },
         "input_gradient_norm": {
             "distance": list(range(len(attention_init))),
             "attention_init": attention_init,
@@ -182,8 +191,15 @@ def run(
     fig_name = "long_range.png"
     _plot(results, config, folder / fig_name)
     result = ExperimentResult(
-        name=NAME, quick=quick, seed=seed, config=asdict(config) | {"device": str(dev)},
-        results=_jsonable(results), claims=claims, summary=summary, figures=[fig_name], seconds=watch.seconds,
+        name=NAME,
+        quick=quick,
+        seed=seed,
+        config=asdict(config) | {"device": str(dev)},
+        results=_jsonable(results),
+        claims=claims,
+        summary=summary,
+        figures=[fig_name],
+        seconds=watch.seconds,
     )
     write_results(result, folder)
     return result
@@ -224,8 +240,11 @@ def _summary(results: dict, config: LongRangeConfig) -> list[str]:
         solved = _longest_solved(distances, results["accuracy"][kind])
         lines.append(f"{kind:>9} accuracy by N  {accs}  (longest N with >= 0.9: {solved})")
     rnn = results["rnn_jacobian_norm"]
-    labels = {"init": "at init", "trained": f"trained at N={max(distances)}",
-              "trained_shortest": f"trained at N={min(distances)}"}
+    labels = {
+        "init": "at init",
+        "trained": f"trained at N={max(distances)}",
+        "trained_shortest": f"trained at N={min(distances)}",
+    }
     for when, label in labels.items():
         norms = rnn[when]
         picks = [k for k in (1, 10, 50, len(norms)) if k <= len(norms)]
@@ -243,8 +262,13 @@ def _plot(results: dict, config: LongRangeConfig, path: Path) -> None:
     ax_acc, ax_rnn, ax_in = fig.subplots(1, 3)
     colors = {"rnn": "tab:red", "lstm": "tab:orange", "attention": "tab:blue"}
     for kind in MODELS:
-        ax_acc.plot(results["distances"], results["accuracy"][kind], "o-", color=colors[kind],
-                    label=f"{kind} ({results['parameters'][kind]:,} params)")
+        ax_acc.plot(
+            results["distances"],
+            results["accuracy"][kind],
+            "o-",
+            color=colors[kind],
+            label=f"{kind} ({results['parameters'][kind]:,} params)",
+        )
     ax_acc.axhline(results["chance"], color="gray", ls=":", label="chance")
     ax_acc.set_xscale("log", base=2)
     ax_acc.set_xlabel("N (tokens between the symbol and the question)")
@@ -257,10 +281,16 @@ def _plot(results: dict, config: LongRangeConfig, path: Path) -> None:
     tiny = 1e-300  # keep log plots finite where the product underflows to exactly 0
     ax_rnn.semilogy(rnn["distance"], [max(v, tiny) for v in rnn["init"]], color="tab:red", ls="--", label="RNN at init")
     longest, shortest = max(results["distances"]), min(results["distances"])
-    ax_rnn.semilogy(rnn["distance"], [max(v, tiny) for v in rnn["trained"]], color="tab:red",
-                    label=f"RNN trained at N = {longest}")
-    ax_rnn.semilogy(rnn["distance"], [max(v, tiny) for v in rnn["trained_shortest"]], color="tab:purple", ls=":",
-                    label=f"RNN trained at N = {shortest}")
+    ax_rnn.semilogy(
+        rnn["distance"], [max(v, tiny) for v in rnn["trained"]], color="tab:red", label=f"RNN trained at N = {longest}"
+    )
+    ax_rnn.semilogy(
+        rnn["distance"],
+        [max(v, tiny) for v in rnn["trained_shortest"]],
+        color="tab:purple",
+        ls=":",
+        label=f"RNN trained at N = {shortest}",
+    )
     ax_rnn.set_xlabel("T - t")
     ax_rnn.set_ylabel("||dh_T / dh_t||  (spectral norm)")
     ax_rnn.set_title("the RNN's gradient vanishes with distance")
@@ -268,7 +298,9 @@ def _plot(results: dict, config: LongRangeConfig, path: Path) -> None:
 
     grads = results["input_gradient_norm"]
     d = grads["distance"]
-    ax_in.semilogy(d, [max(v, tiny) for v in grads["attention_init"]], color="tab:blue", ls="--", label="attention at init")
+    ax_in.semilogy(
+        d, [max(v, tiny) for v in grads["attention_init"]], color="tab:blue", ls="--", label="attention at init"
+    )
     for kind in MODELS:
         ax_in.semilogy(d, [max(v, tiny) for v in grads[f"{kind}_trained"]], color=colors[kind], label=f"{kind} trained")
     ax_in.set_xlabel("T - t")

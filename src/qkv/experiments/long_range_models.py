@@ -160,7 +160,9 @@ def matched_hidden_size(kind: str, target: int, *, vocab_size: int, embed_dim: i
     return min(
         range(1, 1025),
         key=lambda h: abs(
-            recurrent_parameters(kind, vocab_size=vocab_size, embed_dim=embed_dim, hidden_size=h, num_classes=num_classes)
+            recurrent_parameters(
+                kind, vocab_size=vocab_size, embed_dim=embed_dim, hidden_size=h, num_classes=num_classes
+            )
             - target
         ),
     )

@@ -106,14 +106,17 @@ def offset_spread(table: Tensor) -> float:
     sin(w_i p) sin(w_i (p+k)) = sum_i cos(w_i k)``."""
     dots = table.double() @ table.double().T  # (L, L)
     positions = dots.size(0)
-    return max(
-        (dots.diagonal(k).max() - dots.diagonal(k).min()).item() for k in range(positions - 1)
-    )
+    return max((dots.diagonal(k).max() - dots.diagonal(k).min()).item() for k in range(positions - 1))
 
 
 def run(
-    *, out: str | Path, quick: bool = False, seed: int = 0, device: str | None = None,
-    config: PermutationConfig | None = None, progress: bool = True,
+    *,
+    out: str | Path,
+    quick: bool = False,
+    seed: int = 0,
+    device: str | None = None,
+    config: PermutationConfig | None = None,
+    progress: bool = True,
 ) -> ExperimentResult:
     """Measure the equivariance error of encoders with and without positional encodings; write
     ``results.json`` and ``permutation.png`` under ``<out>/permutation``."""
@@ -125,8 +128,9 @@ def run(
     with Stopwatch() as watch, seeded(seed, dev):
         generator = torch.Generator().manual_seed(seed)
         ids = torch.randint(1, config.vocab_size, (config.batch_size, config.seq_len), generator=generator).to(dev)
-        permutations = [torch.randperm(config.seq_len, generator=generator).to(dev)
-                        for _ in range(config.num_permutations)]
+        permutations = [
+            torch.randperm(config.seq_len, generator=generator).to(dev) for _ in range(config.num_permutations)
+        ]
         for positional in ENCODINGS:
             model = build_encoder(config, positional).to(dev)
             errors[positional] = {
@@ -145,21 +149,32 @@ def run(
         "not equivariant with the sinusoidal encoding": errors["sinusoidal"]["float64"] > 1e-2,
         "not equivariant with a learned encoding": errors["learned"]["float64"] > 1e-3,
     }
-    summary = [
-        f"max |enc(P x) - P enc(x)| over {config.num_permutations} permutations of {config.seq_len} tokens "
-        f"({config.num_layers} layers, d_model {config.d_model}):"
-    ] + [
-        f"  {positional:>10}: float64 {e['float64']:.2e}, float32 {e['float32']:.2e}"
-        for positional, e in errors.items()
-    ] + [
-        f"sinusoidal PE(p).PE(p+k) varies with p by at most {results['offset_spread_sinusoidal']:.1e} "
-        "(depends on the offset k only)"
-    ]
+    summary = (
+        [
+            f"max |enc(P x) - P enc(x)| over {config.num_permutations} permutations of {config.seq_len} tokens "
+            f"({config.num_layers} layers, d_model {config.d_model}):"
+        ]
+        + [
+            f"  {positional:>10}: float64 {e['float64']:.2e}, float32 {e['float32']:.2e}"
+            for positional, e in errors.items()
+        ]
+        + [
+            f"sinusoidal PE(p).PE(p+k) varies with p by at most {results['offset_spread_sinusoidal']:.1e} "
+            "(depends on the offset k only)"
+        ]
+    )
     fig_name = "permutation.png"
     _plot(results, table, folder / fig_name)
     result = ExperimentResult(
-        name=NAME, quick=quick, seed=seed, config=asdict(config) | {"device": str(dev)},
-        results=rounded(results, 6), claims=claims, summary=summary, figures=[fig_name], seconds=watch.seconds,
+        name=NAME,
+        quick=quick,
+        seed=seed,
+        config=asdict(config) | {"device": str(dev)},
+        results=rounded(results, 6),
+        claims=claims,
+        summary=summary,
+        figures=[fig_name],
+        seconds=watch.seconds,
     )
     write_results(result, folder)
     return result
@@ -188,6 +203,9 @@ def _plot(results: dict, table: Tensor, path: Path) -> None:
     ax_err.set_xticklabels([f"PE: {n}" for n in names])
     ax_err.axhline(1e-6, color="gray", ls=":", label="1e-6")
     ax_err.set_ylabel("max |enc(P x) - P enc(x)|")
-    ax_err.set_title("permuting the input permutes the output\nonly without positional encoding\n(float32 residue = rounding)", fontsize=10)
+    ax_err.set_title(
+        "permuting the input permutes the output\nonly without positional encoding\n(float32 residue = rounding)",
+        fontsize=10,
+    )
     ax_err.legend(fontsize=8)
     save_figure(fig, path)

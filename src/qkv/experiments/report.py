@@ -59,8 +59,12 @@ def find_results(folder: str | Path) -> list[tuple[Path, dict]]:
             continue
         found.append((path, data))
     order = list(EXPERIMENTS)
-    found.sort(key=lambda item: (order.index(item[1].get("experiment")) if item[1].get("experiment") in order
-                                 else len(order), str(item[0])))
+    found.sort(
+        key=lambda item: (
+            order.index(item[1].get("experiment")) if item[1].get("experiment") in order else len(order),
+            str(item[0]),
+        )
+    )
     return found
 
 
@@ -109,8 +113,11 @@ def _section(path: Path, data: dict, root: Path) -> tuple[str, str, set[Path]]:
         if png.is_file() and png.resolve().is_relative_to(root.resolve()):
             parts.append(_image(png))
             shown.add(png.resolve())
-    parts.append("<details><summary>results.json</summary><pre>"
-                 + html.escape(json.dumps(data, indent=2)) + "</pre></details></section>")
+    parts.append(
+        "<details><summary>results.json</summary><pre>"
+        + html.escape(json.dumps(data, indent=2))
+        + "</pre></details></section>"
+    )
     return anchor, "\n".join(parts), shown
 
 
@@ -131,7 +138,9 @@ def build_report(folder: str | Path, *, title: str = "qkv experiments") -> str:
         shown |= images
     loose = [p for p in pngs if p not in shown]
     if loose:
-        sections.append("<section id='other'><h2>Other figures</h2>" + "\n".join(_image(p) for p in loose) + "</section>")
+        sections.append(
+            "<section id='other'><h2>Other figures</h2>" + "\n".join(_image(p) for p in loose) + "</section>"
+        )
         nav.append("<a href='#other'>other figures</a>")
     held = sum(bool(v) for _, d in results for v in (d.get("claims") or {}).values())
     total = sum(len(d.get("claims") or {}) for _, d in results)
@@ -145,7 +154,8 @@ def build_report(folder: str | Path, *, title: str = "qkv experiments") -> str:
         f"<meta http-equiv='Content-Security-Policy' content=\"{CSP}\">\n"
         "<meta name='viewport' content='width=device-width, initial-scale=1'>\n"
         f"<title>{html.escape(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n{head}\n"
-        + "\n".join(sections) + "\n</body>\n</html>\n"
+        + "\n".join(sections)
+        + "\n</body>\n</html>\n"
     )
 
 

@@ -84,7 +84,11 @@ class ScalingConfig:
 
 # n from 1024 to 4096 with a small d: the n^2 d term dominates the n d^2 projections by far.
 QUICK = ScalingConfig(
-    lengths=(256, 1024, 2048, 4096), dims=(32, 64, 128), fixed_dim=32, fixed_length=256, repeats=3,
+    lengths=(256, 1024, 2048, 4096),
+    dims=(32, 64, 128),
+    fixed_dim=32,
+    fixed_length=256,
+    repeats=3,
     min_sample_seconds=0.01,
 )
 
@@ -106,13 +110,16 @@ def _step(kind: str, layer: nn.Module, x: torch.Tensor, mode: str) -> Callable[[
         return layer(x).output if kind == "attention" else layer(x)[0]
 
     if mode == "forward":
+
         def run() -> None:
             with torch.no_grad():
                 forward()
     else:
+
         def run() -> None:
             forward().sum().backward()
             layer.zero_grad(set_to_none=True)
+
     return run
 
 
@@ -183,8 +190,13 @@ def _fits(sizes: list[int], timings: dict, minimum: int | None = None) -> dict:
 
 
 def run(
-    *, out: str | Path, quick: bool = False, seed: int = 0, device: str | None = None,
-    config: ScalingConfig | None = None, progress: bool = True,
+    *,
+    out: str | Path,
+    quick: bool = False,
+    seed: int = 0,
+    device: str | None = None,
+    config: ScalingConfig | None = None,
+    progress: bool = True,
 ) -> ExperimentResult:
     """Time both layers over n and over d, fit exponents; write ``results.json`` and
     ``scaling.png`` under ``<out>/scaling``."""
@@ -194,10 +206,12 @@ def run(
     lengths, dims = list(config.lengths), list(config.dims)
     clock = resolve_clock(config, dev)
     with Stopwatch() as watch, seeded(seed, dev):
-        both_by_length = time_layers([(n, config.fixed_dim) for n in lengths], config, dev, progress=progress,
-                                     desc=f"{NAME} over n")
-        both_by_dim = time_layers([(config.fixed_length, d) for d in dims], config, dev, progress=progress,
-                                  desc=f"{NAME} over d")
+        both_by_length = time_layers(
+            [(n, config.fixed_dim) for n in lengths], config, dev, progress=progress, desc=f"{NAME} over n"
+        )
+        both_by_dim = time_layers(
+            [(config.fixed_length, d) for d in dims], config, dev, progress=progress, desc=f"{NAME} over d"
+        )
     by_length, by_dim = both_by_length[clock], both_by_dim[clock]
     other = "wall" if clock == "cpu" else "cpu"
     results = {
@@ -217,19 +231,28 @@ def run(
             for kind, modes in by_length.items()
         },
         "sequential_steps": {"attention": [1 for _ in lengths], "rnn": list(lengths)},
-        "theory": {"attention": "O(n^2 d + n d^2) work, O(1) sequential steps",
-                   "rnn": "O(n d^2) work, O(n) sequential steps"},
+        "theory": {
+            "attention": "O(n^2 d + n d^2) work, O(1) sequential steps",
+            "rnn": "O(n d^2) work, O(n) sequential steps",
+        },
     }
     claims = {
-        "attention time grows like n^2 for large n (exponent in [1.5, 2.5])":
-            1.5 <= results["exponent_in_n_large"]["attention"]["forward"] <= 2.5,
+        "attention time grows like n^2 for large n (exponent in [1.5, 2.5])": 1.5
+        <= results["exponent_in_n_large"]["attention"]["forward"]
+        <= 2.5,
         "RNN time grows like n (exponent in [0.7, 1.3])": 0.7 <= results["exponent_in_n"]["rnn"]["forward"] <= 1.3,
     }
     fig_name = "scaling.png"
     _plot(results, config, folder / fig_name)
     result = ExperimentResult(
-        name=NAME, quick=quick, seed=seed, config=asdict(config) | {"device": str(dev)},
-        results=rounded(results, 6), claims=claims, summary=_summary(results, config), figures=[fig_name],
+        name=NAME,
+        quick=quick,
+        seed=seed,
+        config=asdict(config) | {"device": str(dev)},
+        results=rounded(results, 6),
+        claims=claims,
+        summary=_summary(results, config),
+        figures=[fig_name],
         seconds=watch.seconds,
     )
     write_results(result, folder)
@@ -264,15 +287,28 @@ def _plot(results: dict, config: ScalingConfig, path: Path) -> None:
     for kind in LAYERS:
         for mode, times in results["by_length"][kind].items():
             p = results["exponent_in_n"][kind][mode]
-            ax_n.loglog(results["lengths"], times, lines[mode], marker="o", color=colors[kind],
-                        label=f"{kind} {mode} (n^{p:.2f})")
+            ax_n.loglog(
+                results["lengths"],
+                times,
+                lines[mode],
+                marker="o",
+                color=colors[kind],
+                label=f"{kind} {mode} (n^{p:.2f})",
+            )
         for mode, times in results["by_dim"][kind].items():
             p = results["exponent_in_d"][kind][mode]
-            ax_d.loglog(results["dims"], times, lines[mode], marker="o", color=colors[kind],
-                        label=f"{kind} {mode} (d^{p:.2f})")
+            ax_d.loglog(
+                results["dims"], times, lines[mode], marker="o", color=colors[kind], label=f"{kind} {mode} (d^{p:.2f})"
+            )
         for mode, per_token in results["time_per_token"][kind].items():
-            ax_tok.loglog(results["lengths"], [t * 1e6 for t in per_token], lines[mode], marker="o",
-                          color=colors[kind], label=f"{kind} {mode}")
+            ax_tok.loglog(
+                results["lengths"],
+                [t * 1e6 for t in per_token],
+                lines[mode],
+                marker="o",
+                color=colors[kind],
+                label=f"{kind} {mode}",
+            )
     ax_n.set_xlabel("sequence length n")
     ax_n.set_ylabel(f"seconds (median, {results['clock']} time)")
     ax_n.set_title(f"time over n (d = {config.fixed_dim})", fontsize=9)
@@ -283,8 +319,9 @@ def _plot(results: dict, config: ScalingConfig, path: Path) -> None:
     ax_tok.set_ylabel("microseconds per token")
     ax_tok.set_title("time per token", fontsize=9)
     for kind in LAYERS:
-        ax_steps.loglog(results["lengths"], results["sequential_steps"][kind], marker="o", color=colors[kind],
-                        label=kind)
+        ax_steps.loglog(
+            results["lengths"], results["sequential_steps"][kind], marker="o", color=colors[kind], label=kind
+        )
     ax_steps.set_xlabel("sequence length n")
     ax_steps.set_ylabel("sequential steps per layer")
     ax_steps.set_title("steps that must run one after another", fontsize=9)

@@ -111,8 +111,13 @@ def times_factor_demo(config: SoftmaxScalingConfig, generator: torch.Generator) 
 
 
 def run(
-    *, out: str | Path, quick: bool = False, seed: int = 0, device: str | None = None,
-    config: SoftmaxScalingConfig | None = None, progress: bool = True,
+    *,
+    out: str | Path,
+    quick: bool = False,
+    seed: int = 0,
+    device: str | None = None,
+    config: SoftmaxScalingConfig | None = None,
+    progress: bool = True,
 ) -> ExperimentResult:
     """Measure the saturation of the softmax with and without 1/sqrt(d_k); write results.json and
     ``softmax_scaling.png`` under ``<out>/softmax-scaling``. (Runs on the CPU in float64: tiny.)"""
@@ -128,8 +133,15 @@ def run(
     fig_name = "softmax_scaling.png"
     _plot(results, folder / fig_name)
     result = ExperimentResult(
-        name=NAME, quick=quick, seed=seed, config=asdict(config), results=rounded(results, 6),
-        claims=claims, summary=summary, figures=[fig_name], seconds=watch.seconds,
+        name=NAME,
+        quick=quick,
+        seed=seed,
+        config=asdict(config),
+        results=rounded(results, 6),
+        claims=claims,
+        summary=summary,
+        figures=[fig_name],
+        seconds=watch.seconds,
     )
     write_results(result, folder)
     return result
@@ -143,7 +155,8 @@ def _spread(values: list[float]) -> float:
 def _claims(results: dict) -> dict[str, bool]:
     un, sc = results["unscaled"], results["scaled"]
     return {
-        "unscaled largest weight tends to 1": un["max_weight"][-1] > 0.95 and un["max_weight"][-1] > un["max_weight"][0],
+        "unscaled largest weight tends to 1": un["max_weight"][-1] > 0.95
+        and un["max_weight"][-1] > un["max_weight"][0],
         "unscaled gradient norm tends to 0": un["grad_norm"][-1] < 0.25 * min(un["grad_norm"][0], sc["grad_norm"][-1])
         and un["grad_norm_median"][-1] < 0.01 * un["grad_norm_median"][0],
         "scaled largest weight stays put": _spread(sc["max_weight"]) < 1.25,
@@ -178,8 +191,10 @@ def _plot(results: dict, path: Path) -> None:
     fig = new_figure(13, 7)
     axes = fig.subplots(2, 3)
     dims = results["dims"]
-    styles = {"unscaled": dict(color="tab:red", marker="o", label="q.k"),
-              "scaled": dict(color="tab:blue", marker="s", label="q.k / sqrt(d_k)")}
+    styles = {
+        "unscaled": dict(color="tab:red", marker="o", label="q.k"),
+        "scaled": dict(color="tab:blue", marker="s", label="q.k / sqrt(d_k)"),
+    }
     panels = [
         (axes[0][0], "variance", "variance of the score", True),
         (axes[0][1], "max_weight", "largest softmax weight", False),
@@ -196,8 +211,9 @@ def _plot(results: dict, path: Path) -> None:
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
     for kind, style in styles.items():
-        axes[1][0].plot(dims, results[kind]["grad_norm_median"], ls="--", color=style["color"],
-                        label=f"{style['label']} (median)")
+        axes[1][0].plot(
+            dims, results[kind]["grad_norm_median"], ls="--", color=style["color"], label=f"{style['label']} (median)"
+        )
     axes[1][0].legend(fontsize=8)
     axes[0][2].axhline(results["max_entropy"], color="gray", ls=":", label="uniform (log n)")
     axes[0][2].legend(fontsize=8)

@@ -135,8 +135,14 @@ class VisionTransformer(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
         self.position = nn.Parameter(torch.randn(1, config.num_patches + 1, d) * 0.02)
         self.layers = nn.ModuleList(
-            EncoderLayer(d_model=d, num_heads=config.num_heads, d_ff=config.d_ff, dropout=config.dropout,
-                         activation="gelu", norm_first=True)
+            EncoderLayer(
+                d_model=d,
+                num_heads=config.num_heads,
+                d_ff=config.d_ff,
+                dropout=config.dropout,
+                activation="gelu",
+                norm_first=True,
+            )
             for _ in range(config.num_layers)
         )
         self.norm = nn.LayerNorm(d)
@@ -184,12 +190,21 @@ def evaluate(model: VisionTransformer, images: Tensor, labels: Tensor) -> float:
 
 
 def train(
-    model: VisionTransformer, config: ViTDigitsConfig, train_x: Tensor, train_y: Tensor, generator: torch.Generator,
-    *, progress: bool = True,
+    model: VisionTransformer,
+    config: ViTDigitsConfig,
+    train_x: Tensor,
+    train_y: Tensor,
+    generator: torch.Generator,
+    *,
+    progress: bool = True,
 ) -> list[float]:
     """AdamW with a one-cycle schedule, label smoothing and random shifts. Returns the loss per epoch."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
-                                  fused=next(model.parameters()).device.type in ("cpu", "cuda"))
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        fused=next(model.parameters()).device.type in ("cpu", "cuda"),
+    )
     steps_per_epoch = math.ceil(train_x.size(0) / config.batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=config.lr, total_steps=config.epochs * steps_per_epoch, pct_start=0.1
@@ -214,8 +229,13 @@ def train(
 
 
 def run(
-    *, out: str | Path, quick: bool = False, seed: int = 0, device: str | None = None,
-    config: ViTDigitsConfig | None = None, progress: bool = True,
+    *,
+    out: str | Path,
+    quick: bool = False,
+    seed: int = 0,
+    device: str | None = None,
+    config: ViTDigitsConfig | None = None,
+    progress: bool = True,
 ) -> ExperimentResult:
     """Train the digits ViT, test it, draw the class token's attention; write ``results.json`` and
     ``vit_digits.png`` under ``<out>/vit-digits``."""
@@ -250,7 +270,10 @@ def run(
         "tokens": config.num_patches + 1,
         "loss_per_epoch": losses,
         "cls_attention_last_layer_mean_over_test": last_cls.mean(0).tolist(),
-        "cls_attention_row_sums": [float(weights[-1][:, :, 0].sum(-1).min()), float(weights[-1][:, :, 0].sum(-1).max())],
+        "cls_attention_row_sums": [
+            float(weights[-1][:, :, 0].sum(-1).min()),
+            float(weights[-1][:, :, 0].sum(-1).max()),
+        ],
         "examples": [
             {
                 "label": int(test_y[i]),
@@ -275,8 +298,15 @@ def run(
     fig_name = "vit_digits.png"
     _plot(test_x[picks].cpu(), results, config, folder / fig_name)
     result = ExperimentResult(
-        name=NAME, quick=quick, seed=seed, config=asdict(config) | {"device": str(dev)},
-        results=rounded(results, 6), claims=claims, summary=summary, figures=[fig_name], seconds=watch.seconds,
+        name=NAME,
+        quick=quick,
+        seed=seed,
+        config=asdict(config) | {"device": str(dev)},
+        results=rounded(results, 6),
+        claims=claims,
+        summary=summary,
+        figures=[fig_name],
+        seconds=watch.seconds,
     )
     write_results(result, folder)
     return result

@@ -28,28 +28,32 @@ The Moses steps run through ``sacremoses`` (the Python port of the Moses scripts
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+from functools import cache
 
 import sacrebleu
 
-PAPERS_FORM = ("papers' form: lowercased, Moses punctuation normalisation and Moses tokenization ({lang} rules, "
-               "sacremoses), BLEU on the tokens as multi-bleu.perl computes it (how Multi30k papers report BLEU)")
-COMPOUND_SPLIT_FORM = ("tokenized with compound splitting: Moses tokenization ({lang} rules, sacremoses), case kept, "
-                       "a-b -> a ##AT##-##AT## b, BLEU on the tokens as multi-bleu.perl computes it (the Transformer "
-                       "paper's WMT En-De metric, tensor2tensor's get_ende_bleu.sh)")
+PAPERS_FORM = (
+    "papers' form: lowercased, Moses punctuation normalisation and Moses tokenization ({lang} rules, "
+    "sacremoses), BLEU on the tokens as multi-bleu.perl computes it (how Multi30k papers report BLEU)"
+)
+COMPOUND_SPLIT_FORM = (
+    "tokenized with compound splitting: Moses tokenization ({lang} rules, sacremoses), case kept, "
+    "a-b -> a ##AT##-##AT## b, BLEU on the tokens as multi-bleu.perl computes it (the Transformer "
+    "paper's WMT En-De metric, tensor2tensor's get_ende_bleu.sh)"
+)
 # the languages whose references are scored with compound splitting as well (the WMT En-De convention)
 COMPOUND_SPLIT_LANGS = ("de",)
 _COMPOUND = re.compile(r"(\S)-(\S)")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _normalizer(lang: str):
     from sacremoses import MosesPunctNormalizer
 
     return MosesPunctNormalizer(lang=lang, perl_parity=True)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tokenizer(lang: str):
     from sacremoses import MosesTokenizer
 
@@ -115,8 +119,9 @@ def published_forms(hypotheses: list[str], references: list[str], lang: str) -> 
     papers = token_bleu([papers_form(h, lang) for h in hypotheses], [papers_form(r, lang) for r in references])
     result = {"bleu_papers_form": _entry(papers, PAPERS_FORM.format(lang=lang))}
     if lang in COMPOUND_SPLIT_LANGS:
-        split = token_bleu([compound_split_form(h, lang) for h in hypotheses],
-                           [compound_split_form(r, lang) for r in references])
+        split = token_bleu(
+            [compound_split_form(h, lang) for h in hypotheses], [compound_split_form(r, lang) for r in references]
+        )
         result["bleu_compound_split"] = _entry(split, COMPOUND_SPLIT_FORM.format(lang=lang))
     return result
 

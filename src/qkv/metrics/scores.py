@@ -59,4 +59,3 @@ def exact_match(hypotheses: list[str], references: list[str]) -> float:
     if len(hypotheses) != len(references) or not references:
         raise ValueError(f"need equally many hypotheses and references, got {len(hypotheses)} and {len(references)}")
     return sum(h == r for h, r in zip(hypotheses, references)) / len(references)
-

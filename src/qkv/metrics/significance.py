@@ -13,8 +13,14 @@ from sacrebleu.significance import PairedTest
 logger = logging.getLogger(__name__)
 
 
-def paired_significance(systems: dict[str, list[str]], references: list[str], *, resamples: int = 1000,
-                        trials: int = 10000, seed: int = 12345) -> dict[str, dict]:
+def paired_significance(
+    systems: dict[str, list[str]],
+    references: list[str],
+    *,
+    resamples: int = 1000,
+    trials: int = 10000,
+    seed: int = 12345,
+) -> dict[str, dict]:
     """How far apart corpus BLEU scores on one test set are from chance, every system against the
     first (the baseline), by sacreBLEU's two paired tests (sacrebleu.significance): paired bootstrap
     resampling (Koehn 2004; ``resamples`` resamples of the sentences, giving each score's bootstrap mean
@@ -41,10 +47,12 @@ def paired_significance(systems: dict[str, list[str]], references: list[str], *,
     saved = os.environ.get("SACREBLEU_SEED")
     os.environ["SACREBLEU_SEED"] = str(seed)  # sacreBLEU reads its seed from here
     try:
-        _, bootstrap = PairedTest(named, {"BLEU": sacrebleu.BLEU()}, [references], test_type="bs",
-                                  n_samples=resamples)()
-        _, randomization = PairedTest(named, {"BLEU": sacrebleu.BLEU()}, [references], test_type="ar",
-                                      n_samples=trials)()
+        _, bootstrap = PairedTest(
+            named, {"BLEU": sacrebleu.BLEU()}, [references], test_type="bs", n_samples=resamples
+        )()
+        _, randomization = PairedTest(
+            named, {"BLEU": sacrebleu.BLEU()}, [references], test_type="ar", n_samples=trials
+        )()
     finally:
         if saved is None:
             os.environ.pop("SACREBLEU_SEED", None)
@@ -55,11 +63,14 @@ def paired_significance(systems: dict[str, list[str]], references: list[str], *,
     for i, (name, hyps) in enumerate(named):
         bs, ar = bootstrap["BLEU"][i], randomization["BLEU"][i]
         differing = None if i == 0 else sum(a != b for a, b in zip(hyps, baseline))
-        out[name] = {"bleu": round(float(bs.score), 2), "bootstrap_mean": round(float(bs.mean), 2),
-                     "ci95": round(float(bs.ci), 2),
-                     "p_bootstrap": None if i == 0 else 1.0 if differing == 0 else round(float(bs.p_value), 4),
-                     "p_randomization": None if i == 0 else 1.0 if differing == 0 else round(float(ar.p_value), 4),
-                     "differing": differing}
+        out[name] = {
+            "bleu": round(float(bs.score), 2),
+            "bootstrap_mean": round(float(bs.mean), 2),
+            "ci95": round(float(bs.ci), 2),
+            "p_bootstrap": None if i == 0 else 1.0 if differing == 0 else round(float(bs.p_value), 4),
+            "p_randomization": None if i == 0 else 1.0 if differing == 0 else round(float(ar.p_value), 4),
+            "differing": differing,
+        }
     return out
 
 
@@ -74,8 +85,9 @@ def significance_lines(results: dict[str, dict]) -> list[str]:
         if r["p_bootstrap"] is None:
             line += f"  {'(baseline)':>61s}"
         else:
-            line += (f"  {r['bleu'] - baseline:+6.2f}  p {r['p_bootstrap']:.3f} (bootstrap) "
-                     f"{r['p_randomization']:.3f} (randomization)  {r['differing']:5d} differ")
+            line += (
+                f"  {r['bleu'] - baseline:+6.2f}  p {r['p_bootstrap']:.3f} (bootstrap) "
+                f"{r['p_randomization']:.3f} (randomization)  {r['differing']:5d} differ"
+            )
         lines.append(f"{line}  {name}")
     return lines
-

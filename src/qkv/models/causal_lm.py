@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache
-from qkv.runtime.fileio import write_json
+from qkv.models.transformer import check_model_options
 from qkv.nn.layers import EncoderLayer
 from qkv.nn.loss import fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy, rdrop_cross_entropy
-from qkv.models.transformer import check_model_options
 from qkv.nn.positional import build_positional_encoding
+from qkv.runtime.fileio import write_json
 
 IGNORE = -100  # a target id that adds nothing to the loss
 
@@ -55,9 +55,17 @@ class CausalLMConfig:
         check_model_options(self, ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "context"))
 
     def layer_kwargs(self) -> dict:
-        return dict(d_model=self.d_model, num_heads=self.num_heads, d_ff=self.d_ff, dropout=self.dropout,
-                    attention_dropout=self.attention_dropout, activation=self.activation,
-                    norm_first=self.norm_first, layer_norm_eps=self.layer_norm_eps, bias=self.bias)
+        return dict(
+            d_model=self.d_model,
+            num_heads=self.num_heads,
+            d_ff=self.d_ff,
+            dropout=self.dropout,
+            attention_dropout=self.attention_dropout,
+            activation=self.activation,
+            norm_first=self.norm_first,
+            layer_norm_eps=self.layer_norm_eps,
+            bias=self.bias,
+        )
 
     @classmethod
     def from_dict(cls, data: dict) -> CausalLMConfig:
@@ -88,8 +96,9 @@ class CausalDecoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(**config.layer_kwargs()) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
 
-    def forward(self, x: Tensor, *, cache: list[KVCache] | None = None, need_weights: bool = False
-                ) -> tuple[Tensor, list[Tensor] | None, list[KVCache]]:
+    def forward(
+        self, x: Tensor, *, cache: list[KVCache] | None = None, need_weights: bool = False
+    ) -> tuple[Tensor, list[Tensor] | None, list[KVCache]]:
         """``x (b, s, d)``; ``cache`` from the previous call (its keys come before ``x``).
         Returns the hidden states, per-layer weights if asked, and the new cache."""
         attentions, new_cache = ([] if need_weights else None), []
@@ -130,7 +139,7 @@ class CausalLM(nn.Module):
         """N(0, 0.02) matrices and embeddings (N(0, d^-0.5) when scaled by sqrt(d)), zero biases;
         the projections that write into the residual stream scaled down by sqrt(2 * layers)
         (GPT-2), so the residual's variance does not grow with depth."""
-        std = self.config.d_model ** -0.5 if self.config.scale_embedding else 0.02
+        std = self.config.d_model**-0.5 if self.config.scale_embedding else 0.02
         residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
         for name, param in self.named_parameters():
             if name.endswith("bias"):
@@ -144,13 +153,14 @@ class CausalLM(nn.Module):
             elif not name.startswith("positional."):
                 nn.init.normal_(param, std=0.02)
 
-    def forward(self, ids: Tensor, *, cache: list[KVCache] | None = None, need_weights: bool = False,
-                project: bool = True) -> CausalLMOutput:
+    def forward(
+        self, ids: Tensor, *, cache: list[KVCache] | None = None, need_weights: bool = False, project: bool = True
+    ) -> CausalLMOutput:
         """Args:
-            ids: ``(b, s)`` token ids (with a ``cache``: only the new ones).
-            cache: the previous call's ``cache``; positions continue after it.
-            need_weights: return each layer's attention weights ``(b, h, s, s_k)``.
-            project: compute the logits (False: only ``hidden``, for :meth:`loss`).
+        ids: ``(b, s)`` token ids (with a ``cache``: only the new ones).
+        cache: the previous call's ``cache``; positions continue after it.
+        need_weights: return each layer's attention weights ``(b, h, s, s_k)``.
+        project: compute the logits (False: only ``hidden``, for :meth:`loss`).
         """
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be integers of shape (batch, seq), got {ids.dtype} {tuple(ids.shape)}")
@@ -176,20 +186,36 @@ class CausalLM(nn.Module):
         if rdrop:
             hidden_a, hidden_b = hidden.chunk(2)
             if fused:
-                return fused_linear_rdrop_cross_entropy(hidden_a, hidden_b, self.output_proj.weight, targets,
-                                                        label_smoothing, IGNORE, rdrop)
-            return rdrop_cross_entropy(self.output_proj(hidden_a), self.output_proj(hidden_b), targets,
-                                       label_smoothing, IGNORE, rdrop)
+                return fused_linear_rdrop_cross_entropy(
+                    hidden_a, hidden_b, self.output_proj.weight, targets, label_smoothing, IGNORE, rdrop
+                )
+            return rdrop_cross_entropy(
+                self.output_proj(hidden_a), self.output_proj(hidden_b), targets, label_smoothing, IGNORE, rdrop
+            )
         if fused:
             return fused_linear_cross_entropy(hidden, self.output_proj.weight, targets, label_smoothing, IGNORE)
         logits = self.output_proj(hidden).float()  # (b, s, V)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
-                               label_smoothing=label_smoothing, reduction="sum")
+        return F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)),
+            targets.reshape(-1),
+            ignore_index=IGNORE,
+            label_smoothing=label_smoothing,
+            reduction="sum",
+        )
 
     @torch.no_grad()
-    def generate(self, ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, generator: torch.Generator | None = None, use_cache: bool = True,
-                 on_step: Callable[[Tensor], bool | None] | None = None) -> Tensor:
+    def generate(
+        self,
+        ids: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+        on_step: Callable[[Tensor], bool | None] | None = None,
+    ) -> Tensor:
         """Continue every row of ``ids (b, s)`` by up to ``max_new_tokens`` sampled tokens.
 
         The model sees at most its last ``context`` tokens: a longer sequence is cropped from the
@@ -242,8 +268,13 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, t
         raise ValueError(f"top_p (--top-p) must be in (0, 1], got {top_p!r}")
 
 
-def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                generator: torch.Generator | None = None) -> Tensor:
+def sample_next(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
     """One token per row of ``logits (b, V)``: the most likely one when ``temperature`` is 0, else a
     sample from ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens
     and then to the smallest most-likely set whose probability reaches ``top_p`` (the nucleus).

@@ -16,10 +16,10 @@ from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache
 from qkv.nn.dropout import Dropout
-from qkv.runtime.fileio import read_json, write_json
 from qkv.nn.layers import DecoderLayer, EncoderLayer
 from qkv.nn.loss import fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy
 from qkv.nn.positional import build_positional_encoding
+from qkv.runtime.fileio import read_json, write_json
 
 
 def check_model_options(config, positive: tuple[str, ...]) -> None:
@@ -38,8 +38,12 @@ def check_model_options(config, positive: tuple[str, ...]) -> None:
     for item in fields(config):  # types as declared: a bool is not a number, "false" not a bool
         value, kind = getattr(config, item.name), str(item.type)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if (kind == "bool" and not isinstance(value, bool)) or (kind == "float" and not number) or (
-                kind == "int" and not (number and isinstance(value, int))) or (kind == "str" and not isinstance(value, str)):
+        if (
+            (kind == "bool" and not isinstance(value, bool))
+            or (kind == "float" and not number)
+            or (kind == "int" and not (number and isinstance(value, int)))
+            or (kind == "str" and not isinstance(value, str))
+        ):
             raise ValueError(f"{item.name} must be a {kind}, got {value!r}")
     for name in ("dropout", "attention_dropout"):
         value = getattr(config, name)
@@ -79,8 +83,19 @@ class TransformerConfig:
     bias: bool = True  # biases in attention and feed-forward projections
 
     def __post_init__(self) -> None:
-        check_model_options(self, ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "max_len",
-                                   "num_encoder_layers", "num_decoder_layers"))
+        check_model_options(
+            self,
+            (
+                "src_vocab_size",
+                "tgt_vocab_size",
+                "d_model",
+                "num_heads",
+                "d_ff",
+                "max_len",
+                "num_encoder_layers",
+                "num_decoder_layers",
+            ),
+        )
         if not 0 <= self.pad_id < max(self.src_vocab_size, self.tgt_vocab_size):
             raise ValueError(f"pad_id {self.pad_id} is outside the vocabulary")
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
@@ -186,8 +201,13 @@ class Decoder(nn.Module):
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
 
     def forward(
-        self, x: Tensor, memory: EncoderOutput, *, key_padding_mask: Tensor | None = None,
-        need_weights: bool = False, cache: list[tuple[KVCache, KVCache]] | None = None,
+        self,
+        x: Tensor,
+        memory: EncoderOutput,
+        *,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = False,
+        cache: list[tuple[KVCache, KVCache]] | None = None,
     ) -> tuple[Tensor, list[Tensor] | None, list[Tensor] | None, list[tuple[KVCache, KVCache]]]:
         """Target states ``x (b, s_tgt, d)`` through every layer against the encoder ``memory``.
         Returns the hidden states, per-layer self- and cross-attention weights (if asked) and the
@@ -195,9 +215,16 @@ class Decoder(nn.Module):
         self_attns, cross_attns, new_cache = ([] if need_weights else None), ([] if need_weights else None), []
         for i, layer in enumerate(self.layers):
             self_cache, cross_cache = (None, None) if cache is None else cache[i]
-            out = layer(x, memory.hidden, key_padding_mask=key_padding_mask,
-                        memory_key_padding_mask=memory.key_padding_mask, is_causal=True, need_weights=need_weights,
-                        self_cache=self_cache, cross_cache=cross_cache)
+            out = layer(
+                x,
+                memory.hidden,
+                key_padding_mask=key_padding_mask,
+                memory_key_padding_mask=memory.key_padding_mask,
+                is_causal=True,
+                need_weights=need_weights,
+                self_cache=self_cache,
+                cross_cache=cross_cache,
+            )
             x = out.output
             new_cache.append((out.self_cache, out.cross_cache))
             if need_weights:
@@ -282,8 +309,12 @@ class Transformer(nn.Module):
         """
         start = 0 if cache is None else len(cache[0][0])
         x, self_attns, cross_attns, new_cache = self.decoder(
-            self.tgt_embed(tgt, start), memory, key_padding_mask=tgt_key_padding_mask, need_weights=need_weights,
-            cache=cache)
+            self.tgt_embed(tgt, start),
+            memory,
+            key_padding_mask=tgt_key_padding_mask,
+            need_weights=need_weights,
+            cache=cache,
+        )
         return DecoderOutput(self.output_proj(x) if project else None, x, self_attns, cross_attns, new_cache)
 
     def forward(
@@ -333,10 +364,10 @@ class Transformer(nn.Module):
         hidden = self.decode(tgt_in, memory, project=False).hidden  # (b, s_tgt, d), (2b, ...) with rdrop
         if rdrop:
             hidden_a, hidden_b = hidden.chunk(2)
-            return fused_linear_rdrop_cross_entropy(hidden_a, hidden_b, self.output_proj.weight, tgt_out,
-                                                    label_smoothing, self.config.pad_id, rdrop)
-        return fused_linear_cross_entropy(hidden, self.output_proj.weight, tgt_out, label_smoothing,
-                                          self.config.pad_id)
+            return fused_linear_rdrop_cross_entropy(
+                hidden_a, hidden_b, self.output_proj.weight, tgt_out, label_smoothing, self.config.pad_id, rdrop
+            )
+        return fused_linear_cross_entropy(hidden, self.output_proj.weight, tgt_out, label_smoothing, self.config.pad_id)
 
 
 @dataclass
@@ -364,7 +395,5 @@ class EncoderModel(nn.Module):
     ) -> EncoderModelOutput:
         if key_padding_mask is None:
             key_padding_mask = ids != self.config.pad_id
-        hidden, attentions = self.encoder(
-            self.embed(ids), key_padding_mask=key_padding_mask, need_weights=need_weights
-        )
+        hidden, attentions = self.encoder(self.embed(ids), key_padding_mask=key_padding_mask, need_weights=need_weights)
         return EncoderModelOutput(hidden, attentions)

@@ -73,21 +73,17 @@ class EncoderLayer(nn.Module):
         bias: bool = True,
     ) -> None:
         """Args:
-            d_model: model width. num_heads: attention heads. d_ff: feed-forward inner width.
-            dropout: residual dropout on each sub-layer's output (section 5.4).
-            attention_dropout: dropout on attention weights (not in the paper).
-            activation: ``relu`` (paper), ``gelu`` or ``gelu_tanh``.
-            norm_first: pre-LN instead of the paper's post-LN. layer_norm_eps: LayerNorm epsilon.
-            bias: biases in attention and feed-forward projections.
+        d_model: model width. num_heads: attention heads. d_ff: feed-forward inner width.
+        dropout: residual dropout on each sub-layer's output (section 5.4).
+        attention_dropout: dropout on attention weights (not in the paper).
+        activation: ``relu`` (paper), ``gelu`` or ``gelu_tanh``.
+        norm_first: pre-LN instead of the paper's post-LN. layer_norm_eps: LayerNorm epsilon.
+        bias: biases in attention and feed-forward projections.
         """
         super().__init__()
         self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(
-            d_model, num_heads, dropout=attention_dropout, bias=bias
-        )
-        self.feed_forward = FeedForward(
-            d_model, d_ff, dropout=dropout, activation=activation, bias=bias
-        )
+        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout=attention_dropout, bias=bias)
+        self.feed_forward = FeedForward(d_model, d_ff, dropout=dropout, activation=activation, bias=bias)
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.dropout1 = Dropout(dropout)
@@ -143,24 +139,18 @@ class DecoderLayer(nn.Module):
         bias: bool = True,
     ) -> None:
         """Args:
-            d_model: model width. num_heads: attention heads. d_ff: feed-forward inner width.
-            dropout: residual dropout on each sub-layer's output (section 5.4).
-            attention_dropout: dropout on attention weights (not in the paper).
-            activation: ``relu`` (paper), ``gelu`` or ``gelu_tanh``.
-            norm_first: pre-LN instead of the paper's post-LN. layer_norm_eps: LayerNorm epsilon.
-            bias: biases in attention and feed-forward projections.
+        d_model: model width. num_heads: attention heads. d_ff: feed-forward inner width.
+        dropout: residual dropout on each sub-layer's output (section 5.4).
+        attention_dropout: dropout on attention weights (not in the paper).
+        activation: ``relu`` (paper), ``gelu`` or ``gelu_tanh``.
+        norm_first: pre-LN instead of the paper's post-LN. layer_norm_eps: LayerNorm epsilon.
+        bias: biases in attention and feed-forward projections.
         """
         super().__init__()
         self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(
-            d_model, num_heads, dropout=attention_dropout, bias=bias
-        )
-        self.cross_attn = MultiHeadAttention(
-            d_model, num_heads, dropout=attention_dropout, bias=bias
-        )
-        self.feed_forward = FeedForward(
-            d_model, d_ff, dropout=dropout, activation=activation, bias=bias
-        )
+        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout=attention_dropout, bias=bias)
+        self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout=attention_dropout, bias=bias)
+        self.feed_forward = FeedForward(d_model, d_ff, dropout=dropout, activation=activation, bias=bias)
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.norm3 = nn.LayerNorm(d_model, eps=layer_norm_eps)
@@ -182,14 +172,14 @@ class DecoderLayer(nn.Module):
         cross_cache: KVCache | None = None,
     ) -> LayerOutput:
         """Args:
-            x: target states ``(b, s, d)``.
-            memory: encoder output ``(b, s_m, d)`` (ignored when ``cross_cache`` holds it).
-            self_attn_mask: extra mask for self-attention, ``(s, s_k)`` or 4-D.
-            key_padding_mask: ``(b, s_k)`` target padding (True = real), cached keys included.
-            memory_key_padding_mask: ``(b, s_m)`` source padding (True = real).
-            is_causal: mask future target positions (bottom-right aligned, cache-safe).
-            need_weights: return self- and cross-attention weights.
-            self_cache, cross_cache: caches from the previous decoding step.
+        x: target states ``(b, s, d)``.
+        memory: encoder output ``(b, s_m, d)`` (ignored when ``cross_cache`` holds it).
+        self_attn_mask: extra mask for self-attention, ``(s, s_k)`` or 4-D.
+        key_padding_mask: ``(b, s_k)`` target padding (True = real), cached keys included.
+        memory_key_padding_mask: ``(b, s_m)`` source padding (True = real).
+        is_causal: mask future target positions (bottom-right aligned, cache-safe).
+        need_weights: return self- and cross-attention weights.
+        self_cache, cross_cache: caches from the previous decoding step.
         """
 
         def self_attend(h: Tensor):

@@ -159,8 +159,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (grad_rows * g.to(grad_rows.dtype), (grad_weight * g).to(ctx.weight_dtype), None, None, None)
 
 
-def rdrop_cross_entropy(logits_a: Tensor, logits_b: Tensor, target: Tensor, smoothing: float, ignore_index: int,
-                        alpha: float) -> Tensor:
+def rdrop_cross_entropy(
+    logits_a: Tensor, logits_b: Tensor, target: Tensor, smoothing: float, ignore_index: int, alpha: float
+) -> Tensor:
     """Summed R-Drop loss of two predictions of the same targets (see the module's docstring), over
     the positions whose target is not ``ignore_index``: PyTorch's ``F.cross_entropy`` and
     ``F.kl_div`` on the logits. The reference the fused version is tested against, and the path for
@@ -171,12 +172,14 @@ def rdrop_cross_entropy(logits_a: Tensor, logits_b: Tensor, target: Tensor, smoo
     real = target != ignore_index
     dtype = torch.promote_types(logits_a.dtype, torch.float32)  # float32 at least (float64 stays)
     a, b, y = logits_a[real].to(dtype), logits_b[real].to(dtype), target[real]
-    cross_entropy = (F.cross_entropy(a, y, label_smoothing=smoothing, reduction="sum")
-                     + F.cross_entropy(b, y, label_smoothing=smoothing, reduction="sum"))
+    cross_entropy = F.cross_entropy(a, y, label_smoothing=smoothing, reduction="sum") + F.cross_entropy(
+        b, y, label_smoothing=smoothing, reduction="sum"
+    )
     log_a, log_b = a.log_softmax(-1), b.log_softmax(-1)
     # F.kl_div(input, target) is KL(target || input)
-    kl = (F.kl_div(log_b, log_a, reduction="sum", log_target=True)
-          + F.kl_div(log_a, log_b, reduction="sum", log_target=True))
+    kl = F.kl_div(log_b, log_a, reduction="sum", log_target=True) + F.kl_div(
+        log_a, log_b, reduction="sum", log_target=True
+    )
     return 0.5 * cross_entropy + 0.25 * alpha * kl
 
 
@@ -209,13 +212,16 @@ def fused_linear_rdrop_cross_entropy(
         The summed loss, a scalar.
     """
     if hidden_a.shape != hidden_b.shape or hidden_a.shape[:-1] != target.shape:
-        raise ValueError(f"hidden {tuple(hidden_a.shape)}, {tuple(hidden_b.shape)} and target {tuple(target.shape)} "
-                         "disagree on positions")
+        raise ValueError(
+            f"hidden {tuple(hidden_a.shape)}, {tuple(hidden_b.shape)} and target {tuple(target.shape)} "
+            "disagree on positions"
+        )
     keep = (target != ignore_index).reshape(-1)
     rows_a = hidden_a.reshape(-1, hidden_a.size(-1))[keep]
     rows_b = hidden_b.reshape(-1, hidden_b.size(-1))[keep]
-    return _LinearRDrop.apply(rows_a, rows_b, weight, target.reshape(-1)[keep], float(smoothing), float(alpha),
-                              int(chunk_rows))
+    return _LinearRDrop.apply(
+        rows_a, rows_b, weight, target.reshape(-1)[keep], float(smoothing), float(alpha), int(chunk_rows)
+    )
 
 
 class _LinearRDrop(torch.autograd.Function):
@@ -226,8 +232,9 @@ class _LinearRDrop(torch.autograd.Function):
     ``(p_b - q) / 2 + alpha / 4 * (p_b * (-d - KL(p_b || p_a)) + p_b - p_a)``."""
 
     @staticmethod
-    def forward(ctx, rows_a: Tensor, rows_b: Tensor, weight: Tensor, target: Tensor, eps: float, alpha: float,
-                chunk_rows: int) -> Tensor:
+    def forward(
+        ctx, rows_a: Tensor, rows_b: Tensor, weight: Tensor, target: Tensor, eps: float, alpha: float, chunk_rows: int
+    ) -> Tensor:
         device_type = rows_a.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else rows_a.dtype
         with torch.autocast(device_type, enabled=False):
@@ -274,5 +281,12 @@ class _LinearRDrop(torch.autograd.Function):
         if grad_a is None:
             raise RuntimeError("fused_linear_rdrop_cross_entropy: backward called but no input required a gradient")
         g = grad_output.float()
-        return (grad_a * g.to(grad_a.dtype), grad_b * g.to(grad_b.dtype), (grad_weight * g).to(ctx.weight_dtype),
-                None, None, None, None)
+        return (
+            grad_a * g.to(grad_a.dtype),
+            grad_b * g.to(grad_b.dtype),
+            (grad_weight * g).to(ctx.weight_dtype),
+            None,
+            None,
+            None,
+            None,
+        )

@@ -28,11 +28,11 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from qkv.models.causal_lm import CausalLM
-from qkv.runtime.device import pick_device
-from qkv.runtime.fileio import read_json
 from qkv.pretrained.bert import BertConfig, BertEncoder, BertOutput, bert_key_map, build_bert
 from qkv.pretrained.gpt2 import GPT2Tokenizer, build_gpt2, gpt2_config, gpt2_key_map, load_gpt2
 from qkv.pretrained.tokenizer import EncodedBatch, WordPieceTokenizer
+from qkv.runtime.device import pick_device
+from qkv.runtime.fileio import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -173,11 +173,19 @@ def load_pretrained(path: str | Path, *, device: str | torch.device | None = Non
     widest = max(model.tokenizer.vocab_size, max(probe, default=0) + 1)
     if widest > config.vocab_size:
         named = folder / "tokenizer.json" if (folder / "tokenizer.json").is_file() else folder / "vocab.txt"
-        raise ValueError(f"{named}: the tokenizer gives ids up to {widest - 1} but config.json's "
-                         f"vocab_size is {config.vocab_size}; the files do not belong together")
+        raise ValueError(
+            f"{named}: the tokenizer gives ids up to {widest - 1} but config.json's "
+            f"vocab_size is {config.vocab_size}; the files do not belong together"
+        )
     model.name = folder.name
-    logger.debug("loaded %s (%d layers, %d heads, d=%d) from %s", folder.name, config.num_hidden_layers,
-                 config.num_attention_heads, config.hidden_size, weights_file)
+    logger.debug(
+        "loaded %s (%d layers, %d heads, d=%d) from %s",
+        folder.name,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.hidden_size,
+        weights_file,
+    )
     return model.to(device)
 
 

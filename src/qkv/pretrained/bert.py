@@ -56,8 +56,15 @@ class BertConfig:
     def __post_init__(self) -> None:
         if self.hidden_act not in HF_ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {sorted(HF_ACTIVATIONS)}")
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"config {name} must be a positive integer, got {value!r}")
@@ -266,7 +273,7 @@ def normalize_checkpoint_keys(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
         heads = sorted(k for k in state if not k.startswith("bert."))
         if heads:
             logger.info("skipping %d task-head tensors outside the encoder: %s", len(heads), heads)
-        state = {k[len("bert."):]: v for k, v in state.items() if k.startswith("bert.")}
+        state = {k[len("bert.") :]: v for k, v in state.items() if k.startswith("bert.")}
     out = {}
     for key, value in state.items():
         if key in IGNORED_KEYS:
@@ -313,16 +320,22 @@ def build_bert(config: BertConfig, state: Mapping[str, Tensor], *, source: str =
     state = normalize_checkpoint_keys(state)
     with_pooler = "pooler.dense.weight" in state or "pooler.dense.bias" in state
     # layer counts first: the key map (and the model) grow with config.json's num_hidden_layers
-    check_layer_counts(state, {"num_hidden_layers": ("encoder.layer.", config.num_hidden_layers)},
-                       config_path="config.json", weights_path=source,
-                       only_more=True)
+    check_layer_counts(
+        state,
+        {"num_hidden_layers": ("encoder.layer.", config.num_hidden_layers)},
+        config_path="config.json",
+        weights_path=source,
+        only_more=True,
+    )
     key_map = bert_key_map(config, with_pooler=with_pooler)
     check_key_sets(state, key_map, source, "BERT")
     try:
         with torch.device("meta"):  # shapes first, no memory: config.json is compared before the model is built
             probe = BertEncoder(config=config, with_pooler=with_pooler)
     except (TypeError, ValueError, RuntimeError, OverflowError) as err:
-        raise ValueError(f"{source}: config.json describes no model qkv can build ({str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__})") from None
+        raise ValueError(
+            f"{source}: config.json describes no model qkv can build ({str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__})"
+        ) from None
     params = dict(probe.named_parameters())
     if set(params) != set(key_map.values()):  # the map itself is the contract; guard it
         raise RuntimeError(f"bert_key_map disagrees with BertEncoder: {sorted(set(params) ^ set(key_map.values()))}")
@@ -333,8 +346,9 @@ def build_bert(config: BertConfig, state: Mapping[str, Tensor], *, source: str =
     ]
     if wrong:
         raise ValueError(f"{source}: tensor shapes disagree with config.json: {_short_list(wrong, 4)}")
-    check_fits_weights(probe, sum(t.numel() * 4 for t in state.values()), config_path="config.json",
-                       weights_path=source)
+    check_fits_weights(
+        probe, sum(t.numel() * 4 for t in state.values()), config_path="config.json", weights_path=source
+    )
     model = BertEncoder(config=config, with_pooler=with_pooler)
     params = dict(model.named_parameters())
     with torch.no_grad():

@@ -28,10 +28,10 @@ from tokenizers import Tokenizer as _RustTokenizer
 from torch import Tensor
 
 from qkv.models.causal_lm import CausalLM, CausalLMConfig
-from qkv.runtime.device import pick_device
-from qkv.runtime.fileio import atomic_path
 from qkv.pretrained.bert import _short_list, check_key_sets
 from qkv.pretrained.tokenizer import id_span, read_backend
+from qkv.runtime.device import pick_device
+from qkv.runtime.fileio import atomic_path
 from qkv.runtime.safe_load import check_fits_weights, check_layer_counts
 
 logger = logging.getLogger(__name__)
@@ -114,8 +114,11 @@ def gpt2_key_map(config: CausalLMConfig) -> dict[str, KeyTarget]:
         qkv_proj = tuple(f"{ours}self_attn.{p}_proj" for p in "qkv")
         names[hf + "attn.c_attn.weight"] = KeyTarget(tuple(p + ".weight" for p in qkv_proj), conv1d=True)
         names[hf + "attn.c_attn.bias"] = KeyTarget(tuple(p + ".bias" for p in qkv_proj))
-        for gpt2_name, qkv_name in (("attn.c_proj", "self_attn.out_proj"), ("mlp.c_fc", "feed_forward.linear1"),
-                                    ("mlp.c_proj", "feed_forward.linear2")):
+        for gpt2_name, qkv_name in (
+            ("attn.c_proj", "self_attn.out_proj"),
+            ("mlp.c_fc", "feed_forward.linear1"),
+            ("mlp.c_proj", "feed_forward.linear2"),
+        ):
             names[f"{hf}{gpt2_name}.weight"] = KeyTarget((f"{ours}{qkv_name}.weight",), conv1d=True)
             names[f"{hf}{gpt2_name}.bias"] = KeyTarget((f"{ours}{qkv_name}.bias",))
         for gpt2_name, qkv_name in (("ln_1", "norm1"), ("ln_2", "norm2")):  # pre-LN: before attention / FFN
@@ -133,7 +136,7 @@ def normalize_gpt2_keys(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     out = {}
     for key, value in state.items():
         if key.startswith("transformer."):
-            key = key[len("transformer."):]
+            key = key[len("transformer.") :]
         if key.endswith(IGNORED_SUFFIXES):
             continue
         out[key] = value
@@ -162,8 +165,9 @@ def build_gpt2(config: CausalLMConfig, state: Mapping[str, Tensor], *, source: s
     """
     state = normalize_gpt2_keys(state)
     # layer counts first: the key map (and the model) grow with config.json's n_layer
-    check_layer_counts(state, {"n_layer": ("h.", config.num_layers)}, config_path="config.json", weights_path=source,
-                       only_more=True)
+    check_layer_counts(
+        state, {"n_layer": ("h.", config.num_layers)}, config_path="config.json", weights_path=source, only_more=True
+    )
     key_map = gpt2_key_map(config)
     tied_head = state.get("lm_head.weight") if config.tie_output else None
     if tied_head is not None:
@@ -178,17 +182,23 @@ def build_gpt2(config: CausalLMConfig, state: Mapping[str, Tensor], *, source: s
     mapped = {t for entry in key_map.values() for t in entry.targets}
     if mapped != set(params):  # the map itself is the contract; guard it
         raise RuntimeError(f"gpt2_key_map disagrees with CausalLM: {sorted(mapped ^ set(params))}")
-    expected = {hf: _expected_shape([tuple(params[t].shape) for t in entry.targets], entry.conv1d)
-                for hf, entry in key_map.items()}
+    expected = {
+        hf: _expected_shape([tuple(params[t].shape) for t in entry.targets], entry.conv1d)
+        for hf, entry in key_map.items()
+    }
     if tied_head is not None:
         expected["lm_head.weight"] = tuple(params["token_embedding.weight"].shape)
     given = dict(state, **({} if tied_head is None else {"lm_head.weight": tied_head}))
-    wrong = [f"{hf} {tuple(given[hf].shape)} vs expected {shape}"
-             for hf, shape in expected.items() if tuple(given[hf].shape) != shape]
+    wrong = [
+        f"{hf} {tuple(given[hf].shape)} vs expected {shape}"
+        for hf, shape in expected.items()
+        if tuple(given[hf].shape) != shape
+    ]
     if wrong:
         raise ValueError(f"{source}: tensor shapes disagree with config.json: {_short_list(wrong, 4)}")
-    check_fits_weights(probe, sum(t.numel() * 4 for t in state.values()), config_path="config.json",
-                       weights_path=source)
+    check_fits_weights(
+        probe, sum(t.numel() * 4 for t in state.values()), config_path="config.json", weights_path=source
+    )
     model = CausalLM(config)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -232,8 +242,9 @@ class GPT2Tokenizer:
         raise FileNotFoundError(f"{folder}: no tokenizer.json, nor vocab.json and merges.txt")
 
     @classmethod
-    def from_vocab_merges(cls, vocab: str | Path, merges: str | Path,
-                          tokenizer_config: str | Path | None = None) -> GPT2Tokenizer:
+    def from_vocab_merges(
+        cls, vocab: str | Path, merges: str | Path, tokenizer_config: str | Path | None = None
+    ) -> GPT2Tokenizer:
         """Build GPT-2's tokenizer from its ``vocab.json`` and ``merges.txt``: byte-level
         pre-tokenisation (GPT-2's regex), BPE, byte-level decoding."""
         settings = {}
@@ -244,8 +255,9 @@ class GPT2Tokenizer:
                 raise ValueError(f"{tokenizer_config}: not valid JSON ({_first_line(err)})") from None
             settings = settings if isinstance(settings, dict) else {}
         try:
-            bpe = models.BPE.from_file(str(vocab), str(merges), continuing_subword_prefix="",
-                                       end_of_word_suffix="", fuse_unk=False)
+            bpe = models.BPE.from_file(
+                str(vocab), str(merges), continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False
+            )
         except Exception as err:
             raise ValueError(f"{vocab}, {merges}: not a valid BPE vocabulary ({_first_line(err)})") from None
         backend = _RustTokenizer(bpe)
@@ -258,12 +270,16 @@ class GPT2Tokenizer:
                 added[entry["content"]] = int(index)
         for content, index in sorted(added.items(), key=lambda item: item[1]):
             if backend.token_to_id(content) is None and index != backend.get_vocab_size():
-                raise ValueError(f"{tokenizer_config}: added token {content!r} has id {index}, "
-                                 f"but the vocabulary has {backend.get_vocab_size()} entries")
+                raise ValueError(
+                    f"{tokenizer_config}: added token {content!r} has id {index}, "
+                    f"but the vocabulary has {backend.get_vocab_size()} entries"
+                )
             backend.add_special_tokens([AddedToken(content, special=True, normalized=False)])
             if backend.token_to_id(content) != index:
-                raise ValueError(f"{tokenizer_config}: added token {content!r} has id {index}, "
-                                 f"but {vocab} gives it {backend.token_to_id(content)}")
+                raise ValueError(
+                    f"{tokenizer_config}: added token {content!r} has id {index}, "
+                    f"but {vocab} gives it {backend.token_to_id(content)}"
+                )
         return cls(backend)
 
     @property
@@ -332,12 +348,19 @@ def load_gpt2(folder: str | Path, device: str | torch.device | None = None) -> t
     model = build_gpt2(config, state, source=str(weights_file))
     tokenizer = GPT2Tokenizer.from_folder(folder)
     if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(f"{folder}: tokenizer has {tokenizer.vocab_size} tokens but config vocab_size is "
-                         f"{config.vocab_size}")
+        raise ValueError(
+            f"{folder}: tokenizer has {tokenizer.vocab_size} tokens but config vocab_size is {config.vocab_size}"
+        )
     model.tokenizer = tokenizer
     model.name = folder.name
-    logger.debug("loaded %s (%d layers, %d heads, d=%d) from %s", folder.name, config.num_layers,
-                 config.num_heads, config.d_model, weights_file)
+    logger.debug(
+        "loaded %s (%d layers, %d heads, d=%d) from %s",
+        folder.name,
+        config.num_layers,
+        config.num_heads,
+        config.d_model,
+        weights_file,
+    )
     return model.to(device), tokenizer
 
 

@@ -152,8 +152,9 @@ def _read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     length = data.get("model_max_length")
-    if length is not None and (isinstance(length, bool) or not isinstance(length, (int, float))
-                               or not 2 <= length < float("inf")):  # [CLS] and [SEP] must fit; NaN and infinity refused
+    if length is not None and (
+        isinstance(length, bool) or not isinstance(length, (int, float)) or not 2 <= length < float("inf")
+    ):  # [CLS] and [SEP] must fit; NaN and infinity refused
         raise ValueError(f"{path}: model_max_length is {length!r}, not a finite number of at least 2")
     for key in ("do_lower_case", "strip_accents", "tokenize_chinese_chars"):
         if data.get(key) is not None and not isinstance(data[key], bool):

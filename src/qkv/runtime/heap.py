@@ -89,7 +89,7 @@ def peak_resident_memory_bytes() -> int | None:
     return None if kib is None else kib * 1024
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     """glibc, or None (another C library, or not Linux)."""
     if not sys.platform.startswith("linux"):
@@ -108,9 +108,21 @@ def _libc() -> ctypes.CDLL | None:
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def heap_stats() -> dict[str, int] | None:
@@ -127,8 +139,13 @@ def heap_stats() -> dict[str, int] | None:
         return None
     libc.mallinfo2.restype = _Mallinfo2
     info = libc.mallinfo2()
-    return {"heap": info.arena, "in_use": info.uordblks, "free": info.fordblks, "trimmable": info.keepcost,
-            "mmapped": info.hblkhd}
+    return {
+        "heap": info.arena,
+        "in_use": info.uordblks,
+        "free": info.fordblks,
+        "trimmable": info.keepcost,
+        "mmapped": info.hblkhd,
+    }
 
 
 def memory_snapshot() -> dict[str, float]:
@@ -141,8 +158,12 @@ def memory_snapshot() -> dict[str, float]:
             out[key] = round(value / _MIB, 1)
     heap = heap_stats()
     if heap is not None:
-        for key, name in (("heap_mb", "heap"), ("heap_in_use_mb", "in_use"), ("heap_free_mb", "free"),
-                          ("mmapped_mb", "mmapped")):
+        for key, name in (
+            ("heap_mb", "heap"),
+            ("heap_in_use_mb", "in_use"),
+            ("heap_free_mb", "free"),
+            ("mmapped_mb", "mmapped"),
+        ):
             out[key] = round(heap[name] / _MIB, 1)
     return out
 
@@ -198,7 +219,8 @@ def keep_heap_top(trim_threshold: int = HEAP_TRIM_THRESHOLD) -> bool | None:
     if libc is None:
         return None
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(
-        libc.mallopt(M_TRIM_THRESHOLD, int(trim_threshold)))
+        libc.mallopt(M_TRIM_THRESHOLD, int(trim_threshold))
+    )
 
 
 def cap_onednn_primitive_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> bool:
@@ -219,9 +241,12 @@ def cap_onednn_primitive_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> bool:
     return True
 
 
-def limit_memory_growth(*, onednn_cache_capacity: int | None = ONEDNN_CACHE_CAPACITY,
-                        heap_trim_threshold: int | None = HEAP_TRIM_THRESHOLD,
-                        mmap_threshold: int | None = None) -> dict:
+def limit_memory_growth(
+    *,
+    onednn_cache_capacity: int | None = ONEDNN_CACHE_CAPACITY,
+    heap_trim_threshold: int | None = HEAP_TRIM_THRESHOLD,
+    mmap_threshold: int | None = None,
+) -> dict:
     """The process-wide settings, applied once at start-up (before the first oneDNN operation and
     the first training step): cap oneDNN's primitive cache (None: leave it), keep up to
     ``heap_trim_threshold`` bytes free at the top of the heaps between steps (:func:`keep_heap_top`;

@@ -40,7 +40,7 @@ def _seconds(fn, repeats: int, budget: float = math.inf) -> float:
     return best
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_bf16_probe(size: int = 256) -> tuple[float, float]:
     """Seconds for one ``size`` x ``size`` matrix product on the CPU in (float32, bfloat16), best of
     five each; the bfloat16 timings stop after 50 ms in all (emulated bf16 takes milliseconds a product).
@@ -76,8 +76,11 @@ def bf16_where_fast(bf16: bool, device: torch.device | str, *, asked: bool) -> b
     if not bf16 or bf16_is_fast(device):
         return bf16
     if asked:
-        logger.warning("bf16 autocast asked for, but bfloat16 matrix products are slower than float32 on this %s "
-                       "(no bf16 matrix instructions): expect slow steps", torch.device(device).type)
+        logger.warning(
+            "bf16 autocast asked for, but bfloat16 matrix products are slower than float32 on this %s "
+            "(no bf16 matrix instructions): expect slow steps",
+            torch.device(device).type,
+        )
         return True
     logger.info("bf16 autocast off: this %s has no fast bfloat16 matrix products", torch.device(device).type)
     return False
@@ -90,5 +93,7 @@ def slow_bf16_reason(device: torch.device | str = "cpu") -> str | None:
     if torch.device(device).type != "cpu":
         return f"bfloat16 is not supported natively on {device}"
     fp32, bf16 = cpu_bf16_probe()
-    return (f"bfloat16 matrix products are emulated on this CPU ({torch.backends.cpu.get_cpu_capability()}): "
-            f"a 256x256 product takes {bf16 / fp32:.0f}x the float32 time")
+    return (
+        f"bfloat16 matrix products are emulated on this CPU ({torch.backends.cpu.get_cpu_capability()}): "
+        f"a 256x256 product takes {bf16 / fp32:.0f}x the float32 time"
+    )

@@ -34,8 +34,23 @@ from torch import nn
 # tables, masks): generous for every real configuration, far below what a hostile one asks.
 BUFFER_ALLOWANCE_BYTES = 256 * 2**20
 
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+_SAFETENSORS_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+}
 
 
 class TensorInfo:
@@ -82,8 +97,14 @@ def count_layers(names: Iterable[str], prefix: str) -> int:
     return max(indices) + 1 if indices else 0
 
 
-def check_layer_counts(names: Iterable[str], asked: Mapping[str, tuple[str, int]], *, config_path: str | Path,
-                       weights_path: str | Path, only_more: bool = False) -> None:
+def check_layer_counts(
+    names: Iterable[str],
+    asked: Mapping[str, tuple[str, int]],
+    *,
+    config_path: str | Path,
+    weights_path: str | Path,
+    only_more: bool = False,
+) -> None:
     """Compare the layer counts a config asks for with the layers a weights file holds.
 
     Args:
@@ -100,13 +121,21 @@ def check_layer_counts(names: Iterable[str], asked: Mapping[str, tuple[str, int]
     for field, (prefix, count) in asked.items():
         held = count_layers(names, prefix)
         if (count > held) if only_more else (held != count):
-            raise ValueError(f"{config_path}: {field} is {count} but {weights_path} holds {held} such layer(s); "
-                             "the config and the weights do not belong together")
+            raise ValueError(
+                f"{config_path}: {field} is {count} but {weights_path} holds {held} such layer(s); "
+                "the config and the weights do not belong together"
+            )
 
 
-def check_shapes(expected: Mapping[str, tuple[int, ...]], header: Mapping[str, TensorInfo], *,
-                 config_path: str | Path, weights_path: str | Path, tied: Iterable[set[str]] = (),
-                 fields: Mapping[str, object] | None = None) -> None:
+def check_shapes(
+    expected: Mapping[str, tuple[int, ...]],
+    header: Mapping[str, TensorInfo],
+    *,
+    config_path: str | Path,
+    weights_path: str | Path,
+    tied: Iterable[set[str]] = (),
+    fields: Mapping[str, object] | None = None,
+) -> None:
     """Compare the tensor shapes a config implies with those a weights file holds (names and shapes;
     floating-point dtypes). ``tied``: groups of names stored once (any one of a group may stand for all).
     ``fields``: the config's values, to name the field behind a wrong size.
@@ -119,9 +148,11 @@ def check_shapes(expected: Mapping[str, tuple[int, ...]], header: Mapping[str, T
         raise ValueError(f"{weights_path}: tensors the model of {config_path} does not have: {unknown[:5]}")
     for name, info in header.items():
         if tuple(expected[name]) != info.shape:
-            raise ValueError(f"{weights_path}: {name} has shape {list(info.shape)} but {config_path} gives "
-                             f"{list(expected[name])}{_fields_behind(expected[name], info.shape, fields)}; "
-                             "the config and the weights do not belong together")
+            raise ValueError(
+                f"{weights_path}: {name} has shape {list(info.shape)} but {config_path} gives "
+                f"{list(expected[name])}{_fields_behind(expected[name], info.shape, fields)}; "
+                "the config and the weights do not belong together"
+            )
         if info.dtype not in ("F32", "F16", "BF16", "F64"):
             raise ValueError(f"{weights_path}: {name} has dtype {info.dtype}, expected a floating-point tensor")
     groups = [set(g) for g in tied]
@@ -135,8 +166,9 @@ def check_shapes(expected: Mapping[str, tuple[int, ...]], header: Mapping[str, T
 def _fields_behind(asked: tuple[int, ...], held: tuple[int, ...], fields: Mapping[str, object] | None) -> str:
     """`` (from d_model = 1000000)``: the config fields whose value is a size that differs."""
     wrong = {a for a, h in zip(asked, held) if a != h} | (set(asked) if len(asked) != len(held) else set())
-    names = [f"{k} = {v}" for k, v in (fields or {}).items()
-             if isinstance(v, int) and not isinstance(v, bool) and v in wrong]
+    names = [
+        f"{k} = {v}" for k, v in (fields or {}).items() if isinstance(v, int) and not isinstance(v, bool) and v in wrong
+    ]
     return f" (from {', '.join(names)})" if names else ""
 
 
@@ -169,19 +201,27 @@ def header_bytes(header: Mapping[str, TensorInfo], as_float32: bool = True) -> i
     return sum(info.numel * (4 if as_float32 else _SAFETENSORS_BYTES.get(info.dtype, 4)) for info in header.values())
 
 
-def check_fits_weights(model: nn.Module, weights_bytes: int, *, config_path: str | Path,
-                       weights_path: str | Path) -> None:
+def check_fits_weights(
+    model: nn.Module, weights_bytes: int, *, config_path: str | Path, weights_path: str | Path
+) -> None:
     """Refuse a model (built on the meta device) that needs far more memory than its weights:
     only buffers can make the difference, and :data:`BUFFER_ALLOWANCE_BYTES` covers every real one."""
     need, largest = model_bytes(model)
     if need > weights_bytes + BUFFER_ALLOWANCE_BYTES:
-        raise ValueError(f"{config_path}: the model it describes needs {need / 2**30:.1f} GiB (largest: {largest}) "
-                         f"but {weights_path} holds {weights_bytes / 2**30:.2f} GiB of weights; refusing to build it")
+        raise ValueError(
+            f"{config_path}: the model it describes needs {need / 2**30:.1f} GiB (largest: {largest}) "
+            f"but {weights_path} holds {weights_bytes / 2**30:.2f} GiB of weights; refusing to build it"
+        )
 
 
-def build_within_weights(build: Callable[[], nn.Module], header: Mapping[str, TensorInfo], *,
-                         config_path: str | Path, weights_path: str | Path,
-                         fields: Mapping[str, object] | None = None) -> nn.Module:
+def build_within_weights(
+    build: Callable[[], nn.Module],
+    header: Mapping[str, TensorInfo],
+    *,
+    config_path: str | Path,
+    weights_path: str | Path,
+    fields: Mapping[str, object] | None = None,
+) -> nn.Module:
     """Build ``build()`` only once its shapes match ``header`` exactly and its memory is bounded by
     the weights file: first on the meta device (no storage), then for real.
 
@@ -216,8 +256,10 @@ def check_zip_members(path: Path) -> None:
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError, NotImplementedError) as err:
         raise ValueError(f"{path}: damaged training state ({type(err).__name__}); the run cannot be resumed") from None
     if damaged is not None or folders:
-        raise ValueError(f"{path}: damaged training state ({damaged or folders[0]} does not match its checksum or "
-                         "type); the run cannot be resumed")
+        raise ValueError(
+            f"{path}: damaged training state ({damaged or folders[0]} does not match its checksum or "
+            "type); the run cannot be resumed"
+        )
 
 
 def refused_global(err: BaseException) -> str:
@@ -236,8 +278,11 @@ def plain_values(value):
     if isinstance(value, dict):
         return {key: plain_values(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(plain_values(item) for item in value) if type(value) in (list, tuple) else [
-            plain_values(item) for item in value]
+        return (
+            type(value)(plain_values(item) for item in value)
+            if type(value) in (list, tuple)
+            else [plain_values(item) for item in value]
+        )
     if isinstance(value, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(value))
     if isinstance(value, np.generic):
@@ -251,12 +296,27 @@ def plain_values(value):
 
 # Exactly what torch.distributed.checkpoint pickles into a folder's .metadata (besides torch dtypes).
 _DCP_METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
-     ("torch", "Size"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-     ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -302,6 +362,7 @@ def safe_dcp_load(state: dict, folder: str | Path, *, no_dist: bool) -> None:
             loaded = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
                 from torch.distributed.checkpoint._traverse import set_element
+
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
             else:
                 self.state_dict[read_item.dest_index.fqn] = loaded

@@ -17,5 +17,16 @@ from qkv.training.distributed import Distributed, init_distributed
 from qkv.training.engine import StepStats, Trainer, TrainingCrashed
 from qkv.training.tasks import LanguageModelTask, TranslationTask, encode_pairs
 
-__all__ = ["Distributed", "LanguageModelTask", "StepStats", "TrainConfig", "TrainState", "Trainer", "TrainingCrashed",
-           "TranslationTask", "encode_pairs", "init_distributed", "inverse_sqrt_lr"]
+__all__ = [
+    "Distributed",
+    "LanguageModelTask",
+    "StepStats",
+    "TrainConfig",
+    "TrainState",
+    "Trainer",
+    "TrainingCrashed",
+    "TranslationTask",
+    "encode_pairs",
+    "init_distributed",
+    "inverse_sqrt_lr",
+]

@@ -122,9 +122,11 @@ def load_checkpoint(run_dir: str | Path, *, clean: bool = True, trust: bool = Fa
         saved = torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as err:
         if not trust:
-            raise ValueError(f"{path}: holds pickled Python objects ({refused_global(err)}), which qkv never loads: "
-                             "loading them could run any code. If you made this run yourself with an older qkv, "
-                             "resume once with --trust-checkpoint to convert it") from None
+            raise ValueError(
+                f"{path}: holds pickled Python objects ({refused_global(err)}), which qkv never loads: "
+                "loading them could run any code. If you made this run yourself with an older qkv, "
+                "resume once with --trust-checkpoint to convert it"
+            ) from None
         saved = _convert_trusted_checkpoint(path)
     except Exception as err:  # noqa: BLE001 - torch raises many types for a damaged file
         raise ValueError(f"{path}: damaged training state ({type(err).__name__}); the run cannot be resumed") from None
@@ -141,8 +143,10 @@ def load_checkpoint(run_dir: str | Path, *, clean: bool = True, trust: bool = Fa
 def check_saved_weights(model: torch.nn.Module, weights: dict, path: str | Path) -> None:
     """The weights a checkpoint holds fit ``model`` (names and shapes), else one ``ValueError`` line."""
     expected, tied = meta_shapes(model)
-    header = {name: TensorInfo(tuple(t.shape), "F32" if t.is_floating_point() else str(t.dtype))
-              for name, t in weights.items()}
+    header = {
+        name: TensorInfo(tuple(t.shape), "F32" if t.is_floating_point() else str(t.dtype))
+        for name, t in weights.items()
+    }
     check_shapes(expected, header, config_path="config.json", weights_path=path, tied=tied)
 
 
@@ -170,8 +174,9 @@ def _convert_trusted_checkpoint(path: Path) -> dict:
     try:
         torch.load(buffer, weights_only=True)
     except pickle.UnpicklingError as err:
-        raise ValueError(f"{path}: holds objects qkv never writes ({refused_global(err)}); it cannot be converted "
-                         "to the safe form") from None
+        raise ValueError(
+            f"{path}: holds objects qkv never writes ({refused_global(err)}); it cannot be converted to the safe form"
+        ) from None
     with atomic_path(path) as tmp:
         tmp.write_bytes(buffer.getvalue())
     logger.warning("%s: converted to the safe checkpoint form (--trust-checkpoint); later resumes need no flag", path)
@@ -186,8 +191,10 @@ def _check_state_layout(saved: object, path: Path) -> None:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"{path}: train_state.step is {step!r}, not a step count")
     weights = saved.get("model")
-    if weights is not None and not (isinstance(weights, dict) and all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items())):
+    if weights is not None and not (
+        isinstance(weights, dict)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items())
+    ):
         raise ValueError(f"{path}: its model weights are not a mapping of names to tensors")
 
 
@@ -197,4 +204,3 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise ValueError(f"{path}: not a readable safetensors file ({str(err).splitlines()[0][:200]})") from None
-

@@ -17,8 +17,13 @@ import torch
 
 from qkv.training import checkpoint_files as ckpt
 from qkv.training.config import TrainState
-from qkv.training.distributed import (full_state, load_full_state, load_optimizer_shards, remove_optimizer_shards,
-                                      save_optimizer_shards)
+from qkv.training.distributed import (
+    full_state,
+    load_full_state,
+    load_optimizer_shards,
+    remove_optimizer_shards,
+    save_optimizer_shards,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +67,18 @@ class Checkpointing:
             self.state.metrics_bytes = metrics.stat().st_size if metrics.is_file() else 0
             if self.sharded:
                 self._shadow.load_state_dict(weights)
-            ckpt.save_checkpoint(folder, self._shadow if self.sharded else self.model,
-                                 {"train_state": asdict(self.state), "optimizer": optim,
-                                  "rng": rng if self.dist.enabled else rng[0], "world_size": self.dist.world_size,
-                                  **self._ema_state()},
-                                 weights=weights)
+            ckpt.save_checkpoint(
+                folder,
+                self._shadow if self.sharded else self.model,
+                {
+                    "train_state": asdict(self.state),
+                    "optimizer": optim,
+                    "rng": rng if self.dist.enabled else rng[0],
+                    "world_size": self.dist.world_size,
+                    **self._ema_state(),
+                },
+                weights=weights,
+            )
             remove_optimizer_shards(folder, keep=optim["shards"] if self.sharded and optim else None)
         self.dist.barrier()
 
@@ -86,8 +98,9 @@ class Checkpointing:
         fields = saved["train_state"]
         unknown = sorted(set(fields) - {f.name for f in dataclass_fields(TrainState)} - {"best_bleu"})
         if unknown:
-            raise ValueError(f"{self.run_dir / ckpt.CHECKPOINT_FILE}: train_state holds fields qkv does not write: "
-                             f"{unknown[:5]}")
+            raise ValueError(
+                f"{self.run_dir / ckpt.CHECKPOINT_FILE}: train_state holds fields qkv does not write: {unknown[:5]}"
+            )
         optim = saved["optimizer"]
         shards = optim.get("shards") if isinstance(optim, dict) else None
         load_full_state(self.model, self.optimizer, weights, None if shards else optim, self.sharded)
@@ -100,9 +113,12 @@ class Checkpointing:
         else:  # more processes than saved: a fresh, reproducible stream for this one
             torch.manual_seed(self.config.seed + 1_000_003 * self.dist.rank + saved["train_state"]["step"])
         if self.dist.is_main and len(per_process) != self.dist.world_size and saved["train_state"]["step"]:
-            logger.info("the checkpoint holds the random state of %d process(es), resuming on %d: same weights, "
-                        "optimizer and data position; dropout masks differ from an uninterrupted run",
-                        len(per_process), self.dist.world_size)
+            logger.info(
+                "the checkpoint holds the random state of %d process(es), resuming on %d: same weights, "
+                "optimizer and data position; dropout masks differ from an uninterrupted run",
+                len(per_process),
+                self.dist.world_size,
+            )
         if self.ema is not None and "ema" in saved:
             self.ema.load_state_dict(saved["ema"])
         elif self.ema is not None and self.dist.is_main:  # --ema-decay given on resume: the average starts now
@@ -116,15 +132,22 @@ class Checkpointing:
             self.task.drop_reversed_pairs()
             self._batches_epoch = None  # any epoch's batches made before are rebuilt
         if self.dist.is_main:
-            if "metrics_bytes" in saved["train_state"] and self.metrics_path.is_file() and (
-                    self.metrics_path.stat().st_size > self.state.metrics_bytes):
+            if (
+                "metrics_bytes" in saved["train_state"]
+                and self.metrics_path.is_file()
+                and (self.metrics_path.stat().st_size > self.state.metrics_bytes)
+            ):
                 with open(self.metrics_path, "r+b") as handle:  # lines logged after the saved step are replayed
                     handle.truncate(self.state.metrics_bytes)
             self._remove_unkept_checkpoints()
             remove_optimizer_shards(self.run_dir, keep=shards)
             if self.state.step:
-                logger.info("resumed at step %d (epoch %d, %.1f minutes done)", self.state.step, self.state.epoch,
-                            self.state.seconds / 60)
+                logger.info(
+                    "resumed at step %d (epoch %d, %.1f minutes done)",
+                    self.state.step,
+                    self.state.epoch,
+                    self.state.seconds / 60,
+                )
         self.dist.barrier()
 
     def _save_after_failure(self, step_start: tuple | None) -> None:
@@ -150,15 +173,26 @@ class Checkpointing:
                     self.save()
         except Exception as save_err:  # e.g. a full disk: the previous checkpoint is still whole
             on_disk = ckpt.saved_step(self.run_dir)
-            logger.error("could not save the checkpoint of step %d (%s); %s", s.step,
-                         str(save_err).strip().splitlines()[0][:200] if str(save_err).strip() else type(save_err).__name__,
-                         f"the run folder keeps step {on_disk}" if on_disk is not None else "no readable one is kept")
+            logger.error(
+                "could not save the checkpoint of step %d (%s); %s",
+                s.step,
+                str(save_err).strip().splitlines()[0][:200] if str(save_err).strip() else type(save_err).__name__,
+                f"the run folder keeps step {on_disk}" if on_disk is not None else "no readable one is kept",
+            )
 
     def _save_alone(self, s: TrainState) -> None:
         """Rank 0's save without collectives (the other processes may be gone)."""
-        ckpt.save_checkpoint(self.run_dir, self.model, {
-            "train_state": asdict(s), "rng": [ckpt.rng_state()], "optimizer": self.optimizer.state_dict(),
-            "world_size": 1, **self._ema_state()})
+        ckpt.save_checkpoint(
+            self.run_dir,
+            self.model,
+            {
+                "train_state": asdict(s),
+                "rng": [ckpt.rng_state()],
+                "optimizer": self.optimizer.state_dict(),
+                "world_size": 1,
+                **self._ema_state(),
+            },
+        )
 
     def _ema_state(self) -> dict:
         return {"ema": self.ema.state_dict()} if self.ema is not None else {}

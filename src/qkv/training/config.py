@@ -11,13 +11,28 @@ import math
 from dataclasses import dataclass, field, fields
 
 
-def _option(default, help: str, *, flag: str | None = None, minimum: float | None = None,
-            below: float | None = None, maximum: float | None = None, choices: tuple | None = None,
-            cli: bool = True):
+def _option(
+    default,
+    help: str,
+    *,
+    flag: str | None = None,
+    minimum: float | None = None,
+    below: float | None = None,
+    maximum: float | None = None,
+    choices: tuple | None = None,
+    cli: bool = True,
+):
     """A :class:`TrainConfig` field with everything the CLI and the checks need, declared once:
     its help, its flag (default ``--field-name``) and its allowed range or choices."""
-    meta = {"help": help, "flag": flag, "minimum": minimum, "below": below, "maximum": maximum, "choices": choices,
-            "cli": cli}
+    meta = {
+        "help": help,
+        "flag": flag,
+        "minimum": minimum,
+        "below": below,
+        "maximum": maximum,
+        "choices": choices,
+        "cli": cli,
+    }
     if isinstance(default, tuple):
         return field(default_factory=lambda: default, metadata=meta)
     return field(default=default, metadata=meta)
@@ -28,78 +43,149 @@ class TrainConfig:
     """Options of a training run (saved in the run's config.json). Each field's metadata holds its
     command-line help and allowed range: ``qkv train``'s flags are made from these fields."""
 
-    max_tokens: int = _option(6000, "padded tokens per batch (sentences x longest source or target; a language "
-                                    "model: max_tokens // context windows)", minimum=1)
+    max_tokens: int = _option(
+        6000,
+        "padded tokens per batch (sentences x longest source or target; a language "
+        "model: max_tokens // context windows)",
+        minimum=1,
+    )
     accum_steps: int = _option(1, "batches whose gradients are summed into one optimizer step", minimum=1)
-    lr_factor: float = _option(1.0, "multiplies the paper's schedule d_model^-0.5 * min(step^-0.5, "
-                                    "step * warmup^-1.5)", minimum=0, below=math.inf)
-    warmup_steps: int = _option(800, "linear warmup steps of the inverse-sqrt schedule (the paper: 4000)",
-                                flag="--warmup", minimum=1)
-    schedule: str = _option("inverse_sqrt", "learning-rate schedule: inverse_sqrt = the paper's (section 5.3); "
-                                            "budget = the paper's, brought down linearly to zero over the last "
-                                            "--decay-fraction of the run's budget (--minutes, --max-steps or "
-                                            "--epochs, whichever ends first)", choices=("inverse_sqrt", "budget"))
-    decay_fraction: float = _option(1.0, "with --schedule budget: the share of the budget, at its end, over which "
-                                         "the rate falls to zero", minimum=0.01, maximum=1)
+    lr_factor: float = _option(
+        1.0,
+        "multiplies the paper's schedule d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)",
+        minimum=0,
+        below=math.inf,
+    )
+    warmup_steps: int = _option(
+        800, "linear warmup steps of the inverse-sqrt schedule (the paper: 4000)", flag="--warmup", minimum=1
+    )
+    schedule: str = _option(
+        "inverse_sqrt",
+        "learning-rate schedule: inverse_sqrt = the paper's (section 5.3); "
+        "budget = the paper's, brought down linearly to zero over the last "
+        "--decay-fraction of the run's budget (--minutes, --max-steps or "
+        "--epochs, whichever ends first)",
+        choices=("inverse_sqrt", "budget"),
+    )
+    decay_fraction: float = _option(
+        1.0,
+        "with --schedule budget: the share of the budget, at its end, over which the rate falls to zero",
+        minimum=0.01,
+        maximum=1,
+    )
     adam_betas: tuple[float, float] = _option((0.9, 0.98), "Adam's beta1 and beta2 (section 5.3)", cli=False)
     adam_eps: float = _option(1e-9, "Adam's epsilon", minimum=0, below=math.inf, cli=False)
-    weight_decay: float = _option(0.0, "decoupled weight decay (AdamW, Loshchilov & Hutter 2019): each step shrinks the "
-                                       "weight matrices and embeddings by learning rate x this (e.g. 0.1); biases and "
-                                       "layer-norm gains are not decayed (0 = off: Adam, as the paper)", minimum=0,
-                                 below=math.inf)
+    weight_decay: float = _option(
+        0.0,
+        "decoupled weight decay (AdamW, Loshchilov & Hutter 2019): each step shrinks the "
+        "weight matrices and embeddings by learning rate x this (e.g. 0.1); biases and "
+        "layer-norm gains are not decayed (0 = off: Adam, as the paper)",
+        minimum=0,
+        below=math.inf,
+    )
     label_smoothing: float = _option(0.1, "label smoothing epsilon (section 5.4)", minimum=0, below=1)
-    rdrop: float = _option(0.0, "R-Drop (Liang et al. 2021): run each batch twice, each with its own dropout, and add "
-                                "this weight times the symmetric KL divergence of the two predictions to their mean "
-                                "loss (e.g. 3; 0 = off; the logged training loss includes it); a step costs about "
-                                "twice as much", minimum=0, below=math.inf)
-    rdrop_start: float = _option(0.0, "with --rdrop: the share of the budget (as --schedule budget counts it) spent "
-                                      "before R-Drop starts; the steps before it run each batch once (0 = from the "
-                                      "first step)", minimum=0, below=1)
-    dropout_start: float = _option(0.0, "late dropout (Liu et al. 2023): the share of the budget (as --schedule budget "
-                                        "counts it) spent before the model's dropout starts; the steps before it train "
-                                        "with every dropout at 0, which learns faster and costs less per step (0 = "
-                                        "dropout from the first step)", minimum=0, below=1)
-    both_directions_until: float = _option(1.0, "translation with --both-directions: the share of the budget (as "
-                                                "--schedule budget counts it) after which training goes on with the "
-                                                "given direction alone, from the next epoch on (bidirectional "
-                                                "pretraining, Ding et al. 2021; 1 = both ways all the run)",
-                                           minimum=0, maximum=1)
-    subword_dropout: float = _option(0.0, "translation: split each training token into the two pieces its BPE merge "
-                                          "joined with this probability, and each piece again, afresh every epoch "
-                                          "(a regulariser like BPE-dropout; 0 = off)", minimum=0, below=1)
+    rdrop: float = _option(
+        0.0,
+        "R-Drop (Liang et al. 2021): run each batch twice, each with its own dropout, and add "
+        "this weight times the symmetric KL divergence of the two predictions to their mean "
+        "loss (e.g. 3; 0 = off; the logged training loss includes it); a step costs about "
+        "twice as much",
+        minimum=0,
+        below=math.inf,
+    )
+    rdrop_start: float = _option(
+        0.0,
+        "with --rdrop: the share of the budget (as --schedule budget counts it) spent "
+        "before R-Drop starts; the steps before it run each batch once (0 = from the "
+        "first step)",
+        minimum=0,
+        below=1,
+    )
+    dropout_start: float = _option(
+        0.0,
+        "late dropout (Liu et al. 2023): the share of the budget (as --schedule budget "
+        "counts it) spent before the model's dropout starts; the steps before it train "
+        "with every dropout at 0, which learns faster and costs less per step (0 = "
+        "dropout from the first step)",
+        minimum=0,
+        below=1,
+    )
+    both_directions_until: float = _option(
+        1.0,
+        "translation with --both-directions: the share of the budget (as "
+        "--schedule budget counts it) after which training goes on with the "
+        "given direction alone, from the next epoch on (bidirectional "
+        "pretraining, Ding et al. 2021; 1 = both ways all the run)",
+        minimum=0,
+        maximum=1,
+    )
+    subword_dropout: float = _option(
+        0.0,
+        "translation: split each training token into the two pieces its BPE merge "
+        "joined with this probability, and each piece again, afresh every epoch "
+        "(a regulariser like BPE-dropout; 0 = off)",
+        minimum=0,
+        below=1,
+    )
     clip_norm: float = _option(1.0, "gradient clipping on the global norm (0 = off)", minimum=0, below=math.inf)
-    bf16: bool = _option(False, "bfloat16 autocast (weights and the optimizer stay float32); the Multi30k recipe "
-                                "turns it on where bf16 matrix products are fast (CUDA, CPUs with AVX512-BF16/AMX)")
-    compile: bool = _option(False, "torch.compile the encoder and decoder (the fused loss stays eager); on a "
-                                   "2-core CPU it made the step slower, see the README")
+    bf16: bool = _option(
+        False,
+        "bfloat16 autocast (weights and the optimizer stay float32); the Multi30k recipe "
+        "turns it on where bf16 matrix products are fast (CUDA, CPUs with AVX512-BF16/AMX)",
+    )
+    compile: bool = _option(
+        False,
+        "torch.compile the encoder and decoder (the fused loss stays eager); on a "
+        "2-core CPU it made the step slower, see the README",
+    )
     max_steps: int = _option(0, "stop after this many optimizer steps (0 = no limit)", minimum=0)
-    max_epochs: float = _option(0.0, "stop after this many passes over the data (0 = no limit)", flag="--epochs",
-                                minimum=0, below=math.inf)
-    max_minutes: float = _option(0.0, "stop after this much wall time over all sessions, validation included "
-                                      "(0 = no limit)", flag="--minutes", minimum=0, below=math.inf)
+    max_epochs: float = _option(
+        0.0, "stop after this many passes over the data (0 = no limit)", flag="--epochs", minimum=0, below=math.inf
+    )
+    max_minutes: float = _option(
+        0.0,
+        "stop after this much wall time over all sessions, validation included (0 = no limit)",
+        flag="--minutes",
+        minimum=0,
+        below=math.inf,
+    )
     eval_every_steps: int = _option(0, "validate every N steps (0 = off)", minimum=0)
     eval_every_minutes: float = _option(0.0, "validate every N minutes (0 = off)", minimum=0, below=math.inf)
-    eval_sentences: int = _option(300, "validation sentences decoded greedily for BLEU (a language model: "
-                                       "validation windows)", minimum=1)
-    stop_at_exact_match: float = _option(0.0, "stop once validation exact match reaches this fraction (0 = off)",
-                                         minimum=0, maximum=1, cli=False)
+    eval_sentences: int = _option(
+        300, "validation sentences decoded greedily for BLEU (a language model: validation windows)", minimum=1
+    )
+    stop_at_exact_match: float = _option(
+        0.0, "stop once validation exact match reaches this fraction (0 = off)", minimum=0, maximum=1, cli=False
+    )
     checkpoint_every_steps: int = _option(0, "keep a checkpoint for averaging every N steps (0 = off)", minimum=0)
     checkpoint_every_minutes: float = _option(0.0, "... or every N minutes (0 = off)", minimum=0, below=math.inf)
     average_last: int = _option(5, "average this many kept checkpoints at the end (<= 1: no averaging)", minimum=0)
-    ema_decay: float = _option(0.0, "also keep an exponential moving average of the weights, updated after every "
-                                    "step with this decay (e.g. 0.999; 0 = off), written to ema.safetensors at the "
-                                    "end", minimum=0, below=1)
-    final_weights: str = _option("average", "what model.safetensors holds at the end: average = the last "
-                                            "--average-last kept checkpoints averaged (or the final weights); best = "
-                                            "the weights of the best validation (best.safetensors; a run that "
-                                            "overfits late keeps its best); ema = the moving average (--ema-decay)",
-                                 choices=("average", "best", "ema"))
+    ema_decay: float = _option(
+        0.0,
+        "also keep an exponential moving average of the weights, updated after every "
+        "step with this decay (e.g. 0.999; 0 = off), written to ema.safetensors at the "
+        "end",
+        minimum=0,
+        below=1,
+    )
+    final_weights: str = _option(
+        "average",
+        "what model.safetensors holds at the end: average = the last "
+        "--average-last kept checkpoints averaged (or the final weights); best = "
+        "the weights of the best validation (best.safetensors; a run that "
+        "overfits late keeps its best); ema = the moving average (--ema-decay)",
+        choices=("average", "best", "ema"),
+    )
     log_every_steps: int = _option(20, "write a training-loss line to metrics.jsonl every N steps", minimum=1)
     seed: int = _option(0, "drives the initial weights and the batch order", minimum=0)
     progress: bool = _option(True, "tqdm progress bar", cli=False)
-    strategy: str = _option("ddp", "how several processes (torchrun) share the work: ddp = a full replica each, "
-                                   "gradients averaged; fsdp = parameters, gradients and optimizer state sharded "
-                                   "(FSDP2), for models that do not fit one device", choices=("ddp", "fsdp"))
+    strategy: str = _option(
+        "ddp",
+        "how several processes (torchrun) share the work: ddp = a full replica each, "
+        "gradients averaged; fsdp = parameters, gradients and optimizer state sharded "
+        "(FSDP2), for models that do not fit one device",
+        choices=("ddp", "fsdp"),
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -121,14 +207,20 @@ class TrainConfig:
                 setattr(self, f.name, float(value))
                 value = float(value)
             if f.type.startswith("tuple"):
-                if not (isinstance(value, (tuple, list)) and len(value) == 2
-                        and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in value)):
+                if not (
+                    isinstance(value, (tuple, list))
+                    and len(value) == 2
+                    and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in value)
+                ):
                     raise ValueError(f"{name} must be two numbers in [0, 1), got {value!r}")
                 setattr(self, f.name, tuple(float(b) for b in value))
                 continue
             low, below, high = meta.get("minimum"), meta.get("below"), meta.get("maximum")
-            if (low is not None and value < low) or (below is not None and value >= below) or (
-                    high is not None and value > high):
+            if (
+                (low is not None and value < low)
+                or (below is not None and value >= below)
+                or (high is not None and value > high)
+            ):
                 allowed = f">= {low}" if low is not None else ""
                 if below is not None and below != math.inf:
                     allowed += f" and < {below}"
@@ -141,17 +233,22 @@ class TrainConfig:
         if self.rdrop_start and not self.rdrop:
             raise ValueError("rdrop_start (--rdrop-start) says when R-Drop starts: set rdrop (--rdrop) too, e.g. 3")
         if self.rdrop and self.rdrop_start < self.dropout_start:
-            raise ValueError("R-Drop compares two dropout masks: rdrop_start (--rdrop-start) must not come before "
-                             "dropout_start (--dropout-start)")
+            raise ValueError(
+                "R-Drop compares two dropout masks: rdrop_start (--rdrop-start) must not come before "
+                "dropout_start (--dropout-start)"
+            )
         if self.final_weights == "ema" and not self.ema_decay:
-            raise ValueError("final_weights (--final-weights) ema needs a moving average: set ema_decay (--ema-decay), "
-                             "e.g. 0.999")
+            raise ValueError(
+                "final_weights (--final-weights) ema needs a moving average: set ema_decay (--ema-decay), e.g. 0.999"
+            )
 
     def check_stops(self) -> None:
         """A run needs a stop condition; raises ``ValueError`` naming the options otherwise."""
         if not (self.max_steps or self.max_minutes or self.max_epochs):
-            raise ValueError("set at least one stop condition: max_steps (--max-steps), max_minutes (--minutes) "
-                             "or max_epochs (--epochs), each > 0")
+            raise ValueError(
+                "set at least one stop condition: max_steps (--max-steps), max_minutes (--minutes) "
+                "or max_epochs (--epochs), each > 0"
+            )
 
     @classmethod
     def from_dict(cls, data: dict) -> TrainConfig:

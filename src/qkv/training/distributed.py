@@ -96,22 +96,25 @@ def init_distributed(device: str | torch.device | None = None, *, timeout_minute
     if world_size <= 1 and not dist.is_initialized():
         return Distributed(device=pick_device(device))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # the rank itself comes from the process group
-    use_cuda = torch.cuda.is_available() and (device is None or str(device) == "auto" or
-                                              str(device).startswith("cuda"))
+    use_cuda = torch.cuda.is_available() and (device is None or str(device) == "auto" or str(device).startswith("cuda"))
     if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
         pick_device(device)  # raises the one-line error
     if use_cuda:
         if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"local rank {local_rank} but only {torch.cuda.device_count()} CUDA device(s) here; "
-                             "start at most that many processes per machine (--nproc_per_node)")
+            raise ValueError(
+                f"local rank {local_rank} but only {torch.cuda.device_count()} CUDA device(s) here; "
+                "start at most that many processes per machine (--nproc_per_node)"
+            )
         torch.cuda.set_device(local_rank)
         chosen = torch.device("cuda", local_rank)
     else:
         chosen = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(minutes=timeout_minutes),
-                                **({"device_id": chosen} if use_cuda else {}))
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            **({"device_id": chosen} if use_cuda else {}),
+        )
     info = Distributed(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=chosen)
     if info.is_main:
         logger.info("training on %d processes (%s, %s)", info.world_size, dist.get_backend(), chosen.type)
@@ -204,8 +207,9 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, sharde
     return weights, optim
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict,
-                    optim: dict | None, sharded: bool) -> None:
+def load_full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict, optim: dict | None, sharded: bool
+) -> None:
     """Load what :func:`full_state` returned (on every process) into a plain or sharded model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -233,8 +237,9 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, w
 SHARDS_PREFIX, SHARDS_SUFFIX = "optimizer-step", ".dcp"
 
 
-def save_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, step: int,
-                          ctx: Distributed) -> dict | None:
+def save_optimizer_shards(
+    model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, step: int, ctx: Distributed
+) -> dict | None:
     """Write the optimizer state with ``torch.distributed.checkpoint``: every process writes its
     own shard (no process ever holds the whole state), plus the metadata that lets any number of
     processes, sharded or not, read it back. The folder ``optimizer-step<N>-<tag>.dcp`` is made
@@ -260,7 +265,10 @@ def save_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, fo
 def remove_optimizer_shards(folder: Path, keep: str | None) -> None:
     """Remove the optimizer-shard folders other than ``keep`` (older saves, and the partly
     written ones of a killed run). Rank 0, after ``state.pt`` names ``keep``."""
-    for path in [*Path(folder).glob(f"{SHARDS_PREFIX}*{SHARDS_SUFFIX}"), *Path(folder).glob(f".{SHARDS_PREFIX}*.partial")]:
+    for path in [
+        *Path(folder).glob(f"{SHARDS_PREFIX}*{SHARDS_SUFFIX}"),
+        *Path(folder).glob(f".{SHARDS_PREFIX}*.partial"),
+    ]:
         if path.name != keep and path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
 

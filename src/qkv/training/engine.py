@@ -29,12 +29,12 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from tqdm.auto import tqdm
 
-from qkv.training import checkpoint_files as ckpt
 from qkv.data.batching import Batch
 from qkv.nn.dropout import dropout_off
 from qkv.runtime.fileio import write_bytes
 from qkv.runtime.heap import HeapTrimmer, resident_memory_bytes, trim_heap
 from qkv.runtime.precision import autocast_context
+from qkv.training import checkpoint_files as ckpt
 from qkv.training.checkpointing import Checkpointing
 from qkv.training.config import TrainConfig, TrainState, budget_progress, learning_rate
 from qkv.training.distributed import Distributed, full_state, gradient_sync, plain_copy, wrap
@@ -101,8 +101,10 @@ def make_optimizer(module: torch.nn.Module, config: TrainConfig, *, fused: bool 
     if not config.weight_decay:  # one parameter group, as every run before the option (their checkpoints resume)
         return torch.optim.Adam(module.parameters(), **options)
     params = list(module.parameters())
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW([g for g in groups if g["params"]], **options)
 
 
@@ -118,8 +120,16 @@ class Trainer(Checkpointing):
         d_model: the width the learning-rate schedule is scaled by (default ``model.config.d_model``).
     """
 
-    def __init__(self, model: torch.nn.Module, task, config: TrainConfig, run_dir: str | Path | None = None, *,
-                 dist: Distributed | None = None, d_model: int | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        task,
+        config: TrainConfig,
+        run_dir: str | Path | None = None,
+        *,
+        dist: Distributed | None = None,
+        d_model: int | None = None,
+    ) -> None:
         self.model, self.task, self.config = model, task, config
         self.d_model = d_model or model.config.d_model
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -133,14 +143,20 @@ class Trainer(Checkpointing):
         if config.ema_decay and self.sharded:
             raise ValueError("--ema-decay is not supported with --strategy fsdp (the average would be sharded too)")
         # the moving average of the weights (PyTorch's AveragedModel: a float32 copy, updated with foreach ops)
-        self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config.ema_decay)) if config.ema_decay \
-            else None
+        self.ema = (
+            AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config.ema_decay)) if config.ema_decay else None
+        )
         if config.rdrop and not getattr(getattr(model, "config", None), "dropout", 0.0):
-            logger.warning("--rdrop %g with a model without dropout: both passes give the same predictions, so the "
-                           "step costs twice as much for nothing", config.rdrop)
+            logger.warning(
+                "--rdrop %g with a model without dropout: both passes give the same predictions, so the "
+                "step costs twice as much for nothing",
+                config.rdrop,
+            )
         if config.both_directions_until < 1 and not getattr(task, "both_directions", False):
-            raise ValueError("both_directions_until (--both-directions-until) says when to drop the reversed pairs: "
-                             "train a translation with --both-directions")
+            raise ValueError(
+                "both_directions_until (--both-directions-until) says when to drop the reversed pairs: "
+                "train a translation with --both-directions"
+            )
         if config.subword_dropout:
             if not hasattr(task, "set_subword_dropout"):
                 raise ValueError("--subword-dropout splits subword tokens of translation pairs; this task has none")
@@ -181,7 +197,9 @@ class Trainer(Checkpointing):
                     loss_sum += float(loss.detach())
         (loss_sum,) = self.dist.all_reduce_sum([loss_sum])
         if not math.isfinite(loss_sum):
-            raise FloatingPointError(f"the loss is {loss_sum} at step {s.step + 1}; lower --lr-factor or check the data")
+            raise FloatingPointError(
+                f"the loss is {loss_sum} at step {s.step + 1}; lower --lr-factor or check the data"
+            )
         params = [p for p in self.module.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip_norm if c.clip_norm > 0 else math.inf)
         lr = learning_rate(c, s.step + 1, self.d_model, self.progress)
@@ -198,8 +216,10 @@ class Trainer(Checkpointing):
     # ----------------------------------------------------------------- the loop
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
         if self._batches_epoch != epoch:
-            self._batches_epoch, self._batches_cache = epoch, self.task.batches(epoch, self.config.max_tokens,
-                                                                                  self.config.seed)
+            self._batches_epoch, self._batches_cache = (
+                epoch,
+                self.task.batches(epoch, self.config.max_tokens, self.config.seed),
+            )
         return self._batches_cache
 
     def _next_group(self) -> list[Batch]:
@@ -214,13 +234,17 @@ class Trainer(Checkpointing):
                 s.one_way_from_epoch = s.epoch  # saved with the state, so a resume drops them again
                 self.task.drop_reversed_pairs()
                 if d.is_main:
-                    logger.info("epoch %d on: the given direction alone (%.0f%% of the budget spent)", s.epoch,
-                                100 * self.progress)
+                    logger.info(
+                        "epoch %d on: the given direction alone (%.0f%% of the budget spent)",
+                        s.epoch,
+                        100 * self.progress,
+                    )
             batches = self._epoch_batches(s.epoch)
-        group = batches[s.batch_in_epoch: s.batch_in_epoch + c.accum_steps * d.world_size]
+        group = batches[s.batch_in_epoch : s.batch_in_epoch + c.accum_steps * d.world_size]
         s.batch_in_epoch += len(group)
-        mine = [self.task.make_batch(ix, s.epoch)
-                for ix in group[d.rank * c.accum_steps: (d.rank + 1) * c.accum_steps]]
+        mine = [
+            self.task.make_batch(ix, s.epoch) for ix in group[d.rank * c.accum_steps : (d.rank + 1) * c.accum_steps]
+        ]
         if d.enabled:  # the same number of forward passes everywhere (FSDP gathers weights in each)
             stand_in = mine[0] if mine else self.task.make_batch(group[0], s.epoch)
             mine += [replace(stand_in, num_tgt_tokens=0)] * (c.accum_steps - len(mine))
@@ -229,8 +253,12 @@ class Trainer(Checkpointing):
     def _done(self) -> bool:
         c, s = self.config, self.state
         epochs = s.epoch + s.batch_in_epoch / max(1, len(self._epoch_batches(s.epoch)))
-        done = bool(s.stopped_early or (c.max_steps and s.step >= c.max_steps)
-                    or (c.max_minutes and s.seconds >= c.max_minutes * 60) or (c.max_epochs and epochs >= c.max_epochs))
+        done = bool(
+            s.stopped_early
+            or (c.max_steps and s.step >= c.max_steps)
+            or (c.max_minutes and s.seconds >= c.max_minutes * 60)
+            or (c.max_epochs and epochs >= c.max_epochs)
+        )
         progress = budget_progress(c, step=s.step, seconds=s.seconds, epochs=epochs)
         # rank 0's clock decides for everyone: when to stop, and the budget schedule's rate (equal on every replica)
         done, self.progress = self.dist.broadcast((done, progress))
@@ -244,8 +272,14 @@ class Trainer(Checkpointing):
         c.check_stops()
         session_start, session_seconds0 = time.perf_counter(), s.seconds
         window_tokens, window_loss, window_start = 0, 0.0, time.perf_counter()
-        bar = tqdm(total=c.max_steps or None, initial=s.step, desc="training", unit="step", dynamic_ncols=True,
-                   disable=not (c.progress and self.dist.is_main))
+        bar = tqdm(
+            total=c.max_steps or None,
+            initial=s.step,
+            desc="training",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not (c.progress and self.dist.is_main),
+        )
         step_start = None
         # every batch has another shape: give the heap's freed holes back to the OS now and then,
         # so resident memory stays flat over hours (qkv.runtime.heap; ~0.15 s every 50 steps)
@@ -263,9 +297,15 @@ class Trainer(Checkpointing):
                 if s.step % c.log_every_steps == 0:
                     tps = window_tokens / max(time.perf_counter() - window_start, 1e-9)
                     epoch = s.epoch + s.batch_in_epoch / len(self._epoch_batches(s.epoch))
-                    record = {"event": "train", "step": s.step, "epoch": round(epoch, 3),
-                              "minutes": round(s.seconds / 60, 3), "loss": round(window_loss / window_tokens, 4),
-                              "lr": stats.lr, "tokens_per_s": round(tps, 1)}
+                    record = {
+                        "event": "train",
+                        "step": s.step,
+                        "epoch": round(epoch, 3),
+                        "minutes": round(s.seconds / 60, 3),
+                        "loss": round(window_loss / window_tokens, 4),
+                        "lr": stats.lr,
+                        "tokens_per_s": round(tps, 1),
+                    }
                     rss = resident_memory_bytes()
                     if rss is not None:
                         record["rss_mb"] = round(rss / 2**20, 1)
@@ -297,10 +337,14 @@ class Trainer(Checkpointing):
 
     def _maybe_evaluate_and_keep(self) -> None:
         c, s = self.config, self.state
-        evaluate = bool((c.eval_every_steps and s.step % c.eval_every_steps == 0) or (
-            c.eval_every_minutes and s.seconds - s.last_eval_seconds >= c.eval_every_minutes * 60))
-        keep = bool((c.checkpoint_every_steps and s.step % c.checkpoint_every_steps == 0) or (
-            c.checkpoint_every_minutes and s.seconds - s.last_checkpoint_seconds >= c.checkpoint_every_minutes * 60))
+        evaluate = bool(
+            (c.eval_every_steps and s.step % c.eval_every_steps == 0)
+            or (c.eval_every_minutes and s.seconds - s.last_eval_seconds >= c.eval_every_minutes * 60)
+        )
+        keep = bool(
+            (c.checkpoint_every_steps and s.step % c.checkpoint_every_steps == 0)
+            or (c.checkpoint_every_minutes and s.seconds - s.last_checkpoint_seconds >= c.checkpoint_every_minutes * 60)
+        )
         evaluate, keep = self.dist.broadcast((evaluate, keep))
         if evaluate:
             s.last_eval_seconds = s.seconds
@@ -341,15 +385,22 @@ class Trainer(Checkpointing):
             model.train()
             if figures is not None:
                 score = figures.pop("score")
-                record = {"event": "valid", "step": s.step, "minutes": round(s.seconds / 60, 3), **figures,
-                          "eval_seconds": round(time.perf_counter() - start, 1)}
+                record = {
+                    "event": "valid",
+                    "step": s.step,
+                    "minutes": round(s.seconds / 60, 3),
+                    **figures,
+                    "eval_seconds": round(time.perf_counter() - start, 1),
+                }
                 self.log(record)
-                logger.info("step %d (%.1f min): %s", s.step, s.seconds / 60,
-                            ", ".join(f"{k} {v}" for k, v in figures.items()))
+                logger.info(
+                    "step %d (%.1f min): %s", s.step, s.seconds / 60, ", ".join(f"{k} {v}" for k, v in figures.items())
+                )
                 accuracy = figures.get("val_exact_match", 0.0)
                 if c.stop_at_exact_match and accuracy >= c.stop_at_exact_match:
-                    logger.info("validation exact match %.2f%% >= %.2f%%: stopping", 100 * accuracy,
-                                100 * c.stop_at_exact_match)
+                    logger.info(
+                        "validation exact match %.2f%% >= %.2f%%: stopping", 100 * accuracy, 100 * c.stop_at_exact_match
+                    )
                     s.stopped_early = True
                 if score > s.best_score:
                     s.best_score = score
@@ -374,7 +425,7 @@ class Trainer(Checkpointing):
         elif c.average_last > 1:
             self.keep_checkpoint()
             if self.dist.is_main:
-                names = self.state.kept_checkpoints[-c.average_last:]
+                names = self.state.kept_checkpoints[-c.average_last :]
                 ckpt.average_weight_files([self.run_dir / "checkpoints" / n for n in names], out)
                 logger.info("averaged %d checkpoints: %s", len(names), ", ".join(names))
         else:

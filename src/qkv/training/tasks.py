@@ -29,16 +29,17 @@ from qkv.data.batching import Batch, BatchPlan, bucket_batches, make_batch, toke
 from qkv.data.parallel import ParallelText
 from qkv.data.subword_dropout import SubwordDropout
 from qkv.data.tokenizer import Tokenizer
-from qkv.runtime.device import model_device
-from qkv.metrics.scores import exact_match, score_translations
 from qkv.decoding.translate import translate_texts
+from qkv.metrics.scores import exact_match, score_translations
+from qkv.runtime.device import model_device
 from qkv.runtime.precision import autocast_context
 
 logger = logging.getLogger(__name__)
 
 
-def encode_pairs(tokenizer: Tokenizer, data: ParallelText, max_len: int, *, what: str = "training"
-                 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
+def encode_pairs(
+    tokenizer: Tokenizer, data: ParallelText, max_len: int, *, what: str = "training"
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """Tokenise ``data`` and drop the pairs that do not fit a model of ``max_len`` positions
     (source + EOS, or BOS + target, longer than ``max_len``), logging how many and the first
     one's file and line, so an over-long line never surfaces as a crash in the middle of a run.
@@ -52,9 +53,17 @@ def encode_pairs(tokenizer: Tokenizer, data: ParallelText, max_len: int, *, what
     if len(kept) < len(fits):
         first = fits.index(False)
         where = f"{data.src_path or 'source'}:{first + 1} / {data.tgt_path or 'target'}:{first + 1}"
-        logger.warning("dropped %d of %d %s pairs longer than the model's %d positions (first: %s, %d and %d "
-                       "tokens); pass a larger --max-len to keep them", len(fits) - len(kept), len(fits), what,
-                       max_len, where, len(src_all[first]), len(tgt_all[first]))
+        logger.warning(
+            "dropped %d of %d %s pairs longer than the model's %d positions (first: %s, %d and %d "
+            "tokens); pass a larger --max-len to keep them",
+            len(fits) - len(kept),
+            len(fits),
+            what,
+            max_len,
+            where,
+            len(src_all[first]),
+            len(tgt_all[first]),
+        )
     return [src_all[i] for i in kept], [tgt_all[i] for i in kept], kept
 
 
@@ -63,8 +72,9 @@ def _rdrop(alpha: float) -> dict:
     return {"rdrop": alpha} if alpha else {}
 
 
-def translation_loss(model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *,
-                     label_smoothing: float = 0.0, rdrop: float = 0.0) -> Tensor:
+def translation_loss(
+    model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *, label_smoothing: float = 0.0, rdrop: float = 0.0
+) -> Tensor:
     """The summed label-smoothed loss of a batch, R-Drop's with ``rdrop > 0``
     (:meth:`qkv.models.transformer.Transformer.loss`)."""
     return model.loss(src, tgt_in, tgt_out, label_smoothing=label_smoothing, rdrop=rdrop)
@@ -74,8 +84,13 @@ class TokenLists:
     """Tokenized pairs in memory: the counterpart of :class:`~qkv.data.prepared.PreparedSplit`
     (``lengths()``, ``read(indices)``, ``where(index)``) for corpora that fit in memory."""
 
-    def __init__(self, src_ids: list[list[int]], tgt_ids: list[list[int]], lines: list[int] | None = None,
-                 source: dict | None = None) -> None:
+    def __init__(
+        self,
+        src_ids: list[list[int]],
+        tgt_ids: list[list[int]],
+        lines: list[int] | None = None,
+        source: dict | None = None,
+    ) -> None:
         self.src_ids, self.tgt_ids = src_ids, tgt_ids
         self.lines = lines if lines is not None else list(range(1, len(src_ids) + 1))
         self.source = source or {}
@@ -112,15 +127,24 @@ class TranslationTask:
 
     loss_fn = staticmethod(translation_loss)
 
-    def __init__(self, tokenizer: Tokenizer, train_data, valid_data: ParallelText | None, *,
-                 max_len: int, pad_id: int, both_directions: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        train_data,
+        valid_data: ParallelText | None,
+        *,
+        max_len: int,
+        pad_id: int,
+        both_directions: bool = False,
+    ) -> None:
         self.tokenizer, self.valid, self.max_len, self.pad_id = tokenizer, valid_data, max_len, pad_id
         self.both_directions = both_directions
         self.subword_dropout: SubwordDropout | None = None
         if isinstance(train_data, ParallelText):
             src_ids, tgt_ids, kept = encode_pairs(tokenizer, train_data, max_len)
-            self.pairs = TokenLists(src_ids, tgt_ids, [i + 1 for i in kept],
-                                    {"src": train_data.src_path, "tgt": train_data.tgt_path})
+            self.pairs = TokenLists(
+                src_ids, tgt_ids, [i + 1 for i in kept], {"src": train_data.src_path, "tgt": train_data.tgt_path}
+            )
         else:
             self.pairs = train_data
         lengths = self.pairs.lengths()
@@ -135,14 +159,22 @@ class TranslationTask:
         fits = self.padded_lengths <= max_len
         kept = int(fits.sum())
         if not kept:
-            raise ValueError(f"none of the {len(self.pairs)} training pairs fits the model's {max_len} positions; "
-                             "pass a larger --max-len")
+            raise ValueError(
+                f"none of the {len(self.pairs)} training pairs fits the model's {max_len} positions; "
+                "pass a larger --max-len"
+            )
         self.kept = None if kept == len(fits) else np.flatnonzero(fits)
         if self.kept is not None:
             first = int(np.argmin(fits))
-            logger.warning("left out %d of %d training pairs longer than the model's %d positions (first: %s, %d "
-                           "tokens); pass a larger --max-len to keep them", len(fits) - kept, len(fits), max_len,
-                           self.pairs.where(first), int(self.padded_lengths[first]) - 1)
+            logger.warning(
+                "left out %d of %d training pairs longer than the model's %d positions (first: %s, %d "
+                "tokens); pass a larger --max-len to keep them",
+                len(fits) - kept,
+                len(fits),
+                max_len,
+                self.pairs.where(first),
+                int(self.padded_lengths[first]) - 1,
+            )
 
     @property
     def num_examples(self) -> int:
@@ -194,7 +226,7 @@ class TranslationTask:
         lengths = self.padded_lengths.copy()
         indices = self._trained_indices()
         for start in range(0, len(indices), chunk):
-            part = indices[start: start + chunk].tolist()
+            part = indices[start : start + chunk].tolist()
             src, tgt = self.subword_dropout.split_pairs(*self.pairs.read(part), part, epoch=epoch)
             lengths[part] = [max(len(a), len(b)) + 1 for a, b in zip(src, tgt)]
         return lengths
@@ -221,8 +253,9 @@ class TranslationTask:
         """Validation loss and greedy BLEU/chrF/exact match on the first ``sentences`` pairs that fit."""
         if self.valid is None:
             return None
-        subset = ParallelText(self.valid.src[:sentences], self.valid.tgt[:sentences], self.valid.src_path,
-                              self.valid.tgt_path)
+        subset = ParallelText(
+            self.valid.src[:sentences], self.valid.tgt[:sentences], self.valid.src_path, self.valid.tgt_path
+        )
         src_ids, tgt_ids, kept = encode_pairs(self.tokenizer, subset, self.max_len, what="validation")
         if not kept:
             logger.warning("no validation pair fits the model's %d positions: validation skipped", self.max_len)
@@ -232,17 +265,27 @@ class TranslationTask:
         total_loss, total_tokens = 0.0, 0
         with autocast_context(device, bf16):
             for index in token_batches([len(x) + 1 for x in src_ids], [len(x) + 1 for x in tgt_ids], 4000, seed=None):
-                batch = make_batch([src_ids[i] for i in index], [tgt_ids[i] for i in index], pad_id=self.pad_id,
-                                   bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id).to(device)
+                batch = make_batch(
+                    [src_ids[i] for i in index],
+                    [tgt_ids[i] for i in index],
+                    pad_id=self.pad_id,
+                    bos_id=self.tokenizer.bos_id,
+                    eos_id=self.tokenizer.eos_id,
+                ).to(device)
                 total_loss += float(translation_loss(model, batch.src, batch.tgt_in, batch.tgt_out))
                 total_tokens += batch.num_tgt_tokens
         hyps = translate_texts(model, self.tokenizer, src, beam_size=1, bf16=bf16)
         scores = score_translations(hyps, refs)
         val_loss = total_loss / total_tokens
-        return {"val_loss": round(val_loss, 4), "val_ppl": round(math.exp(min(val_loss, 700)), 3),
-                "val_bleu_greedy": scores["bleu"], "val_chrf_greedy": scores["chrf"],
-                "val_exact_match": round(exact_match(hyps, refs), 4), "sentences": len(kept),
-                "score": scores["bleu"]}
+        return {
+            "val_loss": round(val_loss, 4),
+            "val_ppl": round(math.exp(min(val_loss, 700)), 3),
+            "val_bleu_greedy": scores["bleu"],
+            "val_chrf_greedy": scores["chrf"],
+            "val_exact_match": round(exact_match(hyps, refs), 4),
+            "sentences": len(kept),
+            "score": scores["bleu"],
+        }
 
 
 @dataclass
@@ -255,12 +298,14 @@ class WindowBatch:
     num_tgt_tokens: int  # predicted tokens (0: a zero-weight stand-in)
 
     def to(self, device: torch.device | str) -> WindowBatch:
-        return WindowBatch(self.ids.to(device, non_blocking=True), self.targets.to(device, non_blocking=True),
-                           self.num_tgt_tokens)
+        return WindowBatch(
+            self.ids.to(device, non_blocking=True), self.targets.to(device, non_blocking=True), self.num_tgt_tokens
+        )
 
 
-def language_model_loss(model: nn.Module, ids: Tensor, targets: Tensor, *, label_smoothing: float = 0.0,
-                        rdrop: float = 0.0) -> Tensor:
+def language_model_loss(
+    model: nn.Module, ids: Tensor, targets: Tensor, *, label_smoothing: float = 0.0, rdrop: float = 0.0
+) -> Tensor:
     """The summed next-token loss of a batch, R-Drop's with ``rdrop > 0`` (:meth:`qkv.models.causal_lm.CausalLM.loss`)."""
     return model.loss(ids, targets, label_smoothing=label_smoothing, rdrop=rdrop)
 
@@ -280,14 +325,24 @@ class LanguageModelTask:
     loss_fn = staticmethod(language_model_loss)
     WINDOWS = ("random", "strided")
 
-    def __init__(self, tokenizer, train_tokens: np.ndarray, valid_tokens: np.ndarray | None, *, context: int,
-                 windows: str = "random", chars_per_token: float = 1.0) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        train_tokens: np.ndarray,
+        valid_tokens: np.ndarray | None,
+        *,
+        context: int,
+        windows: str = "random",
+        chars_per_token: float = 1.0,
+    ) -> None:
         if windows not in self.WINDOWS:
             raise ValueError(f"windows must be one of {self.WINDOWS}, got {windows!r}")
         for name, tokens in (("training", train_tokens), ("validation", valid_tokens)):
             if tokens is not None and len(tokens) < context + 1:
-                raise ValueError(f"the {name} text has {len(tokens)} tokens, fewer than one window of the model's "
-                                 f"context ({context}) plus one: give more text or a smaller --context")
+                raise ValueError(
+                    f"the {name} text has {len(tokens)} tokens, fewer than one window of the model's "
+                    f"context ({context}) plus one: give more text or a smaller --context"
+                )
         self.tokenizer, self.train_tokens, self.valid_tokens = tokenizer, train_tokens, valid_tokens
         self.context, self.windows, self.chars_per_token = context, windows, chars_per_token
 
@@ -304,10 +359,10 @@ class LanguageModelTask:
         else:
             starts = rng.permutation(n) * self.context
         per_batch = max(1, max_tokens // self.context)
-        return [starts[i: i + per_batch].tolist() for i in range(0, n, per_batch)]
+        return [starts[i : i + per_batch].tolist() for i in range(0, n, per_batch)]
 
     def _windows(self, tokens: np.ndarray, starts: list[int]) -> WindowBatch:
-        rows = np.stack([np.asarray(tokens[s: s + self.context + 1], dtype=np.int64) for s in starts])
+        rows = np.stack([np.asarray(tokens[s : s + self.context + 1], dtype=np.int64) for s in starts])
         block = torch.from_numpy(rows)  # (b, context + 1)
         return WindowBatch(block[:, :-1], block[:, 1:], block[:, 1:].numel())
 
@@ -329,10 +384,14 @@ class LanguageModelTask:
         total, tokens = 0.0, 0
         with autocast_context(device, bf16):
             for i in range(0, len(starts), 16):
-                batch = self._windows(self.valid_tokens, starts[i: i + 16]).to(device)
+                batch = self._windows(self.valid_tokens, starts[i : i + 16]).to(device)
                 total += float(language_model_loss(model, batch.ids, batch.targets))
                 tokens += batch.num_tgt_tokens
         loss = total / tokens
-        return {"val_loss": round(loss, 4), "val_ppl": round(math.exp(min(loss, 700)), 3),
-                "val_bpc": round(loss / math.log(2) / self.chars_per_token, 4), "windows": len(starts),
-                "score": -loss}
+        return {
+            "val_loss": round(loss, 4),
+            "val_ppl": round(math.exp(min(loss, 700)), 3),
+            "val_bpc": round(loss / math.log(2) / self.chars_per_token, 4),
+            "windows": len(starts),
+            "score": -loss,
+        }

@@ -44,8 +44,12 @@ BROAD_ENTROPY = 0.8  # a broad head's entropy is above 80% of the uniform distri
 DELIMITER_TOKENS = frozenset({"[CLS]", "[SEP]", "<s>", "</s>", "<|endoftext|>", "<bos>", "<eos>", "<|bos|>", "<|eos|>"})
 SELF_STATS = ("entropy", "previous", "same", "next", "delimiter", "distance")
 CROSS_STATS = ("entropy", "delimiter", "distance")
-LABELS = {"previous": "previous-token head", "same": "same-token head", "next": "next-token head",
-          "delimiter": "delimiter head"}
+LABELS = {
+    "previous": "previous-token head",
+    "same": "same-token head",
+    "next": "next-token head",
+    "delimiter": "delimiter head",
+}
 BROAD_LABEL = "broad head"
 DECIMALS = 4
 
@@ -83,8 +87,9 @@ def _row_entropy(att: Tensor) -> Tensor:
     return -(att * logs).sum(-1)
 
 
-def head_stats(attentions: Sequence[Tensor] | Tensor, *, delimiters: Sequence[int] = (),
-               cross: bool = False) -> dict[str, Tensor]:
+def head_stats(
+    attentions: Sequence[Tensor] | Tensor, *, delimiters: Sequence[int] = (), cross: bool = False
+) -> dict[str, Tensor]:
     """The head statistics of one view (see the module docstring for their definitions).
 
     Args:
@@ -249,4 +254,3 @@ def view_fields(view, *, encoder_rollout: Tensor | None = None, delimiters: Sequ
     elif encoder_rollout is not None:
         fields["rollout"] = rounded(cross_rollout(att, encoder_rollout))
     return fields
-

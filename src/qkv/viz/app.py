@@ -36,8 +36,9 @@ class ExplorerApp:
         initial_text: the sentence drawn when the page opens.
     """
 
-    def __init__(self, *, explorers: dict, max_chars: int = DEFAULT_MAX_CHARS,
-                 initial_text: str = "time flies like an arrow") -> None:
+    def __init__(
+        self, *, explorers: dict, max_chars: int = DEFAULT_MAX_CHARS, initial_text: str = "time flies like an arrow"
+    ) -> None:
         if not explorers:
             raise ValueError("no models to serve")
         if max_chars <= 0:
@@ -65,8 +66,10 @@ class ExplorerApp:
             raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object with 'text' (and 'model')")
         unknown = sorted(set(payload) - {"text", "model", "target", "compare"})
         if unknown:
-            raise RequestError(HTTPStatus.BAD_REQUEST,
-                               f"unknown fields {unknown}; expected 'text' and 'model' (and 'target' or 'compare')")
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST,
+                f"unknown fields {unknown}; expected 'text' and 'model' (and 'target' or 'compare')",
+            )
         text = self._text(payload, "text")
         name = payload.get("model", self.model_names[0])
         if not isinstance(name, str):
@@ -81,8 +84,9 @@ class ExplorerApp:
             )
         explorer = self.explorers[name]
         target = payload.get("target")
-        if target is not None and (explorer.kind != "seq2seq" or not isinstance(target, str)
-                                   or len(target) > self.max_chars):
+        if target is not None and (
+            explorer.kind != "seq2seq" or not isinstance(target, str) or len(target) > self.max_chars
+        ):
             raise RequestError(HTTPStatus.BAD_REQUEST, "'target' must be a string, for a translation model only")
         if target is not None:
             _check_encodable("target", target)

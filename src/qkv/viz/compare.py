@@ -21,8 +21,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-MEASURE = ("mean over the shared tokens of the total-variation distance between their attention rows, "
-           "each read over the shared tokens plus one bucket for all other tokens")
+MEASURE = (
+    "mean over the shared tokens of the total-variation distance between their attention rows, "
+    "each read over the shared tokens plus one bucket for all other tokens"
+)
 DECIMALS = 4
 
 
@@ -44,8 +46,9 @@ def token_differences(attention_a: Tensor, attention_b: Tensor, pairs: Sequence[
         ``(L, h, n_shared)`` float64 in [0, 1].
     """
     if attention_a.shape[:2] != attention_b.shape[:2]:
-        raise ValueError(f"the two views have {tuple(attention_a.shape[:2])} and {tuple(attention_b.shape[:2])} "
-                         "(layers, heads)")
+        raise ValueError(
+            f"the two views have {tuple(attention_a.shape[:2])} and {tuple(attention_b.shape[:2])} (layers, heads)"
+        )
     if not pairs:
         raise ValueError("the two sentences share no token")
     index_a = torch.tensor([p[0] for p in pairs])
@@ -93,12 +96,20 @@ def compare_field(examples: Sequence[dict], first: int = 0, second: int = 1, *, 
         if v["queries"] != v["keys"]:
             raise ValueError(f"example {which} view {name!r} is not self-attention; compare needs queries == keys")
     pairs = shared_tokens(view_a["queries"], view_b["queries"])
-    per_token = token_differences(torch.tensor(view_a["attention"], dtype=torch.float64),
-                                  torch.tensor(view_b["attention"], dtype=torch.float64), pairs)  # (L, h, n)
+    per_token = token_differences(
+        torch.tensor(view_a["attention"], dtype=torch.float64),
+        torch.tensor(view_b["attention"], dtype=torch.float64),
+        pairs,
+    )  # (L, h, n)
     heads = [
-        {"layer": layer, "head": head, "difference": round(float(per_token[layer, head].mean()), DECIMALS),
-         "per_token": per_token[layer, head].round(decimals=DECIMALS).tolist()}
-        for layer in range(per_token.size(0)) for head in range(per_token.size(1))
+        {
+            "layer": layer,
+            "head": head,
+            "difference": round(float(per_token[layer, head].mean()), DECIMALS),
+            "per_token": per_token[layer, head].round(decimals=DECIMALS).tolist(),
+        }
+        for layer in range(per_token.size(0))
+        for head in range(per_token.size(1))
     ]
     heads.sort(key=lambda row: -row["difference"])  # stable: ties keep layer, head order
     return {"examples": [first, second], "view": name, "shared": pairs, "heads": heads, "measure": MEASURE}

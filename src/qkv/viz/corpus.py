@@ -62,8 +62,10 @@ class CorpusAverage:
                 self._broadness[view.name] = torch.zeros_like(broadness)
             sums = self._sums[view.name]
             if broadness.shape != self._broadness[view.name].shape or set(stats) != set(sums):
-                raise ValueError(f"view {view.name!r}: {tuple(broadness.shape)} (layers, heads) differs from "
-                                 f"the earlier sentences' {tuple(self._broadness[view.name].shape)}")
+                raise ValueError(
+                    f"view {view.name!r}: {tuple(broadness.shape)} (layers, heads) differs from "
+                    f"the earlier sentences' {tuple(self._broadness[view.name].shape)}"
+                )
             for name, value in stats.items():
                 sums[name] += value
             self._broadness[view.name] += broadness
@@ -76,8 +78,10 @@ class CorpusAverage:
         views = {}
         for name, sums in self._sums.items():
             means = {stat: value / self.sentences for stat, value in sums.items()}
-            views[name] = {"stats": {stat: rounded(value) for stat, value in means.items()},
-                           "labels": head_labels(means, self._broadness[name] / self.sentences)}
+            views[name] = {
+                "stats": {stat: rounded(value) for stat, value in means.items()},
+                "labels": head_labels(means, self._broadness[name] / self.sentences),
+            }
         return {"file": file, "sentences": self.sentences, "views": views}
 
 

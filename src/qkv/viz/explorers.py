@@ -86,7 +86,9 @@ class EncoderExplorer:
             scores, _, cosine = cosine_saliency(self.model, batch, other)
             example["saliency"] = saliency_field(
                 about=f"cosine similarity with \u201c{paired_with}\u201d (mean-pooled embeddings)",
-                inputs=view.keys, outputs=[f"cosine similarity {cosine:.3f}"], scores=scores.cpu()[None],
+                inputs=view.keys,
+                outputs=[f"cosine similarity {cosine:.3f}"],
+                scores=scores.cpu()[None],
                 attention=view.attentions[-1].mean(0)[:1],  # the first ([CLS]) row of the last layer
             )
         return example
@@ -156,8 +158,13 @@ class Seq2SeqExplorer:
             AttentionView("encoder self-attention", src_tokens, src_tokens, [w[f"enc{i}"][0] for i in range(len(enc))]),
             AttentionView("decoder self-attention", tgt_tokens, tgt_tokens, [w[f"dec{i}"][0] for i in range(len(dec))]),
             # rows labelled by the token each position predicts (the decoder's input shifted by one)
-            AttentionView("cross-attention", predicted_tokens, src_tokens, [w[f"cross{i}"][0] for i in range(len(dec))],
-                          cross=True),
+            AttentionView(
+                "cross-attention",
+                predicted_tokens,
+                src_tokens,
+                [w[f"cross{i}"][0] for i in range(len(dec))],
+                cross=True,
+            ),
         ]
         return src, tgt, predicted, tgt_ids, views
 
@@ -186,8 +193,10 @@ class Seq2SeqExplorer:
         scores = translation_saliency(self.model, src, tgt, predicted).cpu()  # (s_tgt, s_src)
         what = "given target" if target is not None else "translation"
         example["saliency"] = saliency_field(
-            about=f"log-probability of each token of the {what} (teacher-forced)", inputs=encoder.keys,
-            outputs=cross.queries, scores=scores,
+            about=f"log-probability of each token of the {what} (teacher-forced)",
+            inputs=encoder.keys,
+            outputs=cross.queries,
+            scores=scores,
             attention=cross.attentions[-1].mean(0),  # the last decoder layer's cross-attention, mean over heads
         )
         return example
@@ -257,8 +266,9 @@ def open_explorer(path: str | Path | None = None):
         if run_task(run_config) == "lm":
             from qkv.viz.lm_explorer import CausalLMExplorer, run_sample_text
 
-            return CausalLMExplorer(model=model, tokenizer=tokenizer, name=name,
-                                    sample_text=run_sample_text(folder, tokenizer))
+            return CausalLMExplorer(
+                model=model, tokenizer=tokenizer, name=name, sample_text=run_sample_text(folder, tokenizer)
+            )
         return Seq2SeqExplorer(model=model, tokenizer=tokenizer, name=name)
     if isinstance(config, dict) and config.get("model_type") == "gpt2":
         from qkv.viz.lm_explorer import CausalLMExplorer

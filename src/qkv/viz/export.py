@@ -184,6 +184,7 @@ def _is_number(x) -> bool:
 
 def _check_grid(grid, shape: tuple[int, ...], where: str, *, item=_is_number, what: str = "numbers") -> None:
     """``grid`` is nested lists of ``shape`` whose leaves pass ``item``."""
+
     def walk(node, depth: int) -> bool:
         if depth == len(shape):
             return item(node)
@@ -205,8 +206,13 @@ def _check_view_analysis(view: dict, where: str) -> None:
         if not isinstance(bad, list) or not all(isinstance(d, int) and 0 <= d < s_k for d in bad):
             raise ValueError(f"{where}: 'delimiters' must be key positions below {s_k}, got {str(bad)[:80]}")
     if "labels" in view:
-        _check_grid(view["labels"], (layers, heads), f"{where}: 'labels'",
-                    item=lambda x: x is None or x in HEAD_LABELS, what=f"null or one of {', '.join(HEAD_LABELS)}")
+        _check_grid(
+            view["labels"],
+            (layers, heads),
+            f"{where}: 'labels'",
+            item=lambda x: x is None or x in HEAD_LABELS,
+            what=f"null or one of {', '.join(HEAD_LABELS)}",
+        )
     if "rollout" in view:
         _check_grid(view["rollout"], (layers, s_q, s_k), f"{where}: 'rollout'")
 
@@ -232,8 +238,11 @@ def _check_compare(compare, examples: list) -> None:
     if not isinstance(compare, dict):
         raise ValueError(f"{where} must be an object")
     pair = compare.get("examples")
-    if (not isinstance(pair, list) or len(pair) != 2
-            or not all(isinstance(i, int) and 0 <= i < len(examples) for i in pair)):
+    if (
+        not isinstance(pair, list)
+        or len(pair) != 2
+        or not all(isinstance(i, int) and 0 <= i < len(examples) for i in pair)
+    ):
         raise ValueError(f"{where}: 'examples' must be two indices below {len(examples)}, got {str(pair)[:80]}")
     name = compare.get("view")
     views = [next((v for v in examples[i].get("views") or [] if v["name"] == name), None) for i in pair]
@@ -242,17 +251,24 @@ def _check_compare(compare, examples: list) -> None:
     shared = compare.get("shared")
     sizes = [len(v["queries"]) for v in views]
     if not isinstance(shared, list) or not all(
-            isinstance(p, list) and len(p) == 2 and all(isinstance(i, int) and 0 <= i < n for i, n in zip(p, sizes))
-            for p in shared):
+        isinstance(p, list) and len(p) == 2 and all(isinstance(i, int) and 0 <= i < n for i, n in zip(p, sizes))
+        for p in shared
+    ):
         raise ValueError(f"{where}: 'shared' must be [a, b] token pairs within {sizes[0]} and {sizes[1]} tokens")
     heads = compare.get("heads")
     layers, count = views[0]["layers"], views[0]["heads"]
     if not isinstance(heads, list) or not all(
-            isinstance(h, dict) and isinstance(h.get("layer"), int) and 0 <= h["layer"] < layers
-            and isinstance(h.get("head"), int) and 0 <= h["head"] < count and _is_number(h.get("difference"))
-            for h in heads):
-        raise ValueError(f"{where}: 'heads' must be objects with 'layer' < {layers}, 'head' < {count} and a "
-                         "number 'difference'")
+        isinstance(h, dict)
+        and isinstance(h.get("layer"), int)
+        and 0 <= h["layer"] < layers
+        and isinstance(h.get("head"), int)
+        and 0 <= h["head"] < count
+        and _is_number(h.get("difference"))
+        for h in heads
+    ):
+        raise ValueError(
+            f"{where}: 'heads' must be objects with 'layer' < {layers}, 'head' < {count} and a number 'difference'"
+        )
     if not isinstance(compare.get("measure"), str):
         raise ValueError(f"{where}: 'measure' must be a string")
 
@@ -276,8 +292,13 @@ def _check_corpus(corpus) -> None:
         for stat, grid in stats.items():
             _check_grid(grid, shape, f"{where} view {name!r}: 'stats'[{stat!r}]")
         if "labels" in entry:
-            _check_grid(entry["labels"], shape, f"{where} view {name!r}: 'labels'",
-                        item=lambda x: x is None or x in HEAD_LABELS, what=f"null or one of {', '.join(HEAD_LABELS)}")
+            _check_grid(
+                entry["labels"],
+                shape,
+                f"{where} view {name!r}: 'labels'",
+                item=lambda x: x is None or x in HEAD_LABELS,
+                what=f"null or one of {', '.join(HEAD_LABELS)}",
+            )
 
 
 def write_json(data: dict, path: str | Path) -> Path:

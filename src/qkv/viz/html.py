@@ -28,13 +28,25 @@ from qkv.viz.export import check_data
 
 # The page's JavaScript, inlined in this order into one <script> (core.js first: it makes the
 # shared object the others add to; main.js last: it starts the page).
-SCRIPTS = ("core.js", "figure.js", "lines.js", "attention.js", "summary.js", "rollout.js", "saliency.js",
-           "compare.js", "export.js", "main.js")
+SCRIPTS = (
+    "core.js",
+    "figure.js",
+    "lines.js",
+    "attention.js",
+    "summary.js",
+    "rollout.js",
+    "saliency.js",
+    "compare.js",
+    "export.js",
+    "main.js",
+)
 
 # The page's policy: nothing from anywhere, the one inline script allowed by its hash (so a script or
 # an on* handler that got into the page some other way would not run), styles inline, images as data.
-_CSP_STATIC = ("default-src 'none'; style-src 'unsafe-inline'; script-src '{script_hash}'; img-src data:; "
-               "base-uri 'none'; form-action 'none'")
+_CSP_STATIC = (
+    "default-src 'none'; style-src 'unsafe-inline'; script-src '{script_hash}'; img-src data:; "
+    "base-uri 'none'; form-action 'none'"
+)
 _CSP_LIVE = _CSP_STATIC + "; connect-src 'self'"
 _DATA_OPEN = '<script id="qkv-data" type="application/json">'
 
@@ -86,15 +98,20 @@ def pack_weights(grid: list) -> dict | None:
     """
     values = np.asarray(grid, dtype=np.float64)
     units = np.rint(values * WEIGHT_SCALE)
-    if values.size == 0 or not (units.min() >= 0 and units.max() <= np.iinfo(np.uint16).max
-                                and np.array_equal(units / WEIGHT_SCALE, values)):
+    if values.size == 0 or not (
+        units.min() >= 0 and units.max() <= np.iinfo(np.uint16).max and np.array_equal(units / WEIGHT_SCALE, values)
+    ):
         return None
     small = units < LINE_FLOOR
     units[small] = np.minimum(np.rint(units[small] / SMALL_STEP) * SMALL_STEP, LINE_FLOOR - 1)
     words = units.astype(np.uint16).ravel()
     planes = np.concatenate([(words >> 8).astype(np.uint8), (words & 0xFF).astype(np.uint8)])  # compress better
-    return {"packed": PACKED, "shape": list(values.shape), "scale": WEIGHT_SCALE,
-            "data": base64.b64encode(zlib.compress(planes.tobytes(), 6)).decode("ascii")}
+    return {
+        "packed": PACKED,
+        "shape": list(values.shape),
+        "scale": WEIGHT_SCALE,
+        "data": base64.b64encode(zlib.compress(planes.tobytes(), 6)).decode("ascii"),
+    }
 
 
 def packed_for_page(data: dict) -> dict:
@@ -135,7 +152,7 @@ def page_document(page: str) -> dict:
     """The document inside a page from :func:`render_html`, packed arrays unpacked to nested lists
     (the weights below 0.01 as rounded for the page, see :func:`pack_weights`)."""
     start = page.index(_DATA_OPEN) + len(_DATA_OPEN)
-    data = json.loads(page[start:page.index("</script>", start)])
+    data = json.loads(page[start : page.index("</script>", start)])
     for example in data.get("examples") or []:
         for view in example.get("views") or []:
             for key in ("attention", "rollout"):

@@ -142,9 +142,13 @@ class CausalLMExplorer:
         note = ""
         if len(ids) > self.context:
             note = f"; showing its last {self.context} of {len(ids)} tokens (the model's context)"
-            logger.info("%s: the text has %d tokens; showing the last %d (the model's context)",
-                        self.name, len(ids), self.context)
-            ids = ids[-self.context:]
+            logger.info(
+                "%s: the text has %d tokens; showing the last %d (the model's context)",
+                self.name,
+                len(ids),
+                self.context,
+            )
+            ids = ids[-self.context :]
         return ids, note
 
     @torch.no_grad()
@@ -179,8 +183,11 @@ class CausalLMExplorer:
         example["views"][0].update(view_fields(view))
         scores = next_token_saliency(self.model, x, best).cpu()  # (s,)
         example["saliency"] = saliency_field(
-            about="log-probability of the most likely next token", inputs=view.keys, outputs=[label],
-            scores=scores[None], attention=view.attentions[-1].mean(0)[-1:],  # the last row predicts it
+            about="log-probability of the most likely next token",
+            inputs=view.keys,
+            outputs=[label],
+            scores=scores[None],
+            attention=view.attentions[-1].mean(0)[-1:],  # the last row predicts it
         )
         return example
 

@@ -97,8 +97,10 @@ def translation_saliency(model, src: Tensor, tgt_in: Tensor, predicted: Sequence
         log_probs = _log_probs(model.decode(tgt_in, memory).logits[0])  # (s_t, V)
         positions = torch.arange(len(predicted), device=log_probs.device)
         picked = log_probs[positions, torch.tensor(list(predicted), device=log_probs.device)]  # (s_t,)
-        rows = [gradient_x_input(picked[t], embeddings, retain_graph=t + 1 < len(predicted))[0]
-                for t in range(len(predicted))]
+        rows = [
+            gradient_x_input(picked[t], embeddings, retain_graph=t + 1 < len(predicted))[0]
+            for t in range(len(predicted))
+        ]
     return torch.stack(rows)  # (s_t, s_src)
 
 
@@ -156,8 +158,9 @@ def significant(values, digits: int = SIGNIFICANT_DIGITS):
     return float(f"{float(values):.{digits}g}")
 
 
-def saliency_field(*, about: str, inputs: Sequence[str], outputs: Sequence[str], scores: Tensor,
-                   attention: Tensor) -> dict:
+def saliency_field(
+    *, about: str, inputs: Sequence[str], outputs: Sequence[str], scores: Tensor, attention: Tensor
+) -> dict:
     """An example's ``saliency`` field (see :mod:`qkv.viz.export`).
 
     Args:
@@ -174,5 +177,10 @@ def saliency_field(*, about: str, inputs: Sequence[str], outputs: Sequence[str],
     for name, value in (("scores", scores), ("attention", attention)):
         if tuple(value.shape) != shape:
             raise ValueError(f"saliency {name} is {tuple(value.shape)}; expected (outputs, inputs) = {shape}")
-    return {"about": about, "inputs": list(inputs), "outputs": list(outputs),
-            "scores": significant(scores.double()), "attention": attention.double().round(decimals=4).tolist()}
+    return {
+        "about": about,
+        "inputs": list(inputs),
+        "outputs": list(outputs),
+        "scores": significant(scores.double()),
+        "attention": attention.double().round(decimals=4).tolist(),
+    }

@@ -59,9 +59,20 @@ ROUTES = {  # path -> allowed methods
 }
 
 
-__all__ = ["DEFAULT_MAX_CHARS", "DEFAULT_MAX_CONCURRENT", "DEFAULT_TIMEOUT", "LINGER_S", "MAX_BODY_BYTES",
-           "RETRY_AFTER_S", "ROUTES", "ExplorerApp", "ExplorerServer", "RequestError", "check_limits",
-           "make_server"]
+__all__ = [
+    "DEFAULT_MAX_CHARS",
+    "DEFAULT_MAX_CONCURRENT",
+    "DEFAULT_TIMEOUT",
+    "LINGER_S",
+    "MAX_BODY_BYTES",
+    "RETRY_AFTER_S",
+    "ROUTES",
+    "ExplorerApp",
+    "ExplorerServer",
+    "RequestError",
+    "check_limits",
+    "make_server",
+]
 
 
 def _one_line(message: str, limit: int = 300) -> str:
@@ -138,8 +149,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             if self._input.timed_out and self._input.received and not self._responded:
                 try:
-                    self._json(HTTPStatus.REQUEST_TIMEOUT,
-                               {"error": f"the request did not arrive within {self.timeout:g} s"})
+                    self._json(
+                        HTTPStatus.REQUEST_TIMEOUT, {"error": f"the request did not arrive within {self.timeout:g} s"}
+                    )
                     self.wfile.flush()
                 except OSError:
                     pass  # the client is gone or not reading; closing is all there is left
@@ -151,9 +163,11 @@ class _Handler(BaseHTTPRequestHandler):
             if allowed is None:
                 raise RequestError(HTTPStatus.NOT_FOUND, f"no such page: {path[:100]!r}")
             if self.command not in allowed:
-                self._json(HTTPStatus.METHOD_NOT_ALLOWED,
-                           {"error": f"{self.command[:20]} is not allowed on {path}; use {' or '.join(allowed)}"},
-                           headers={"Allow": ", ".join(allowed)})
+                self._json(
+                    HTTPStatus.METHOD_NOT_ALLOWED,
+                    {"error": f"{self.command[:20]} is not allowed on {path}; use {' or '.join(allowed)}"},
+                    headers={"Allow": ", ".join(allowed)},
+                )
             elif path == "/api/attend":
                 self._json(HTTPStatus.OK, self.app.attend(self._read_json()))
             elif path == "/api/models":
@@ -263,8 +277,9 @@ class ExplorerServer(ThreadingHTTPServer):
         self._rejecters = threading.BoundedSemaphore(max_concurrent)
         self._count_lock = threading.Lock()
         self._active = 0
-        body = json.dumps({"error": f"the server is busy ({max_concurrent} connections being served); "
-                                    f"retry in {RETRY_AFTER_S} s"}).encode("utf-8")
+        body = json.dumps(
+            {"error": f"the server is busy ({max_concurrent} connections being served); retry in {RETRY_AFTER_S} s"}
+        ).encode("utf-8")
         self._busy_answer = (
             f"HTTP/1.0 503 Service Unavailable\r\nServer: {handler.server_version}\r\n"
             f"Content-Type: application/json; charset=utf-8\r\nContent-Length: {len(body)}\r\n"
@@ -353,8 +368,14 @@ def check_limits(*, timeout: float, max_concurrent: int) -> None:
         raise ValueError(f"max_concurrent must be a positive integer, got {max_concurrent!r}")
 
 
-def make_server(app: ExplorerApp, *, host: str = "127.0.0.1", port: int = 8000, timeout: float = DEFAULT_TIMEOUT,
-                max_concurrent: int = DEFAULT_MAX_CONCURRENT) -> ExplorerServer:
+def make_server(
+    app: ExplorerApp,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    timeout: float = DEFAULT_TIMEOUT,
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+) -> ExplorerServer:
     """Bind an HTTP server for ``app`` (``port=0`` picks a free port; see ``server.server_address``).
 
     Args:
