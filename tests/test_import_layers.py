@@ -1,0 +1,133 @@
+"""The package's layers, checked from the source: imports go downward only, and no import circle.
+
+    cli -> viz / experiments / bench -> runs -> training -> decoding / metrics / pretrained
+        -> models -> nn -> attention -> data / runtime
+
+A module may import from its own package and from any lower layer, never from a higher one or from a
+sibling package of its own layer. Function-level (lazy) imports count too: a lazy import of a higher
+layer is the same design problem, only hidden. The root ``qkv/__init__.py`` is the public API: it
+may import anything, and nothing inside the package imports from it (``__version__`` aside).
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "qkv"
+
+LAYERS = [
+    {"runtime"},
+    {"data", "attention"},
+    {"nn"},
+    {"models"},
+    {"decoding", "metrics", "pretrained"},
+    {"training"},
+    {"runs"},
+    {"viz", "experiments", "bench", "serve", "export"},
+    {"cli"},
+]
+RANK = {package: rank for rank, packages in enumerate(LAYERS) for package in packages}
+
+
+def package_of(module: str) -> str:
+    """``qkv.runs.folder`` -> ``runs``; the root modules (``qkv``, ``qkv.__main__``) -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and not parts[1].startswith("__") else ""
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in SRC.rglob("*.py"):
+        parts = ("qkv", *path.relative_to(SRC).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(path: Path, *, top_level_only: bool = False) -> list[tuple[str, int]]:
+    """The qkv modules ``path`` imports (``from qkv.x import y`` gives ``qkv.x.y`` when that is a module)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names if alias.name.split(".")[0] == "qkv"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] == "qkv":
+            found += [(f"{node.module}.{alias.name}", node.lineno) for alias in node.names]
+    return found
+
+
+def resolve(name: str, known: dict[str, Path]) -> str:
+    """The module an imported name lives in: itself if it is a module, else its parent."""
+    return name if name in known else name.rsplit(".", 1)[0]
+
+
+def test_the_layer_table_names_every_package():
+    packages = {package_of(m) for m in modules()} - {""}
+    assert packages <= set(RANK), f"packages without a layer: {sorted(packages - set(RANK))}"
+    assert {"runtime", "nn", "models", "decoding", "metrics", "runs", "training", "cli"} <= packages
+
+
+def test_imports_go_downward_only():
+    known = modules()
+    wrong = []
+    for module, path in sorted(known.items()):
+        own = package_of(module)
+        for name, line in imports(path):
+            target = resolve(name, known)
+            theirs = package_of(target)
+            if own == "":  # the public API and python -m qkv
+                continue
+            if theirs == "":
+                if name != "qkv.__version__":
+                    wrong.append(f"{path.relative_to(SRC)}:{line} imports the root package ({name})")
+                continue
+            if theirs != own and RANK[theirs] >= RANK[own]:
+                why = "a higher layer" if RANK[theirs] > RANK[own] else "a sibling of its layer"
+                wrong.append(f"{path.relative_to(SRC)}:{line} ({own}) imports {target} ({theirs}: {why})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circle_at_module_level():
+    """Module-level imports form no cycle (a lazy import inside a function may break one on purpose,
+    but only within a package, which the test above allows)."""
+    known = modules()
+    graph = {m: {resolve(n, known) for n, _ in imports(p, top_level_only=True)} & set(known) for m, p in known.items()}
+    # a package's __init__ importing its own submodules is how a package re-exports: not a circle
+    for module in graph:
+        graph[module] = {t for t in graph[module] if not (module == t.rsplit(".", 1)[0] and t.startswith(module + "."))}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target == module:
+                continue
+            if state.get(target) == 1:
+                return stack[stack.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        stack.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            pytest.fail("import circle: " + " -> ".join(cycle))
+
+
+@pytest.mark.parametrize("limit", [400])
+def test_no_file_over_400_lines_and_no_function_over_80(limit):
+    long_files, long_functions = [], []
+    for path in sorted(SRC.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > limit:
+            long_files.append(f"{path.relative_to(SRC)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                span = node.end_lineno - node.lineno + 1
+                if span > 80:
+                    long_functions.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}: {span} lines")
+    assert not long_files and not long_functions, "\n".join(long_files + long_functions)
