@@ -24,7 +24,7 @@ from qkv.nn.dropout import Dropout
 from qkv.nn.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOutput
 from qkv.nn.positional import LearnedPositionalEncoding, SinusoidalPositionalEncoding, sinusoidal_table
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"  # the one source of the version: pyproject.toml reads it at build time
 
 
 def load_pretrained(path, **kwargs):
