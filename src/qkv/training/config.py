@@ -1,31 +1,52 @@
 """Training options, the learning-rate schedule and where a run stands.
 
 :class:`TrainConfig` declares every training option once: its default, its command-line help and
-flag, and its allowed range (``qkv train``'s flags are made from these fields, and the same checks
-run for the CLI and the Python API).
+flag, the help group it is listed in, and its allowed range (``qkv train``'s flags are made from
+these fields, and the same checks run for the CLI and the Python API).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import Any
+
+#: where ``qkv train`` lists an option: ``--help`` shows data, model, training and run (what most runs
+#: set); ``--help-all`` adds advanced (rarely needed) and research (methods tried that did not help)
+OPTION_GROUPS = ("data", "model", "training", "run", "advanced", "research")
 
 
 def _option(
-    default,
+    default: Any,
     help: str,
     *,
+    group: str,
     flag: str | None = None,
     minimum: float | None = None,
     below: float | None = None,
     maximum: float | None = None,
-    choices: tuple | None = None,
+    choices: tuple[str, ...] | None = None,
     cli: bool = True,
-):
-    """A :class:`TrainConfig` field with everything the CLI and the checks need, declared once:
-    its help, its flag (default ``--field-name``) and its allowed range or choices."""
+) -> Any:
+    """A :class:`TrainConfig` field with everything the CLI and the checks need, declared once.
+
+    Args:
+        default: the value when neither a recipe nor the caller sets one.
+        help: the command-line help (``qkv train`` adds where the default comes from).
+        group: one of :data:`OPTION_GROUPS`: where ``qkv train --help`` (or ``--help-all``) lists it.
+        flag: the command-line flag (default ``--field-name``).
+        minimum, below, maximum: the allowed range (``>= minimum``, ``< below``, ``<= maximum``).
+        choices: the allowed values of a string field.
+        cli: whether ``qkv train`` has a flag for it.
+
+    Returns:
+        A dataclass field whose metadata holds the above.
+    """
+    if group not in OPTION_GROUPS:
+        raise ValueError(f"group must be one of {', '.join(OPTION_GROUPS)}, got {group!r}")
     meta = {
         "help": help,
+        "group": group,
         "flag": flag,
         "minimum": minimum,
         "below": below,
@@ -43,21 +64,31 @@ class TrainConfig:
     """Options of a training run (saved in the run's config.json). Each field's metadata holds its
     command-line help and allowed range: ``qkv train``'s flags are made from these fields."""
 
+    # every recipe sets max_tokens (the paper's from their tokens a step), so a qkv train run never
+    # takes this 6000: it is the Python API's value for a TrainConfig built without a recipe
     max_tokens: int = _option(
         6000,
         "padded tokens per batch (sentences x longest source or target; a language "
-        "model: max_tokens // context windows)",
+        "model: max_tokens // context windows); set by the recipe",
         minimum=1,
+        group="training",
     )
-    accum_steps: int = _option(1, "batches whose gradients are summed into one optimizer step", minimum=1)
+    accum_steps: int = _option(
+        1, "batches whose gradients are summed into one optimizer step", minimum=1, group="advanced"
+    )
     lr_factor: float = _option(
         1.0,
         "multiplies the paper's schedule d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)",
         minimum=0,
         below=math.inf,
+        group="training",
     )
     warmup_steps: int = _option(
-        800, "linear warmup steps of the inverse-sqrt schedule (the paper: 4000)", flag="--warmup", minimum=1
+        800,
+        "linear warmup steps of the inverse-sqrt schedule (the paper: 4000)",
+        flag="--warmup",
+        minimum=1,
+        group="training",
     )
     schedule: str = _option(
         "inverse_sqrt",
@@ -66,15 +97,19 @@ class TrainConfig:
         "--decay-fraction of the run's budget (--minutes, --max-steps or "
         "--epochs, whichever ends first)",
         choices=("inverse_sqrt", "budget"),
+        group="advanced",
     )
     decay_fraction: float = _option(
         1.0,
         "with --schedule budget: the share of the budget, at its end, over which the rate falls to zero",
         minimum=0.01,
         maximum=1,
+        group="advanced",
     )
-    adam_betas: tuple[float, float] = _option((0.9, 0.98), "Adam's beta1 and beta2 (section 5.3)", cli=False)
-    adam_eps: float = _option(1e-9, "Adam's epsilon", minimum=0, below=math.inf, cli=False)
+    adam_betas: tuple[float, float] = _option(
+        (0.9, 0.98), "Adam's beta1 and beta2 (section 5.3)", cli=False, group="advanced"
+    )
+    adam_eps: float = _option(1e-9, "Adam's epsilon", minimum=0, below=math.inf, cli=False, group="advanced")
     weight_decay: float = _option(
         0.0,
         "decoupled weight decay (AdamW, Loshchilov & Hutter 2019): each step shrinks the "
@@ -82,8 +117,9 @@ class TrainConfig:
         "layer-norm gains are not decayed (0 = off: Adam, as the paper)",
         minimum=0,
         below=math.inf,
+        group="advanced",
     )
-    label_smoothing: float = _option(0.1, "label smoothing epsilon (section 5.4)", minimum=0, below=1)
+    label_smoothing: float = _option(0.1, "label smoothing epsilon (section 5.4)", minimum=0, below=1, group="advanced")
     rdrop: float = _option(
         0.0,
         "R-Drop (Liang et al. 2021): run each batch twice, each with its own dropout, and add "
@@ -92,6 +128,7 @@ class TrainConfig:
         "twice as much",
         minimum=0,
         below=math.inf,
+        group="research",
     )
     rdrop_start: float = _option(
         0.0,
@@ -100,6 +137,7 @@ class TrainConfig:
         "first step)",
         minimum=0,
         below=1,
+        group="research",
     )
     dropout_start: float = _option(
         0.0,
@@ -109,6 +147,7 @@ class TrainConfig:
         "dropout from the first step)",
         minimum=0,
         below=1,
+        group="research",
     )
     both_directions_until: float = _option(
         1.0,
@@ -118,6 +157,7 @@ class TrainConfig:
         "pretraining, Ding et al. 2021; 1 = both ways all the run)",
         minimum=0,
         maximum=1,
+        group="research",
     )
     subword_dropout: float = _option(
         0.0,
@@ -126,21 +166,31 @@ class TrainConfig:
         "(a regulariser like BPE-dropout; 0 = off)",
         minimum=0,
         below=1,
+        group="research",
     )
-    clip_norm: float = _option(1.0, "gradient clipping on the global norm (0 = off)", minimum=0, below=math.inf)
+    clip_norm: float = _option(
+        1.0, "gradient clipping on the global norm (0 = off)", minimum=0, below=math.inf, group="advanced"
+    )
     bf16: bool = _option(
         False,
         "bfloat16 autocast (weights and the optimizer stay float32); the Multi30k recipe "
         "turns it on where bf16 matrix products are fast (CUDA, CPUs with AVX512-BF16/AMX)",
+        group="training",
     )
     compile: bool = _option(
         False,
         "torch.compile the encoder and decoder (the fused loss stays eager); on a "
         "2-core CPU it made the step slower, see the README",
+        group="advanced",
     )
-    max_steps: int = _option(0, "stop after this many optimizer steps (0 = no limit)", minimum=0)
+    max_steps: int = _option(0, "stop after this many optimizer steps (0 = no limit)", minimum=0, group="run")
     max_epochs: float = _option(
-        0.0, "stop after this many passes over the data (0 = no limit)", flag="--epochs", minimum=0, below=math.inf
+        0.0,
+        "stop after this many passes over the data (0 = no limit)",
+        flag="--epochs",
+        minimum=0,
+        below=math.inf,
+        group="run",
     )
     max_minutes: float = _option(
         0.0,
@@ -148,18 +198,35 @@ class TrainConfig:
         flag="--minutes",
         minimum=0,
         below=math.inf,
+        group="run",
     )
-    eval_every_steps: int = _option(0, "validate every N steps (0 = off)", minimum=0)
-    eval_every_minutes: float = _option(0.0, "validate every N minutes (0 = off)", minimum=0, below=math.inf)
+    eval_every_steps: int = _option(0, "validate every N steps (0 = off)", minimum=0, group="advanced")
+    eval_every_minutes: float = _option(
+        0.0, "validate every N minutes (0 = off)", minimum=0, below=math.inf, group="advanced"
+    )
     eval_sentences: int = _option(
-        300, "validation sentences decoded greedily for BLEU (a language model: validation windows)", minimum=1
+        300,
+        "validation sentences decoded greedily for BLEU (a language model: validation windows)",
+        minimum=1,
+        group="advanced",
     )
     stop_at_exact_match: float = _option(
-        0.0, "stop once validation exact match reaches this fraction (0 = off)", minimum=0, maximum=1, cli=False
+        0.0,
+        "stop once validation exact match reaches this fraction (0 = off)",
+        minimum=0,
+        maximum=1,
+        cli=False,
+        group="advanced",
     )
-    checkpoint_every_steps: int = _option(0, "keep a checkpoint for averaging every N steps (0 = off)", minimum=0)
-    checkpoint_every_minutes: float = _option(0.0, "... or every N minutes (0 = off)", minimum=0, below=math.inf)
-    average_last: int = _option(5, "average this many kept checkpoints at the end (<= 1: no averaging)", minimum=0)
+    checkpoint_every_steps: int = _option(
+        0, "keep a checkpoint for averaging every N steps (0 = off)", minimum=0, group="advanced"
+    )
+    checkpoint_every_minutes: float = _option(
+        0.0, "... or every N minutes (0 = off)", minimum=0, below=math.inf, group="advanced"
+    )
+    average_last: int = _option(
+        5, "average this many kept checkpoints at the end (<= 1: no averaging)", minimum=0, group="advanced"
+    )
     ema_decay: float = _option(
         0.0,
         "also keep an exponential moving average of the weights, updated after every "
@@ -167,6 +234,7 @@ class TrainConfig:
         "end",
         minimum=0,
         below=1,
+        group="advanced",
     )
     final_weights: str = _option(
         "average",
@@ -175,16 +243,20 @@ class TrainConfig:
         "the weights of the best validation (best.safetensors; a run that "
         "overfits late keeps its best); ema = the moving average (--ema-decay)",
         choices=("average", "best", "ema"),
+        group="advanced",
     )
-    log_every_steps: int = _option(20, "write a training-loss line to metrics.jsonl every N steps", minimum=1)
-    seed: int = _option(0, "drives the initial weights and the batch order", minimum=0)
-    progress: bool = _option(True, "tqdm progress bar", cli=False)
+    log_every_steps: int = _option(
+        20, "write a training-loss line to metrics.jsonl every N steps", minimum=1, group="advanced"
+    )
+    seed: int = _option(0, "drives the initial weights and the batch order", minimum=0, group="training")
+    progress: bool = _option(True, "tqdm progress bar", cli=False, group="advanced")
     strategy: str = _option(
         "ddp",
         "how several processes (torchrun) share the work: ddp = a full replica each, "
         "gradients averaged; fsdp = parameters, gradients and optimizer state sharded "
         "(FSDP2), for models that do not fit one device",
         choices=("ddp", "fsdp"),
+        group="advanced",
     )
 
     def __post_init__(self) -> None:
