@@ -15,6 +15,7 @@ import pytest
 import sacrebleu
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
+from qkv.data.spec import DataSpec
 from qkv.metrics.bleu_forms import (
     compound_split_form,
     moses_tokenize,
@@ -193,7 +194,7 @@ def test_evaluate_json_carries_both_forms(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     start_run(
         run,
-        data={"source": "files", "train_src": str(tmp_path / "train.en"), "train_tgt": str(tmp_path / "train.de")},
+        data=DataSpec(source="files", train_src=str(tmp_path / "train.en"), train_tgt=str(tmp_path / "train.de")),
         model_options=dict(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64),
         train_options=dict(max_steps=1, progress=False),
         vocab_size=300,

@@ -16,21 +16,19 @@ import shutil
 import dist_workers
 import pytest
 import torch
-from test_loss import _tiny_transformer_and_batch, check_transformer_rdrop_loss
+from test_loss import _tiny_transformer_and_batch
+from test_training_objectives import check_transformer_rdrop_loss
 
 import qkv
 from qkv.attention import select_backend
 from qkv.attention.functional import attention_reference
 from qkv.data.dates import generate_dates
+from qkv.data.spec import DataSpec
 from qkv.decoding.search import beam_search, greedy_decode
 from qkv.models.transformer import Transformer, TransformerConfig
-from qkv.nn.loss import (
-    fused_linear_cross_entropy,
-    fused_linear_rdrop_cross_entropy,
-    label_smoothed_cross_entropy,
-    rdrop_cross_entropy,
-)
+from qkv.nn.loss import fused_linear_cross_entropy, label_smoothed_cross_entropy
 from qkv.runs.translation import resume_run, start_run
+from qkv.training.rdrop import fused_linear_rdrop_cross_entropy, rdrop_cross_entropy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = torch.device("cuda")
@@ -253,13 +251,13 @@ def base_run(tmp_path_factory):
     pairs = generate_dates(400, seed=21)
     (root / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (root / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
-    spec = {
-        "source": "files",
-        "train_src": str(root / "s.txt"),
-        "train_tgt": str(root / "t.txt"),
-        "val_src": None,
-        "val_tgt": None,
-    }
+    spec = DataSpec(
+        source="files",
+        train_src=str(root / "s.txt"),
+        train_tgt=str(root / "t.txt"),
+        val_src=None,
+        val_tgt=None,
+    )
     torch.manual_seed(0)
     start_run(root / "base", data=spec, model_options=MODEL, vocab_size=300, train_options=TRAIN, device="cpu")
     return root

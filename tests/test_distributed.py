@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from qkv.data.dates import generate_dates
+from qkv.data.spec import DataSpec
 from qkv.runs.translation import resume_run, start_run
 
 # ReLU, not the float32 recipe's GELU: GELU's gradients for negative inputs are tiny but not zero, so, like the
@@ -76,13 +77,13 @@ def runs(tmp_path_factory):
     pairs = generate_dates(400, seed=21)
     (root / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (root / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
-    spec = {
-        "source": "files",
-        "train_src": str(root / "s.txt"),
-        "train_tgt": str(root / "t.txt"),
-        "val_src": None,
-        "val_tgt": None,
-    }
+    spec = DataSpec(
+        source="files",
+        train_src=str(root / "s.txt"),
+        train_tgt=str(root / "t.txt"),
+        val_src=None,
+        val_tgt=None,
+    )
     torch.manual_seed(0)
     base = start_run(root / "base", data=spec, model_options=MODEL, vocab_size=300, train_options=TRAIN, device="cpu")
     batches = base.task.batches(0, TRAIN["max_tokens"], 0)
@@ -110,7 +111,7 @@ def runs(tmp_path_factory):
     torch.manual_seed(0)
     lm = start_run(
         root / "lm_base",
-        data={"source": "text", "train_text": str(root / "lm.txt")},
+        data=DataSpec(source="text", train_text=str(root / "lm.txt")),
         model_options=LM_MODEL,
         train_options={**TRAIN, "max_tokens": 128},
         device="cpu",

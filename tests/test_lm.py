@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from qkv.data.spec import DataSpec
 from qkv.data.text import CharTokenizer, load_text_splits, load_text_tokenizer, read_text, read_tokens
 from qkv.models.causal_lm import CausalLM, CausalLMConfig
 from qkv.runs.folder import load_run
@@ -53,7 +54,7 @@ def lm_run(corpus, tmp_path_factory):
     torch.manual_seed(0)
     trainer = start_run(
         run_dir,
-        data={"source": "text", "train_text": str(corpus / "train.txt")},
+        data=DataSpec(source="text", train_text=str(corpus / "train.txt")),
         model_options=MODEL,
         train_options=TRAIN,
         device="cpu",
@@ -85,7 +86,7 @@ def test_windows_are_reproducible_and_strided_ones_tile_the_text(lm_run):
 
 
 def test_a_resumed_language_model_run_equals_an_uninterrupted_one(corpus, tmp_path):
-    data = {"source": "text", "train_text": str(corpus / "train.txt")}
+    data = DataSpec(source="text", train_text=str(corpus / "train.txt"))
     torch.manual_seed(0)
     run_training(
         start_run(

@@ -14,6 +14,7 @@ import torch
 from test_viz_page import assert_page_holds
 
 from qkv.cli import main
+from qkv.data.spec import DataSpec
 from qkv.data.text import CharTokenizer
 from qkv.runs.folder import load_run
 from qkv.runs.translation import run_training, start_run
@@ -34,7 +35,7 @@ def lm_run(tmp_path_factory):
     torch.manual_seed(0)
     trainer = start_run(
         folder / "run",
-        data={"source": "text", "train_text": str(folder / "train.txt")},
+        data=DataSpec(source="text", train_text=str(folder / "train.txt")),
         model_options=MODEL,
         train_options=TRAIN,
         device="cpu",

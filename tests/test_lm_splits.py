@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv.cli import main
+from qkv.data.spec import DataSpec
 from qkv.data.text import read_text_splits
 from qkv.runs.folder import load_run
 from qkv.runs.translation import resume_run, run_training, start_run
@@ -153,7 +154,7 @@ def run(corpus, tmp_path_factory):
     run_training(
         start_run(
             run_dir,
-            data={"source": "text", "train_text": str(corpus)},
+            data=DataSpec(source="text", train_text=str(corpus)),
             model_options=MODEL,
             train_options=TRAIN,
             device="cpu",
@@ -216,7 +217,7 @@ def test_training_validating_and_resuming_never_open_the_test_split(corpus, tmp_
     torch.manual_seed(0)
     trainer = start_run(
         run_dir,
-        data={"source": "text", "train_text": str(corpus)},
+        data=DataSpec(source="text", train_text=str(corpus)),
         model_options=MODEL,
         train_options={**TRAIN, "max_steps": 2},
         device="cpu",

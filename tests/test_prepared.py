@@ -22,6 +22,7 @@ from qkv.data.cached_encoder import LATIN_RANGES, CachedEncoder, split_pieces
 from qkv.data.parallel import read_parallel
 from qkv.data.prepared import PreparedCorpus
 from qkv.data.preparing import prepare_corpus
+from qkv.data.spec import DataSpec
 from qkv.data.tokenizer import Tokenizer
 from qkv.runs.translation import resume_run, start_run
 from qkv.training.tasks import TranslationTask
@@ -259,7 +260,7 @@ def _record_epoch(ctx, out: str, run_dir: str, folder: str) -> None:
 
     trainer = start_run(
         run_dir,
-        data={"source": "prepared", "folder": folder},
+        data=DataSpec(source="prepared", folder=folder),
         model_options=MODEL,
         train_options={**TRAIN, "max_steps": 0, "max_epochs": 1.0},
         device="cpu",
@@ -312,7 +313,7 @@ def _metrics(run_dir):
 
 
 def test_a_run_resumed_mid_epoch_from_a_prepared_folder_equals_the_uninterrupted_run(corpus, tmp_path):
-    data = {"source": "prepared", "folder": str(corpus["prep"])}
+    data = DataSpec(source="prepared", folder=str(corpus["prep"]))
     start_run(tmp_path / "whole", data=data, model_options=MODEL, train_options=TRAIN, device="cpu")
     shutil.copytree(tmp_path / "whole", tmp_path / "halves")
     resume_run(tmp_path / "whole", device="cpu").train()
@@ -477,7 +478,7 @@ def test_a_changed_prepared_folder_refuses_resume(corpus, tmp_path, capsys):
     shutil.copytree(corpus["prep"], tmp_path / "prep")
     start_run(
         tmp_path / "run",
-        data={"source": "prepared", "folder": str(tmp_path / "prep")},
+        data=DataSpec(source="prepared", folder=str(tmp_path / "prep")),
         model_options=MODEL,
         train_options={**TRAIN, "max_steps": 1},
         device="cpu",

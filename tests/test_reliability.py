@@ -15,6 +15,7 @@ import torch
 
 from qkv.cli import main
 from qkv.data.dates import generate_dates
+from qkv.data.spec import DataSpec
 
 TINY = [
     "--d-model",
@@ -155,7 +156,7 @@ def test_a_kill_between_checkpoint_files_never_mixes_steps(tmp_path, monkeypatch
     from qkv.runs.translation import resume_run, start_run
 
     src, tgt = write_pairs(tmp_path / "data", n=80)
-    spec = {"source": "files", "train_src": str(src), "train_tgt": str(tgt), "val_src": None, "val_tgt": None}
+    spec = DataSpec(source="files", train_src=str(src), train_tgt=str(tgt), val_src=None, val_tgt=None)
     model = dict(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64)
     # the paper's schedule: the run below changes max_steps (3, then 4, then 6), which would move a
     # budget schedule's rate (it falls to zero at max_steps) and so the weights, kill or no kill

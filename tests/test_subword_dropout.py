@@ -8,6 +8,7 @@ import math
 import pytest
 
 from qkv.data.dates import generate_dates
+from qkv.data.spec import DataSpec
 from qkv.data.subword_dropout import SubwordDropout, merge_parts
 from qkv.data.tokenizer import Tokenizer
 from qkv.runs.translation import start_run
@@ -142,7 +143,7 @@ def test_a_language_model_run_refuses_subword_dropout_and_leaves_no_folder(tmp_p
     with pytest.raises(ValueError, match="subword"):
         start_run(
             tmp_path / "run",
-            data={"source": "text", "train_text": str(text)},
+            data=DataSpec(source="text", train_text=str(text)),
             model_options={"d_model": 32, "num_heads": 2, "num_layers": 1, "d_ff": 64, "context": 16},
             train_options={"subword_dropout": 0.1, "max_steps": 1, "progress": False},
             device="cpu",

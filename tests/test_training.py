@@ -3,7 +3,7 @@ resume (also after Ctrl-C), checkpoints and averaging, and run folders that appe
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from qkv.data.dates import generate_dates
 from qkv.data.parallel import ParallelText
+from qkv.data.spec import DataSpec
 from qkv.data.tokenizer import Tokenizer
 from qkv.decoding.translate import translate_texts
 from qkv.models.transformer import Transformer, TransformerConfig
@@ -322,9 +323,9 @@ def test_rdrop_starts_when_its_share_of_the_budget_is_spent(tmp_path, monkeypatc
     trainer = tiny_run(tmp_path, pairs, train, dropout=0.1)
     seen, loss = [], TranslationTask.loss
 
-    def recording(module, batch, label_smoothing, rdrop=0.0):
-        seen.append(rdrop)
-        return loss(module, batch, label_smoothing, rdrop)
+    def recording(module, batch, objective):
+        seen.append(getattr(objective, "alpha", 0.0))
+        return loss(module, batch, objective)
 
     monkeypatch.setattr(trainer.task, "loss", recording)
     trainer.train()
@@ -352,11 +353,11 @@ def test_dropout_starts_when_its_share_of_the_budget_is_spent(tmp_path, monkeypa
     assert rates() == [0.2, 0.3]
     seen, loss = [], TranslationTask.loss
 
-    def recording(module, batch, label_smoothing, rdrop=0.0):
-        got = loss(module, batch, label_smoothing, rdrop)
+    def recording(module, batch, objective):
+        got = loss(module, batch, objective)
         module.eval()
         with torch.no_grad():
-            reference = loss(module, batch, label_smoothing, rdrop)
+            reference = loss(module, batch, objective)
         module.train()
         seen.append((rates(), math.isclose(float(got.detach()), float(reference), rel_tol=1e-5)))
         return got
@@ -548,7 +549,7 @@ def test_bad_data_leaves_no_run_folder(tmp_path, bad, expected):
         tgt.write_bytes("A\nGrüße\nC\n".encode("latin-1"))
     else:
         tgt.write_text("A\nB\n \n", encoding="utf-8")
-    spec = {"source": "files", "train_src": str(src), "train_tgt": str(tgt), "val_src": None, "val_tgt": None}
+    spec = DataSpec(source="files", train_src=str(src), train_tgt=str(tgt), val_src=None, val_tgt=None)
     with pytest.raises(ValueError, match=expected):
         start_run(tmp_path / "run", data=spec, model_options=TINY)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.src", "train.tgt"]
@@ -558,13 +559,13 @@ def test_start_and_resume_run_from_files(tmp_path):
     pairs = generate_dates(120, seed=7)
     (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
-    spec = {
-        "source": "files",
-        "train_src": str(tmp_path / "s.txt"),
-        "train_tgt": str(tmp_path / "t.txt"),
-        "val_src": None,
-        "val_tgt": None,
-    }
+    spec = DataSpec(
+        source="files",
+        train_src=str(tmp_path / "s.txt"),
+        train_tgt=str(tmp_path / "t.txt"),
+        val_src=None,
+        val_tgt=None,
+    )
     trainer = start_run(
         tmp_path / "run",
         data=spec,
@@ -592,13 +593,13 @@ def test_recipe_bf16_only_where_it_is_fast(tmp_path, monkeypatch, fast):
     pairs = generate_dates(60, seed=3)
     (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
-    spec = {
-        "source": "files",
-        "train_src": str(tmp_path / "s.txt"),
-        "train_tgt": str(tmp_path / "t.txt"),
-        "val_src": None,
-        "val_tgt": None,
-    }
+    spec = DataSpec(
+        source="files",
+        train_src=str(tmp_path / "s.txt"),
+        train_tgt=str(tmp_path / "t.txt"),
+        val_src=None,
+        val_tgt=None,
+    )
     options = dict(max_steps=1, progress=False)
     recipe = start_run(tmp_path / "recipe", data=spec, model_options=TINY, vocab_size=300, train_options=options)
     assert recipe.config.bf16 is fast  # the files recipe asks for bf16; kept only where it pays
@@ -789,18 +790,18 @@ def test_both_directions_trains_on_the_pairs_then_the_same_pairs_reversed(tmp_pa
     pairs = generate_dates(60, seed=4)
     (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
-    spec = {
-        "source": "files",
-        "train_src": str(tmp_path / "s.txt"),
-        "train_tgt": str(tmp_path / "t.txt"),
-        "val_src": str(tmp_path / "s.txt"),
-        "val_tgt": str(tmp_path / "t.txt"),
-    }
+    spec = DataSpec(
+        source="files",
+        train_src=str(tmp_path / "s.txt"),
+        train_tgt=str(tmp_path / "t.txt"),
+        val_src=str(tmp_path / "s.txt"),
+        val_tgt=str(tmp_path / "t.txt"),
+    )
     options = dict(
         model_options=TINY, vocab_size=300, train_options=dict(max_steps=1, progress=False, bf16=False), device="cpu"
     )
     one_way = start_run(tmp_path / "one", data=spec, **options)
-    both = start_run(tmp_path / "both", data={**spec, "both_directions": True}, **options)
+    both = start_run(tmp_path / "both", data=replace(spec, both_directions=True), **options)
     tokenizer = Tokenizer.load(tmp_path / "both" / "tokenizer.json")
     assert (tmp_path / "both" / "tokenizer.json").read_text() == (tmp_path / "one" / "tokenizer.json").read_text()
     want_src = [tokenizer.encode(s) for s in pairs.src + pairs.tgt]
@@ -811,7 +812,7 @@ def test_both_directions_trains_on_the_pairs_then_the_same_pairs_reversed(tmp_pa
         assert [list(x) for x in src] == want_src and [list(x) for x in tgt] == want_tgt
         assert trainer.task.valid.src == pairs.src and trainer.task.valid.tgt == pairs.tgt
     with pytest.raises(ValueError, match="prepared folder"):
-        check_spec({"source": "prepared", "folder": str(tmp_path), "both_directions": True})
+        check_spec(DataSpec(source="prepared", folder=str(tmp_path), both_directions=True))
 
 
 def test_both_directions_until_drops_the_reversed_pairs_and_a_resume_keeps_them_dropped(tmp_path, monkeypatch):
@@ -822,14 +823,14 @@ def test_both_directions_until_drops_the_reversed_pairs_and_a_resume_keeps_them_
     pairs = generate_dates(24, seed=9)
     (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
-    spec = {
-        "source": "files",
-        "train_src": str(tmp_path / "s.txt"),
-        "train_tgt": str(tmp_path / "t.txt"),
-        "val_src": None,
-        "val_tgt": None,
-        "both_directions": True,
-    }
+    spec = DataSpec(
+        source="files",
+        train_src=str(tmp_path / "s.txt"),
+        train_tgt=str(tmp_path / "t.txt"),
+        val_src=None,
+        val_tgt=None,
+        both_directions=True,
+    )
     train = dict(
         max_steps=12,
         max_tokens=150,

@@ -155,6 +155,7 @@ def sample_sources(seed: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from qkv.data.sources import load_split
+    from qkv.data.spec import DataSpec
     from qkv.decoding.translate import translate_texts
     from qkv.metrics.scores import exact_match
     from qkv.runs.translation import run_training, start_run
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     mark_output_folder(out)
-    data = {"source": "dates", "train_size": 20000, "valid_size": 1000, "seed": args.seed}
+    data = DataSpec(source="dates", train_size=20000, valid_size=1000, seed=args.seed)
     options = {
         "max_minutes": args.minutes,
         "stop_at_exact_match": args.target,

@@ -1,6 +1,6 @@
 """Plain text for language models: reading it, its tokenizers, and its token arrays on disk.
 
-A language-model data spec is one of::
+A language model's data spec (:class:`~qkv.data.spec.DataSpec`) is one of::
 
     {"source": "tinyshakespeare", "folder": null}
     {"source": "text", "train_text": "corpus.txt", "val_text": null, "test_text": null}
@@ -31,13 +31,15 @@ import logging
 import os
 import shutil
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from qkv.data.parallel import default_cache_dir
+from qkv.data.spec import DataSpec, as_spec
 from qkv.data.tokenizer import Tokenizer
 from qkv.runtime.fileio import atomic_path, write_json
 
@@ -103,24 +105,20 @@ def resolve_tinyshakespeare(root: str | Path | None = None, *, download: bool = 
     return target
 
 
-def check_text_spec(spec: dict) -> dict:
+def check_text_spec(spec: DataSpec) -> DataSpec:
     """``spec`` when it is a language-model data spec qkv can read; ``ValueError`` saying what is wrong."""
-    if spec.get("source") not in TEXT_SOURCES:
-        raise ValueError(f"unknown text source {spec.get('source')!r}; choose one of {TEXT_SOURCES}")
-    if spec["source"] == "text":
-        if not spec.get("train_text"):
+    if spec.source not in TEXT_SOURCES:
+        raise ValueError(f"unknown text source {spec.source!r}; choose one of {TEXT_SOURCES}")
+    if spec.source == "text":
+        if not spec.train_text:
             raise ValueError("training a language model on a file needs --train-text FILE")
-        if spec.get("test_text") and not spec.get("val_text"):
+        if spec.test_text and not spec.val_text:
             raise ValueError(
                 "--test-text needs --val-text (without --val-text, the last 5% of --train-text is the "
                 "test split and the 5% before it validates)"
             )
-        named = {
-            "--train-text": spec["train_text"],
-            "--val-text": spec.get("val_text"),
-            "--test-text": spec.get("test_text"),
-        }
-        seen = {}
+        named = {"--train-text": spec.train_text, "--val-text": spec.val_text, "--test-text": spec.test_text}
+        seen: dict[Path, str] = {}
         for flag, path in named.items():
             if not path:
                 continue
@@ -128,8 +126,11 @@ def check_text_spec(spec: dict) -> dict:
             if key in seen:
                 raise ValueError(f"{flag} {path}: the same file as {seen[key]}; each split needs its own text")
             seen[key] = flag
-    elif spec.get("test_text") or spec.get("val_text"):
+    elif spec.test_text or spec.val_text:
         raise ValueError("--val-text and --test-text go with --train-text; tiny Shakespeare is cut by position")
+    stray = spec.stray_fields()
+    if stray:
+        raise ValueError(f"the data source {spec.source!r} does not read {', '.join(stray)}")
     return spec
 
 
@@ -154,13 +155,16 @@ class TextSplits(NamedTuple):
     chars: dict
 
 
-def read_text_splits(spec: dict) -> TextSplits:
-    """The training, validation and test texts of a text data spec (see the module docstring)."""
-    check_text_spec(spec)
-    if spec["source"] == "tinyshakespeare":
-        train_path, val_path, test_path = resolve_tinyshakespeare(spec.get("folder")), None, None
+def read_text_splits(spec: DataSpec | Mapping[str, Any]) -> TextSplits:
+    """The training, validation and test texts of a text data spec, or of config.json's ``"data"``
+    object (see the module docstring)."""
+    spec = check_text_spec(as_spec(spec))
+    train_path: str | Path
+    if spec.source == "tinyshakespeare":
+        train_path, val_path, test_path = resolve_tinyshakespeare(spec.folder), None, None
     else:
-        train_path, val_path, test_path = spec["train_text"], spec.get("val_text"), spec.get("test_text")
+        assert spec.train_text  # check_text_spec: a text source names its training text
+        train_path, val_path, test_path = spec.train_text, spec.val_text, spec.test_text
     text = read_text(train_path)
     if val_path:
         val = read_text(val_path)
@@ -173,7 +177,7 @@ def read_text_splits(spec: dict) -> TextSplits:
     return TextSplits(text[:a], text[a:b], text[b:], where, {"train": [0, a], "val": [a, b], "test": [b, len(text)]})
 
 
-def load_text_splits(spec: dict) -> tuple[str, str, str]:
+def load_text_splits(spec: DataSpec | Mapping[str, Any]) -> tuple[str, str, str]:
     """``(training text, validation text, where they came from)`` of a text data spec: the first
     two splits of :func:`read_text_splits` (the test split is left out)."""
     splits = read_text_splits(spec)
@@ -251,7 +255,7 @@ def token_dtype(vocab_size: int) -> type:
 
 def write_tokens(path: str | Path, ids: list[int] | np.ndarray, vocab_size: int) -> Path:
     """Write token ids as a flat binary array (atomically)."""
-    array = np.asarray(ids, dtype=token_dtype(vocab_size))
+    array: np.ndarray = np.asarray(ids, dtype=token_dtype(vocab_size))
     with atomic_path(path) as tmp:
         array.tofile(tmp)
     return Path(path)
@@ -265,3 +269,54 @@ def read_tokens(path: str | Path, vocab_size: int) -> np.ndarray:
     if path.stat().st_size == 0:
         return np.zeros(0, dtype=token_dtype(vocab_size))
     return np.memmap(path, dtype=token_dtype(vocab_size), mode="r")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextTrainingData:
+    """A language model's data, read and tokenised (:func:`open_text_training_data`).
+
+    Attributes:
+        tokenizer: learned on the training text (a character one also on the other splits' characters).
+        ids: each split's token ids (``train``, ``val``, and ``test`` where there is one).
+        splits: config.json's record of each split: its character range in its text, its token
+            count and characters per token (None for a test split the run lacks).
+        where: where the text came from and how it was cut, for the log.
+    """
+
+    tokenizer: CharTokenizer | Tokenizer
+    ids: dict[str, np.ndarray]
+    splits: dict[str, dict[str, Any] | None]
+    where: str
+
+
+def open_text_training_data(spec: DataSpec, *, tokenizer_kind: str, vocab_size: int | None = None) -> TextTrainingData:
+    """Read a language model's text, cut it into its splits (:func:`read_text_splits`), learn the
+    tokenizer and tokenise each split on its own.
+
+    Args:
+        spec: a language-model data spec (:func:`check_text_spec`).
+        tokenizer_kind: ``char`` or ``bpe`` (:data:`TOKENIZER_KINDS`).
+        vocab_size: the BPE vocabulary (``bpe`` only).
+
+    Returns:
+        the tokenizer, each split's ids and config.json's record of the splits.
+
+    Raises:
+        FileNotFoundError / ValueError: a missing, empty or non-UTF-8 text.
+    """
+    texts = read_text_splits(spec)
+    named = {name: text for name, text in zip(SPLIT_NAMES, texts[:3]) if text is not None}
+    # a character vocabulary covers the validation and test texts' characters too (the set of them, nothing
+    # more): a character seen only there is still predicted, and can be encoded
+    learn_on = "".join(named.values()) if tokenizer_kind == "char" else texts.train
+    tokenizer = train_text_tokenizer(tokenizer_kind, learn_on, vocab_size)
+    ids = {name: np.asarray(tokenizer.encode(text), dtype=np.int64) for name, text in named.items()}
+    splits: dict[str, dict[str, Any] | None] = dict.fromkeys(SPLIT_NAMES)
+    for name, text in named.items():
+        tokens = len(ids[name])
+        splits[name] = {
+            "chars": texts.chars[name],
+            "tokens": tokens,
+            "chars_per_token": round(len(text) / max(1, tokens), 6),
+        }
+    return TextTrainingData(tokenizer=tokenizer, ids=ids, splits=splits, where=texts.where)
