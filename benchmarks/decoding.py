@@ -11,9 +11,10 @@ without --out it writes into benchmarks/results/performance/.
 import sys
 from pathlib import Path
 
-from qkv.bench.results import run_bench_suite
+from qkv.cli import main
 
 OUT = Path(__file__).resolve().parent / "results" / "performance"
 
 if __name__ == "__main__":  # --data defaults to qkv's lookup: $QKV_DATA/multi30k, then the cache
-    sys.exit(run_bench_suite("decoding", OUT, sys.argv[1:]))
+    # `qkv bench SUITE --out OUT ARGS`: an --out among ARGS comes later and wins
+    sys.exit(main(["bench", "decoding", "--out", str(OUT), *sys.argv[1:]]))

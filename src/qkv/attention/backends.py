@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -154,7 +154,7 @@ UPCAST_MAX_LEN = 192
 PLAIN_MAX_LEN = 64
 
 
-def in_float32(attention, q: Tensor, k: Tensor, v: Tensor, *args) -> Tensor:
+def in_float32(attention: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, *args: object) -> Tensor:
     """``attention(q, k, v, *args)`` computed in float32 for bfloat16/float16 inputs, whatever the
     autocast, and rounded once to their dtype; other inputs as they are."""
     if q.dtype not in _LOW_PRECISION:

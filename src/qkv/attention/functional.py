@@ -9,6 +9,7 @@ Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V      ("Attention Is All You Ne
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,46 @@ from torch import Tensor
 
 from qkv.attention import backends
 from qkv.attention.masks import broadcast_shape, causal_mask
+
+
+@overload
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    need_weights: Literal[False] = False,
+) -> Tensor: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    *,
+    need_weights: Literal[True],
+) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    need_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]: ...
 
 
 def scaled_dot_product_attention(
@@ -91,8 +132,10 @@ def attention_reference(
     return dropped @ v, weights  # (..., s_q, d_v), (..., s_q, s_k)
 
 
-def _reference_output(*args) -> Tensor:
-    return attention_reference(*args)[0]
+def _reference_output(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, dropout_p: float, scale: float | None
+) -> Tensor:
+    return attention_reference(q, k, v, attn_mask, is_causal, dropout_p, scale)[0]
 
 
 def masked_softmax(scores: Tensor) -> Tensor:

@@ -166,7 +166,7 @@ class MultiHeadAttention(nn.Module):
         result = scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights
         )
-        out, weights = result if need_weights else (result, None)
+        out, weights = result if isinstance(result, tuple) else (result, None)  # a tuple when need_weights
         out = out.transpose(1, 2).reshape(b, s_q, self.embed_dim)  # (b, s_q, e)
         return AttentionOutput(self.out_proj(out), weights, new_cache)
 

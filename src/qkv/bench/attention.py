@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +33,15 @@ from qkv.runtime.precision import slow_bf16_reason
 
 logger = logging.getLogger(__name__)
 
+# what one contender's forward call returns: the output, or (output, weights) with need_weights
+Forward: TypeAlias = Callable[[], "Tensor | tuple[Tensor, Tensor]"]
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OP_CONTENDERS = ("qkv_reference", "qkv_fast", "torch_sdpa")
 FUSED_CONTENDERS = ("qkv_fast", "torch_sdpa")  # the fused kernels: fp32 math inside, fine with emulated bf16
 MODULE_CONTENDERS = ("qkv_mha", "torch_mha")
 WEIGHT_CONTENDERS = ("qkv_mha_weights", "torch_mha_weights")
+ALL_CONTENDERS = OP_CONTENDERS + MODULE_CONTENDERS + WEIGHT_CONTENDERS
 # contenders that build (b, h, s, s) matrices: how many fp32-sized copies they hold at the peak
 # (forward, forward+backward), measured at s=2048 with a margin
 _QUADRATIC = {
@@ -51,7 +57,7 @@ def _bool_causal(s: int, device: torch.device) -> Tensor:
     return torch.ones(s, s, dtype=torch.bool, device=device).triu(1)  # (s, s)
 
 
-def _op_call(name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Callable[[], Tensor]:
+def _op_call(name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Forward:
     if name == "qkv_reference":
 
         def call() -> Tensor:
@@ -66,24 +72,24 @@ def _op_call(name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Callab
     raise ValueError(f"unknown attention op contender {name!r}")
 
 
-def _module_call(name: str, module: nn.Module, x: Tensor, causal: bool, mask: Tensor | None) -> Callable[[], Tensor]:
+def _module_call(name: str, module: nn.Module, x: Tensor, causal: bool, mask: Tensor | None) -> Forward:
     weights = name.endswith("_weights")
     if name.startswith("qkv_mha"):
 
-        def call() -> Tensor:
+        def call() -> Tensor | tuple[Tensor, Tensor]:
             out = module(x, is_causal=causal, need_weights=weights)
             return (out.output, out.weights) if weights else out.output
 
         return call
 
-    def call_torch() -> Tensor:
+    def call_torch() -> Tensor | tuple[Tensor, Tensor]:
         out, attn = module(x, x, x, attn_mask=mask, is_causal=causal, need_weights=weights, average_attn_weights=False)
         return (out, attn) if weights else out
 
     return call_torch
 
 
-def _with_backward(forward: Callable[[], object], leaves: Sequence[Tensor], grad_out: Tensor) -> Callable[[], None]:
+def _with_backward(forward: Forward, leaves: Sequence[Tensor], grad_out: Tensor) -> Callable[[], None]:
     """forward, then backward of ``<output, grad_out>``; gradients are dropped after each call."""
 
     def call() -> None:
@@ -96,8 +102,8 @@ def _with_backward(forward: Callable[[], object], leaves: Sequence[Tensor], grad
     return call
 
 
-def _no_grad(forward: Callable[[], object]) -> Callable[[], object]:
-    def call() -> object:
+def _no_grad(forward: Forward) -> Forward:
+    def call() -> Tensor | tuple[Tensor, Tensor]:
         with torch.no_grad():
             return forward()
 
@@ -147,7 +153,7 @@ def attention_benchmark(
     min_sample_s: float = 0.05,
     progress: bool = True,
     contenders: Sequence[str] | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Time attention contenders side by side over a grid of sizes.
 
     Args:
@@ -169,18 +175,7 @@ def attention_benchmark(
         ``{"config": ..., "results": [one entry per grid point with per-contender timings,
         peak memory and ratios]}``.
     """
-    for name in dtypes:
-        if name not in DTYPES:
-            raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}")
-    for name in passes:
-        if name not in ("forward", "forward_backward"):
-            raise ValueError(f"unknown pass {name!r}; choose 'forward' or 'forward_backward'")
-    if min(seq_lens) < 1 or batch < 1 or heads < 1 or head_dim < 1:
-        raise ValueError(f"sizes must be positive: seq_lens={list(seq_lens)}, b={batch}, h={heads}, d_h={head_dim}")
-    known = OP_CONTENDERS + MODULE_CONTENDERS + WEIGHT_CONTENDERS
-    unknown = [name for name in contenders or () if name not in known]
-    if unknown:
-        raise ValueError(f"unknown attention contenders {unknown}; choose from {list(known)}")
+    _check_grid(seq_lens, dtypes, passes, batch=batch, heads=heads, head_dim=head_dim, contenders=contenders)
     grid = [(s, d, c, p) for s in seq_lens for d in dtypes for c in causal for p in passes]
     # without bf16 matrix units only FUSED_CONTENDERS run in bf16
     slow_bf16 = slow_bf16_reason(device)
@@ -228,9 +223,33 @@ def attention_benchmark(
         repeats=repeats,
         warmup=warmup,
         slow_bf16=slow_bf16,
-        contenders=list(contenders or known),
+        contenders=list(contenders or ALL_CONTENDERS),
     )
     return {"config": config, "results": results}
+
+
+def _check_grid(
+    seq_lens: Sequence[int],
+    dtypes: Sequence[str],
+    passes: Sequence[str],
+    *,
+    batch: int,
+    heads: int,
+    head_dim: int,
+    contenders: Sequence[str] | None,
+) -> None:
+    """Raise ValueError naming the first unknown dtype, pass or contender, or a size below 1."""
+    for name in dtypes:
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}")
+    for name in passes:
+        if name not in ("forward", "forward_backward"):
+            raise ValueError(f"unknown pass {name!r}; choose 'forward' or 'forward_backward'")
+    if min(seq_lens) < 1 or batch < 1 or heads < 1 or head_dim < 1:
+        raise ValueError(f"sizes must be positive: seq_lens={list(seq_lens)}, b={batch}, h={heads}, d_h={head_dim}")
+    unknown = [name for name in contenders or () if name not in ALL_CONTENDERS]
+    if unknown:
+        raise ValueError(f"unknown attention contenders {unknown}; choose from {list(ALL_CONTENDERS)}")
 
 
 def _fmt(value: float | None) -> str:
@@ -255,7 +274,7 @@ def _one_point(
     min_sample_s: float,
     slow_bf16: str | None = None,
     only: Sequence[str] | None = None,
-) -> dict:
+) -> dict[str, Any]:
     q, k, v = (torch.randn(batch, heads, s, head_dim, device=device, dtype=dtype) for _ in range(3))  # (b, h, s, d_h)
     x = torch.randn(batch, s, heads * head_dim, device=device, dtype=dtype)  # (b, s, e)
     modules = _build_modules(heads * head_dim, heads, dtype, device)
@@ -275,6 +294,7 @@ def _one_point(
         if reason:
             skipped[name] = reason
             continue
+        leaves: tuple[Tensor, ...]
         if name in OP_CONTENDERS:
             forward, leaves, grad_out = _op_call(name, q, k, v, is_causal), (q, k, v), torch.randn_like(q)
         else:
@@ -319,7 +339,7 @@ def _one_point(
     return entry
 
 
-def summary_rows(report: dict) -> list[dict]:
+def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One flat row per grid point: times in ms, the ratios, peak memory in MiB."""
     rows = []
     for point in report["results"]:
@@ -333,11 +353,11 @@ def summary_rows(report: dict) -> list[dict]:
     return rows
 
 
-def plot_attention(report: dict, path) -> None:
+def plot_attention(report: dict[str, Any], path: str | Path) -> None:
     """Time per call against ``s`` for every contender, one panel per dtype/causal/pass."""
     from qkv.bench.plots import line_panels
 
-    panels: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    panels: dict[str, dict[str, list[tuple[float, float]]]] = {}
     for point in report["results"]:
         title = f"{point['dtype']}, {'causal' if point['causal'] else 'full'}, {point['pass'].replace('_', '+')}"
         for name, timing in point["timings"].items():

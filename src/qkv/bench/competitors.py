@@ -18,11 +18,15 @@ Shape legend: ``b`` batch, ``s_src`` / ``s_tgt`` lengths, ``d`` d_model, ``V`` v
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
 from qkv.models.transformer import TransformerConfig
 from qkv.nn.positional import sinusoidal_table
+
+if TYPE_CHECKING:  # transformers is imported only where a Marian model is built
+    from transformers import MarianConfig, MarianMTModel
 
 
 class TorchTransformerMT(nn.Module):
@@ -32,6 +36,8 @@ class TorchTransformerMT(nn.Module):
         config: the qkv config to mirror (sizes, dropout, activation, norm placement, pad id).
             Needs ``share_embeddings`` (one joint vocabulary), as in the Multi30k model.
     """
+
+    positions: Tensor  # (max_len, d) sinusoidal table, a buffer
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
@@ -45,7 +51,7 @@ class TorchTransformerMT(nn.Module):
         self.embedding = nn.Embedding(config.src_vocab_size, config.d_model)
         self.register_buffer("positions", sinusoidal_table(config.max_len, config.d_model), persistent=False)
         self.dropout = nn.Dropout(config.dropout)
-        layer_kwargs = dict(
+        layer_kwargs: dict[str, Any] = dict(  # the same for the encoder's and the decoder's layers
             d_model=config.d_model,
             nhead=config.num_heads,
             dim_feedforward=config.d_ff,
@@ -102,17 +108,18 @@ class TorchTransformerMT(nn.Module):
 class MarianMT(nn.Module):
     """A Hugging Face ``MarianMTModel`` called like qkv's model: ``model(src, tgt_in) -> logits``."""
 
-    def __init__(self, model: nn.Module, pad_id: int) -> None:
+    def __init__(self, model: MarianMTModel, pad_id: int) -> None:
         super().__init__()
         self.model = model
         self.pad_id = pad_id
 
     def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
         attention_mask = (src != self.pad_id).long()  # (b, s_src), HF convention: 1 = real token
-        return self.model(input_ids=src, attention_mask=attention_mask, decoder_input_ids=tgt, use_cache=False).logits
+        output = self.model(input_ids=src, attention_mask=attention_mask, decoder_input_ids=tgt, use_cache=False)
+        return output.logits
 
 
-def marian_config(config: TransformerConfig, *, bos_id: int, eos_id: int):
+def marian_config(config: TransformerConfig, *, bos_id: int, eos_id: int) -> MarianConfig:
     """A ``transformers.MarianConfig`` with the sizes of ``config``."""
     try:
         from transformers import MarianConfig

@@ -49,7 +49,7 @@ class BenchData:
 
 
 def multi30k_data(
-    data_dir: str | Path,
+    data_dir: str | Path | None,
     *,
     vocab_size: int = 8000,
     max_tokens: int = 6000,
@@ -64,7 +64,8 @@ def multi30k_data(
     ``num_batches`` of a seeded epoch; and the validation sources for decoding.
 
     Args:
-        data_dir: a folder holding the Multi30k task-1 files.
+        data_dir: a folder holding the Multi30k task-1 files (None: qkv's usual places, see
+            :func:`qkv.data.parallel.resolve_multi30k`).
         vocab_size: BPE vocabulary size.
         max_tokens: padded tokens per batch.
         num_batches: how many batches to keep.

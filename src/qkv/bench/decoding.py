@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -24,7 +26,13 @@ from qkv.bench.timing import ratio, time_interleaved
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.runtime.precision import autocast_context
 
+if TYPE_CHECKING:
+    from qkv.decoding.search import Hypothesis
+
 logger = logging.getLogger(__name__)
+
+# what one decoding call returns: qkv's token lists (or beam hypotheses), or generate's (b, 1 + new) ids
+Decoded: TypeAlias = "torch.Tensor | list[list[int]] | list[list[Hypothesis]]"
 
 
 def fixed_length_sources(data: BenchData, *, batch_size: int, src_len: int) -> torch.Tensor:
@@ -54,7 +62,7 @@ def decoding_benchmark(
     bf16: bool = False,
     include_hf: bool = True,
     include_nocache: bool = True,
-) -> dict:
+) -> dict[str, Any]:
     """Time greedy and beam decoding of ``new_tokens`` tokens for one batch, interleaved.
 
     Args:
@@ -73,67 +81,21 @@ def decoding_benchmark(
     Returns:
         ``{"config", "contenders": {name: timing and tokens generated}, "ratios"}``.
     """
-    from qkv.decoding.search import beam_search, greedy_decode
-
     if new_tokens < src_len or new_tokens >= config.max_len:
         raise ValueError(f"need src_len <= new_tokens < max_len, got {src_len}, {new_tokens}, {config.max_len}")
     src = fixed_length_sources(data, batch_size=batch_size, src_len=src_len).to(device)
-    qkv_model = Transformer(config).to(device).eval()
-    never = -1  # an EOS id no token has: every sentence runs to its length limit
-    extra = new_tokens - src_len  # qkv's limit is source length + extra_len
-
-    def qkv_call(beam: int, use_cache: bool) -> Callable[[], object]:
-        def call() -> object:
-            with autocast_context(device, bf16):
-                if beam == 1:
-                    return greedy_decode(
-                        qkv_model, src, bos_id=data.bos_id, eos_id=never, extra_len=extra, use_cache=use_cache
-                    )
-                return beam_search(
-                    qkv_model,
-                    src,
-                    bos_id=data.bos_id,
-                    eos_id=never,
-                    beam_size=beam,
-                    extra_len=extra,
-                    use_cache=use_cache,
-                )
-
-        return call
-
-    contenders: dict[str, Callable[[], object]] = {"qkv_greedy": qkv_call(1, True)}
-    if include_nocache:
-        contenders["qkv_greedy_nocache"] = qkv_call(1, False)
-    contenders["qkv_beam"] = qkv_call(beam_size, True)
-    if include_nocache:
-        contenders["qkv_beam_nocache"] = qkv_call(beam_size, False)
+    contenders = _qkv_contenders(
+        data, config, src, device=device, new_tokens=new_tokens, beam_size=beam_size, bf16=bf16
+    )
+    if not include_nocache:
+        contenders = {name: call for name, call in contenders.items() if not name.endswith("_nocache")}
     if include_hf:
         try:
-            marian = build_marian(config, bos_id=data.bos_id, eos_id=data.eos_id).model.to(device).eval()
+            contenders |= _hf_contenders(
+                data, config, src, device=device, new_tokens=new_tokens, beam_size=beam_size, bf16=bf16
+            )
         except (ImportError, ValueError) as err:
             logger.warning("Hugging Face contenders left out: %s", err)
-        else:
-            attention_mask = torch.ones_like(src)
-
-            def hf_call(beam: int) -> Callable[[], object]:
-                def call() -> object:
-                    with torch.no_grad(), autocast_context(device, bf16):
-                        return marian.generate(
-                            input_ids=src,
-                            attention_mask=attention_mask,
-                            num_beams=beam,
-                            do_sample=False,
-                            max_new_tokens=new_tokens,
-                            min_new_tokens=new_tokens,
-                            use_cache=True,
-                            length_penalty=0.6 if beam > 1 else 1.0,
-                            early_stopping=False,
-                        )
-
-                return call
-
-            contenders["hf_greedy"] = hf_call(1)
-            contenders["hf_beam"] = hf_call(beam_size)
     generated = {name: _generated_lengths(call()) for name, call in contenders.items()}  # also a warm-up
     for name, lengths in generated.items():
         if set(lengths) != {new_tokens}:
@@ -172,7 +134,88 @@ def decoding_benchmark(
     return {"config": config_out, "data": data.description, "contenders": results, "ratios": ratios}
 
 
-def _generated_lengths(output) -> list[int]:
+def _qkv_contenders(
+    data: BenchData,
+    config: TransformerConfig,
+    src: torch.Tensor,
+    *,
+    device: torch.device,
+    new_tokens: int,
+    beam_size: int,
+    bf16: bool,
+) -> dict[str, Callable[[], Decoded]]:
+    """qkv's greedy and beam search, with and without the KV cache, on a new random model."""
+    from qkv.decoding.search import beam_search, greedy_decode
+
+    qkv_model = Transformer(config).to(device).eval()
+    never = -1  # an EOS id no token has: every sentence runs to its length limit
+    extra = new_tokens - src.size(1)  # qkv's limit is source length + extra_len
+
+    def qkv_call(beam: int, use_cache: bool) -> Callable[[], Decoded]:
+        def call() -> Decoded:
+            with autocast_context(device, bf16):
+                if beam == 1:
+                    return greedy_decode(
+                        qkv_model, src, bos_id=data.bos_id, eos_id=never, extra_len=extra, use_cache=use_cache
+                    )
+                return beam_search(
+                    qkv_model,
+                    src,
+                    bos_id=data.bos_id,
+                    eos_id=never,
+                    beam_size=beam,
+                    extra_len=extra,
+                    use_cache=use_cache,
+                )
+
+        return call
+
+    return {
+        "qkv_greedy": qkv_call(1, True),
+        "qkv_greedy_nocache": qkv_call(1, False),
+        "qkv_beam": qkv_call(beam_size, True),
+        "qkv_beam_nocache": qkv_call(beam_size, False),
+    }
+
+
+def _hf_contenders(
+    data: BenchData,
+    config: TransformerConfig,
+    src: torch.Tensor,
+    *,
+    device: torch.device,
+    new_tokens: int,
+    beam_size: int,
+    bf16: bool,
+) -> dict[str, Callable[[], Decoded]]:
+    """Hugging Face ``generate``, greedy and beam, on a new random MarianMT model of ``config``'s
+    sizes. Raises ImportError or ValueError where transformers is missing."""
+    marian = build_marian(config, bos_id=data.bos_id, eos_id=data.eos_id).to(device).eval().model
+    attention_mask = torch.ones_like(src)
+
+    def hf_call(beam: int) -> Callable[[], Decoded]:
+        def call() -> Decoded:
+            with torch.no_grad(), autocast_context(device, bf16):
+                ids = marian.generate(
+                    input_ids=src,
+                    attention_mask=attention_mask,
+                    num_beams=beam,
+                    do_sample=False,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    use_cache=True,
+                    length_penalty=0.6 if beam > 1 else 1.0,
+                    early_stopping=False,
+                )
+            assert isinstance(ids, torch.Tensor)  # not return_dict_in_generate: the ids alone
+            return ids
+
+        return call
+
+    return {"hf_greedy": hf_call(1), "hf_beam": hf_call(beam_size)}
+
+
+def _generated_lengths(output: Decoded) -> list[int]:
     """Tokens generated per sentence: qkv returns lists of ids; ``generate`` returns
     ``(b, 1 + new)`` ids starting with the decoder start token."""
     if isinstance(output, torch.Tensor):
@@ -180,7 +223,7 @@ def _generated_lengths(output) -> list[int]:
     return [len(tokens) for tokens in output]
 
 
-def plot_decoding(report: dict, path) -> None:
+def plot_decoding(report: dict[str, Any], path: str | Path) -> None:
     """Bars of generated tokens/s per contender."""
     from qkv.bench.plots import bar_chart
 

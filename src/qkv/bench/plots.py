@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from qkv.runtime.fileio import atomic_path
 
+if TYPE_CHECKING:  # matplotlib is imported only where a plot is drawn
+    from matplotlib.figure import Figure
 
-def _save(fig, path: str | Path) -> Path:
+
+def _save(fig: Figure, path: str | Path) -> Path:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     return Path(path)
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")

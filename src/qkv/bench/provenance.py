@@ -22,8 +22,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from qkv.bench.timing import cpu_flags, cpuinfo_fields
 from qkv.runtime.fileio import write_json
+from qkv.runtime.machine import cpu_flags, cpuinfo_fields
 
 UNKNOWN = "unknown"
 # the flags that decide speed: AVX2 (every kernel's baseline), AVX512-BF16 and AMX (fast bf16 products)

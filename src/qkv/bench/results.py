@@ -45,13 +45,3 @@ def check_result_file(
         return check_output_file(path, flag, overwrite=args.overwrite)
     except OSError as err:
         parser.error(str(err))
-
-
-def run_bench_suite(suite: str, out: str | Path, argv: list[str]) -> int:
-    """``qkv bench SUITE ARGV``, writing into ``out`` unless ARGV names its own ``--out`` (what the
-    wrapper scripts ``benchmarks/<suite>.py`` run)."""
-    from qkv.cli import main
-
-    if not any(a == "--out" or a.startswith("--out=") for a in argv):
-        argv = [*argv, "--out", str(out)]
-    return main(["bench", suite, *argv])

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from qkv.bench.data import BenchData, multi30k_data, synthetic_data
 from qkv.bench.provenance import write_result
 from qkv.bench.timing import environment
+from qkv.models.transformer import TransformerConfig
 from qkv.runtime.precision import slow_bf16_reason
 
 logger = logging.getLogger(__name__)
@@ -40,7 +43,7 @@ def load_data(data_dir: str | Path | None, *, quick: bool) -> BenchData:
         return synthetic_data(vocab_size=300, num_batches=3, batch_size=8, src_len=12, tgt_len=12, num_sources=16)
 
 
-def _model_config(data: BenchData, quick: bool):
+def _model_config(data: BenchData, quick: bool) -> TransformerConfig:
     from qkv.bench.training import multi30k_config
 
     if quick:
@@ -60,8 +63,8 @@ def run_suite(
     data: BenchData | None = None,
     progress: bool = True,
     compile_models: bool | None = None,
-    attention_options: dict | None = None,
-) -> tuple[dict, str]:
+    attention_options: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, Any], str]:
     """Run one suite, write its JSON and plot, return ``(report, markdown summary)``.
 
     Args:
@@ -81,10 +84,12 @@ def run_suite(
         raise ValueError(f"unknown benchmark suite {name!r}; choose from {SUITES} or 'all'")
     out_dir = Path(out_dir)
     env = environment()
+    plot: Callable[[dict[str, Any], Path], None]
     if name == "attention":
         from qkv.bench.attention import attention_benchmark, plot_attention
 
-        kwargs = dict(seq_lens=(64, 128), repeats=3, warmup=1, budget_s=5.0) if quick else {}
+        # the options as given, checked by attention_benchmark (sizes, dtypes, passes, contenders)
+        kwargs: dict[str, Any] = dict(seq_lens=(64, 128), repeats=3, warmup=1, budget_s=5.0) if quick else {}
         kwargs.update(attention_options or {})
         report = attention_benchmark(device=device, progress=progress, **kwargs)
         plot = plot_attention
@@ -95,25 +100,17 @@ def run_suite(
         if name == "decoding":
             from qkv.bench.decoding import decoding_benchmark, plot_decoding
 
-            kwargs = dict(batch_size=4, src_len=6, new_tokens=12, beam_size=3, repeats=2) if quick else {}
-            report = decoding_benchmark(data, config, device=device, **kwargs)
+            if quick:
+                report = decoding_benchmark(
+                    data, config, device=device, batch_size=4, src_len=6, new_tokens=12, beam_size=3, repeats=2
+                )
+            else:
+                report = decoding_benchmark(data, config, device=device)
             plot = plot_decoding
         else:
-            from qkv.bench.training import plot_training, training_benchmark
+            from qkv.bench.training import plot_training
 
-            if name == "training":
-                contenders = TRAINING_CONTENDERS
-            else:
-                use_compile = (not quick) if compile_models is None else compile_models
-                contenders = PRECISION_CONTENDERS if use_compile else PRECISION_CONTENDERS[:2]
-            skipped = {}
-            slow_bf16 = slow_bf16_reason(device)
-            if slow_bf16:  # an emulated bf16 step takes minutes; say why instead of timing it
-                skipped = {c: slow_bf16 for c in contenders if "+bf16" in c}
-                contenders = tuple(c for c in contenders if c not in skipped)
-            kwargs = dict(repeats=3, warmup=1) if quick else dict(repeats=8, warmup=3)
-            report = training_benchmark(data, config, contenders=contenders, device=device, **kwargs)
-            report["skipped"] = skipped
+            report = _training_report(name, data, config, device=device, quick=quick, compile_models=compile_models)
             plot = plot_training
     report = {"suite": name, "quick": quick, "command": " ".join(sys.argv), "environment": env, **report}
     json_path = write_result(out_dir / f"{name}.json", report)
@@ -123,11 +120,46 @@ def run_suite(
     return report, summarize(report)
 
 
+def _training_report(
+    name: str,
+    data: BenchData,
+    config: TransformerConfig,
+    *,
+    device: torch.device,
+    quick: bool,
+    compile_models: bool | None,
+) -> dict[str, Any]:
+    """The training or precision suite's report, with the contenders left out and why."""
+    from qkv.bench.training import training_benchmark
+
+    contenders: tuple[str, ...]
+    if name == "training":
+        contenders = TRAINING_CONTENDERS
+    else:
+        use_compile = (not quick) if compile_models is None else compile_models
+        contenders = PRECISION_CONTENDERS if use_compile else PRECISION_CONTENDERS[:2]
+    skipped: dict[str, str] = {}
+    slow_bf16 = slow_bf16_reason(device)
+    if slow_bf16:  # an emulated bf16 step takes minutes; say why instead of timing it
+        skipped = {c: slow_bf16 for c in contenders if "+bf16" in c}
+        contenders = tuple(c for c in contenders if c not in skipped)
+    repeats, warmup = (3, 1) if quick else (8, 3)
+    report = training_benchmark(data, config, contenders=contenders, device=device, repeats=repeats, warmup=warmup)
+    report["skipped"] = skipped
+    return report
+
+
 def _x(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
-def summarize(report: dict) -> str:
+def _mib(timings: dict[str, dict[str, Any]], name: str) -> str:
+    """A contender's peak memory in MiB, or n/a where it was not measured."""
+    peak = timings.get(name, {}).get("peak_bytes")
+    return "n/a" if peak is None else f"{peak / 2**20:,.0f}"
+
+
+def summarize(report: dict[str, Any]) -> str:
     """A markdown summary of one suite's report (the ratios that the issue's targets are about)."""
     suite = report["suite"]
     env = report["environment"]
@@ -145,17 +177,12 @@ def summarize(report: dict) -> str:
         ]
         for p in report["results"]:
             r, t = p["ratios"], p["timings"]
-
-            def mib(name: str) -> str:
-                peak = t.get(name, {}).get("peak_bytes")
-                return "n/a" if peak is None else f"{peak / 2**20:,.0f}"
-
             eager = _x(r["reference_vs_qkv_fast"]) if "qkv_reference" in t else p["skipped"].get("qkv_reference", "n/a")
             lines.append(
                 f"| {p['seq_len']} | {p['dtype']} | {p['causal']} | {p['pass'].replace('_', '+')} "
                 f"| {_x(r['qkv_fast_vs_torch_sdpa'])} ({_x(r.get('qkv_fast_vs_torch_sdpa_paired'))}) | {eager} | {_x(r['qkv_mha_vs_torch_mha'])} "
                 f"| {_x(r['qkv_need_weights_cost'])}, {_x(r['torch_need_weights_cost'])} "
-                f"| {mib('qkv_fast')}, {mib('qkv_reference')} |"
+                f"| {_mib(t, 'qkv_fast')}, {_mib(t, 'qkv_reference')} |"
             )
     elif suite in ("training", "precision"):
         lines += ["| contender | target tokens/s | median step (s) |", "|---|---|---|"]

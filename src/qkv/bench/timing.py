@@ -12,22 +12,21 @@ by resetting the process's resident-set high-water mark (``/proc/self/clear_refs
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import math
-import os
-import platform
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from qkv.runtime.device import pick_device  # noqa: F401  (re-exported: qkv.bench.pick_device, qkv bench)
-from qkv.runtime.precision import cpu_bf16_probe
+from qkv.runtime.machine import cpu_flags, cpuinfo_fields, environment, memory_gib  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class Timing:
 
 
 def time_interleaved(
-    contenders: dict[str, Callable[[], object]],
+    contenders: Mapping[str, Callable[[], object]],
     *,
     device: torch.device,
     repeats: int = 7,
@@ -96,52 +95,83 @@ def time_interleaved(
     if not contenders:
         raise ValueError("no contenders to time")
     results = {name: Timing(name) for name in contenders}
-    names = list(contenders)
-    for name in names:
-        try:
-            for _ in range(warmup - 1 if memory and warmup else warmup):
-                contenders[name]()
-            synchronize(device)
-            if memory:
-                results[name].peak_bytes = peak_memory_bytes(contenders[name], device)
-        except (RuntimeError, MemoryError) as err:  # out of memory, unsupported dtype, ...
-            results[name].error = _describe(err)
-            logger.warning("%s failed in warm-up: %s", name, results[name].error)
-    inners = dict.fromkeys(names, inner)
+    _warm_up(contenders, results, device=device, warmup=warmup, memory=memory)
+    inners = dict.fromkeys(contenders, inner)
     if min_sample_s > 0:
-        for name in names:
-            if results[name].error is None:
-                try:
-                    synchronize(device)
-                    t0 = time.perf_counter()
-                    contenders[name]()
-                    synchronize(device)
-                    once = time.perf_counter() - t0
-                except (RuntimeError, MemoryError) as err:
-                    results[name].error = _describe(err)
-                    continue
-                inners[name] = max(inner, min(1000, math.ceil(min_sample_s / max(once, 1e-7))))
+        _calibrate_inners(contenders, results, inners, device=device, min_sample_s=min_sample_s)
+    names = list(contenders)
     start = time.perf_counter()
     for round_index in range(repeats):
-        shift = round_index % len(names)
+        shift = round_index % len(names)  # each round starts one contender later
         for name in names[shift:] + names[:shift]:
-            if results[name].error is not None:
-                continue
-            try:
-                if settle and inners[name] == 1:
-                    contenders[name]()
-                synchronize(device)
-                t0 = time.perf_counter()
-                for _ in range(inners[name]):
-                    contenders[name]()
-                synchronize(device)
-                results[name].times.append((time.perf_counter() - t0) / inners[name])
-            except (RuntimeError, MemoryError) as err:
-                results[name].error = _describe(err)
-                logger.warning("%s failed: %s", name, results[name].error)
+            if results[name].error is None:
+                _time_sample(contenders[name], results[name], device=device, inner=inners[name], settle=settle)
         if budget_s is not None and round_index + 1 >= min(3, repeats) and time.perf_counter() - start > budget_s:
             break
     return results
+
+
+def _warm_up(
+    contenders: Mapping[str, Callable[[], object]],
+    results: dict[str, Timing],
+    *,
+    device: torch.device,
+    warmup: int,
+    memory: bool,
+) -> None:
+    """``warmup`` untimed calls of each contender, the last of them measuring peak memory when
+    ``memory``; a contender that raises gets its ``error`` set."""
+    for name, fn in contenders.items():
+        try:
+            for _ in range(warmup - 1 if memory and warmup else warmup):
+                fn()
+            synchronize(device)
+            if memory:
+                results[name].peak_bytes = peak_memory_bytes(fn, device)
+        except (RuntimeError, MemoryError) as err:  # out of memory, unsupported dtype, ...
+            results[name].error = _describe(err)
+            logger.warning("%s failed in warm-up: %s", name, results[name].error)
+
+
+def _calibrate_inners(
+    contenders: Mapping[str, Callable[[], object]],
+    results: dict[str, Timing],
+    inners: dict[str, int],
+    *,
+    device: torch.device,
+    min_sample_s: float,
+) -> None:
+    """Raise each contender's calls per sample until one sample lasts about ``min_sample_s``,
+    judged from one extra call (at most 1000 calls per sample)."""
+    for name, fn in contenders.items():
+        if results[name].error is not None:
+            continue
+        try:
+            synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            once = time.perf_counter() - t0
+        except (RuntimeError, MemoryError) as err:
+            results[name].error = _describe(err)
+            continue
+        inners[name] = max(inners[name], min(1000, math.ceil(min_sample_s / max(once, 1e-7))))
+
+
+def _time_sample(fn: Callable[[], object], timing: Timing, *, device: torch.device, inner: int, settle: bool) -> None:
+    """Append one timed sample (the mean of ``inner`` calls) to ``timing``, or set its ``error``."""
+    try:
+        if settle and inner == 1:
+            fn()
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        synchronize(device)
+        timing.times.append((time.perf_counter() - t0) / inner)
+    except (RuntimeError, MemoryError) as err:
+        timing.error = _describe(err)
+        logger.warning("%s failed: %s", timing.name, timing.error)
 
 
 def _describe(err: BaseException) -> str:
@@ -175,10 +205,8 @@ def _proc_status_bytes(key: str) -> int | None:
 def _release_free_heap() -> None:
     """Hand memory that was freed but kept by glibc's allocator back to the system, so that a
     call reusing it shows up in the resident-set high-water mark (no-op off glibc)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
@@ -206,13 +234,13 @@ def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int | N
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         return None
-    before = _proc_status_bytes("VmRSS")
+    resident = _proc_status_bytes("VmRSS")
     result = fn()
-    peak = _proc_status_bytes("VmHWM")
+    high_water = _proc_status_bytes("VmHWM")
     del result
-    if before is None or peak is None:
+    if resident is None or high_water is None:
         return None
-    return max(peak - before, 0)
+    return max(high_water - resident, 0)
 
 
 def available_memory_bytes(device: torch.device) -> int | None:
@@ -224,66 +252,3 @@ def available_memory_bytes(device: torch.device) -> int | None:
     except OSError:
         return None
     return int(match.group(1)) * 1024 if match else None
-
-
-def cpuinfo_fields(*names: str) -> dict[str, str | None]:
-    """The first processor's fields ``names`` in ``/proc/cpuinfo``, read once (None where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    lines = {name: re.search(rf"^{re.escape(name)}\s*:(.*)$", text, flags=re.MULTILINE) for name in names}
-    return {name: line.group(1).strip() if line else None for name, line in lines.items()}
-
-
-def cpu_flags(flags: str | None = None) -> set[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none), or from its ``flags`` line."""
-    return set((flags if flags is not None else cpuinfo_fields("flags")["flags"] or "").split())
-
-
-def memory_gib() -> float | None:
-    """The machine's physical memory in GiB (one decimal), or None where the OS does not say."""
-    try:
-        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def environment(*, probe_bf16: bool = False) -> dict:
-    """What the figures were measured on, with whether the CPU has AVX512-BF16 and AMX (where bf16
-    matrix products are fast, qkv.runtime.precision). ``probe_bf16``: also time qkv.runtime.precision's 256 x 256
-    product probe in float32 and bf16 (10-100 ms), for figures that depend on bf16's speed."""
-    cpu = cpuinfo_fields("flags", "model name", "cpu family", "model")
-    flags = cpu_flags(cpu["flags"] or "")
-    libc = platform.libc_ver()
-    info = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or None,
-        "platform": platform.platform(),
-        "libc": " ".join(libc) if libc[0] else None,
-        "memory_gib": memory_gib(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu_capability": getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)(),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "avx512_bf16": "avx512_bf16" in flags,
-        "amx": "amx_bf16" in flags,
-    }
-    # kernels limited below what the CPU has (e.g. ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 runs an
-    # AVX512 machine on the code paths of an AVX2-only one): say so beside the flags
-    limits = {name: os.environ[name] for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if os.environ.get(name)}
-    if limits:
-        info["isa_limits"] = limits
-    if torch.cuda.is_available():
-        info["cuda_device"] = torch.cuda.get_device_name()
-        info["cuda"] = torch.version.cuda
-    # "AMD EPYC" alone names CPUs from AVX2-only ones to AVX512-BF16 ones: family and model tell them apart
-    # (e.g. AMD family 25 model 17 is Zen 4, family 26 is Zen 5)
-    info.update(cpu_model=cpu["model name"], cpu_family=cpu["cpu family"], cpu_model_number=cpu["model"])
-    if probe_bf16:
-        fp32, bf16 = cpu_bf16_probe()
-        info["bf16_probe_seconds_256"] = {"float32": round(fp32, 6), "bfloat16": round(bf16, 6)}
-    return info

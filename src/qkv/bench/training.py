@@ -20,9 +20,11 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from qkv.bench.competitors import TorchTransformerMT, build_marian, count_parameters
 from qkv.bench.data import BenchData
@@ -37,10 +39,10 @@ logger = logging.getLogger(__name__)
 FAMILIES = ("qkv", "torch", "marian")
 
 
-def multi30k_config(data: BenchData, **overrides) -> TransformerConfig:
+def multi30k_config(data: BenchData, **overrides: Any) -> TransformerConfig:
     """The Multi30k model of the translation benchmark: d_model 256, 4 heads, 3+3 layers, d_ff 1024,
     shared embeddings and tied output over the joint vocabulary; ``overrides`` replace fields."""
-    fields = dict(
+    fields: dict[str, Any] = dict(
         src_vocab_size=data.vocab_size,
         tgt_vocab_size=data.vocab_size,
         d_model=256,
@@ -92,10 +94,10 @@ class _ContenderTask:
 
 
 def _loss_from_logits(
-    model: nn.Module, src, tgt_in, tgt_out, *, label_smoothing: float, pad_id: int, rdrop: float = 0.0
-):
-    if rdrop:
-        raise ValueError("the benchmark's contenders other than qkv's Transformer have no R-Drop loss")
+    model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *, label_smoothing: float, pad_id: int
+) -> Tensor:
+    """Label-smoothed cross-entropy from ``model``'s logits: the one objective the contenders other than
+    qkv's Transformer have (a step with another objective calls this without ``label_smoothing``)."""
     logits = model(src, tgt_in)  # (b, s_tgt, V)
     return label_smoothed_cross_entropy(logits, tgt_out, label_smoothing, pad_id)
 
@@ -133,7 +135,7 @@ def training_benchmark(
     repeats: int = 8,
     warmup: int = 2,
     budget_s: float | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Tokens/s of each contender's training step, timed interleaved on the same batches.
 
     Args:
@@ -151,7 +153,8 @@ def training_benchmark(
         raise ValueError("no contenders given")
     parsed = {name: parse_contender(name) for name in contenders}
     data = data.to(device)
-    steps, parameters = {}, {}
+    steps: dict[str, Callable[[], int]] = {}
+    parameters: dict[str, int] = {}
     for name, (family, bf16, compile_model) in parsed.items():
         try:
             model = build_model(family, config, data)
@@ -165,24 +168,26 @@ def training_benchmark(
     timings = time_interleaved(steps, device=device, repeats=repeats, warmup=warmup, budget_s=budget_s)
     # every contender consumed the same batches: `warmup` untimed, then one per timed round
     tokens = [b.num_tgt_tokens for b in data.batches]
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
+    tps: dict[str, float | None] = {}
     for name, timing in timings.items():
         timed_tokens = sum(tokens[(warmup + i) % len(tokens)] for i in range(len(timing.times)))
         seconds = sum(timing.times)
+        tps[name] = timed_tokens / seconds if seconds else None
         results[name] = {
-            "tokens_per_s": timed_tokens / seconds if seconds else None,
+            "tokens_per_s": tps[name],
             "median_step_s": timing.median,
             "steps_timed": len(timing.times),
             "parameters": parameters[name],
             "times_s": timing.times,
             "error": timing.error,
         }
-    tps = {name: r["tokens_per_s"] for name, r in results.items()}
     pairs = []  # (faster candidate, baseline)
     for suffix in ("", "+bf16"):
         pairs += [(f"qkv{suffix}", f"{other}{suffix}") for other in ("torch", "marian")]
     pairs += [(name, parsed[name][0]) for name in tps if parsed[name][1] or parsed[name][2]]
-    ratios, paired = {}, {}
+    ratios: dict[str, float | None] = {}
+    paired: dict[str, float | None] = {}
     for name, base in pairs:
         if name in tps and base in tps:
             ratios[f"{name}_vs_{base}"] = ratio(tps[name], tps[base])
@@ -196,13 +201,13 @@ def training_benchmark(
     }
 
 
-def _config_dict(config: TransformerConfig) -> dict:
+def _config_dict(config: TransformerConfig) -> dict[str, Any]:
     from dataclasses import asdict
 
     return asdict(config)
 
 
-def plot_training(report: dict, path) -> None:
+def plot_training(report: dict[str, Any], path: str | Path) -> None:
     """Bars of target tokens/s per contender."""
     from qkv.bench.plots import bar_chart
 

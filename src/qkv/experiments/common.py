@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 # qkv's one device picker and atomic writers; the experiments (and qkv explain/report) import them from here
-from qkv.bench.timing import environment  # noqa: F401  (the one description of a machine, with its CPU's bf16 units)
 from qkv.runtime.device import pick_device  # noqa: F401
 from qkv.runtime.fileio import atomic_path, write_json, write_text  # noqa: F401
+from qkv.runtime.machine import environment
 
 SCHEMA = "qkv-experiment/1"
 

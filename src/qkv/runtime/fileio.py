@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 TMP_SUFFIX = ".tmp"
 
@@ -94,7 +95,7 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
     return Path(path)
 
 
-def read_json(path: str | Path):
+def read_json(path: str | Path) -> Any:  # a JSON value: dict, list, str, number, bool or None
     """The JSON value in the UTF-8 file ``path``. Raises ``ValueError`` naming the file in one line
     when it is not valid JSON or not UTF-8 (a missing file is the caller's message to give)."""
     try:

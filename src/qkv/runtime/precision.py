@@ -14,20 +14,21 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 
-def autocast_context(device: torch.device | str, bf16: bool):
+def autocast_context(device: torch.device | str, bf16: bool) -> contextlib.AbstractContextManager[object]:
     """bfloat16 autocast on ``device`` (CPU or CUDA) when ``bf16``, else a no-op context."""
     if not bf16:
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
-def _seconds(fn, repeats: int, budget: float = math.inf) -> float:
+def _seconds(fn: Callable[[], object], repeats: int, budget: float = math.inf) -> float:
     """Best of ``repeats`` timings of ``fn()``, stopping early once they add up to ``budget`` seconds."""
     best, total = math.inf, 0.0
     for _ in range(repeats):

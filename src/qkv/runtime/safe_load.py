@@ -25,10 +25,15 @@ import pickle
 import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
+
+if TYPE_CHECKING:  # torch.distributed is imported only where a sharded checkpoint is read
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import ReadItem
 
 # Memory a model may need beyond its weights file, for buffers the file does not hold (positional
 # tables, masks): generous for every real configuration, far below what a hostile one asks.
@@ -82,7 +87,8 @@ def weights_header(path: str | Path) -> dict[str, TensorInfo]:
     try:
         with safe_open(str(path), framework="pt") as handle:
             header = {}
-            for name in handle.keys():
+            names = handle.keys()  # a safe_open handle is no mapping: neither iterable nor `in`-able
+            for name in names:
                 piece = handle.get_slice(name)
                 header[name] = TensorInfo(tuple(int(s) for s in piece.get_shape()), str(piece.get_dtype()))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
@@ -174,7 +180,8 @@ def _fields_behind(asked: tuple[int, ...], held: tuple[int, ...], fields: Mappin
 
 def meta_shapes(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], list[set[str]]]:
     """A model's state-dict shapes and the groups of names that share one tensor (tied weights)."""
-    shapes, by_tensor = {}, {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    by_tensor: dict[int, set[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         shapes[name] = tuple(tensor.shape)
         by_tensor.setdefault(id(tensor), set()).add(name)
@@ -268,7 +275,7 @@ def refused_global(err: BaseException) -> str:
     return f"e.g. {found.group(1)}" if found else "objects beyond tensors and plain values"
 
 
-def plain_values(value):
+def plain_values(value: object) -> object:
     """``value`` with numpy arrays as tensors, numpy scalars as numbers and dataclasses as dicts: the
     forms an older checkpoint may hold that the safe loader reads once converted."""
     import dataclasses
@@ -323,7 +330,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles only the plain classes ``torch.distributed.checkpoint`` writes in ``.metadata`` (and
     torch's dtypes); anything else, ``os.system`` say, is refused by name before it is looked up."""
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> object:
         if (module, name) in _DCP_METADATA_CLASSES:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -331,7 +338,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused to load {module}.{name}")
 
 
-def read_dcp_metadata(path: str | Path):
+def read_dcp_metadata(path: str | Path) -> Metadata:
     """The metadata of a ``torch.distributed.checkpoint`` folder, read without running any code
     (``ValueError`` naming the file if it holds anything but the checkpoint's own plain classes)."""
     path = Path(path)
@@ -341,7 +348,7 @@ def read_dcp_metadata(path: str | Path):
         raise ValueError(f"{path}: not a readable optimizer shard index ({_first_line(err)})") from None
 
 
-def safe_dcp_load(state: dict, folder: str | Path, *, no_dist: bool) -> None:
+def safe_dcp_load(state: dict[str, Any], folder: str | Path, *, no_dist: bool) -> None:
     """``torch.distributed.checkpoint.load`` into ``state`` from ``folder`` with nothing unpickled
     unsafely: the metadata through :func:`read_dcp_metadata`, every non-tensor item with
     ``torch.load(weights_only=True)`` (the default planner unpickles those fully)."""
@@ -349,16 +356,16 @@ def safe_dcp_load(state: dict, folder: str | Path, *, no_dist: bool) -> None:
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class Reader(dcp.FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
+        def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
             rank = kwargs.get("rank")
             metadata = read_dcp_metadata(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
+            storage_meta: StorageMeta = getattr(metadata, "storage_meta", None) or StorageMeta()  # older ones lack it
+            storage_meta.load_id = self.load_id
+            metadata.storage_meta = storage_meta
             return metadata
 
     class Planner(dcp.DefaultLoadPlanner):
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
             loaded = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
                 from torch.distributed.checkpoint._traverse import set_element
