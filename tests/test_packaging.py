@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,22 @@ def test_every_data_file_in_the_package_ships() -> None:
     }
     shipped = {p.relative_to(PACKAGE).as_posix() for pattern in _package_data_globs() for p in PACKAGE.glob(pattern)}
     assert data_files - shipped == set(), "data files no package-data glob in pyproject.toml ships"
+
+
+def test_git_ignores_no_file_of_the_package() -> None:
+    # A file git ignores is in this checkout but in no clone, so in no wheel CI builds (a pattern such as
+    # "runs/" without a leading slash also matches src/qkv/runs/).
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = subprocess.run(
+        ["git", "ls-files", "--others", "--ignored", "--exclude-standard", "--", "src/qkv"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    ignored = [name for name in listed if name and "__pycache__" not in name and not name.endswith(".pyc")]
+    assert ignored == [], f"files of src/qkv that .gitignore hides from git: {ignored}"
 
 
 def test_the_version_has_one_source() -> None:
