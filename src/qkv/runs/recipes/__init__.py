@@ -1,235 +1,336 @@
-"""Recipes: the defaults for a model and its training, per data source (what `qkv train --data X`
-uses unless an option overrides it), and the paper's base and big models, which `qkv train
---recipe paper-base|paper-big` puts in place of the data's recipe (:func:`recipe_overrides`).
-Each recipe is declared once, here."""
+"""Recipes: the settings a run starts from, one TOML file each beside this module (``multi30k.toml``,
+``multi30k-bf16.toml``, ``dates.toml``, ``tinyshakespeare.toml``, ``paper-base.toml``, ``paper-big.toml``).
+
+A data source trains with the recipe whose ``default_for`` names it (``qkv train --data multi30k``:
+``multi30k``) unless another is named (``qkv train --recipe NAME`` or ``--recipe FILE.toml``);
+options given explicitly go over the recipe. A named recipe gives the same run on every machine; the
+machine decides only the precision (``bf16 = true``: bf16 autocast where it is fast, float32
+elsewhere). Where bf16 is fast, a recipe's ``bf16_variant`` is suggested when the run starts, never
+switched to. :func:`load_recipe` reads and checks a file and returns a :class:`Recipe`; ``qkv recipes``
+lists and shows them (docs/recipes.md). Why each value is what it is: docs/history/multi30k-recipe-log.md.
+"""
 
 from __future__ import annotations
 
-# A recipe's model and training fields for runs in bf16 on hardware where bf16 is fast
-# (qkv.runtime.precision.bf16_is_fast): such runs make several times the steps in the same minutes, so they
-# can afford more regularisation and a gentler rate. Options given explicitly still win.
-MODEL_WHERE_BF16_IS_FAST = "model_where_bf16_is_fast"
-TRAIN_WHERE_BF16_IS_FAST = "train_where_bf16_is_fast"
+import functools
+import sys
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
 
-# Recipes: defaults for a model and its training, per data source. The Multi30k recipe is sized for
-# an hour on a 2-core CPU (see benchmarks/train_multi30k.py); the date recipe for the demo's
-# three minutes. Anything given explicitly overrides them.
-RECIPES: dict[str, dict] = {
-    "multi30k": {
-        "vocab_size": 8000,
-        "split_digits": False,
-        # GELU in float32: on a 2-core AVX2-only EPYC the hour's ~1,900 steps gave validation BLEU 39.13 against
-        # ReLU's 38.50, and validation loss 1.621 against 1.665 at minute 54, with 4% fewer steps (a rule written
-        # before the hour; benchmarks/results/multi30k_en_de_epyc_zen4_avx2_fp32{,_gelu}.json)
-        "model": dict(d_model=256, num_heads=4, num_encoder_layers=3, num_decoder_layers=3, d_ff=1024, dropout=0.1,
-                      activation="gelu", max_len=256, share_embeddings=True, tie_output=True),
-        # ~1.85k target tokens a step (~247 steps an epoch) with warmup 800 and factor 0.7, a peak rate of
-        # 1.55e-3: on a 2-core AVX2-only EPYC in float32 two hours of it (seeds 0 and 1) made ~3,900 steps and
-        # beat ~3.7k-token batches (warmup 400, peak 2.2e-3) on mean validation BLEU by the rule written
-        # before (benchmarks/results/multi30k_en_de_epyc_zen4_avx2_fp32_half_batches{,_seed1}.json).
-        # The rate decays to zero over the budget's last 30% and the last 2 checkpoints are averaged:
-        # on validation, for the 1,555 steps an idle 2-core CPU makes in the hour, 38.15 against 37.09
-        # for the inverse square root with the last 5 averaged (benchmarks/results/multi30k_en_de_*).
-        # bf16 autocast only where it is fast (qkv.runtime.precision.bf16_is_fast); start_run turns it off elsewhere.
-        "train": dict(max_tokens=2000, warmup_steps=800, lr_factor=0.7, schedule="budget", decay_fraction=0.3,
-                      bf16=True, max_minutes=60.0, eval_every_minutes=6.0, checkpoint_every_minutes=3.0,
-                      average_last=2),
-        # beam 5; the length penalty chosen on validation (the highest of 0.6-3.0 for the plain default hour,
-        # a rule written first: docs/results.md; benchmarks/results/multi30k/multi30k_en_de_plain_default_lp_on_val.json)
-        "decode": {"beam_size": 5, "alpha": 2.2},
-        # Where the run is in bf16 and bf16 is fast, the hour is ~3.5x the steps (~45 epochs on a 2-core
-        # AVX512-BF16/AMX Xeon), and dropout 0.1 stops gaining at ~30 epochs: dropout 0.2 over the hour
-        # there: validation BLEU (beam 5) 38.99 / 39.92 / 38.09 for dropout 0.1 / 0.2 / 0.3, an hour each
-        # (benchmarks/results/multi30k/sweeps/recipe_sweep_hour_xeon.json).
-        # ReLU stays there: GELU's lead of the hour's first quarter was gone by its end (7,000 steps on a Xeon:
-        # validation 39.68 against 40.05-40.85, multi30k_en_de_xeon_amx_bf16_gelu.json)
-        MODEL_WHERE_BF16_IS_FAST: dict(dropout=0.2, activation="relu"),
-        # and there a lower peak rate (1.6e-3 at 4k tokens): validation BLEU 40.58 against 39.92 for factor 0.7, with
-        # the validation loss below at every validation; factor 1.0 fell behind from the start
-        # (benchmarks/results/multi30k/multi30k_en_de_xeon_bf16_dropout02_lr05.json, ..._lr10_stopped.json)
-        TRAIN_WHERE_BF16_IS_FAST: dict(lr_factor=0.5),
-        # The recipe's half-size batches were found there first: ~1.85k target tokens with warmup 800 and a peak
-        # rate of 1.1e-3 (1.6e-3 over sqrt 2) made 1.7x the steps, validation loss 1.507 against 1.551 at minute 54
-        # and validation BLEU 40.72 against 39.70; quarter-size batches (warmup 1,600: validation loss 1.523, BLEU
-        # 40.64) fell between (benchmarks/results/multi30k_en_de_xeon_bf16_{half,quarter}_batches.json)
-        # (width, measured there with both of the above: d 384 ended level on validation loss and 1.4 below on
-        # validation BLEU, the Transformer-tiny shape d 128 was behind at every validation: d 256 stays;
-        # benchmarks/results/multi30k_en_de_xeon_bf16_{d384,tiny_stopped}.json)
-    },
-    # Dates: 600 BPE tokens (enough that capitalised month and day names become whole tokens), digits
-    # split; a 0.2M-parameter pre-LN model (pre-LN trains faster at this size than the paper's
-    # post-LN); fresh dates never repeat enough to need dropout. About 1,000 steps reach 99.5%.
-    "dates": {
-        "vocab_size": 600,
-        "split_digits": True,
-        "model": dict(d_model=64, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, d_ff=256, dropout=0.0,
-                      max_len=64, norm_first=True, share_embeddings=True, tie_output=True),
-        "train": dict(max_tokens=1500, warmup_steps=100, lr_factor=0.5, max_minutes=2.5, eval_every_steps=100,
-                      eval_sentences=1000, stop_at_exact_match=0.995, average_last=1),
-    },
+from qkv.runs.recipes.steps import (
+    DEFAULT_DECODE,
+    MAX_SAVED_BEAM,
+    MICRO_BATCH_TOKENS,
+    check_decode,
+    decode_settings,
+    step_batches,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI (tomli)
+    import tomli as tomllib
+
+RECIPE_DIR = Path(__file__).resolve().parent
+TASKS = ("translation", "lm")
+# a recipe file's top-level keys and their TOML types; any other key is refused
+KEYS: dict[str, type] = {
+    "description": str,
+    "task": str,
+    "default_for": list,
+    "bf16_variant": str,
+    "vocab_size": int,
+    "split_digits": bool,
+    "tokens_per_step": int,
+    "model": dict,
+    "train": dict,
+    "decode": dict,
+    "lm": dict,
 }
-RECIPES["files"] = RECIPES["multi30k"]
-# Language models (task "lm"): a character-level model sized for half an hour on a 2-core CPU (see
-# benchmarks/train_lm.py); any UTF-8 text ("text") gets the same recipe.
-RECIPES["tinyshakespeare"] = {
-    "task": "lm",
-    "lm": {"tokenizer": "char", "windows": "random"},
-    "vocab_size": 2000,  # with --tokenizer bpe
-    # 3.2M parameters; half an hour is ~5 passes over the text, too few to need dropout
-    "model": dict(d_model=256, num_heads=4, num_layers=4, d_ff=1024, context=128, dropout=0.0),
-    # 32 windows of 128 a step; peak learning rate 0.35 * 256^-0.5 * 100^-0.5 = 2.2e-3. bf16 autocast
-    # only where it is fast, as for Multi30k (start_run turns it off elsewhere): 1.8x the float32
-    # tokens/s on a 2-core AVX512-BF16/AMX Xeon (benchmarks/results/lm_vs_hf_xeon_*.json)
-    # The run's model is the best validation's weights: where half an hour is many more passes (the
-    # Xeon in bf16 makes ~30), this dropout-free model overfits after ~12 minutes.
-    "train": dict(max_tokens=4096, warmup_steps=100, lr_factor=0.35, label_smoothing=0.0, max_minutes=30.0,
-                  eval_every_minutes=2.0, eval_sentences=200, checkpoint_every_minutes=3.0, average_last=1,
-                  bf16=True, final_weights="best"),
+REQUIRED = ("description", "task", "vocab_size", "model", "train")
+ONLY_FOR = {"split_digits": "translation", "tokens_per_step": "translation", "decode": "translation", "lm": "lm"}
+LM_DEFAULTS = {"tokenizer": "char", "windows": "random"}  # a language-model recipe's [lm], where it says nothing
+TYPE_NAMES = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "a list",
+    dict: "a table",
 }
-RECIPES["text"] = RECIPES["tinyshakespeare"]
-
-# How a translation run decodes when qkv evaluate / translate get no --beam / --alpha: a recipe's
-# "decode" (stored in the run's config.json when it starts), else this.
-DEFAULT_DECODE = {"beam_size": 5, "alpha": 0.6}
-MAX_SAVED_BEAM = 100  # as qkv translate --beam: beam search holds that many copies of each sentence
+TOKENIZER_FIELDS = ("src_vocab_size", "tgt_vocab_size", "pad_id")  # a translation model's, set by its tokenizer
 
 
-def decode_settings(config: dict, *, beam_size: int | None = None, alpha: float | None = None) -> dict:
-    """Beam size and length penalty for a run: the ones given, else the run's own (its recipe's),
-    else :data:`DEFAULT_DECODE`."""
-    saved = config.get("decode") or {}
-    if not isinstance(saved, dict) or set(saved) - set(DEFAULT_DECODE):
-        raise ValueError(f"config.json: decode must be an object with {sorted(DEFAULT_DECODE)}, got {saved!r}"[:300])
-    settings = {**DEFAULT_DECODE, **saved}
-    beam, penalty = settings["beam_size"], settings["alpha"]
-    if not isinstance(beam, int) or isinstance(beam, bool) or not 1 <= beam <= MAX_SAVED_BEAM:
-        raise ValueError(f"config.json: decode.beam_size must be an integer from 1 to {MAX_SAVED_BEAM}, got {beam!r}")
-    if not isinstance(penalty, (int, float)) or isinstance(penalty, bool) or not 0 <= penalty <= 10:
-        raise ValueError(f"config.json: decode.alpha must be a number from 0 to 10, got {penalty!r}")
-    if beam_size is not None:
-        settings["beam_size"] = beam_size
-    if alpha is not None:
-        settings["alpha"] = alpha
-    return settings
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """One recipe file, read and checked (:func:`load_recipe`).
 
-# The paper's WMT 2014 English-German models ("Attention Is All You Need": Table 3, section 5), for
-# `qkv train --recipe paper-base|paper-big` on a corpus the user brings. What each value follows:
-# - sizes: Table 3 (base: d_model 512, 8 heads, 6+6 layers, d_ff 2048, P_drop 0.1; big: 1024, 16
-#   heads, d_ff 4096, P_drop 0.3 for En-De), post-LN (section 3.1), sinusoidal positions (3.5), one
-#   embedding table for both languages and the output projection (3.4);
-# - one BPE vocabulary of about 37,000 tokens for both languages (5.1);
-# - Adam 0.9/0.98/1e-9, the inverse-square-root rate with 4,000 warmup steps and factor 1 (5.3),
-#   label smoothing 0.1 (5.4); no gradient clipping (the paper names none; fairseq's reproduction,
-#   "Scaling Neural Machine Translation", trains with --clip-norm 0 too);
-# - ~25,000 target tokens a step (5.1): "tokens_per_step" padded tokens, split into max_tokens x
-#   accum_steps x processes by step_batches();
-# - 100k steps (base) / 300k (big); checkpoints every 10 minutes on the paper's hardware, which is
-#   every ~1,400 of its steps for base (100k steps in 12 hours) and ~600 for big (300k in 3.5 days):
-#   kept here in steps, so the averaged stretch of training is the paper's on any hardware; the
-#   last 5 (base) / 20 (big) averaged (section 6.1);
-# - beam 4, length penalty alpha 0.6 at evaluation ("decode", section 6.1): GNMT's
-#   ((5 + length) / 6) ** alpha, the EOS token counted in the length (qkv.decoding.search.length_penalty);
-#   output up to the input length + 50 tokens (decoding's extra_len default);
-# - bf16 autocast where bf16 matrix products are fast (GPUs); training pairs longer than 256 tokens
-#   are dropped, with a count.
-PAPER_MODEL = dict(d_model=512, num_heads=8, num_encoder_layers=6, num_decoder_layers=6, d_ff=2048, dropout=0.1,
-                   max_len=256, norm_first=False, positional="sinusoidal", share_embeddings=True, tie_output=True)
-PAPER_TRAIN = dict(warmup_steps=4000, lr_factor=1.0, schedule="inverse_sqrt", adam_betas=(0.9, 0.98), adam_eps=1e-9,
-                   label_smoothing=0.1, clip_norm=0.0, bf16=True, max_steps=100_000, checkpoint_every_steps=1400,
-                   average_last=5, eval_every_steps=5000, eval_sentences=500)
-RECIPES["paper-base"] = {
-    "vocab_size": 37000,
-    "split_digits": False,
-    "tokens_per_step": 25000,
-    "decode": {"beam_size": 4, "alpha": 0.6},
-    "model": PAPER_MODEL,
-    "train": PAPER_TRAIN,
-}
-RECIPES["paper-big"] = {
-    **RECIPES["paper-base"],
-    "model": {**PAPER_MODEL, "d_model": 1024, "num_heads": 16, "d_ff": 4096, "dropout": 0.3},
-    "train": {**PAPER_TRAIN, "max_steps": 300_000, "checkpoint_every_steps": 600, "average_last": 20},
-}
-# the largest batch one process takes at once (padded tokens) before it accumulates several. What
-# backward keeps of such a batch under bf16 autocast, counted with torch.autograd.graph's
-# saved_tensors_hooks for 30-token sentences at 1,200 and 2,400 tokens and extrapolated: about 6 GB
-# (base) and 12 GB (big), besides weights, gradients and Adam state (1.0 GB, 3.4 GB): within a 24 GB
-# GPU. A smaller GPU takes --max-tokens N (and the step keeps its size through --accum-steps)
-MICRO_BATCH_TOKENS = 12_500
+    ``model`` holds :class:`~qkv.models.transformer.TransformerConfig` fields (a language model's:
+    :class:`~qkv.models.causal_lm.CausalLMConfig` fields) and ``train``
+    :class:`~qkv.training.config.TrainConfig` fields, as the file gives them (float fields as floats,
+    ``adam_betas`` as a tuple); a field the file leaves out is the library default. ``decode`` is a
+    translation recipe's beam size and length penalty (:data:`DEFAULT_DECODE` where it says nothing),
+    ``lm`` a language-model recipe's tokenizer and training windows.
+    """
+
+    name: str
+    description: str
+    task: str
+    vocab_size: int
+    model: dict[str, Any]
+    train: dict[str, Any]
+    source: Path
+    split_digits: bool = False
+    tokens_per_step: int | None = None
+    decode: dict[str, Any] = field(default_factory=dict)
+    lm: dict[str, Any] = field(default_factory=dict)
+    default_for: tuple[str, ...] = ()
+    bf16_variant: str | None = None
+
+    @property
+    def file(self) -> str:
+        """Where the recipe was read from: ``qkv/runs/recipes/NAME.toml`` for one shipped with qkv
+        (the same on every machine), else the file's absolute path."""
+        if self.source.parent == RECIPE_DIR:
+            return f"qkv/runs/recipes/{self.source.name}"
+        return str(self.source.resolve())
+
+    def step_options(
+        self, world_size: int = 1, *, max_tokens: int | None = None, accum_steps: int | None = None
+    ) -> dict[str, int]:
+        """``max_tokens`` and ``accum_steps`` for a recipe with ``tokens_per_step`` on ``world_size``
+        processes (:func:`step_batches`; one given is kept); ``{}`` for a recipe without."""
+        if self.tokens_per_step is None:
+            return {}
+        tokens, accum = step_batches(self.tokens_per_step, world_size, max_tokens=max_tokens, accum_steps=accum_steps)
+        return {"max_tokens": tokens, "accum_steps": accum}
+
+    def as_dict(self) -> dict[str, Any]:
+        """The recipe as plain data (what :data:`RECIPES` holds): its task, vocabulary, model, train
+        and, by task, split_digits / decode / tokens_per_step or lm."""
+        plain: dict[str, Any] = {"task": self.task, "description": self.description, "vocab_size": self.vocab_size}
+        if self.task == "translation":
+            plain.update(split_digits=self.split_digits, decode=dict(self.decode))
+            if self.tokens_per_step is not None:
+                plain["tokens_per_step"] = self.tokens_per_step
+        else:
+            plain["lm"] = dict(self.lm)
+        return {**plain, "model": dict(self.model), "train": dict(self.train)}
+
+
+def list_recipes() -> list[str]:
+    """The names of the recipes shipped with qkv, sorted."""
+    return sorted(path.stem for path in RECIPE_DIR.glob("*.toml"))
 
 
 def translation_recipes() -> list[str]:
-    """The names ``qkv train --recipe`` accepts: every recipe of a translation model."""
-    return sorted(name for name, recipe in RECIPES.items() if recipe.get("task", "translation") == "translation")
+    """The names of the shipped recipes of a translation model."""
+    return [name for name in list_recipes() if load_recipe(name).task == "translation"]
 
 
-def step_batches(tokens_per_step: int, world_size: int, *, max_tokens: int | None = None,
-                 accum_steps: int | None = None, micro_batch_tokens: int = MICRO_BATCH_TOKENS) -> tuple[int, int]:
-    """Split a step of ``tokens_per_step`` padded tokens among processes and micro-batches.
-
-    A step trains on ``accum_steps x world_size`` batches of up to ``max_tokens`` padded tokens
-    each (:class:`~qkv.training.TrainConfig`). Given neither, ``accum_steps`` is the fewest
-    micro-batches that keep a batch within ``micro_batch_tokens`` and ``max_tokens`` shares the
-    step evenly: 1 process -> 2 x 12,500; 2 -> 1 x 12,500; 8 -> 1 x 3,125 (the paper's 8 GPUs).
-    Given one, the other is chosen to come closest to ``tokens_per_step``; given both, both are kept.
-
-    Returns:
-        ``(max_tokens, accum_steps)``.
-    """
-    for name, value in (("tokens_per_step", tokens_per_step), ("world_size", world_size),
-                        ("max_tokens", max_tokens), ("accum_steps", accum_steps),
-                        ("micro_batch_tokens", micro_batch_tokens)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if max_tokens is not None and accum_steps is not None:
-        return max_tokens, accum_steps
-    if max_tokens is not None:
-        return max_tokens, max(1, round(tokens_per_step / (max_tokens * world_size)))
-    if accum_steps is None:
-        accum_steps = -(-tokens_per_step // (micro_batch_tokens * world_size))
-    return -(-tokens_per_step // (accum_steps * world_size)), accum_steps
+@functools.cache
+def _defaults() -> dict[str, str]:
+    """Data source -> the shipped recipe whose ``default_for`` names it (also an alias: ``files``)."""
+    found: dict[str, str] = {}
+    for name in list_recipes():
+        for source in tomllib.loads((RECIPE_DIR / f"{name}.toml").read_text(encoding="utf-8")).get("default_for", []):
+            found[source] = name
+    return found
 
 
-def recipe_overrides(name: str, source: str, *, world_size: int = 1, max_tokens: int | None = None,
-                     accum_steps: int | None = None) -> tuple[dict, dict, int]:
-    """What makes :func:`qkv.runs.translation.start_run` train data of ``source`` with recipe ``name`` in place
-    of the data's own: the model and training fields where the two recipes differ (a field either
-    leaves out counts as the library default, so nothing of the data's recipe stays behind), and
-    the vocabulary size. A recipe with ``tokens_per_step`` gets ``max_tokens``/``accum_steps``
-    from :func:`step_batches` for ``world_size`` processes (the given ones kept). The tokenizer's
-    digit rule stays the data's (split only for the date task). bf16 is passed only where the
-    recipes disagree, so where both want it, start_run's rule applies: on where it is fast.
-
-    Returns:
-        ``(model_options, train_options, vocab_size)``; explicit options go over them.
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """Read and check a recipe: a shipped one by name (``multi30k``; the data sources ``files`` and
+    ``text`` name their default recipes), or a file (a ``.toml`` name or any path).
 
     Raises:
-        ValueError: an unknown recipe, or one of a language model.
+        ValueError: an unknown name, or a file that is not a recipe: one line naming the file and the
+            key (unknown keys, wrong types, values out of range).
+        FileNotFoundError: a file that does not exist.
     """
-    from dataclasses import fields
+    text = str(name_or_path)
+    if isinstance(name_or_path, Path) or text.endswith(".toml") or "/" in text or "\\" in text:
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"{text}: no such recipe file")
+    else:
+        path = RECIPE_DIR / f"{_defaults().get(text, text)}.toml"
+        if not path.is_file():
+            raise ValueError(
+                f"unknown recipe {text!r}; choose one of {', '.join(list_recipes())} (qkv recipes lists them) "
+                "or give a .toml file"
+            )
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a TOML file ({err})") from None
+    return _recipe_from(raw, path)
 
-    from qkv.models.transformer import TransformerConfig
+
+def recipe_for_data(source: str) -> Recipe:
+    """The recipe a data source trains with when none is named (a prepared folder: the files' one)."""
+    from qkv.data.sources import recipe_source
+
+    name = _defaults().get(recipe_source(source))
+    if name is None:
+        raise ValueError(f"no recipe is declared for data source {source!r}")
+    return load_recipe(name)
+
+
+def _recipe_from(raw: dict[str, Any], path: Path) -> Recipe:
+    """A :class:`Recipe` from a parsed file, every key and value checked."""
+    for key, value in raw.items():
+        if key not in KEYS:
+            raise ValueError(f"{path}: {key}: unknown key; a recipe's keys are {', '.join(KEYS)}")
+        _check_type(path, key, value, KEYS[key])
+    missing = [key for key in REQUIRED if key not in raw]
+    if missing:
+        raise ValueError(f"{path}: {missing[0]}: missing (every recipe has {', '.join(REQUIRED)})")
+    task = raw["task"]
+    if task not in TASKS:
+        raise ValueError(f"{path}: task: must be one of {', '.join(TASKS)}, got {task!r}")
+    for key, only in ONLY_FOR.items():
+        if key in raw and only != task:
+            raise ValueError(f"{path}: {key}: a key of {only} recipes only (this one's task is {task})")
+    vocab_size, per_step = raw["vocab_size"], raw.get("tokens_per_step")
+    if vocab_size < 260:
+        raise ValueError(f"{path}: vocab_size: must be >= 260 (256 bytes + 4 specials), got {vocab_size!r}")
+    if per_step is not None and per_step < 1:
+        raise ValueError(f"{path}: tokens_per_step: must be >= 1, got {per_step!r}")
+    if "\n" in raw["description"]:
+        raise ValueError(f"{path}: description: must be one line")
+    model, train = _model_fields(raw, path), _config_fields(path, "train", raw["train"], _train_class(), ())
+    try:
+        _train_class()(**train)
+    except ValueError as err:
+        raise ValueError(f"{path}: train: {err}") from None
+    return Recipe(
+        name=path.stem,
+        description=raw["description"],
+        task=task,
+        vocab_size=vocab_size,
+        model=model,
+        train=train,
+        source=path,
+        split_digits=raw.get("split_digits", False),
+        tokens_per_step=per_step,
+        decode=check_decode(raw.get("decode"), str(path)) if task == "translation" else {},
+        lm=_lm_settings(path, raw.get("lm", {})) if task == "lm" else {},
+        default_for=_default_for(path, raw.get("default_for", []), task),
+        bf16_variant=raw.get("bf16_variant"),
+    )
+
+
+def _train_class() -> type:
     from qkv.training.config import TrainConfig
 
-    if name not in translation_recipes():
-        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(translation_recipes())}")
-    if source not in RECIPES:
-        raise ValueError(f"no recipe is declared for data source {source!r}")
-    if RECIPES[source].get("task", "translation") != "translation":
-        raise ValueError(f"--recipe {name} is a translation recipe; a language model ({source}) trains with its "
-                         "data's recipe")
-    recipe, own = RECIPES[name], RECIPES[source]
+    return TrainConfig
 
-    def differing(config_class, key: str, skip: tuple = (), keep: tuple = ()) -> dict:
-        defaults = {f.name: getattr(config_class(), f.name) for f in fields(config_class) if f.name not in skip}
-        wanted, current = {**defaults, **recipe[key]}, {**defaults, **own[key]}
-        return {k: v for k, v in wanted.items() if k in defaults and (v != current[k] or k in keep)}
 
-    # the fields the data's recipe changes where bf16 is fast are given too, so those stay the named recipe's
-    model = differing(TransformerConfig, "model", skip=("src_vocab_size", "tgt_vocab_size", "pad_id"),
-                      keep=tuple(own.get(MODEL_WHERE_BF16_IS_FAST, {})))
-    train = differing(TrainConfig, "train", keep=tuple(own.get(TRAIN_WHERE_BF16_IS_FAST, {})))
-    if "tokens_per_step" in recipe:
-        train["max_tokens"], train["accum_steps"] = step_batches(recipe["tokens_per_step"], world_size,
-                                                                 max_tokens=max_tokens, accum_steps=accum_steps)
-    return model, train, recipe["vocab_size"]
+def _model_fields(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The ``[model]`` table checked against the model's config class, and built once for its ranges."""
+    from qkv.models.causal_lm import CausalLMConfig
+    from qkv.models.transformer import TransformerConfig
+
+    vocab = raw["vocab_size"]
+    if raw["task"] == "lm":
+        model = _config_fields(path, "model", raw["model"], CausalLMConfig, ("vocab_size",))
+        build = functools.partial(CausalLMConfig, **model, vocab_size=vocab)
+    else:
+        model = _config_fields(path, "model", raw["model"], TransformerConfig, TOKENIZER_FIELDS)
+        build = functools.partial(TransformerConfig, **model, src_vocab_size=vocab, tgt_vocab_size=vocab)
+    try:
+        build()
+    except ValueError as err:
+        raise ValueError(f"{path}: model: {err}") from None
+    return model
+
+
+def _config_fields(path: Path, table: str, values: dict, config_class: type, skip: tuple[str, ...]) -> dict:
+    """``values`` checked against ``config_class``'s fields (not those in ``skip``): each key one of
+    them, each value of its type; float fields come back as floats and tuple fields as tuples."""
+    hints = typing.get_type_hints(config_class)
+    known = [f.name for f in fields(config_class) if f.name not in skip]
+    checked = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ValueError(
+                f"{path}: {table}.{key}: unknown key; {config_class.__name__} fields are {', '.join(known)}"
+            )
+        checked[key] = _check_type(path, f"{table}.{key}", value, hints[key])
+    return checked
+
+
+def _check_type(path: Path, key: str, value: Any, kind: Any) -> Any:
+    """``value`` if it is of ``kind`` (a float field also takes an integer, returned as a float; a
+    tuple field takes a list of numbers), else a one-line ``ValueError`` naming the file and key."""
+    if typing.get_origin(kind) is tuple:
+        size = len(typing.get_args(kind))
+        if isinstance(value, list) and len(value) == size and all(_is_number(v) for v in value):
+            return tuple(float(v) for v in value)
+        raise ValueError(f"{path}: {key}: must be a list of {size} numbers, got {value!r}")
+    if kind is float and _is_number(value):
+        return float(value)
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    raise ValueError(f"{path}: {key}: must be {TYPE_NAMES.get(kind, kind.__name__)}, got {value!r}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _lm_settings(path: Path, values: dict[str, Any]) -> dict[str, Any]:
+    from qkv.data.text import TOKENIZER_KINDS
+    from qkv.training.language_model_task import LanguageModelTask
+
+    choices = {"tokenizer": TOKENIZER_KINDS, "windows": LanguageModelTask.WINDOWS}
+    for key, value in values.items():
+        if key not in choices:
+            raise ValueError(f"{path}: lm.{key}: unknown key; a language model's settings are {', '.join(choices)}")
+        if value not in choices[key]:
+            raise ValueError(f"{path}: lm.{key}: must be one of {', '.join(choices[key])}, got {value!r}")
+    return {**LM_DEFAULTS, **values}
+
+
+def _default_for(path: Path, sources: list, task: str) -> tuple[str, ...]:
+    from qkv.data.sources import SOURCES
+    from qkv.data.text import TEXT_SOURCES
+
+    fitting = TEXT_SOURCES if task == "lm" else tuple(s for s in SOURCES if s != "prepared")
+    for source in sources:
+        if source not in fitting:
+            raise ValueError(
+                f"{path}: default_for: {source!r} is not a data source a {task} recipe can be the default of "
+                f"({', '.join(fitting)})"
+            )
+    return tuple(sources)
+
+
+@functools.cache
+def _plain_recipes() -> dict[str, dict[str, Any]]:
+    recipes = {name: load_recipe(name).as_dict() for name in list_recipes()}
+    return {**recipes, **{source: recipes[name] for source, name in _defaults().items()}}
+
+
+def __getattr__(name: str) -> Any:
+    """``RECIPES``: every shipped recipe as plain data (:meth:`Recipe.as_dict`), by name and by the data
+    sources it is the default of (``files``, ``text``), read on first use (for scripts)."""
+    if name == "RECIPES":
+        return _plain_recipes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "DEFAULT_DECODE",
+    "MAX_SAVED_BEAM",
+    "MICRO_BATCH_TOKENS",
+    "Recipe",
+    "decode_settings",
+    "list_recipes",
+    "load_recipe",
+    "recipe_for_data",
+    "step_batches",
+    "translation_recipes",
+]

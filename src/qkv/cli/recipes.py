@@ -1,0 +1,155 @@
+"""``qkv recipes``: the recipes ``qkv train`` starts from, listed, or one shown as it would run here.
+
+qkv recipes                                   # every recipe shipped with qkv: name, task, what it is for
+qkv recipes show multi30k                     # its model, training and decoding settings on this machine
+qkv recipes show multi30k --toml > my.toml    # the file itself, to copy and edit
+qkv recipes show my.toml                      # a recipe file of your own, checked and resolved
+qkv train --data multi30k --recipe my.toml --run-dir runs/mine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from qkv.runs.recipes import Recipe
+
+# what each data source is called on qkv train's command line, for the list's last lines
+SOURCE_FLAGS = {
+    "multi30k": "--data multi30k",
+    "files": "--train-src/--train-tgt or --prepared",
+    "dates": "--data dates",
+    "tinyshakespeare": "--data tinyshakespeare",
+    "text": "--train-text",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "action", nargs="?", choices=("list", "show"), default="list", help="list the recipes (default) or show one"
+    )
+    parser.add_argument("recipe", nargs="?", metavar="NAME|FILE.toml", help="with show: a recipe's name or a file")
+    parser.add_argument(
+        "--toml", action="store_true", help="with show: print the recipe's file as it is (to copy and edit)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from qkv.runs.recipes import load_recipe
+
+    if args.action == "list":
+        if args.recipe or args.toml:
+            raise ValueError("name a recipe with show: qkv recipes show NAME|FILE.toml")
+        print("\n".join(list_lines()))
+        return 0
+    if not args.recipe:
+        raise ValueError("qkv recipes show needs a recipe: a name (qkv recipes lists them) or a .toml file")
+    recipe = load_recipe(args.recipe)
+    if args.toml:
+        print(recipe.source.read_text(encoding="utf-8"), end="")
+        return 0
+    print("\n".join(show_lines(recipe)))
+    return 0
+
+
+def list_lines() -> list[str]:
+    """One line per shipped recipe (name, task, description), then which data trains with which."""
+    from qkv.runs.recipes import list_recipes, load_recipe
+
+    recipes = [load_recipe(name) for name in list_recipes()]
+    width = max(len(recipe.name) for recipe in recipes) + 2
+    lines = [f"{'NAME':<{width}}{'TASK':<13}DESCRIPTION"]
+    lines += [f"{recipe.name:<{width}}{recipe.task:<13}{recipe.description}" for recipe in recipes]
+    defaults = [
+        f"{', '.join(SOURCE_FLAGS.get(source, source) for source in recipe.default_for)}: {recipe.name}"
+        for recipe in recipes
+        if recipe.default_for
+    ]
+    return [
+        *lines,
+        "",
+        "Without --recipe, qkv train uses the data's: " + "; ".join(defaults) + ".",
+        "qkv recipes show NAME prints one as it would run here; qkv train --recipe NAME|FILE.toml trains with it.",
+    ]
+
+
+def show_lines(recipe: Recipe) -> list[str]:
+    """A recipe resolved as a run would have it on this machine's default device, written as TOML:
+    every model and training field (the library's default where the recipe says nothing, marked),
+    bf16 as it would be here, and the decoding settings; what it is and why bf16 is what it is, in
+    comments."""
+    from qkv.models.causal_lm import CausalLMConfig
+    from qkv.models.transformer import TransformerConfig
+    from qkv.runtime import precision
+    from qkv.runtime.device import pick_device
+    from qkv.training.config import TrainConfig
+
+    device = pick_device(None)
+    fast = precision.bf16_is_fast(device)
+    given = {**recipe.train, **recipe.step_options(1)}
+    train = TrainConfig(**given)
+    train = replace(train, bf16=train.bf16 and fast)  # as a run here would have it (start_run's rule)
+    lines = [
+        f"# recipe {recipe.name}, resolved as a run on this machine would have it (itself a recipe file)",
+        f"# file: {recipe.source}",
+        f"# bf16: {_bf16_note(recipe, fast, device)}",
+    ]
+    if recipe.bf16_variant and train.bf16 and fast:
+        lines.append(f"# bf16 is fast here: --recipe {recipe.bf16_variant} is this recipe tuned for it")
+    lines += [f"description = {_toml(recipe.description)}", f"task = {_toml(recipe.task)}"]
+    lines.append(f"vocab_size = {recipe.vocab_size}")
+    if recipe.task == "translation":
+        lines.append(f"split_digits = {_toml(recipe.split_digits)}")
+        model_class: type = TransformerConfig
+        tokenizer_fields: tuple[str, ...] = ("src_vocab_size", "tgt_vocab_size", "pad_id")
+    else:
+        model_class, tokenizer_fields = CausalLMConfig, ("vocab_size",)
+        lines += ["", "[lm]", *(f"{key} = {_toml(value)}" for key, value in recipe.lm.items())]
+    model = model_class(**recipe.model)
+    lines += ["", f"[model]  # {model_class.__name__}; the tokenizer sets {', '.join(tokenizer_fields)}"]
+    lines += _table(model, recipe.model, skip=tokenizer_fields)
+    lines += ["", "[train]  # TrainConfig"]
+    here = {"bf16": "off here: the recipe's true applies where bf16 is fast"} if train.bf16 != given.get("bf16") else {}
+    lines += _table(train, given, notes=here)
+    if recipe.tokens_per_step is not None:
+        lines.append(f"# max_tokens x accum_steps: the recipe's {recipe.tokens_per_step} tokens a step on 1 process")
+    if recipe.task == "translation":
+        lines += ["", "[decode]", *(f"{key} = {_toml(value)}" for key, value in recipe.decode.items())]
+    return lines
+
+
+def _bf16_note(recipe: Recipe, fast: bool, device: torch.device) -> str:
+    from qkv.runtime import precision
+
+    if not recipe.train.get("bf16"):
+        return "the recipe trains in float32"
+    if fast:
+        return f"the recipe asks for bf16 autocast where it is fast; {device} here: on"
+    return f"the recipe asks for bf16 autocast where it is fast; {device} here: off, float32 ({precision.slow_bf16_reason(device)})"
+
+
+def _table(config: Any, given: dict, *, skip: tuple[str, ...] = (), notes: dict | None = None) -> list[str]:
+    """Every field of ``config`` as ``key = value``, those ``given`` does not set marked as defaults."""
+    lines = []
+    for f in fields(config):
+        if f.name in skip:
+            continue
+        note = (notes or {}).get(f.name) or ("" if f.name in given else "library default")
+        lines.append(f"{f.name} = {_toml(getattr(config, f.name))}" + (f"  # {note}" if note else ""))
+    return lines
+
+
+def _toml(value: Any) -> str:
+    """``value`` written as TOML (booleans, numbers, strings, and tuples as arrays)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
