@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "qkv.cli.train",
         "train a translation model (e.g. --data multi30k) or a language model (--data tinyshakespeare)",
     ),
+    "recipes": ("qkv.cli.recipes", "list the recipes qkv train starts from, or show one as it would run here"),
     "prepare": (
         "qkv.cli.prepare",
         "tokenize a parallel corpus of any size once into a prepared folder (for qkv train --prepared)",
