@@ -15,6 +15,8 @@ import importlib.util
 import logging
 import sys
 import traceback
+from collections.abc import Sequence
+from typing import NoReturn
 
 # name -> (module, one-line help). A module that does not exist yet is left out of the CLI.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -45,6 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def available_commands() -> dict[str, tuple[str, str]]:
+    """The registered subcommands whose module exists."""
     return {name: entry for name, entry in COMMANDS.items() if importlib.util.find_spec(entry[0]) is not None}
 
 
@@ -53,9 +56,19 @@ INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError, IsADirectoryErro
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line usage errors: ``qkv train: error: ... (see qkv train --help)``."""
+    """argparse with one-line usage errors: ``qkv train: error: ... (see qkv train --help)``, that
+    keeps the arguments it parses (``given_args``: a subcommand's help action can read the options
+    given after ``--help`` too, e.g. ``qkv train --help --data dates``)."""
 
-    def error(self, message: str):
+    given_args: list[str] | None = None
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self.given_args = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -64,17 +77,24 @@ def _one_line(err: BaseException) -> str:
     return text[:500] or type(err).__name__
 
 
-def build_parser(chosen: str | None) -> argparse.ArgumentParser:
+def build_parser(chosen: str | None, *, every: bool = False) -> argparse.ArgumentParser:
+    """The ``qkv`` parser, with the options of subcommand ``chosen`` (of every one, with ``every``).
+
+    A subcommand module whose ``OWN_HELP`` is true adds its own ``-h``/``--help`` (``qkv train``
+    shows the options most runs need, with its recipe's defaults); the others get argparse's.
+    """
     from qkv import __version__
 
     parser = _Parser(prog="qkv", description="Attention Is All You Need, built for real.")
     parser.add_argument("--version", action="version", version=f"qkv {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name, (module, help_text) in available_commands().items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        if name == chosen:
-            importlib.import_module(module).add_arguments(p)
+    for name, (module_name, help_text) in available_commands().items():
+        module = importlib.import_module(module_name) if every or name == chosen else None
+        own_help = bool(getattr(module, "OWN_HELP", False))
+        p = sub.add_parser(name, help=help_text, description=help_text, add_help=not own_help)
+        if module is not None:
+            module.add_arguments(p)
     return parser
 
 

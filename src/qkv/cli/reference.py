@@ -10,7 +10,6 @@ groups them. The documentation site's build (``docs_hooks/qkv_docs.py``) puts th
 from __future__ import annotations
 
 import argparse
-import importlib
 import re
 
 #: the line in ``docs/reference/cli.md`` that the documentation build replaces with the reference
@@ -21,12 +20,9 @@ _USAGE_WIDTH = 78  # fixed, so the page does not depend on the terminal that bui
 
 def full_parser() -> argparse.ArgumentParser:
     """The ``qkv`` parser with every available subcommand's options added."""
-    from qkv.cli import COMMANDS, build_parser
+    from qkv.cli import build_parser
 
-    parser = build_parser(None)
-    for name, sub in subcommands(parser).items():
-        importlib.import_module(COMMANDS[name][0]).add_arguments(sub)
-    return parser
+    return build_parser(None, every=True)
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

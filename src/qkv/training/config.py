@@ -69,7 +69,7 @@ class TrainConfig:
     max_tokens: int = _option(
         6000,
         "padded tokens per batch (sentences x longest source or target; a language "
-        "model: max_tokens // context windows); set by the recipe",
+        "model: max_tokens // context windows)",
         minimum=1,
         group="training",
     )
@@ -173,8 +173,7 @@ class TrainConfig:
     )
     bf16: bool = _option(
         False,
-        "bfloat16 autocast (weights and the optimizer stay float32); the Multi30k recipe "
-        "turns it on where bf16 matrix products are fast (CUDA, CPUs with AVX512-BF16/AMX)",
+        "bfloat16 autocast (weights and the optimizer stay float32); fast on CUDA and on CPUs with AVX512-BF16/AMX",
         group="training",
     )
     compile: bool = _option(
