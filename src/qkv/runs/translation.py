@@ -17,67 +17,62 @@ and whenever a run resumes from one, so a fingerprint equal to the run's means t
 
 from __future__ import annotations
 
-import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, fields, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from qkv.runs import folder as run_folder
-from qkv.runtime import precision
-from qkv.training.checkpoint_files import CHECKPOINT_FILE
 from qkv.data.parallel import ParallelText
-from qkv.data.prepared import PreparedCorpus, write_token_lists
-from qkv.data.sources import both_directions, check_spec, describe, load_train_valid, recipe_source
+from qkv.data.prepared import PreparedCorpus, PreparedSplit, write_token_lists
+from qkv.data.sources import (
+    both_directions,
+    check_spec,
+    data_fingerprint,
+    load_train_valid,
+    open_training_data,
+)
+from qkv.data.spec import DataSpec
 from qkv.data.text import TEXT_SOURCES
 from qkv.data.tokenizer import Tokenizer
-from qkv.runtime.device import pick_device
-from qkv.runs.language_model import open_lm_task, start_lm_run
 from qkv.models.transformer import Transformer, TransformerConfig
-from qkv.runs.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST, decode_settings
-from qkv.training import Distributed, TrainConfig, Trainer, TrainingCrashed, TranslationTask
-from qkv.training.tasks import TokenLists
+from qkv.runs import folder as run_folder
 from qkv.runs.curves import plot_metrics
+from qkv.runs.language_model import open_lm_task, start_lm_run
+from qkv.runs.recipes import Recipe, decode_settings
+from qkv.runs.recipes.choice import RecipeChoice, choose_recipe
+from qkv.runtime import precision
+from qkv.runtime.device import pick_device
+from qkv.training import Distributed, TrainConfig, Trainer, TrainingCrashed, TranslationTask
+from qkv.training.checkpoint_files import CHECKPOINT_FILE
+from qkv.training.tasks import TokenLists
 
 logger = logging.getLogger(__name__)
 
 
-def data_fingerprint(data: ParallelText) -> dict:
-    """Number of pairs and a SHA-256 of their text: how a resumed run knows its data is unchanged."""
-    digest = hashlib.sha256()
-    for src, tgt in zip(data.src, data.tgt):
-        digest.update(src.encode("utf-8", "surrogatepass") + b"\t" + tgt.encode("utf-8", "surrogatepass") + b"\n")
-    return {"pairs": len(data), "sha256": digest.hexdigest()}
-
-
-def _input_files(spec: dict) -> list[str]:
-    return [spec[k] for k in ("train_src", "train_tgt", "val_src", "val_tgt", "folder") if spec.get(k)]
-
-
-def _model_config(recipe: dict, model_options: dict | None, vocab_size: int, pad_id: int) -> TransformerConfig:
+def _model_config(recipe: Recipe, model_options: dict | None, vocab_size: int, pad_id: int) -> TransformerConfig:
+    """The recipe's model with the explicit options over it; vocabulary sizes and ``pad_id`` are the tokenizer's."""
     known = {f.name for f in fields(TransformerConfig)}
     unknown = sorted(set(model_options or {}) - known)
     if unknown:
         raise ValueError(f"unknown model options: {unknown}")
-    return TransformerConfig(**{**recipe["model"], **(model_options or {}), "src_vocab_size": vocab_size,
-                                "tgt_vocab_size": vocab_size, "pad_id": pad_id})
-
-
-def _where_bf16_is_fast(recipe: dict, model_options: dict | None, train_options: dict | None) -> tuple[dict, dict]:
-    """The recipe's model and training fields for a run in fast bf16 that no explicit option
-    overrides (`MODEL_WHERE_BF16_IS_FAST`, `TRAIN_WHERE_BF16_IS_FAST` in :mod:`qkv.runs.recipes`), logged once."""
-    model = {k: v for k, v in recipe.get(MODEL_WHERE_BF16_IS_FAST, {}).items() if k not in (model_options or {})}
-    train = {k: v for k, v in recipe.get(TRAIN_WHERE_BF16_IS_FAST, {}).items() if k not in (train_options or {})}
-    if model or train:
-        logger.info("recipe: bf16 is fast here (more epochs fit the time budget): %s", {**model, **train})
-    return model, train
+    return TransformerConfig(
+        **{
+            **recipe.model,
+            **(model_options or {}),
+            "src_vocab_size": vocab_size,
+            "tgt_vocab_size": vocab_size,
+            "pad_id": pad_id,
+        }
+    )
 
 
 def start_run(
     run_dir: str | Path,
     *,
-    data: dict,
+    data: DataSpec,
     model_options: dict | None = None,
     train_options: dict | None = None,
     vocab_size: int | None = None,
@@ -86,10 +81,12 @@ def start_run(
     device: str | torch.device | None = None,
     dist: Distributed | None = None,
     decode: dict | None = None,
+    recipe: str | Path | Recipe | None = None,
 ) -> Trainer:
     """Check everything, read the data, learn the tokenizer, build the model, and only then create
-    the run folder (with its step-0 checkpoint, so it can be resumed from the first moment).
-    Returns a ready :class:`Trainer`.
+    the run folder (with its step-0 checkpoint, so it can be resumed from the first moment):
+    :func:`start_translation_run`, or :func:`~qkv.runs.language_model.start_lm_run` for a language
+    model's text. Returns a ready :class:`Trainer`.
 
     With several processes (``dist``), rank 0 creates the run folder as one process would, then
     every process opens it as :func:`resume_run` does, so all start from the same weights; an
@@ -97,9 +94,9 @@ def start_run(
 
     Args:
         run_dir: the run folder to create.
-        data: a data spec (:mod:`qkv.data.sources`), e.g. ``{"source": "multi30k", "src_lang": "en",
-            "tgt_lang": "de"}`` or ``{"source": "prepared", "folder": path}``; or for a language model (:mod:`qkv.data.text`)
-            ``{"source": "tinyshakespeare"}`` or ``{"source": "text", "train_text": path}``.
+        data: where the sentences come from (:class:`~qkv.data.spec.DataSpec`), e.g.
+            ``DataSpec(source="multi30k", src_lang="en", tgt_lang="de")``, ``DataSpec(source="prepared",
+            folder=path)``, or for a language model ``DataSpec(source="text", train_text=path)``.
         model_options: :class:`TransformerConfig` fields (a language model's:
             :class:`~qkv.models.causal_lm.CausalLMConfig` fields) over the source's recipe (vocabulary
             sizes and ``pad_id`` come from the tokenizer).
@@ -113,170 +110,248 @@ def start_run(
         dist: this process's place among several (default: alone).
         decode: a translation run's ``beam_size`` and ``alpha`` for evaluation (default: the
             recipe's ``decode``, else :data:`qkv.runs.recipes.DEFAULT_DECODE`), kept in config.json.
+        recipe: the recipe the options go over: a name (``qkv recipes`` lists them), a ``.toml`` file
+            or a :class:`~qkv.runs.recipes.Recipe` (default: the data's, e.g. ``multi30k``; the same on
+            every machine). Its ``tokens_per_step``, if any, is split over ``dist``'s processes.
 
     Raises:
         ValueError / FileNotFoundError: a bad option or input, before anything is written.
     """
-    if dist is not None and dist.enabled:
-        failure = None
-        if dist.is_main:
-            try:
-                start_run(run_dir, data=data, model_options=model_options, train_options=train_options,
-                          vocab_size=vocab_size, lm_options=lm_options, overwrite=overwrite, device="cpu",
-                          decode=decode)
-            except (ValueError, OSError) as err:
-                failure = (type(err).__name__, str(err))
-        failure = dist.broadcast(failure)
-        if failure is not None:
-            kind = FileNotFoundError if failure[0] == "FileNotFoundError" else ValueError
-            raise kind(failure[1])
-        return resume_run(run_dir, device=device, dist=dist)
-    run_dir = Path(run_dir)
-    if data.get("both_directions") and data.get("source") in TEXT_SOURCES:
-        raise ValueError("--both-directions is for translation from text (--data multi30k/dates or "
-                         "--train-src/--train-tgt), not a language model")
-    if data.get("source") in TEXT_SOURCES:
-        return start_lm_run(run_dir, data=data, model_options=model_options, train_options=train_options,
-                            vocab_size=vocab_size, lm_options=lm_options, overwrite=overwrite, device=device)
-    if lm_options:
-        raise ValueError(f"{', '.join(sorted(lm_options))}: options of a language model (--data tinyshakespeare or "
-                         "--train-text)")
-    check_spec(data)
-    recipe = RECIPES[recipe_source(data["source"])]
-    device = pick_device(device)
-    run_folder.check_new_run_dir(run_dir, overwrite=overwrite, inputs=_input_files(data))
-    if data["source"] == "prepared":
-        corpus = PreparedCorpus(data["folder"])  # the manifest, read before anything else
+    if not isinstance(data, DataSpec):
+        raise TypeError(f"data must be a DataSpec (DataSpec.from_json reads a config.json 'data'), got {data!r}")
+    if data.source in TEXT_SOURCES:
+        if data.both_directions:
+            raise ValueError(
+                "--both-directions is for translation from text (--data multi30k/dates or "
+                "--train-src/--train-tgt), not a language model"
+            )
+        start = partial(start_lm_run, lm_options=lm_options)
+    elif lm_options:
+        raise ValueError(
+            f"{', '.join(sorted(lm_options))}: options of a language model (--data tinyshakespeare or --train-text)"
+        )
     else:
-        vocab_size = recipe["vocab_size"] if vocab_size is None else vocab_size
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 260):
-        raise ValueError(f"vocab_size (--vocab-size) must be an integer >= 260 (256 bytes + 4 specials), "
-                         f"got {vocab_size!r}")
+        start = partial(start_translation_run, decode=decode)
+    choice = choose_recipe(recipe, data.source)
+    given = train_options or {}
+    world = dist.world_size if dist is not None and dist.enabled else 1
+    steps = choice.recipe.step_options(world, max_tokens=given.get("max_tokens"), accum_steps=given.get("accum_steps"))
+    train_options = {**steps, **given}
+    start = partial(start, Path(run_dir), data=data, model_options=model_options, train_options=train_options)
+    start = partial(start, choice=choice)
+    start = partial(start, vocab_size=vocab_size, overwrite=overwrite)
+    if dist is None or not dist.enabled:
+        return start(device=device)
+    _start_on_rank_0(start, dist)
+    return resume_run(run_dir, device=device, dist=dist)
+
+
+def _start_on_rank_0(start: Callable[..., Trainer], dist: Distributed) -> None:
+    """Start a run on rank 0 alone, on the CPU (the others then open its folder); rank 0's error,
+    if any, is raised on every process."""
+    failure = None
+    if dist.is_main:
+        try:
+            start(device="cpu")
+        except (ValueError, OSError) as err:
+            failure = (type(err).__name__, str(err))
+    failure = dist.broadcast(failure)
+    if failure is not None:
+        kind = FileNotFoundError if failure[0] == "FileNotFoundError" else ValueError
+        raise kind(failure[1])
+
+
+def start_translation_run(
+    run_dir: Path,
+    *,
+    data: DataSpec,
+    model_options: dict | None,
+    train_options: dict | None,
+    vocab_size: int | None,
+    overwrite: bool,
+    device: str | torch.device | None,
+    decode: dict | None,
+    choice: RecipeChoice,
+) -> Trainer:
+    """:func:`start_run` for translation: check the options and inputs, read the data
+    (:func:`~qkv.data.sources.open_training_data`), build the model, then create the run folder
+    with the run's own prepared copy of its pairs (unless it trains on a prepared folder)."""
+    check_spec(data)
+    recipe = choice.recipe
+    device = pick_device(device)
+    run_folder.check_new_run_dir(run_dir, overwrite=overwrite, inputs=data.input_files())
+    if data.source != "prepared":  # a prepared folder's tokenizer is its own
+        vocab_size = recipe.vocab_size if vocab_size is None else vocab_size
+    _check_vocab_size(vocab_size)
     _model_config(recipe, model_options, vocab_size or 260, 0)  # the model options' own checks, before reading data
-    train_config = TrainConfig.from_dict({**recipe["train"], **(train_options or {})})
+    train_config = TrainConfig.from_dict({**recipe.train, **(train_options or {})})
     train_config.check_stops()
 
-    if data["source"] == "prepared":
-        tokenizer = corpus.tokenizer()
-        if vocab_size is not None and vocab_size != tokenizer.vocab_size:
-            logger.warning("a %d-token vocabulary asked for, but the prepared folder's tokenizer has %d ids: training "
-                           "with those (prepare with --vocab-size %d to match)", vocab_size, tokenizer.vocab_size,
-                           vocab_size)
-        corpus.verify(tokenizer.vocab_size)  # the arrays are what the manifest, and so the fingerprint, says
-        train_data = corpus.split("train")
-        valid_data = corpus.text("valid", tokenizer) if corpus.has("valid") else None
-        fingerprint = {"pairs": len(train_data), "sha256": corpus.fingerprint}
-        prepared = {"folder": str(corpus.folder.resolve()), "fingerprint": corpus.fingerprint}
-    else:
-        train_data, valid_data = load_train_valid(data)
-        tokenizer = Tokenizer.train(train_data.src + train_data.tgt, vocab_size=vocab_size,
-                                    split_digits=recipe["split_digits"])
-        fingerprint = data_fingerprint(train_data)  # of the source files, which a resume checks are unchanged
-        if data.get("both_directions"):  # after the tokenizer, which saw every sentence once either way
-            train_data = both_directions(train_data)
-        prepared = {"folder": RUN_DATA_FOLDER}  # written below, with the run folder
-    logger.info("data: %s, %d training pairs, %s validation pairs", describe(data), len(train_data),
-                len(valid_data) if valid_data is not None else "no")
-    asked_bf16 = "bf16" in (train_options or {})
-    train_config = replace(train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
-    fast_model, fast_train = ({}, {})
-    if train_config.bf16 and precision.bf16_is_fast(device):
-        fast_model, fast_train = _where_bf16_is_fast(recipe, model_options, train_options)
-    train_config = replace(train_config, **fast_train)
-    model_config = _model_config(recipe, {**fast_model, **(model_options or {})}, tokenizer.vocab_size,
-                                 tokenizer.pad_id)
+    training = open_training_data(data, vocab_size=vocab_size, split_digits=recipe.split_digits)
+    tokenizer = training.tokenizer
+    model_config, train_config = _model_and_train_configs(
+        choice, model_options, train_options, train_config, device, tokenizer
+    )
     # leaves out over-long pairs
-    task = TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len,
-                           pad_id=model_config.pad_id, both_directions=bool(data.get("both_directions")))
+    task = TranslationTask(
+        tokenizer,
+        training.train,
+        training.valid,
+        max_len=model_config.max_len,
+        pad_id=model_config.pad_id,
+        both_directions=data.both_directions,
+    )
     trainer = Trainer(Transformer(model_config).to(device), task, train_config, run_dir)
-    model = trainer.model
-    config = {"model": asdict(model_config), "train": asdict(train_config), "data": data,
-              "data_fingerprint": fingerprint, "prepared": prepared,
-              "decode": decode_settings({"decode": recipe.get("decode")}) | (decode or {})}
+    corpus = training.corpus
+    if corpus is None:  # the run's own copy of its pairs, written below with the run folder
+        prepared = {"folder": RUN_DATA_FOLDER}
+    else:
+        prepared = {"folder": str(corpus.folder.resolve()), "fingerprint": corpus.fingerprint}
+    config = {
+        "model": asdict(model_config),
+        "train": asdict(train_config),
+        "data": data.to_json(),
+        "data_fingerprint": training.fingerprint,
+        "prepared": prepared,
+        "decode": decode_settings({"decode": recipe.decode}) | (decode or {}),
+        "recipe": choice.record(),
+    }
 
     def write_initial(folder: Path) -> None:
-        if data["source"] != "prepared":  # the run's own prepared copy: resuming and other processes read it
-            manifest = _write_run_data(folder / RUN_DATA_FOLDER, tokenizer, task.pairs, valid_data, data)
+        if corpus is None:  # the run's own prepared copy: resuming and other processes read it
+            manifest = _write_run_data(folder / RUN_DATA_FOLDER, tokenizer, task.pairs, training.valid, data)
             prepared["fingerprint"] = manifest["fingerprint"]  # known once the copy is written: a resume compares it
             run_folder.write_config(folder, config)
         trainer.save(folder)
 
-    run_folder.create_run(run_dir, config, tokenizer, overwrite=overwrite, write_initial=write_initial,
-                    inputs=_input_files(data))
-    logger.info("model: %.1fM parameters; run folder %s", sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
+    inputs = data.input_files()
+    run_folder.create_run(run_dir, config, tokenizer, overwrite=overwrite, write_initial=write_initial, inputs=inputs)
+    parameters = sum(p.numel() for p in trainer.model.parameters())
+    logger.info("model: %.1fM parameters; run folder %s", parameters / 1e6, run_dir)
     return trainer
+
+
+def _check_vocab_size(vocab_size: object) -> None:
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 260):
+        raise ValueError(
+            f"vocab_size (--vocab-size) must be an integer >= 260 (256 bytes + 4 specials), got {vocab_size!r}"
+        )
+
+
+def _model_and_train_configs(
+    choice: RecipeChoice,
+    model_options: dict | None,
+    train_options: dict | None,
+    train_config: TrainConfig,
+    device: torch.device,
+    tokenizer: Tokenizer,
+) -> tuple[TransformerConfig, TrainConfig]:
+    """The model and training configs on ``device``: the recipe's, the explicit options over them, in
+    bf16 where the recipe asks for it and it is fast there (or where asked explicitly); the recipe,
+    why it was chosen and the precision are logged (the same recipe on every machine: a faster
+    variant is only suggested)."""
+    asked_bf16 = "bf16" in (train_options or {})
+    train_config = replace(train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
+    for line in choice.start_notes(bf16=train_config.bf16, bf16_fast=precision.bf16_is_fast(device)):
+        logger.info(line)
+    model_config = _model_config(choice.recipe, model_options, tokenizer.vocab_size, tokenizer.pad_id)
+    return model_config, train_config
 
 
 RUN_DATA_FOLDER = "data"
 RESUME_REMEDY = "resuming would not continue the same run; restore the folder or start a new --run-dir"
 
 
-def _write_run_data(folder: Path, tokenizer: Tokenizer, pairs: TokenLists, valid: ParallelText | None,
-                    data: dict) -> dict:
+def _write_run_data(
+    folder: Path, tokenizer: Tokenizer, pairs: TokenLists, valid: ParallelText | None, data: DataSpec
+) -> dict:
     """The training pairs a run starts with (already tokenised, over-long ones left out) and its
     validation pairs, as a prepared folder inside the run folder. Returns its manifest."""
     folder.mkdir()
     splits = {"train": (pairs.src_ids, pairs.tgt_ids, pairs.lines)}
     sources = {"train": pairs.source}
     if valid is not None:
-        splits["valid"] = (tokenizer.encode_batch(valid.src), tokenizer.encode_batch(valid.tgt),
-                           list(range(1, len(valid) + 1)))
+        splits["valid"] = (
+            tokenizer.encode_batch(valid.src),
+            tokenizer.encode_batch(valid.tgt),
+            list(range(1, len(valid) + 1)),
+        )
         sources["valid"] = {"src": valid.src_path, "tgt": valid.tgt_path}
-    return write_token_lists(folder, tokenizer, splits, sources=sources, data=data)
+    return write_token_lists(folder, tokenizer, splits, sources=sources, data=data.to_json())
 
 
-def _open_translation_task(run_dir: Path, config: dict, tokenizer: Tokenizer,
-                           model_config: TransformerConfig) -> TranslationTask:
+def _open_translation_task(
+    run_dir: Path, config: dict, tokenizer: Tokenizer, model_config: TransformerConfig
+) -> TranslationTask:
     """The task of a translation run: from its prepared folder (its own copy, or the one it was
     started with, refused if it changed since: another fingerprint, or files that are not what the
     manifest says), or for runs older than prepared folders from its text, refused if that changed."""
-    prepared = config.get("prepared")
-    two_ways = bool(config["data"].get("both_directions"))  # the run's own copy holds the pairs both ways too
-    if prepared and config["data"]["source"] != "prepared":
-        _check_source_unchanged(config)
+    try:
+        spec = DataSpec.from_json(config.get("data"))
+    except ValueError as err:
+        raise ValueError(f"{run_dir / 'config.json'}: data: {err}") from None
+    prepared, saved_print = config.get("prepared"), config.get("data_fingerprint")
+    if prepared and spec.source != "prepared":
+        _check_source_unchanged(spec, saved_print)
     if prepared:
         corpus = PreparedCorpus(run_dir / prepared["folder"])  # an absolute folder stays itself
         if prepared.get("fingerprint") and corpus.fingerprint != prepared["fingerprint"]:
-            raise ValueError(f"the prepared folder {corpus.folder} changed since this run started (fingerprint "
-                             f"{corpus.fingerprint[:12]}, the run's {prepared['fingerprint'][:12]}): resuming would not "
-                             "continue the same run; restore it or start a new --run-dir")
+            raise ValueError(
+                f"the prepared folder {corpus.folder} changed since this run started (fingerprint "
+                f"{corpus.fingerprint[:12]}, the run's {prepared['fingerprint'][:12]}): resuming would not "
+                "continue the same run; restore it or start a new --run-dir"
+            )
         # the run's own copy keeps no hash cache: nothing is written into a run folder by opening it
-        corpus.verify(min(model_config.src_vocab_size, model_config.tgt_vocab_size),
-                      cache=config["data"]["source"] == "prepared", remedy=RESUME_REMEDY)
+        vocab = min(model_config.src_vocab_size, model_config.tgt_vocab_size)
+        corpus.verify(vocab, cache=spec.source == "prepared", remedy=RESUME_REMEDY)
+        train: ParallelText | PreparedSplit = corpus.split("train")
         valid = corpus.text("valid", tokenizer) if corpus.has("valid") else None
-        return TranslationTask(tokenizer, corpus.split("train"), valid, max_len=model_config.max_len,
-                               pad_id=model_config.pad_id, both_directions=two_ways)
-    train_data, valid_data = load_train_valid(config["data"])
-    _compare_fingerprint(config, train_data)
-    if two_ways:
-        train_data = both_directions(train_data)
-    return TranslationTask(tokenizer, train_data, valid_data, max_len=model_config.max_len, pad_id=model_config.pad_id,
-                           both_directions=two_ways)
+    else:
+        train, valid = load_train_valid(spec)
+        _compare_fingerprint(saved_print, train)
+        if spec.both_directions:
+            train = both_directions(train)
+    # the run's own copy holds the pairs both ways round already
+    return TranslationTask(
+        tokenizer,
+        train,
+        valid,
+        max_len=model_config.max_len,
+        pad_id=model_config.pad_id,
+        both_directions=spec.both_directions,
+    )
 
 
-def _check_source_unchanged(config: dict) -> None:
+def _check_source_unchanged(spec: DataSpec, saved_print: dict | None) -> None:
     """A run that keeps its own copy of its pairs still refuses to resume when the text it was
     started from changed (the user most likely meant to train on the new text); when that text is
     gone, the copy is all the run needs."""
     try:
-        train_data, _ = load_train_valid(config["data"])
+        train_data, _ = load_train_valid(spec)
     except FileNotFoundError as error:
         logger.info("%s; resuming from the run's own copy of its training pairs", error)
         return
-    _compare_fingerprint(config, train_data)
+    _compare_fingerprint(saved_print, train_data)
 
 
-def _compare_fingerprint(config: dict, train_data: ParallelText) -> None:
-    saved_print, now = config.get("data_fingerprint"), data_fingerprint(train_data)
+def _compare_fingerprint(saved_print: dict | None, train_data: ParallelText) -> None:
+    now = data_fingerprint(train_data)
     if saved_print and saved_print != now:
-        raise ValueError(f"the training data changed since this run started ({saved_print['pairs']} pairs, now "
-                         f"{now['pairs']}{'' if saved_print['pairs'] != now['pairs'] else ', different text'}): "
-                         "resuming would not continue the same run; restore the data or start a new --run-dir")
+        raise ValueError(
+            f"the training data changed since this run started ({saved_print['pairs']} pairs, now "
+            f"{now['pairs']}{'' if saved_print['pairs'] != now['pairs'] else ', different text'}): "
+            "resuming would not continue the same run; restore the data or start a new --run-dir"
+        )
 
 
-def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
-               device: str | torch.device | None = None, dist: Distributed | None = None,
-               trust_checkpoint: bool = False) -> Trainer:
+def resume_run(
+    run_dir: str | Path,
+    *,
+    train_options: dict | None = None,
+    device: str | torch.device | None = None,
+    dist: Distributed | None = None,
+    trust_checkpoint: bool = False,
+) -> Trainer:
     """Reopen a run folder where it stopped (weights, optimizer, data position, RNG).
 
     Args:
@@ -317,8 +392,14 @@ def resume_run(run_dir: str | Path, *, train_options: dict | None = None,
     return _resumed(trainer, run_dir, config, train_config, train_options, trust_checkpoint)
 
 
-def _resumed(trainer: Trainer, run_dir: Path, config: dict, train_config: TrainConfig,
-             train_options: dict | None, trust_checkpoint: bool = False) -> Trainer:
+def _resumed(
+    trainer: Trainer,
+    run_dir: Path,
+    config: dict,
+    train_config: TrainConfig,
+    train_options: dict | None,
+    trust_checkpoint: bool = False,
+) -> Trainer:
     trainer.resume(trust=trust_checkpoint)
     if train_options and asdict(train_config) != config.get("train") and trainer.dist.is_main:
         run_folder.write_config(run_dir, {**config, "train": asdict(train_config)})
@@ -341,4 +422,4 @@ def run_training(trainer: Trainer) -> Path:
     return trainer.finish()
 
 
-__all__ = ["RECIPES", "TrainingCrashed", "data_fingerprint", "resume_run", "run_training", "start_run"]
+__all__ = ["TrainingCrashed", "data_fingerprint", "resume_run", "run_training", "start_run"]
