@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from qkv.attention import MultiHeadAttention, scaled_dot_product_attention, use_backend
-from qkv.bench.timing import available_memory_bytes, paired_ratio, ratio, time_interleaved
+from qkv.bench.timing import Timing, available_memory_bytes, paired_ratio, ratio, time_interleaved
 from qkv.runtime.precision import slow_bf16_reason
 
 logger = logging.getLogger(__name__)
@@ -177,8 +177,7 @@ def attention_benchmark(
     """
     _check_grid(seq_lens, dtypes, passes, batch=batch, heads=heads, head_dim=head_dim, contenders=contenders)
     grid = [(s, d, c, p) for s in seq_lens for d in dtypes for c in causal for p in passes]
-    # without bf16 matrix units only FUSED_CONTENDERS run in bf16
-    slow_bf16 = slow_bf16_reason(device)
+    slow_bf16 = slow_bf16_reason(device)  # without bf16 matrix units only FUSED_CONTENDERS run in bf16
     results = []
     for s, dtype_name, is_causal, pass_name in tqdm(grid, desc="attention", disable=not progress):
         results.append(
@@ -200,16 +199,6 @@ def attention_benchmark(
                 slow_bf16=slow_bf16,
                 only=contenders,
             )
-        )
-        point = results[-1]
-        logger.info(
-            "s=%d %s causal=%s %s: qkv_fast/torch_sdpa %s, qkv_reference/qkv_fast %s",
-            s,
-            dtype_name,
-            is_causal,
-            pass_name,
-            _fmt(point["ratios"].get("qkv_fast_vs_torch_sdpa")),
-            _fmt(point["ratios"].get("reference_vs_qkv_fast")),
         )
     config = dict(
         seq_lens=list(seq_lens),
@@ -254,6 +243,19 @@ def _check_grid(
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
+
+
+def _log_point(point: dict[str, Any]) -> None:
+    """One line per grid point: its size and the two ratios the targets are about."""
+    logger.info(
+        "s=%d %s causal=%s %s: qkv_fast/torch_sdpa %s, qkv_reference/qkv_fast %s",
+        point["seq_len"],
+        point["dtype"],
+        point["causal"],
+        point["pass"],
+        _fmt(point["ratios"].get("qkv_fast_vs_torch_sdpa")),
+        _fmt(point["ratios"].get("reference_vs_qkv_fast")),
+    )
 
 
 def _one_point(
@@ -323,9 +325,16 @@ def _one_point(
         "timings": {name: t.as_dict() for name, t in timings.items()},
         "skipped": skipped,
     }
+    entry["ratios"] = _point_ratios(timings)
+    _log_point(entry)
+    return entry
+
+
+def _point_ratios(timings: dict[str, Timing]) -> dict[str, float | None]:
+    """The ratios of one grid point's medians (and peaks) that the targets are about."""
     med = {name: t.median for name, t in timings.items()}
     peak = {name: t.peak_bytes for name, t in timings.items()}
-    entry["ratios"] = {
+    return {
         "qkv_fast_vs_torch_sdpa": ratio(med.get("qkv_fast"), med.get("torch_sdpa")),  # target <= 1.05
         "qkv_fast_vs_torch_sdpa_paired": paired_ratio(timings["qkv_fast"].times, timings["torch_sdpa"].times)
         if "qkv_fast" in timings and "torch_sdpa" in timings
@@ -336,7 +345,6 @@ def _one_point(
         "torch_need_weights_cost": ratio(med.get("torch_mha_weights"), med.get("torch_mha")),
         "peak_qkv_fast_vs_reference": ratio(peak.get("qkv_fast"), peak.get("qkv_reference")),  # target <= 0.25
     }
-    return entry
 
 
 def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 from qkv.experiments.common import ExperimentResult
 
@@ -45,7 +46,7 @@ def get_experiment(name: str) -> Callable[..., ExperimentResult]:
     return importlib.import_module(EXPERIMENTS[name][0]).run
 
 
-def run_experiment(name: str, **kwargs) -> ExperimentResult:
+def run_experiment(name: str, **kwargs: Any) -> ExperimentResult:
     """Run experiment ``name`` (keyword arguments as its module's ``run``)."""
     return get_experiment(name)(**kwargs)
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, overload
 
 import torch
 
@@ -20,6 +21,9 @@ import torch
 from qkv.runtime.device import pick_device  # noqa: F401
 from qkv.runtime.fileio import atomic_path, write_json, write_text  # noqa: F401
 from qkv.runtime.machine import environment
+
+if TYPE_CHECKING:  # matplotlib is imported only where a figure is drawn
+    from matplotlib.figure import Figure
 
 SCHEMA = "qkv-experiment/1"
 
@@ -86,14 +90,14 @@ def experiment_dir(out: str | Path, name: str) -> Path:
     return folder
 
 
-def new_figure(width: float, height: float):
+def new_figure(width: float, height: float) -> Figure:
     """A matplotlib Figure not registered with pyplot: no display, no global state, no leak."""
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def save_figure(fig, path: str | Path, *, dpi: int = 110) -> Path:
+def save_figure(fig: Figure, path: str | Path, *, dpi: int = 110) -> Path:
     """Save a matplotlib figure as PNG, atomically (see :mod:`qkv.runtime.fileio`)."""
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=dpi, format="png")
@@ -135,13 +139,21 @@ class Stopwatch:
         self.seconds = 0.0
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.start
 
 
-def rounded(values, digits: int = 6):
+@overload
+def rounded(values: Mapping[str, object], digits: int = 6) -> dict[str, object]: ...
+@overload
+def rounded(values: float, digits: int = 6) -> float: ...
+@overload
+def rounded(values: object, digits: int = 6) -> object: ...
+
+
+def rounded(values: object, digits: int = 6) -> object:
     """Floats (possibly nested in lists/dicts) rounded to ``digits`` significant digits for JSON."""
-    if isinstance(values, dict):
+    if isinstance(values, Mapping):
         return {k: rounded(v, digits) for k, v in values.items()}
     if isinstance(values, (list, tuple)):
         return [rounded(v, digits) for v in values]

@@ -137,28 +137,15 @@ def worked_example(*, tokens: int = 4, dim: int = 6, dk: int = 3, heads: int = 2
     weights_cols = _softmax(scores_cols / math.sqrt(dk), dim=0)  # each column sums to 1
     z_cols = v_cols @ weights_cols  # (d_k, n)
 
-    # multi-head
-    d_h = dim // heads
-    head_list = []
-    for _ in range(heads):
-        hq, hk, hv = (_random((dim, d_h), g, 1.0 / math.sqrt(dim), 2) for _ in range(3))  # (d, d_h)
-        qi, ki, vi = x @ hq, x @ hk, x @ hv  # (n, d_h)
-        ai = _softmax(qi @ ki.T / math.sqrt(d_h), dim=1)  # (n, n)
-        head_list.append(Head(hq, hk, hv, qi, ki, vi, ai, ai @ vi))
+    head_list = _heads(x, g, heads)
     concat = torch.cat([head.z for head in head_list], dim=1)  # (n, h * d_h)
-    w_o = _random((heads * d_h, dim), g, 1.0 / math.sqrt(dim), 2)  # (h * d_h, d)
+    w_o = _random((concat.size(1), dim), g, 1.0 / math.sqrt(dim), 2)  # (h * d_h, d)
     multi_head = concat @ w_o  # (n, d)
 
     # the library, on the same numbers
     library_z = scaled_dot_product_attention(q[None], k[None], v[None])[0]  # fast path, (n, d_k)
     _, library_weights = scaled_dot_product_attention(q[None], k[None], v[None], need_weights=True)
-    mha = MultiHeadAttention(dim, heads, bias=False).double()
-    with torch.no_grad():  # nn.Linear computes x W^T, so its weight is our matrix transposed
-        mha.q_proj.weight.copy_(torch.cat([head.w_q for head in head_list], dim=1).T)
-        mha.k_proj.weight.copy_(torch.cat([head.w_k for head in head_list], dim=1).T)
-        mha.v_proj.weight.copy_(torch.cat([head.w_v for head in head_list], dim=1).T)
-        mha.out_proj.weight.copy_(w_o.T)
-        result = mha(x[None], need_weights=True)
+    library_multi_head, library_head_weights = _library_multi_head(x, head_list, w_o)
     example = WorkedExample(
         x=x,
         w_q=w_q,
@@ -183,21 +170,55 @@ def worked_example(*, tokens: int = 4, dim: int = 6, dk: int = 3, heads: int = 2
         multi_head=multi_head,
         library_z=library_z,
         library_weights=library_weights[0],
-        library_multi_head=result.output[0],
-        library_head_weights=result.weights[0],
+        library_multi_head=library_multi_head,
+        library_head_weights=library_head_weights,
         seed=seed,
     )
-    example.checks = {
-        "columns vs rows: weights (A_cols vs A^T)": _diff(weights_cols, weights.T),
-        "columns vs rows: output (Z_cols vs Z^T)": _diff(z_cols, z.T),
-        "qkv.scaled_dot_product_attention: output": _diff(library_z, z),
-        "qkv.scaled_dot_product_attention: weights": _diff(example.library_weights, weights),
-        "qkv.MultiHeadAttention: output": _diff(example.library_multi_head, multi_head),
+    example.checks = _checks(example)
+    return example
+
+
+def _checks(e: WorkedExample) -> dict[str, float]:
+    """The largest absolute differences between the two conventions, and between the by-hand
+    numbers and the library's."""
+    return {
+        "columns vs rows: weights (A_cols vs A^T)": _diff(e.weights_cols, e.weights.T),
+        "columns vs rows: output (Z_cols vs Z^T)": _diff(e.z_cols, e.z.T),
+        "qkv.scaled_dot_product_attention: output": _diff(e.library_z, e.z),
+        "qkv.scaled_dot_product_attention: weights": _diff(e.library_weights, e.weights),
+        "qkv.MultiHeadAttention: output": _diff(e.library_multi_head, e.multi_head),
         "qkv.MultiHeadAttention: per-head weights": _diff(
-            example.library_head_weights, torch.stack([head.weights for head in head_list])
+            e.library_head_weights, torch.stack([head.weights for head in e.heads])
         ),
     }
-    return example
+
+
+def _heads(x: Tensor, g: torch.Generator, heads: int) -> list[Head]:
+    """Multi-head attention by hand: per head, random rounded ``W_Q, W_K, W_V (d, d / heads)`` and
+    its attention on ``x (n, d)``."""
+    dim = x.size(1)
+    d_h = dim // heads
+    head_list = []
+    for _ in range(heads):
+        hq, hk, hv = (_random((dim, d_h), g, 1.0 / math.sqrt(dim), 2) for _ in range(3))  # (d, d_h)
+        qi, ki, vi = x @ hq, x @ hk, x @ hv  # (n, d_h)
+        ai = _softmax(qi @ ki.T / math.sqrt(d_h), dim=1)  # (n, n)
+        head_list.append(Head(hq, hk, hv, qi, ki, vi, ai, ai @ vi))
+    return head_list
+
+
+def _library_multi_head(x: Tensor, head_list: list[Head], w_o: Tensor) -> tuple[Tensor, Tensor]:
+    """qkv's :class:`MultiHeadAttention` with the by-hand heads' weights, on ``x (n, d)``: its
+    output ``(n, d)`` and per-head weights ``(h, n, n)``."""
+    mha = MultiHeadAttention(x.size(1), len(head_list), bias=False).double()
+    with torch.no_grad():  # nn.Linear computes x W^T, so its weight is our matrix transposed
+        mha.q_proj.weight.copy_(torch.cat([head.w_q for head in head_list], dim=1).T)
+        mha.k_proj.weight.copy_(torch.cat([head.w_k for head in head_list], dim=1).T)
+        mha.v_proj.weight.copy_(torch.cat([head.w_v for head in head_list], dim=1).T)
+        mha.out_proj.weight.copy_(w_o.T)
+        result = mha(x[None], need_weights=True)
+    assert result.weights is not None  # need_weights
+    return result.output[0], result.weights[0]
 
 
 def _diff(a: Tensor, b: Tensor) -> float:
@@ -248,13 +269,28 @@ def format_example(example: WorkedExample, *, fmt: str = "text", decimals: int =
     w = _Writer(fmt, decimals)
     n, d = example.x.shape
     d_k = example.w_q.size(1)
-    toks = [f"t{i}" for i in range(n)]
-    feats = [f"f{j}" for j in range(d)]
-    kdims = [f"k{j}" for j in range(d_k)]
-    code = "`" if fmt == "markdown" else ""
     w.heading(f"Scaled dot-product attention by hand: {n} tokens, {d} features, d_k = {d_k} (seed {example.seed})")
     w.say("Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V   (Attention Is All You Need, section 3.2.1)")
+    _write_rows(w, example)
+    _write_columns(w, example)
+    _write_heads(w, example)
+    w.heading("Checked against the library (float64)")
+    for name, value in example.checks.items():
+        w.say(f"{'- ' if fmt == 'markdown' else '  '}{name}: max |difference| = {value:.1e}")
+    return w.text()
 
+
+def _labels(example: WorkedExample) -> tuple[list[str], list[str], list[str]]:
+    """Names of the tokens, the input features and the d_k features: ``t0.., f0.., k0..``."""
+    n, d = example.x.shape
+    return [f"t{i}" for i in range(n)], [f"f{j}" for j in range(d)], [f"k{j}" for j in range(example.w_q.size(1))]
+
+
+def _write_rows(w: _Writer, example: WorkedExample) -> None:
+    """Convention 1, the paper's: one token per row, step by step."""
+    decimals, n = w.decimals, example.x.size(0)
+    d_k = example.w_q.size(1)
+    toks, feats, kdims = _labels(example)
     w.heading("Convention 1, rows (the paper, PyTorch): one token per row")
     w.say("Step 1. The input X: one row per token.")
     w.matrix("X", example.x, toks, feats)
@@ -288,6 +324,11 @@ def format_example(example: WorkedExample, *, fmt: str = "text", decimals: int =
     w.say("Step 7. The output: each token's new vector is the A-weighted average of the values, Z = A V.")
     w.matrix("Z = A V", example.z, toks, kdims)
 
+
+def _write_columns(w: _Writer, example: WorkedExample) -> None:
+    """Convention 2: one token per column, the same numbers transposed."""
+    toks, _, kdims = _labels(example)
+    code = "`" if w.fmt == "markdown" else ""
     w.heading("Convention 2, columns: one token per column")
     w.say(
         f"Here X is d x n (our X^T) and the projections are d_k x d (our W^T): {code}Q = W_Q X{code}, "
@@ -308,8 +349,12 @@ def format_example(example: WorkedExample, *, fmt: str = "text", decimals: int =
         f"{example.checks['columns vs rows: output (Z_cols vs Z^T)']:.1e}."
     )
 
+
+def _write_heads(w: _Writer, example: WorkedExample) -> None:
+    """Multi-head attention: every head's projections and weights, the concatenation, W_O."""
+    toks, feats, _ = _labels(example)
     h = len(example.heads)
-    d_h = d // h
+    d_h = example.x.size(1) // h
     hdims = [f"k{j}" for j in range(d_h)]
     w.heading(f"Multi-head attention: {h} heads of d_h = d / h = {d_h}")
     w.say(
@@ -328,8 +373,3 @@ def format_example(example: WorkedExample, *, fmt: str = "text", decimals: int =
     w.matrix("Concat(Z^1, ..., Z^h)", example.concat, toks, concat_cols)
     w.matrix("W_O", example.w_o, concat_cols, feats)
     w.matrix("MultiHead(X) = Concat W_O", example.multi_head, toks, feats)
-
-    w.heading("Checked against the library (float64)")
-    for name, value in example.checks.items():
-        w.say(f"{'- ' if fmt == 'markdown' else '  '}{name}: max |difference| = {value:.1e}")
-    return w.text()

@@ -41,6 +41,7 @@ from qkv.experiments.common import (
 from qkv.experiments.long_range_models import (  # the task and its models; re-exported from here
     QUICK,
     AttentionClassifier,
+    Classifier,
     LongRangeConfig,
     RecurrentClassifier,
     accuracy,
@@ -58,13 +59,19 @@ NAME = "long-range"
 MODELS = ("rnn", "lstm", "attention")
 
 
-def rnn_hidden_states(model: RecurrentClassifier, tokens: Tensor) -> Tensor:
+def _tanh_rnn(model: Classifier) -> nn.RNN:
+    """``model``'s tanh RNN; ValueError for any other model."""
+    if not isinstance(model, RecurrentClassifier) or not isinstance(model.rnn, nn.RNN):
+        kind = model.kind if isinstance(model, RecurrentClassifier) else type(model).__name__
+        raise ValueError(f"hidden-state Jacobians are computed for the tanh RNN, got kind={kind!r}")
+    return model.rnn
+
+
+def rnn_hidden_states(model: Classifier, tokens: Tensor) -> Tensor:
     """The tanh RNN's hidden states recomputed step by step in float64, ``(b, T, h)``."""
-    if model.kind != "rnn":
-        raise ValueError(f"hidden-state Jacobians are computed for the tanh RNN, got kind={model.kind!r}")
-    rnn = model.rnn
-    w_ih, w_hh = rnn.weight_ih_l0.double(), rnn.weight_hh_l0.double()
-    bias = (rnn.bias_ih_l0 + rnn.bias_hh_l0).double()
+    rnn = _tanh_rnn(model)
+    w_ih, w_hh = rnn.get_parameter("weight_ih_l0").double(), rnn.get_parameter("weight_hh_l0").double()
+    bias = (rnn.get_parameter("bias_ih_l0") + rnn.get_parameter("bias_hh_l0")).double()
     x = model.embed(tokens).double() @ w_ih.T + bias  # (b, T, h)
     h = x.new_zeros(x.size(0), w_hh.size(0))
     states = []
@@ -75,7 +82,7 @@ def rnn_hidden_states(model: RecurrentClassifier, tokens: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def rnn_jacobian_norms(model: RecurrentClassifier, tokens: Tensor) -> list[float]:
+def rnn_jacobian_norms(model: Classifier, tokens: Tensor) -> list[float]:
     """Spectral norm of ``dh_T / dh_t`` for ``T - t = 1 .. T - 1``, averaged over the batch.
 
     ``dh_s / dh_{s-1} = diag(1 - h_s^2) W_hh``, so ``dh_T / dh_t`` is the product of these
@@ -85,7 +92,7 @@ def rnn_jacobian_norms(model: RecurrentClassifier, tokens: Tensor) -> list[float
         ``norms[k - 1]`` for distance ``k``.
     """
     states = rnn_hidden_states(model, tokens)  # (b, T, h)
-    w_hh = model.rnn.weight_hh_l0.double()
+    w_hh = _tanh_rnn(model).get_parameter("weight_hh_l0").double()
     b, length, hidden = states.shape
     product = torch.eye(hidden, dtype=torch.float64, device=states.device).expand(b, hidden, hidden)
     norms = []
@@ -96,7 +103,7 @@ def rnn_jacobian_norms(model: RecurrentClassifier, tokens: Tensor) -> list[float
     return norms
 
 
-def input_gradient_norms(model: nn.Module, tokens: Tensor) -> list[float]:
+def input_gradient_norms(model: Classifier, tokens: Tensor) -> list[float]:
     """Frobenius norm of ``d features_T / d x_t`` (the last representation against each input
     vector), averaged over the batch, for ``T - t = 0 .. T - 1``.
 
@@ -149,9 +156,9 @@ def run(
         parameters = {k: count_parameters(m) for k, m in init_models.items()}
         rnn_init = rnn_jacobian_norms(init_models["rnn"], jacobian_tokens)
         attention_init = input_gradient_norms(init_models["attention"], jacobian_tokens)
-        trained: dict[str, nn.Module] = {}
+        trained: dict[str, Classifier] = {}
         jobs = [(n, m) for n in config.distances for m in MODELS]
-        models: dict[str, nn.Module] = {}
+        models: dict[str, Classifier] = {}
         for distance, kind in tqdm(jobs, desc=NAME, unit="run", disable=not progress):
             if kind == MODELS[0]:  # fresh models for each distance; the longest reuses the measured ones
                 models = init_models if distance == longest else build_models(config, distance + 2)

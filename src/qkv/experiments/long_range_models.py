@@ -11,6 +11,7 @@ size, ``d`` d_model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -88,13 +89,14 @@ class RecurrentClassifier(nn.Module):
             raise ValueError(f"kind must be 'rnn' or 'lstm', got {kind!r}")
         self.kind = kind
         self.embedding = nn.Embedding(vocab_size, embed_dim)
+        self.rnn: nn.RNN | nn.LSTM
         if kind == "rnn":
             self.rnn = nn.RNN(embed_dim, hidden_size, nonlinearity="tanh", batch_first=True)
         else:
             self.rnn = nn.LSTM(embed_dim, hidden_size, batch_first=True)
             with torch.no_grad():  # forget-gate bias 1 (Jozefowicz et al., 2015): the LSTM's best chance
-                self.rnn.bias_ih_l0[hidden_size : 2 * hidden_size].fill_(1.0)
-                self.rnn.bias_hh_l0[hidden_size : 2 * hidden_size].fill_(0.0)
+                self.rnn.get_parameter("bias_ih_l0")[hidden_size : 2 * hidden_size].fill_(1.0)
+                self.rnn.get_parameter("bias_hh_l0")[hidden_size : 2 * hidden_size].fill_(0.0)
         self.head = nn.Linear(hidden_size, num_classes)
 
     def embed(self, tokens: Tensor) -> Tensor:
@@ -116,6 +118,8 @@ class AttentionClassifier(nn.Module):
     Only the last position is read, so only its row of the layer is computed (:meth:`features`):
     the same numbers as ``layer(x).output[:, -1]`` at O(T d) instead of O(T^2 d) cost.
     """
+
+    positions: Tensor  # (max_len, d) sinusoidal table, a buffer
 
     def __init__(
         self, *, vocab_size: int, d_model: int, num_heads: int, d_ff: int, num_classes: int, max_len: int
@@ -144,6 +148,10 @@ class AttentionClassifier(nn.Module):
         return self.head(self.features(self.embed(tokens)))  # (b, K)
 
 
+# the experiment's models: tokens -> logits, with embed() and features() for the gradient measurements
+Classifier: TypeAlias = RecurrentClassifier | AttentionClassifier
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -168,7 +176,7 @@ def matched_hidden_size(kind: str, target: int, *, vocab_size: int, embed_dim: i
     )
 
 
-def build_models(config: LongRangeConfig, max_len: int) -> dict[str, nn.Module]:
+def build_models(config: LongRangeConfig, max_len: int) -> dict[str, Classifier]:
     """The three models, the recurrent ones sized to the attention model's parameter count."""
     attention = AttentionClassifier(
         vocab_size=config.vocab_size,
@@ -179,7 +187,7 @@ def build_models(config: LongRangeConfig, max_len: int) -> dict[str, nn.Module]:
         max_len=max_len,
     )
     target = count_parameters(attention)
-    models: dict[str, nn.Module] = {}
+    models: dict[str, Classifier] = {}
     for kind in ("rnn", "lstm"):
         hidden = matched_hidden_size(
             kind, target, vocab_size=config.vocab_size, embed_dim=config.embed_dim, num_classes=config.num_symbols

@@ -61,7 +61,7 @@ def find_results(folder: str | Path) -> list[tuple[Path, dict]]:
     order = list(EXPERIMENTS)
     found.sort(
         key=lambda item: (
-            order.index(item[1].get("experiment")) if item[1].get("experiment") in order else len(order),
+            order.index(item[1].get("experiment", "")) if item[1].get("experiment") in order else len(order),
             str(item[0]),
         )
     )

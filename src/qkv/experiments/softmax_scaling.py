@@ -83,7 +83,7 @@ def measure(config: SoftmaxScalingConfig, generator: torch.Generator) -> dict:
     """The statistics for every ``d_k``, unscaled and scaled, from standard-normal ``q`` and ``k``."""
     out: dict = {"dims": list(config.dims), "unscaled": {}, "scaled": {}}
     rows: dict[str, dict[str, list[float]]] = {"unscaled": {}, "scaled": {}}
-    variance = {"unscaled": [], "scaled": []}
+    variance: dict[str, list[float]] = {"unscaled": [], "scaled": []}
     for d in config.dims:
         q = torch.randn(config.num_queries, 1, d, generator=generator, dtype=torch.float64)  # (m, 1, d)
         k = torch.randn(config.num_queries, config.num_keys, d, generator=generator, dtype=torch.float64)  # (m, n, d)

@@ -20,6 +20,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -154,11 +155,11 @@ class VisionTransformer(nn.Module):
         tokens = self.patch_embed(patchify(images, self.patch_size))  # (b, P, d)
         cls = self.cls_token.expand(tokens.size(0), -1, -1)  # (b, 1, d)
         x = torch.cat([cls, tokens], dim=1) + self.position  # (b, t, d)
-        weights = [] if need_weights else None
+        weights: list[Tensor] | None = [] if need_weights else None
         for layer in self.layers:
             out = layer(x, need_weights=need_weights)
             x = out.output
-            if need_weights:
+            if weights is not None:
                 weights.append(out.self_weights)
         return self.head(self.norm(x[:, 0])), weights
 
@@ -173,12 +174,15 @@ def attention_rollout(weights: list[Tensor]) -> Tensor:
     Returns:
         ``(b, t, t)``: how much each output token draws on each input token.
     """
-    rollout = None
+    if not weights:
+        raise ValueError("attention rollout needs the weights of at least one layer, got none")
+    rollout: Tensor | None = None
     for layer_weights in weights:
         a = layer_weights.mean(1)  # (b, t, t)
         a = a + torch.eye(a.size(-1), device=a.device, dtype=a.dtype)
         a = a / a.sum(-1, keepdim=True)
         rollout = a if rollout is None else a @ rollout
+    assert rollout is not None  # weights is not empty
     return rollout
 
 
@@ -259,7 +263,7 @@ def run(
         last_cls = weights[-1].mean(1)[:, 0, 1:]  # (b, P): class token -> patches, last layer
         rollout_cls = rollout[:, 0, 1:]  # (b, P)
     picks = list(range(min(config.num_examples, test_x.size(0))))
-    results = {
+    results: dict[str, Any] = {
         "test_accuracy": test_accuracy,
         "train_accuracy": train_accuracy,
         "train_seconds": training.seconds,
@@ -289,12 +293,7 @@ def run(
         "at least 95% test accuracy": test_accuracy >= 0.95,
         "trained within 2 minutes": training.seconds <= 120.0,
     }
-    summary = [
-        f"{results['train_images']} training / {results['test_images']} test images, {config.num_patches} patches of "
-        f"{config.patch_size}x{config.patch_size} pixels + a class token, {results['parameters']:,} parameters",
-        f"test accuracy {test_accuracy:.4f} (train {train_accuracy:.4f}) after {config.epochs} epochs in "
-        f"{training.seconds:.1f} s on {dev} with {results['threads']} threads ({train_cpu_seconds:.1f} s of CPU time)",
-    ]
+    summary = _summary(results, config, dev)
     fig_name = "vit_digits.png"
     _plot(test_x[picks].cpu(), results, config, folder / fig_name)
     result = ExperimentResult(
@@ -310,6 +309,17 @@ def run(
     )
     write_results(result, folder)
     return result
+
+
+def _summary(results: dict[str, Any], config: ViTDigitsConfig, device: torch.device) -> list[str]:
+    """Two lines: the data and model sizes, then the accuracy and the time it took."""
+    return [
+        f"{results['train_images']} training / {results['test_images']} test images, {config.num_patches} patches of "
+        f"{config.patch_size}x{config.patch_size} pixels + a class token, {results['parameters']:,} parameters",
+        f"test accuracy {results['test_accuracy']:.4f} (train {results['train_accuracy']:.4f}) after "
+        f"{config.epochs} epochs in {results['train_seconds']:.1f} s on {device} with {results['threads']} threads "
+        f"({results['train_cpu_seconds']:.1f} s of CPU time)",
+    ]
 
 
 def _upsample(patch_weights: list[float], config: ViTDigitsConfig) -> Tensor:
