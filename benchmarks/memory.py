@@ -108,13 +108,14 @@ def child(args: argparse.Namespace) -> int:
 
     qkv.runtime.padded_linear.PAD_ROWS = "pad" in measures
 
+    from qkv.data.spec import DataSpec
     from qkv.runs.translation import start_run
     from qkv.runtime.heap import HeapTrimmer, heap_stats, peak_resident_memory_bytes, resident_memory_bytes
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rss_before = resident_memory_bytes()
-    data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": "en", "tgt_lang": "de"}
+    data = DataSpec(source="multi30k", folder=str(Path(args.data).resolve()), src_lang="en", tgt_lang="de")
     train_options = dict(
         max_minutes=args.minutes,
         bf16=args.precision == "bf16",

@@ -47,6 +47,7 @@ from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
 from qkv.data import resolve_multi30k
 from qkv.data.sources import load_split
+from qkv.data.spec import DataSpec
 from qkv.decoding.translate import translate_texts
 from qkv.metrics.scores import score_translations
 from qkv.runs import folder as ckpt
@@ -83,7 +84,7 @@ def machine(threads: int) -> dict:
     return {**environment(), "threads": threads}
 
 
-def run_candidate(name: str, args: argparse.Namespace, data: dict, device: str) -> dict:
+def run_candidate(name: str, args: argparse.Namespace, data: DataSpec, device: str) -> dict:
     """Train one candidate for ``args.minutes`` and score it on the validation split."""
     about, model_options, train_options, vocab = CANDIDATES[name]
     run_dir = Path(args.run_root) / name
@@ -309,7 +310,7 @@ def main() -> int:
         folder = resolve_multi30k(args.data).resolve()
     except FileNotFoundError as err:
         p.error(str(err))
-    data = {"source": "multi30k", "folder": str(folder), "src_lang": args.src, "tgt_lang": args.tgt}
+    data = DataSpec(source="multi30k", folder=str(folder), src_lang=args.src, tgt_lang=args.tgt)
     out = Path(args.out)
     report = json.loads(out.read_text()) if out.exists() else {}
     if report and (report.get("minutes"), report.get("beam"), report.get("pair")) != (

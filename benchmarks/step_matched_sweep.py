@@ -52,6 +52,7 @@ import torch
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
+from qkv.data.spec import DataSpec
 from qkv.runs import folder as ckpt
 from qkv.runs.recipes import decode_settings
 from qkv.runs.translation import run_training, start_run
@@ -146,7 +147,7 @@ def train_one(name: str, args: argparse.Namespace, steps: int, device: str) -> d
         **train_options,
         "seed": seed,
     }
-    data = {"source": "multi30k", "folder": str(Path(args.data).resolve()), "src_lang": args.src, "tgt_lang": args.tgt}
+    data = DataSpec(source="multi30k", folder=str(Path(args.data).resolve()), src_lang=args.src, tgt_lang=args.tgt)
     trainer = start_run(
         run_dir, data=data, model_options=model_options, train_options=train_options, overwrite=True, device=device
     )

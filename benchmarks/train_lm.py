@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from qkv.bench.provenance import git_commit, utc_now, write_result
 from qkv.bench.results import check_result_file
 from qkv.bench.timing import environment
+from qkv.data.spec import DataSpec
 from qkv.data.text import load_text_splits, read_tokens, train_text_tokenizer
 from qkv.models.causal_lm import IGNORE, CausalLM, CausalLMConfig
 from qkv.runs.curves import plot_metrics, read_metrics
@@ -279,7 +280,7 @@ def gpt2_like(config: CausalLMConfig):
 def compare(args: argparse.Namespace, out_dir: Path) -> dict:
     import transformers
 
-    data = {"source": "tinyshakespeare", "folder": args.data}
+    data = DataSpec(source="tinyshakespeare", folder=args.data)
     train_text, valid_text, where = load_text_splits(data)
     # as start_run does: the character vocabulary covers the validation text too
     tokenizer = train_text_tokenizer("char", train_text + valid_text)
@@ -446,7 +447,7 @@ def fixed_time_run(args: argparse.Namespace, out_dir: Path) -> dict:
     t0 = time.perf_counter()
     trainer = start_run(
         run_dir,
-        data={"source": "tinyshakespeare", "folder": args.data},
+        data=DataSpec(source="tinyshakespeare", folder=args.data),
         model_options=model_options(args),
         train_options=train_options_,
         overwrite=True,

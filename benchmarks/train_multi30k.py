@@ -49,6 +49,7 @@ from qkv.cli.train import (
 )
 from qkv.data.parallel import MULTI30K_LATER_TESTS, load_multi30k, resolve_multi30k
 from qkv.data.sources import load_split
+from qkv.data.spec import DataSpec
 from qkv.decoding.translate import translate_texts
 from qkv.metrics.scores import score_translations
 from qkv.runs import folder as ckpt
@@ -127,13 +128,9 @@ def main() -> int:
         folder = str(resolve_multi30k(args.data, download=False).resolve())  # (and downloads, as qkv train does)
     except FileNotFoundError:
         folder = args.data
-    data = {
-        "source": "multi30k",
-        "folder": folder,
-        "src_lang": args.src,
-        "tgt_lang": args.tgt,
-        **({"both_directions": True} if args.both_directions else {}),
-    }
+    data = DataSpec(
+        source="multi30k", folder=folder, src_lang=args.src, tgt_lang=args.tgt, both_directions=args.both_directions
+    )
 
     limit_memory_growth()  # as the CLI does, before the first oneDNN primitive (the bf16 probe is one)
     t0 = time.perf_counter()
@@ -255,19 +252,19 @@ def main() -> int:
     return 0
 
 
-def evaluation_splits(data: dict) -> tuple[dict, list[str]]:
+def evaluation_splits(data: DataSpec) -> tuple[dict, list[str]]:
     """Validation, test 2016 and the later test sets the folder or the cache holds (those score the
     finished model only: nothing is chosen on them), and the names of the later ones missing."""
     splits = {"val": load_split(data, "val"), "test_2016": load_split(data, "test")}
     missing = []
     for stem in MULTI30K_LATER_TESTS:
         try:
-            folder = resolve_multi30k(data["folder"], download=False)  # None: qkv's lookup
-            splits[stem] = load_multi30k(folder, stem, data["src_lang"], data["tgt_lang"])
+            folder = resolve_multi30k(data.folder, download=False)  # None: qkv's lookup
+            splits[stem] = load_multi30k(folder, stem, data.src_lang, data.tgt_lang)
         except FileNotFoundError:
             missing.append(stem)
     if missing:
-        logging.info("not scored (not in %s nor the cache): %s", data["folder"], ", ".join(missing))
+        logging.info("not scored (not in %s nor the cache): %s", data.folder, ", ".join(missing))
     return splits, missing
 
 
