@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from qkv.attention.multihead import KVCache
 from qkv.models.transformer import check_model_options
 from qkv.nn.layers import EncoderLayer
-from qkv.nn.loss import fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy, rdrop_cross_entropy
+from qkv.nn.loss import fused_linear_cross_entropy
 from qkv.nn.positional import build_positional_encoding
 from qkv.runtime.fileio import write_json
 
@@ -171,28 +171,27 @@ class CausalLM(nn.Module):
         hidden, attentions, new_cache = self.decoder(x, cache=cache, need_weights=need_weights)
         return CausalLMOutput(self.output_proj(hidden) if project else None, hidden, attentions, new_cache)
 
-    def loss(self, ids: Tensor, targets: Tensor, *, label_smoothing: float = 0.0, rdrop: float = 0.0) -> Tensor:
-        """Summed cross-entropy of predicting ``targets (b, s)`` (usually ``ids`` shifted left by
-        one; ``-100`` where nothing is predicted) from ``ids (b, s)``.
+    @property
+    def chunked_loss(self) -> bool:
+        """Whether the loss projects the hidden states a chunk of rows at a time
+        (:func:`qkv.nn.loss.fused_linear_cross_entropy`: the ``(b, s, V)`` logits are never stored): with
+        a vocabulary larger than ``d_model``. With a smaller one (e.g. characters) the logits are no
+        larger than the hidden states, and one plain product and ``F.cross_entropy`` are faster
+        (measured: 3% of a step at V = 65)."""
+        return self.config.vocab_size > self.config.d_model
 
-        With a vocabulary larger than ``d_model`` it is the fused loss
-        (:func:`qkv.nn.loss.fused_linear_cross_entropy`: the ``(b, s, V)`` logits are never stored);
-        with a smaller one (e.g. characters) the logits are no larger than the hidden states and
-        one plain product and ``F.cross_entropy`` are faster (measured: 3% of a step at V = 65).
-        With ``rdrop > 0`` the windows run twice in one pass (stacked: each copy draws its own
-        dropout) and the loss is R-Drop's with weight ``rdrop`` (:mod:`qkv.nn.loss`)."""
-        hidden = self(torch.cat([ids, ids]) if rdrop else ids, project=False).hidden
-        fused = self.config.vocab_size > self.config.d_model
-        if rdrop:
-            hidden_a, hidden_b = hidden.chunk(2)
-            if fused:
-                return fused_linear_rdrop_cross_entropy(
-                    hidden_a, hidden_b, self.output_proj.weight, targets, label_smoothing, IGNORE, rdrop
-                )
-            return rdrop_cross_entropy(
-                self.output_proj(hidden_a), self.output_proj(hidden_b), targets, label_smoothing, IGNORE, rdrop
-            )
-        if fused:
+    def hidden_states(self, ids: Tensor) -> Tensor:
+        """The final hidden states ``(b, s, d)`` for ``ids (b, s)``: what the output projection turns
+        into logits, and what a training objective reads (:mod:`qkv.training.objectives`)."""
+        return self(ids, project=False).hidden
+
+    def loss(self, ids: Tensor, targets: Tensor, *, label_smoothing: float = 0.0) -> Tensor:
+        """Summed cross-entropy of predicting ``targets (b, s)`` (usually ``ids`` shifted left by
+        one; ``-100`` where nothing is predicted) from ``ids (b, s)``, label-smoothed by
+        ``label_smoothing``: the fused loss or the logits' as :attr:`chunked_loss` says. Other training
+        objectives are the training layer's (:mod:`qkv.training.objectives`)."""
+        hidden = self.hidden_states(ids)
+        if self.chunked_loss:
             return fused_linear_cross_entropy(hidden, self.output_proj.weight, targets, label_smoothing, IGNORE)
         logits = self.output_proj(hidden).float()  # (b, s, V)
         return F.cross_entropy(

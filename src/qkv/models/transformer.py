@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from qkv.attention.multihead import KVCache
 from qkv.nn.dropout import Dropout
 from qkv.nn.layers import DecoderLayer, EncoderLayer
-from qkv.nn.loss import fused_linear_cross_entropy, fused_linear_rdrop_cross_entropy
+from qkv.nn.loss import fused_linear_cross_entropy
 from qkv.nn.positional import build_positional_encoding
 from qkv.runtime.fileio import read_json, write_json
 
@@ -330,6 +330,13 @@ class Transformer(nn.Module):
         memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
         return self.decode(tgt, memory, tgt_key_padding_mask=tgt_key_padding_mask).logits
 
+    def hidden_states(self, src: Tensor, tgt_in: Tensor, *, src_key_padding_mask: Tensor | None = None) -> Tensor:
+        """The decoder's final hidden states ``(b, s_tgt, d)`` for teacher forcing (arguments as
+        :meth:`loss`'s): what ``output_proj`` turns into logits, and what a training objective reads
+        (:mod:`qkv.training.objectives`), so that it never holds the ``(b, s_tgt, V)`` logits."""
+        memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
+        return self.decode(tgt_in, memory, project=False).hidden
+
     def loss(
         self,
         src: Tensor,
@@ -337,36 +344,26 @@ class Transformer(nn.Module):
         tgt_out: Tensor,
         *,
         label_smoothing: float = 0.0,
-        rdrop: float = 0.0,
         src_key_padding_mask: Tensor | None = None,
     ) -> Tensor:
         """Summed label-smoothed cross-entropy of the teacher-forced predictions over the real
-        target positions (``tgt_out != pad_id``): what training minimises.
+        target positions (``tgt_out != pad_id``).
 
         Equal to ``label_smoothed_cross_entropy(self(src, tgt_in), tgt_out, ...)`` but computed by
         :func:`qkv.nn.loss.fused_linear_cross_entropy`, which never builds the ``(b, s_tgt, V)`` logits.
-        With ``rdrop > 0`` the batch runs twice in one pass (stacked, so each copy draws its own
-        dropout) and the loss is R-Drop's (:func:`qkv.nn.loss.fused_linear_rdrop_cross_entropy`).
+        Other training objectives are the training layer's (:mod:`qkv.training.objectives`).
 
         Args:
             src: ``(b, s_src)`` source ids.
             tgt_in: ``(b, s_tgt)`` target ids shifted right (BOS first).
             tgt_out: ``(b, s_tgt)`` the ids to predict (pad where nothing is).
             label_smoothing: ``eps`` of the smoothed target distribution.
-            rdrop: R-Drop's weight ``alpha`` of the two passes' symmetric KL divergence (0: one pass).
             src_key_padding_mask: defaults to ``src != pad_id``.
+
+        Returns:
+            The summed loss, a scalar.
         """
-        if rdrop:
-            src, tgt_in = torch.cat([src, src]), torch.cat([tgt_in, tgt_in])
-            if src_key_padding_mask is not None:
-                src_key_padding_mask = torch.cat([src_key_padding_mask, src_key_padding_mask])
-        memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
-        hidden = self.decode(tgt_in, memory, project=False).hidden  # (b, s_tgt, d), (2b, ...) with rdrop
-        if rdrop:
-            hidden_a, hidden_b = hidden.chunk(2)
-            return fused_linear_rdrop_cross_entropy(
-                hidden_a, hidden_b, self.output_proj.weight, tgt_out, label_smoothing, self.config.pad_id, rdrop
-            )
+        hidden = self.hidden_states(src, tgt_in, src_key_padding_mask=src_key_padding_mask)  # (b, s_tgt, d)
         return fused_linear_cross_entropy(hidden, self.output_proj.weight, tgt_out, label_smoothing, self.config.pad_id)
 
 

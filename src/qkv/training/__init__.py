@@ -4,6 +4,10 @@
   :class:`TrainState`;
 - :mod:`qkv.training.tasks`: what a kind of model trains on (:class:`TranslationTask`,
   :class:`LanguageModelTask`);
+- :mod:`qkv.training.objectives`: what a step minimises, chosen by name (:class:`LabelSmoothedCrossEntropy`,
+  the default; :class:`RDrop`, whose maths is :mod:`qkv.training.rdrop`);
+- :mod:`qkv.training.methods`: the research methods scheduled over the budget (late dropout, both
+  directions until, subword dropout; R-Drop's start);
 - :mod:`qkv.training.engine`: :class:`Trainer` (``step``, the loop, validation, the final weights);
 - :mod:`qkv.training.checkpointing`: the Trainer's run-folder checkpoints (save, resume, the last
   whole step after a stop or failure, the checkpoints kept for averaging);
@@ -15,11 +19,25 @@ Run folders (creating, resuming, recipes) are in :mod:`qkv.runs.translation`.
 from qkv.training.config import TrainConfig, TrainState, inverse_sqrt_lr
 from qkv.training.distributed import Distributed, init_distributed
 from qkv.training.engine import StepStats, Trainer, TrainingCrashed
+from qkv.training.objectives import (
+    OBJECTIVES,
+    LabelSmoothedCrossEntropy,
+    Objective,
+    Predictions,
+    RDrop,
+    make_objective,
+    step_objective,
+)
 from qkv.training.tasks import LanguageModelTask, TranslationTask, encode_pairs
 
 __all__ = [
+    "OBJECTIVES",
     "Distributed",
+    "LabelSmoothedCrossEntropy",
     "LanguageModelTask",
+    "Objective",
+    "Predictions",
+    "RDrop",
     "StepStats",
     "TrainConfig",
     "TrainState",
@@ -29,4 +47,6 @@ __all__ = [
     "encode_pairs",
     "init_distributed",
     "inverse_sqrt_lr",
+    "make_objective",
+    "step_objective",
 ]

@@ -14,14 +14,10 @@ restores every process's RNG state, so a resumed run continues exactly like an u
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import signal
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -30,7 +26,6 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from tqdm.auto import tqdm
 
 from qkv.data.batching import Batch
-from qkv.nn.dropout import dropout_off
 from qkv.runtime.fileio import write_bytes
 from qkv.runtime.heap import HeapTrimmer, resident_memory_bytes, trim_heap
 from qkv.runtime.precision import autocast_context
@@ -38,39 +33,11 @@ from qkv.training import checkpoint_files as ckpt
 from qkv.training.checkpointing import Checkpointing
 from qkv.training.config import TrainConfig, TrainState, budget_progress, learning_rate
 from qkv.training.distributed import Distributed, full_state, gradient_sync, plain_copy, wrap
+from qkv.training.methods import LateDropout, check_methods, drop_reversed_pairs_when_due
+from qkv.training.objectives import step_objective
+from qkv.training.signals import signals_held
 
 logger = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def signals_held() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM back inside the block: one that comes is noted, and its handler runs
-    when the block ends, so that an update of the weights and optimizer state is never cut in half.
-    Done with Python-level handlers, not the thread's signal mask: the kernel hands a signal that the
-    main thread blocks to another thread (torch and tqdm start some), whose C handler still makes
-    Python run the handler in the main thread at once. Handlers set outside Python, and any thread
-    but the main one (which cannot set handlers), leave the block unprotected."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[tuple[int, object]] = []
-    previous = {}
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        handler = signal.getsignal(signum)
-        if handler is not None and handler != signal.SIG_IGN:
-            previous[signum] = handler
-            signal.signal(signum, lambda number, frame: caught.append((number, frame)))
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        for signum, frame in caught:
-            handler = previous[signum]
-            if callable(handler):
-                handler(signum, frame)
-            else:  # SIG_DFL: the default action, now
-                signal.raise_signal(signum)
 
 
 @dataclass
@@ -146,24 +113,10 @@ class Trainer(Checkpointing):
         self.ema = (
             AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config.ema_decay)) if config.ema_decay else None
         )
-        if config.rdrop and not getattr(getattr(model, "config", None), "dropout", 0.0):
-            logger.warning(
-                "--rdrop %g with a model without dropout: both passes give the same predictions, so the "
-                "step costs twice as much for nothing",
-                config.rdrop,
-            )
-        if config.both_directions_until < 1 and not getattr(task, "both_directions", False):
-            raise ValueError(
-                "both_directions_until (--both-directions-until) says when to drop the reversed pairs: "
-                "train a translation with --both-directions"
-            )
-        if config.subword_dropout:
-            if not hasattr(task, "set_subword_dropout"):
-                raise ValueError("--subword-dropout splits subword tokens of translation pairs; this task has none")
-            task.set_subword_dropout(config.subword_dropout, config.seed)
+        check_methods(model, task, config)  # and sets the task's subword dropout
         self.state = TrainState(kept_checkpoints=[])
         self.progress = 0.0  # share of the budget spent, set before each step by the loop (see _done)
-        self._dropout_was_off = False  # the last step ran under --dropout-start's dropout_off
+        self.late_dropout = LateDropout(config.dropout_start)
         self._batches_epoch, self._batches_cache = None, []  # the current epoch's batches, built once
         self.metrics_path = self.run_dir / "metrics.jsonl" if self.run_dir is not None else None
 
@@ -180,18 +133,15 @@ class Trainer(Checkpointing):
         # DDP and FSDP average gradients over processes: divide by the tokens per process instead
         per_process = tokens / self.dist.world_size
         self.optimizer.zero_grad(set_to_none=True)
-        rdrop = c.rdrop if self.progress >= c.rdrop_start else 0.0  # progress: rank 0's, the same everywhere
+        # the research methods of the step (qkv.training.methods); progress: rank 0's, the same everywhere
+        objective = step_objective(c, self.progress)  # --rdrop from --rdrop-start on
         loss_sum = 0.0
-        held_off = self.progress < c.dropout_start  # --dropout-start: late dropout
-        if self._dropout_was_off and not held_off and self.dist.is_main:
-            logger.info("step %d on: dropout (%.0f%% of the budget spent)", s.step + 1, 100 * self.progress)
-        self._dropout_was_off = held_off
-        with dropout_off(self.model) if held_off else contextlib.nullcontext():
+        with self.late_dropout.step(self.model, self.progress, s.step + 1, log=self.dist.is_main):
             for i, batch in enumerate(batches):
                 batch = batch.to(self.device)
                 with gradient_sync(self.module, enabled=i == len(batches) - 1):
                     with autocast_context(self.device, c.bf16):
-                        loss = self.task.loss(self._call, batch, c.label_smoothing, rdrop)
+                        loss = self.task.loss(self._call, batch, objective)
                     (loss / per_process if batch.num_tgt_tokens else loss * 0.0).backward()
                 if batch.num_tgt_tokens:
                     loss_sum += float(loss.detach())
@@ -230,15 +180,7 @@ class Trainer(Checkpointing):
         batches = self._epoch_batches(s.epoch)
         if s.batch_in_epoch >= len(batches):
             s.epoch, s.batch_in_epoch = s.epoch + 1, 0
-            if c.both_directions_until < 1 and s.one_way_from_epoch < 0 and self.progress >= c.both_directions_until:
-                s.one_way_from_epoch = s.epoch  # saved with the state, so a resume drops them again
-                self.task.drop_reversed_pairs()
-                if d.is_main:
-                    logger.info(
-                        "epoch %d on: the given direction alone (%.0f%% of the budget spent)",
-                        s.epoch,
-                        100 * self.progress,
-                    )
+            drop_reversed_pairs_when_due(self.task, c, s, self.progress, log=d.is_main)
             batches = self._epoch_batches(s.epoch)
         group = batches[s.batch_in_epoch : s.batch_in_epoch + c.accum_steps * d.world_size]
         s.batch_in_epoch += len(group)

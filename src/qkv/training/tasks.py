@@ -5,21 +5,21 @@ the optimizer, checkpoints and processes; a task supplies
   indices, the same on every process (each takes its share);
 - ``make_batch(indices, epoch)``: a padded :class:`~qkv.data.batching.Batch` (``epoch`` lets a task
   vary an example from pass to pass: subword dropout);
-- ``loss(model, batch, label_smoothing, rdrop)``: the summed loss over the batch's target tokens
-  (R-Drop's when ``rdrop > 0``, :mod:`qkv.nn.loss`);
+- ``loss(model, batch, objective)``: the summed loss over the batch's target tokens under a training
+  objective (:mod:`qkv.training.objectives`: label-smoothed cross-entropy, R-Drop), through
+  ``loss_fn(model, *tensors, **loss_keywords(objective))`` (what the engine wraps for DDP and FSDP2);
 - ``validate(model, sentences, bf16)``: a record of validation figures, with ``score`` (higher is
   better; picks ``best.safetensors``) and ``exact_match``.
 
 :class:`TranslationTask` is the encoder-decoder one (BLEU/chrF, exact match for the date task);
-:class:`LanguageModelTask` the decoder-only one (loss, perplexity, bits per character). A batch is
-anything with ``to(device)`` and ``num_tgt_tokens``.
+:class:`~qkv.training.language_model_task.LanguageModelTask` the decoder-only one (loss, perplexity,
+bits per character; imported here too). A batch is anything with ``to(device)`` and ``num_tgt_tokens``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,8 +31,21 @@ from qkv.data.subword_dropout import SubwordDropout
 from qkv.data.tokenizer import Tokenizer
 from qkv.decoding.translate import translate_texts
 from qkv.metrics.scores import exact_match, score_translations
+from qkv.models.transformer import Transformer
 from qkv.runtime.device import model_device
 from qkv.runtime.precision import autocast_context
+from qkv.training.language_model_task import LanguageModelTask, WindowBatch, language_model_loss
+from qkv.training.objectives import Objective, Predictions, loss_keywords, only_one_smoothing, stacked
+
+__all__ = [
+    "LanguageModelTask",
+    "TokenLists",
+    "TranslationTask",
+    "WindowBatch",
+    "encode_pairs",
+    "language_model_loss",
+    "translation_loss",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -67,17 +80,33 @@ def encode_pairs(
     return [src_all[i] for i in kept], [tgt_all[i] for i in kept], kept
 
 
-def _rdrop(alpha: float) -> dict:
-    """The R-Drop keyword for a loss call: none for a plain step."""
-    return {"rdrop": alpha} if alpha else {}
-
-
 def translation_loss(
-    model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *, label_smoothing: float = 0.0, rdrop: float = 0.0
+    model: Transformer,
+    src: Tensor,
+    tgt_in: Tensor,
+    tgt_out: Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    objective: Objective | None = None,
 ) -> Tensor:
-    """The summed label-smoothed loss of a batch, R-Drop's with ``rdrop > 0``
-    (:meth:`qkv.models.transformer.Transformer.loss`)."""
-    return model.loss(src, tgt_in, tgt_out, label_smoothing=label_smoothing, rdrop=rdrop)
+    """The summed loss of a batch of a :class:`~qkv.models.transformer.Transformer` under ``objective``.
+
+    Args:
+        model: the model.
+        src, tgt_in, tgt_out: the batch's source ids, target ids shifted right, ids to predict.
+        label_smoothing: with no ``objective``: label-smoothed cross-entropy's ``eps``.
+        objective: a training objective (:mod:`qkv.training.objectives`), which holds its own
+            smoothing; None: the default one, the model's own :meth:`~qkv.models.transformer.Transformer.loss`.
+
+    Returns:
+        The summed loss, a scalar.
+    """
+    if objective is None:
+        return model.loss(src, tgt_in, tgt_out, label_smoothing=label_smoothing)
+    only_one_smoothing(objective, label_smoothing)
+    copies = objective.copies  # stacked: each copy draws its own dropout in the one pass
+    hidden = model.hidden_states(stacked(src, copies), stacked(tgt_in, copies))
+    return objective(Predictions(hidden, model.output_proj.weight, tgt_out, model.config.pad_id))
 
 
 class TokenLists:
@@ -243,10 +272,9 @@ class TranslationTask:
         return make_batch(src, tgt, pad_id=self.pad_id, bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
 
     @staticmethod
-    def loss(module: nn.Module, batch: Batch, label_smoothing: float, rdrop: float = 0.0) -> Tensor:
-        """``module`` is the model, or the engine's wrapper that calls :func:`translation_loss` (``rdrop``
-        is passed on only when set, so a loss function without R-Drop serves plain runs)."""
-        return module(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing, **_rdrop(rdrop))
+    def loss(module: nn.Module, batch: Batch, objective: Objective) -> Tensor:
+        """``module`` is the engine's wrapper that calls ``loss_fn`` (:func:`translation_loss`)."""
+        return module(batch.src, batch.tgt_in, batch.tgt_out, **loss_keywords(objective))
 
     @torch.no_grad()
     def validate(self, model: nn.Module, sentences: int, bf16: bool) -> dict | None:
@@ -285,113 +313,4 @@ class TranslationTask:
             "val_exact_match": round(exact_match(hyps, refs), 4),
             "sentences": len(kept),
             "score": scores["bleu"],
-        }
-
-
-@dataclass
-class WindowBatch:
-    """Windows of a token array: the model reads ``ids`` and predicts ``targets`` (``ids``
-    shifted left by one)."""
-
-    ids: Tensor  # (b, context)
-    targets: Tensor  # (b, context)
-    num_tgt_tokens: int  # predicted tokens (0: a zero-weight stand-in)
-
-    def to(self, device: torch.device | str) -> WindowBatch:
-        return WindowBatch(
-            self.ids.to(device, non_blocking=True), self.targets.to(device, non_blocking=True), self.num_tgt_tokens
-        )
-
-
-def language_model_loss(
-    model: nn.Module, ids: Tensor, targets: Tensor, *, label_smoothing: float = 0.0, rdrop: float = 0.0
-) -> Tensor:
-    """The summed next-token loss of a batch, R-Drop's with ``rdrop > 0`` (:meth:`qkv.models.causal_lm.CausalLM.loss`)."""
-    return model.loss(ids, targets, label_smoothing=label_smoothing, rdrop=rdrop)
-
-
-class LanguageModelTask:
-    """Next-token prediction over one long token array, for a :class:`~qkv.models.causal_lm.CausalLM`.
-
-    An epoch is as many windows of ``context`` tokens as fit the training array end to end;
-    ``windows="random"`` starts each at a random offset (nanoGPT's sampling), ``"strided"`` takes
-    the non-overlapping windows in a shuffled order. A batch holds ``max_tokens // context``
-    windows. Validation reads the validation array's non-overlapping windows in order.
-
-    Raises:
-        ValueError: a split shorter than one window.
-    """
-
-    loss_fn = staticmethod(language_model_loss)
-    WINDOWS = ("random", "strided")
-
-    def __init__(
-        self,
-        tokenizer,
-        train_tokens: np.ndarray,
-        valid_tokens: np.ndarray | None,
-        *,
-        context: int,
-        windows: str = "random",
-        chars_per_token: float = 1.0,
-    ) -> None:
-        if windows not in self.WINDOWS:
-            raise ValueError(f"windows must be one of {self.WINDOWS}, got {windows!r}")
-        for name, tokens in (("training", train_tokens), ("validation", valid_tokens)):
-            if tokens is not None and len(tokens) < context + 1:
-                raise ValueError(
-                    f"the {name} text has {len(tokens)} tokens, fewer than one window of the model's "
-                    f"context ({context}) plus one: give more text or a smaller --context"
-                )
-        self.tokenizer, self.train_tokens, self.valid_tokens = tokenizer, train_tokens, valid_tokens
-        self.context, self.windows, self.chars_per_token = context, windows, chars_per_token
-
-    @property
-    def num_examples(self) -> int:
-        return (len(self.train_tokens) - 1) // self.context
-
-    def batches(self, epoch: int, max_tokens: int, seed: int) -> list[list[int]]:
-        """The epoch's batches as window start offsets, the same for every process."""
-        rng = np.random.default_rng([seed, epoch])
-        n = self.num_examples
-        if self.windows == "random":
-            starts = rng.integers(0, len(self.train_tokens) - self.context, size=n)
-        else:
-            starts = rng.permutation(n) * self.context
-        per_batch = max(1, max_tokens // self.context)
-        return [starts[i : i + per_batch].tolist() for i in range(0, n, per_batch)]
-
-    def _windows(self, tokens: np.ndarray, starts: list[int]) -> WindowBatch:
-        rows = np.stack([np.asarray(tokens[s : s + self.context + 1], dtype=np.int64) for s in starts])
-        block = torch.from_numpy(rows)  # (b, context + 1)
-        return WindowBatch(block[:, :-1], block[:, 1:], block[:, 1:].numel())
-
-    def make_batch(self, starts: list[int], epoch: int = 0) -> WindowBatch:
-        return self._windows(self.train_tokens, starts)
-
-    @staticmethod
-    def loss(module: nn.Module, batch: WindowBatch, label_smoothing: float, rdrop: float = 0.0) -> Tensor:
-        return module(batch.ids, batch.targets, label_smoothing=label_smoothing, **_rdrop(rdrop))
-
-    @torch.no_grad()
-    def validate(self, model: nn.Module, windows: int, bf16: bool) -> dict | None:
-        """Validation loss (nats per token), perplexity and bits per character over the first
-        ``windows`` non-overlapping windows of the validation array."""
-        if self.valid_tokens is None:
-            return None
-        starts = list(range(0, len(self.valid_tokens) - self.context, self.context))[:windows]
-        device = model_device(model)
-        total, tokens = 0.0, 0
-        with autocast_context(device, bf16):
-            for i in range(0, len(starts), 16):
-                batch = self._windows(self.valid_tokens, starts[i : i + 16]).to(device)
-                total += float(language_model_loss(model, batch.ids, batch.targets))
-                tokens += batch.num_tgt_tokens
-        loss = total / tokens
-        return {
-            "val_loss": round(loss, 4),
-            "val_ppl": round(math.exp(min(loss, 700)), 3),
-            "val_bpc": round(loss / math.log(2) / self.chars_per_token, 4),
-            "windows": len(starts),
-            "score": -loss,
         }
