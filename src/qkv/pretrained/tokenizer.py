@@ -33,7 +33,7 @@ def read_backend(path: Path) -> _RustTokenizer:
     return backend
 
 
-def id_span(backend) -> int:
+def id_span(backend: _RustTokenizer) -> int:
     """The highest id of a ``tokenizers`` tokenizer plus one (added tokens included): the rows an
     embedding needs, which is more than the token count when a file's ids leave gaps."""
     return max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
@@ -66,9 +66,10 @@ class WordPieceTokenizer:
     def __init__(self, backend: _RustTokenizer, *, max_length: int = 512, pad_token: str = "[PAD]") -> None:
         if max_length < 2:
             raise ValueError(f"max_length must be >= 2 (room for [CLS] and [SEP]), got {max_length}")
-        self.pad_id = backend.token_to_id(pad_token)
-        if self.pad_id is None:
+        pad_id = backend.token_to_id(pad_token)
+        if pad_id is None:
             raise ValueError(f"tokenizer has no padding token {pad_token!r}")
+        self.pad_id: int = pad_id
         self.backend = backend
         self.backend.no_padding()  # we pad to the longest in the batch ourselves
         self.backend.enable_truncation(max_length)
@@ -137,7 +138,8 @@ class WordPieceTokenizer:
             types[row, :n] = torch.tensor(e.type_ids, dtype=torch.long)
         return EncodedBatch(ids, mask, types, [list(e.tokens) for e in encodings])
 
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        """Each id's token string (None for an id the vocabulary lacks)."""
         return [self.backend.id_to_token(int(i)) for i in ids]
 
     def decode(self, ids: list[int]) -> str:
