@@ -1,5 +1,9 @@
 """qkv: the attention of "Attention Is All You Need", built to be trained, inspected and trusted."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from qkv.attention import (
     AttentionOutput,
     KVCache,
@@ -24,14 +28,21 @@ from qkv.nn.dropout import Dropout
 from qkv.nn.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOutput
 from qkv.nn.positional import LearnedPositionalEncoding, SinusoidalPositionalEncoding, sinusoidal_table
 
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+    from qkv.pretrained import BertEncoder, PretrainedCausalLM
+
 __version__ = "1.0.0"  # the one source of the version: pyproject.toml reads it at build time
 
 
-def load_pretrained(path, **kwargs):
+def load_pretrained(path: str | Path, *, device: str | torch.device | None = None) -> BertEncoder | PretrainedCausalLM:
     """Load a Hugging Face BERT-family or GPT-2 checkpoint folder into qkv's own model (see :mod:`qkv.pretrained`)."""
-    from qkv.pretrained import load_pretrained as _load
+    from qkv.pretrained import load_pretrained as _load  # here: it imports the tokenizers library
 
-    return _load(path, **kwargs)
+    return _load(path, device=device)
 
 
 __all__ = [
