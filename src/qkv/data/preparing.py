@@ -16,27 +16,24 @@ Memory is bounded by the chunks in flight and the encoders' piece caches, not by
 from __future__ import annotations
 
 import gzip
+import io
 import logging
 import math
 import multiprocessing
 import os
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from qkv.data.cached_encoder import CachedEncoder
-from qkv.data.prepared import (
-    SplitWriter,
-    building_folder,
-    check_output_folder,
-    length_dtype,
-    token_dtype,
-    write_manifest,
-)
+from qkv.data.prepared_format import length_dtype, token_dtype
+from qkv.data.prepared_writer import SplitWriter, building_folder, check_output_folder, write_manifest
 from qkv.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -45,9 +42,9 @@ REASONS = {"empty": "empty line", "not_utf8": "not UTF-8", "over_long": "too lon
 LISTED = 20  # bad lines listed by file:line in the manifest (all are counted)
 
 
-def open_text(path: Path):
+def open_text(path: Path) -> io.BufferedIOBase:
     """A binary handle on ``path``, decompressing ``.gz``."""
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")  # noqa: SIM115 - the caller's with-block closes it
 
 
 def count_lines(path: Path, block: int = 16 * 2**20) -> int:
@@ -88,13 +85,14 @@ def _text(raw: bytes) -> str | None:
         return None
 
 
-def sampled_sentences(src: Path, tgt: Path, stride: int):
+def sampled_sentences(src: Path, tgt: Path, stride: int) -> Iterator[str]:
     """Source and target text of every ``stride``-th pair whose sides are both usable."""
     with open_text(src) as a, open_text(tgt) as b:
         for raw_src, raw_tgt in islice(zip(a, b), 0, None, stride):
-            texts = (_text(raw_src), _text(raw_tgt))
-            if all(t is not None and t.strip() for t in texts):
-                yield from texts
+            src_text, tgt_text = _text(raw_src), _text(raw_tgt)
+            if src_text is not None and tgt_text is not None and src_text.strip() and tgt_text.strip():
+                yield src_text
+                yield tgt_text
 
 
 # ------------------------------------------------------------------ the work of one chunk
@@ -116,7 +114,10 @@ def encode_chunk(first_line: int, src_lines: list[bytes], tgt_lines: list[bytes]
         pairs as ``(reason, side 0/1, line, detail)``.
     """
     encoder, max_len = _WORKER["encoder"], _WORKER["max_len"]
-    src_texts, tgt_texts, lines, bad = [], [], [], []
+    src_texts: list[str] = []
+    tgt_texts: list[str] = []
+    numbers: list[int] = []
+    bad: list[tuple[str, int, int, str]] = []
     for line, raw_pair in enumerate(zip(src_lines, tgt_lines), start=first_line):
         texts = [_text(raw) for raw in raw_pair]
         for side, text in enumerate(texts):
@@ -126,14 +127,14 @@ def encode_chunk(first_line: int, src_lines: list[bytes], tgt_lines: list[bytes]
             if not text.strip():
                 bad.append(("empty", side, line, ""))
                 break
-        else:
-            src_texts.append(texts[0])
-            tgt_texts.append(texts[1])
-            lines.append(line)
+        else:  # both sides are text (a None side broke out of the loop above)
+            src_texts.append(texts[0] or "")
+            tgt_texts.append(texts[1] or "")
+            numbers.append(line)
     src_ids, src_len = encoder.encode(src_texts)
     tgt_ids, tgt_len = encoder.encode(tgt_texts)
     keep = (src_len + 1 <= max_len) & (tgt_len + 1 <= max_len)  # + EOS; BOS + target
-    lines = np.asarray(lines, dtype=np.int64)
+    lines = np.asarray(numbers, dtype=np.int64)
     if not keep.all():
         for i in np.flatnonzero(~keep).tolist():
             side = 0 if src_len[i] >= tgt_len[i] else 1
@@ -152,7 +153,7 @@ def encode_chunk(first_line: int, src_lines: list[bytes], tgt_lines: list[bytes]
     }
 
 
-def _chunks(src: Path, tgt: Path, chunk_pairs: int):
+def _chunks(src: Path, tgt: Path, chunk_pairs: int) -> Iterator[tuple[int, list[bytes], list[bytes]]]:
     with open_text(src) as a, open_text(tgt) as b:
         first = 1
         while src_lines := list(islice(a, chunk_pairs)):
@@ -184,7 +185,7 @@ class _Encoders:
             else:
                 os.environ["TOKENIZERS_PARALLELISM"] = previous
 
-    def map(self, chunks):
+    def map(self, chunks: Iterable[tuple[int, list[bytes], list[bytes]]]) -> Iterator[dict]:
         if self.pool is None:
             yield from (encode_chunk(*chunk) for chunk in chunks)
             return
@@ -244,26 +245,18 @@ def prepare_corpus(
     paths = {"train": (Path(train_src), Path(train_tgt))}
     if bool(val_src) != bool(val_tgt):
         raise ValueError("give both --val-src and --val-tgt, or neither")
-    if val_src:
+    if val_src and val_tgt:
         paths["valid"] = (Path(val_src), Path(val_tgt))
-    for name, value, low in (
-        ("--vocab-size", vocab_size, 260),
-        ("--max-len", max_len, 3),
-        ("--workers", workers, 1),
-        ("--tokenizer-sample", tokenizer_sample, 0),
-        ("chunk_pairs", chunk_pairs, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if max_len >= 2**32:
-        raise ValueError(f"--max-len must be below 2**32, got {max_len}")
+    _check_numbers(
+        vocab_size=vocab_size,
+        max_len=max_len,
+        workers=workers,
+        tokenizer_sample=tokenizer_sample,
+        chunk_pairs=chunk_pairs,
+    )
     out = Path(out)
     check_output_folder(out, overwrite=overwrite)
-    for path in [p for pair in paths.values() for p in pair] + ([Path(tokenizer)] if tokenizer else []):
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such file")
-        if out.exists() and out.resolve() in path.resolve().parents:
-            raise ValueError(f"{path} lies inside {out}, which --overwrite would replace; choose another --out")
+    _check_inputs([p for pair in paths.values() for p in pair] + ([Path(tokenizer)] if tokenizer else []), out)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     lines = {split: check_aligned(*pair) for split, pair in paths.items()}
@@ -272,30 +265,9 @@ def prepare_corpus(
     start = time.perf_counter()
     if tokenizer:
         tok = Tokenizer.load(tokenizer)
-        tokenizer_info = {"given": str(Path(tokenizer).resolve())}
+        tokenizer_info: dict[str, Any] = {"given": str(Path(tokenizer).resolve())}
     else:
-        stride = max(1, math.ceil(lines["train"] / tokenizer_sample)) if tokenizer_sample else 1
-        sample = math.ceil(lines["train"] / stride)
-        logger.info(
-            "learning a %d-token BPE vocabulary on %s of %s pairs (every %s)",
-            vocab_size,
-            f"{sample:,}",
-            f"{lines['train']:,}",
-            "one" if stride == 1 else f"{stride}th",
-        )
-        sentences = sampled_sentences(*paths["train"], stride)
-        tok = Tokenizer.train(
-            tqdm(
-                sentences,
-                total=2 * sample,
-                desc="learning BPE",
-                unit="sentences",
-                disable=not progress,
-                dynamic_ncols=True,
-            ),
-            vocab_size=vocab_size,
-        )
-        tokenizer_info = {"learned_on_pairs": sample, "every": stride, "vocab_size_asked": vocab_size}
+        tok, tokenizer_info = _learn_tokenizer(*paths["train"], lines["train"], vocab_size, tokenizer_sample, progress)
     seconds["tokenizer"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -330,6 +302,52 @@ def prepare_corpus(
     return manifest
 
 
+def _check_numbers(**numbers: int) -> None:
+    """prepare_corpus's numeric options: integers at or above their least value."""
+    least = {"vocab_size": 260, "max_len": 3, "workers": 1, "tokenizer_sample": 0, "chunk_pairs": 1}
+    for key, value in numbers.items():
+        name = key if key == "chunk_pairs" else "--" + key.replace("_", "-")
+        if isinstance(value, bool) or not isinstance(value, int) or value < least[key]:
+            raise ValueError(f"{name} must be an integer >= {least[key]}, got {value!r}")
+    if numbers["max_len"] >= 2**32:
+        raise ValueError(f"--max-len must be below 2**32, got {numbers['max_len']}")
+
+
+def _check_inputs(paths: list[Path], out: Path) -> None:
+    """Every input file exists, and none lies inside ``out``, which ``--overwrite`` would replace."""
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such file")
+        if out.exists() and out.resolve() in path.resolve().parents:
+            raise ValueError(f"{path} lies inside {out}, which --overwrite would replace; choose another --out")
+
+
+def _learn_tokenizer(
+    src: Path, tgt: Path, pairs: int, vocab_size: int, tokenizer_sample: int, progress: bool
+) -> tuple[Tokenizer, dict[str, Any]]:
+    """The shared BPE tokenizer learned on an even sample of the training pairs (every k-th, at most
+    ``tokenizer_sample`` of them; 0: all), and the manifest's record of how it was learned."""
+    stride = max(1, math.ceil(pairs / tokenizer_sample)) if tokenizer_sample else 1
+    sample = math.ceil(pairs / stride)
+    logger.info(
+        "learning a %d-token BPE vocabulary on %s of %s pairs (every %s)",
+        vocab_size,
+        f"{sample:,}",
+        f"{pairs:,}",
+        "one" if stride == 1 else f"{stride}th",
+    )
+    sentences = tqdm(
+        sampled_sentences(src, tgt, stride),
+        total=2 * sample,
+        desc="learning BPE",
+        unit="sentences",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
+    tokenizer = Tokenizer.train(sentences, vocab_size=vocab_size)
+    return tokenizer, {"learned_on_pairs": sample, "every": stride, "vocab_size_asked": vocab_size}
+
+
 def _write_split(
     folder: Path,
     split: str,
@@ -342,7 +360,8 @@ def _write_split(
     progress: bool,
 ) -> dict:
     writer = SplitWriter(folder, split, **dtypes)
-    dropped, listed, read = dict.fromkeys(REASONS, 0), [], 0
+    dropped, read = dict.fromkeys(REASONS, 0), 0
+    listed: list[str] = []
     try:
         with tqdm(
             total=total,
