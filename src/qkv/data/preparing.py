@@ -19,21 +19,17 @@ import gzip
 import io
 import logging
 import math
-import multiprocessing
-import os
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm.auto import tqdm
 
-from qkv.data.cached_encoder import CachedEncoder
 from qkv.data.prepared_format import length_dtype, token_dtype
 from qkv.data.prepared_writer import SplitWriter, building_folder, check_output_folder, write_manifest
+from qkv.data.preparing_workers import Encoders, line_text
 from qkv.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -77,80 +73,14 @@ def check_aligned(src: Path, tgt: Path) -> int:
     return n_src
 
 
-def _text(raw: bytes) -> str | None:
-    """A line's text as :func:`qkv.data.parallel.read_lines` reads it, or None if it is not UTF-8."""
-    try:
-        return raw.rstrip(b"\n").decode("utf-8").rstrip("\r")
-    except UnicodeDecodeError:
-        return None
-
-
 def sampled_sentences(src: Path, tgt: Path, stride: int) -> Iterator[str]:
     """Source and target text of every ``stride``-th pair whose sides are both usable."""
     with open_text(src) as a, open_text(tgt) as b:
         for raw_src, raw_tgt in islice(zip(a, b), 0, None, stride):
-            src_text, tgt_text = _text(raw_src), _text(raw_tgt)
+            src_text, tgt_text = line_text(raw_src), line_text(raw_tgt)
             if src_text is not None and tgt_text is not None and src_text.strip() and tgt_text.strip():
                 yield src_text
                 yield tgt_text
-
-
-# ------------------------------------------------------------------ the work of one chunk
-_WORKER: dict = {}
-
-
-def _start_worker(tokenizer_json: str, max_len: int) -> None:
-    from tokenizers import Tokenizer as Backend
-
-    tokenizer = Tokenizer(Backend.from_str(tokenizer_json))
-    _WORKER.update(encoder=CachedEncoder(tokenizer, dtype=token_dtype(tokenizer.vocab_size)), max_len=max_len)
-
-
-def encode_chunk(first_line: int, src_lines: list[bytes], tgt_lines: list[bytes]) -> dict:
-    """Check, tokenize and length-filter one chunk of pairs (in a worker, or in-process).
-
-    Returns:
-        the kept pairs' ids end to end and lengths per side, their line numbers, and the bad
-        pairs as ``(reason, side 0/1, line, detail)``.
-    """
-    encoder, max_len = _WORKER["encoder"], _WORKER["max_len"]
-    src_texts: list[str] = []
-    tgt_texts: list[str] = []
-    numbers: list[int] = []
-    bad: list[tuple[str, int, int, str]] = []
-    for line, raw_pair in enumerate(zip(src_lines, tgt_lines), start=first_line):
-        texts = [_text(raw) for raw in raw_pair]
-        for side, text in enumerate(texts):
-            if text is None:
-                bad.append(("not_utf8", side, line, ""))
-                break
-            if not text.strip():
-                bad.append(("empty", side, line, ""))
-                break
-        else:  # both sides are text (a None side broke out of the loop above)
-            src_texts.append(texts[0] or "")
-            tgt_texts.append(texts[1] or "")
-            numbers.append(line)
-    src_ids, src_len = encoder.encode(src_texts)
-    tgt_ids, tgt_len = encoder.encode(tgt_texts)
-    keep = (src_len + 1 <= max_len) & (tgt_len + 1 <= max_len)  # + EOS; BOS + target
-    lines = np.asarray(numbers, dtype=np.int64)
-    if not keep.all():
-        for i in np.flatnonzero(~keep).tolist():
-            side = 0 if src_len[i] >= tgt_len[i] else 1
-            n = int((src_len, tgt_len)[side][i])
-            bad.append(("over_long", side, int(lines[i]), f"{n} tokens + 1 > --max-len {max_len}"))
-        src_ids, tgt_ids = src_ids[np.repeat(keep, src_len)], tgt_ids[np.repeat(keep, tgt_len)]
-        src_len, tgt_len, lines = src_len[keep], tgt_len[keep], lines[keep]
-    return {
-        "src_ids": src_ids,
-        "src_len": src_len,
-        "tgt_ids": tgt_ids,
-        "tgt_len": tgt_len,
-        "lines": lines,
-        "bad": sorted(bad, key=lambda b: b[2]),
-        "read": len(src_lines),
-    }
 
 
 def _chunks(src: Path, tgt: Path, chunk_pairs: int) -> Iterator[tuple[int, list[bytes], list[bytes]]]:
@@ -160,48 +90,6 @@ def _chunks(src: Path, tgt: Path, chunk_pairs: int) -> Iterator[tuple[int, list[
             tgt_lines = list(islice(b, len(src_lines)))
             yield first, src_lines, tgt_lines
             first += len(src_lines)
-
-
-class _Encoders:
-    """``workers`` forked processes encoding chunks (results in order, a few chunks in flight),
-    or the calling process alone when ``workers == 1``."""
-
-    def __init__(self, tokenizer: Tokenizer, max_len: int, workers: int) -> None:
-        self.workers, self.pool = workers, None
-        args = (tokenizer.backend.to_str(), max_len)
-        if workers == 1:
-            _start_worker(*args)
-            return
-        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-        # the tokenizers library warns in a forked child when its threads ran in the parent, unless
-        # told how to behave; each worker encodes on one thread (the workers are the parallelism)
-        previous = os.environ.get("TOKENIZERS_PARALLELISM")
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        try:
-            self.pool = multiprocessing.get_context(method).Pool(workers, initializer=_start_worker, initargs=args)
-        finally:
-            if previous is None:
-                os.environ.pop("TOKENIZERS_PARALLELISM", None)
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = previous
-
-    def map(self, chunks: Iterable[tuple[int, list[bytes], list[bytes]]]) -> Iterator[dict]:
-        if self.pool is None:
-            yield from (encode_chunk(*chunk) for chunk in chunks)
-            return
-        pending: deque = deque()
-        for chunk in chunks:
-            pending.append(self.pool.apply_async(encode_chunk, chunk))
-            if len(pending) >= 2 * self.workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
-        _WORKER.clear()  # the in-process encoder's piece cache
 
 
 def prepare_corpus(
@@ -247,13 +135,7 @@ def prepare_corpus(
         raise ValueError("give both --val-src and --val-tgt, or neither")
     if val_src and val_tgt:
         paths["valid"] = (Path(val_src), Path(val_tgt))
-    _check_numbers(
-        vocab_size=vocab_size,
-        max_len=max_len,
-        workers=workers,
-        tokenizer_sample=tokenizer_sample,
-        chunk_pairs=chunk_pairs,
-    )
+    _check_numbers(vocab_size, max_len, workers, tokenizer_sample, chunk_pairs)
     out = Path(out)
     check_output_folder(out, overwrite=overwrite)
     _check_inputs([p for pair in paths.values() for p in pair] + ([Path(tokenizer)] if tokenizer else []), out)
@@ -270,10 +152,42 @@ def prepare_corpus(
         tok, tokenizer_info = _learn_tokenizer(*paths["train"], lines["train"], vocab_size, tokenizer_sample, progress)
     seconds["tokenizer"] = time.perf_counter() - start
 
+    return _tokenize_into(
+        out,
+        tok,
+        paths,
+        lines,
+        max_len=max_len,
+        workers=workers,
+        chunk_pairs=chunk_pairs,
+        overwrite=overwrite,
+        progress=progress,
+        tokenizer_source=tokenizer_info,
+        seconds=seconds,
+    )
+
+
+def _tokenize_into(
+    out: Path,
+    tokenizer: Tokenizer,
+    paths: dict[str, tuple[Path, Path]],
+    lines: dict[str, int],
+    *,
+    max_len: int,
+    workers: int,
+    chunk_pairs: int,
+    overwrite: bool,
+    progress: bool,
+    tokenizer_source: dict[str, Any],
+    seconds: dict[str, float],
+) -> dict:
+    """Tokenize each split of ``paths`` (with ``lines`` pairs) on ``workers`` processes into the
+    prepared folder ``out``, built under a temporary name, and write its manifest last. Returns the
+    manifest."""
     start = time.perf_counter()
-    dtypes = dict(ids_dtype=token_dtype(tok.vocab_size), lengths_dtype=length_dtype(max_len))
+    dtypes = dict(ids_dtype=token_dtype(tokenizer.vocab_size), lengths_dtype=length_dtype(max_len))
     report: dict[str, dict] = {}
-    encoders = _Encoders(tok, max_len, workers)
+    encoders = Encoders(tokenizer, max_len, workers)
     try:
         with building_folder(out, overwrite=overwrite) as folder:
             for split, (src, tgt) in paths.items():
@@ -286,14 +200,14 @@ def prepare_corpus(
             }
             manifest = write_manifest(
                 folder,
-                tok,
+                tokenizer,
                 {split: r.pop("written") for split, r in report.items()},
                 sources=sources,
                 lines=lines,
                 dropped={split: r["dropped"] for split, r in report.items()},
                 dropped_first={split: r["listed"] for split, r in report.items()},
                 max_len=max_len,
-                tokenizer_source=tokenizer_info,
+                tokenizer_source=tokenizer_source,
                 workers=workers,
                 seconds={k: round(v, 2) for k, v in seconds.items()},
             )
@@ -302,15 +216,19 @@ def prepare_corpus(
     return manifest
 
 
-def _check_numbers(**numbers: int) -> None:
+def _check_numbers(vocab_size: int, max_len: int, workers: int, tokenizer_sample: int, chunk_pairs: int) -> None:
     """prepare_corpus's numeric options: integers at or above their least value."""
-    least = {"vocab_size": 260, "max_len": 3, "workers": 1, "tokenizer_sample": 0, "chunk_pairs": 1}
-    for key, value in numbers.items():
-        name = key if key == "chunk_pairs" else "--" + key.replace("_", "-")
-        if isinstance(value, bool) or not isinstance(value, int) or value < least[key]:
-            raise ValueError(f"{name} must be an integer >= {least[key]}, got {value!r}")
-    if numbers["max_len"] >= 2**32:
-        raise ValueError(f"--max-len must be below 2**32, got {numbers['max_len']}")
+    for name, value, low in (
+        ("--vocab-size", vocab_size, 260),
+        ("--max-len", max_len, 3),
+        ("--workers", workers, 1),
+        ("--tokenizer-sample", tokenizer_sample, 0),
+        ("chunk_pairs", chunk_pairs, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if max_len >= 2**32:
+        raise ValueError(f"--max-len must be below 2**32, got {max_len}")
 
 
 def _check_inputs(paths: list[Path], out: Path) -> None:
@@ -353,7 +271,7 @@ def _write_split(
     split: str,
     src: Path,
     tgt: Path,
-    encoders: _Encoders,
+    encoders: Encoders,
     dtypes: dict,
     total: int,
     chunk_pairs: int,

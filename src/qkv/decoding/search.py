@@ -11,12 +11,14 @@ Shape legend: ``b`` sentences, ``k`` beam size, ``s_src`` source length, ``t`` d
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from qkv.models.transformer import EncoderOutput, Transformer
+from qkv.attention.multihead import KVCache
+from qkv.models.transformer import DecoderOutput, EncoderOutput, Transformer
 
 
 @dataclass
@@ -35,13 +37,25 @@ def length_penalty(length: int, alpha: float) -> float:
     return ((5.0 + length) / 6.0) ** alpha
 
 
+def _source_mask(memory: EncoderOutput) -> Tensor:
+    """``(b, s_src)`` True = real token: :meth:`Transformer.encode` always sets it."""
+    assert memory.key_padding_mask is not None
+    return memory.key_padding_mask
+
+
+def _logits(out: DecoderOutput) -> Tensor:
+    """``(b, t, V)``: :meth:`Transformer.decode` projects unless told not to."""
+    assert out.logits is not None
+    return out.logits
+
+
 def _max_lengths(memory: EncoderOutput, extra_len: int, limit: int) -> Tensor:
     """Per-sentence decoding limit: source length + ``extra_len``, capped by the positional table."""
-    src_len = memory.key_padding_mask.sum(dim=1)  # (b,)
+    src_len = _source_mask(memory).sum(dim=1)  # (b,)
     return (src_len + extra_len).clamp(max=limit)
 
 
-def _reorder_cache(cache, index: Tensor):
+def _reorder_cache(cache: list[tuple[KVCache, KVCache]], index: Tensor) -> list[tuple[KVCache, KVCache]]:
     # self-attention caches follow their beams; the cross-attention cache is the same for every
     # beam of a sentence and beams never change sentence, so it is left as it is.
     return [(self_cache.index_select(index), cross_cache) for self_cache, cross_cache in cache]
@@ -49,7 +63,7 @@ def _reorder_cache(cache, index: Tensor):
 
 def _expand_memory(memory: EncoderOutput, k: int) -> EncoderOutput:
     index = torch.arange(memory.hidden.size(0), device=memory.hidden.device).repeat_interleave(k)
-    return EncoderOutput(memory.hidden.index_select(0, index), None, memory.key_padding_mask.index_select(0, index))
+    return EncoderOutput(memory.hidden.index_select(0, index), None, _source_mask(memory).index_select(0, index))
 
 
 @torch.no_grad()
@@ -86,7 +100,7 @@ def greedy_decode(
     for step in range(int(max_len.max())):
         out = model.decode(tokens[:, -1:] if use_cache else tokens, memory, cache=cache)
         cache = out.cache if use_cache else None
-        next_token = out.logits[:, -1].argmax(dim=-1)  # (b,)
+        next_token = _logits(out)[:, -1].argmax(dim=-1)  # (b,)
         next_token = next_token.masked_fill(finished, pad_id)
         just_ended = ~finished & (next_token == eos_id)
         lengths = torch.where(just_ended, torch.full_like(lengths, step), lengths)
@@ -142,61 +156,102 @@ def beam_search(
     max_len = _max_lengths(memory, extra_len, model.config.max_len - 1).tolist()
     memory = _expand_memory(memory, k)  # (b*k, s_src, d)
     tokens = torch.full((b * k, 1), bos_id, dtype=torch.long, device=device)  # (b*k, t)
-    # only the first beam of each sentence is alive at the start, so no duplicates are kept
-    scores = torch.full((b, k), float("-inf"), device=device)
-    scores[:, 0] = 0.0
-    scores = scores.view(-1)  # (b*k,)
+    scores = _first_scores(b, k, device)  # (b*k,)
     finished: list[list[Hypothesis]] = [[] for _ in range(b)]
     done = [False] * b
     cache = None
     for step in range(max(max_len)):
         out = model.decode(tokens[:, -1:] if use_cache else tokens, memory, cache=cache)
-        log_probs = torch.log_softmax(out.logits[:, -1].float(), dim=-1)  # (b*k, V)
-        vocab = log_probs.size(-1)
-        candidates = (scores[:, None] + log_probs).view(b, k * vocab)  # (b, k*V)
-        top_scores, top_index = candidates.topk(min(2 * k, k * vocab), dim=1)  # (b, 2k)
-        top_beam, top_token = top_index // vocab, top_index % vocab
-        top_scores_l, top_beam_l, top_token_l = top_scores.tolist(), top_beam.tolist(), top_token.tolist()
-        new_source = list(range(b * k))  # which old row each new row continues
-        new_token = [pad_id] * (b * k)
-        new_scores = [float("-inf")] * (b * k)
+        candidates = _best_candidates(scores, _logits(out)[:, -1], b, k)
+        # the next step's rows: which old row each continues, its new token and its score
+        following = list(range(b * k)), [pad_id] * (b * k), [float("-inf")] * (b * k)
         for i in range(b):
             if done[i]:
                 continue
-            alive = 0
-            for rank, (score, beam, token) in enumerate(zip(top_scores_l[i], top_beam_l[i], top_token_l[i])):
-                if score == float("-inf"):
-                    break
-                row = i * k + beam
-                if token == eos_id:
-                    if rank < k:
-                        prefix = tokens[row, 1:].tolist()
-                        finished[i].append(Hypothesis(prefix, score, score / length_penalty(len(prefix) + 1, alpha)))
-                    continue
-                slot = i * k + alive
-                new_source[slot], new_token[slot], new_scores[slot] = row, token, score
-                alive += 1
-                if alive == k:
-                    break
-            if len(finished[i]) >= k:
-                done[i] = True
-            elif step + 1 >= max_len[i]:  # out of length: the live hypotheses end here
-                for j in range(alive):
-                    slot = i * k + j
-                    prefix = tokens[new_source[slot], 1:].tolist() + [new_token[slot]]
-                    score = new_scores[slot]
-                    finished[i].append(Hypothesis(prefix, score, score / length_penalty(len(prefix), alpha)))
-                done[i] = True
+            done[i] = _advance_sentence(
+                i,
+                k,
+                tokens,
+                candidates[i],
+                eos_id=eos_id,
+                alpha=alpha,
+                last_step=step + 1 >= max_len[i],
+                finished=finished[i],
+                following=following,
+            )
             if done[i]:
-                for j in range(k):
-                    new_scores[i * k + j] = float("-inf")
+                following[2][i * k : (i + 1) * k] = [float("-inf")] * k
         if all(done):
             break
+        new_source, new_token, new_scores = following
         index = torch.tensor(new_source, device=device)
         tokens = torch.cat([tokens.index_select(0, index), torch.tensor(new_token, device=device)[:, None]], dim=1)
         scores = torch.tensor(new_scores, device=device)
-        cache = _reorder_cache(out.cache, index) if use_cache else None
+        cache = _reorder_cache(out.cache, index) if use_cache and out.cache is not None else None
     results = [sorted(hyps, key=lambda h: h.normalized, reverse=True) for hyps in finished]
     if return_all:
         return results
     return [hyps[0].tokens if hyps else [] for hyps in results]
+
+
+def _first_scores(b: int, k: int, device: torch.device) -> Tensor:
+    """``(b*k,)`` the beams' scores before the first step: only the first beam of each sentence is
+    alive (0), so the first step does not keep ``k`` copies of one hypothesis."""
+    scores = torch.full((b, k), float("-inf"), device=device)
+    scores[:, 0] = 0.0
+    return scores.view(-1)
+
+
+def _best_candidates(scores: Tensor, logits: Tensor, b: int, k: int) -> list[list[tuple[float, int, int]]]:
+    """Per sentence, its ``2k`` best extensions ``(score, beam, token)``, best first: every live
+    beam's score (``scores``, ``(b*k,)``) plus the log-probability of every token (``logits``, ``(b*k, V)``)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # (b*k, V)
+    vocab = log_probs.size(-1)
+    candidates = (scores[:, None] + log_probs).view(b, k * vocab)  # (b, k*V)
+    top_scores, top_index = candidates.topk(min(2 * k, k * vocab), dim=1)  # (b, 2k)
+    top_beam, top_token = top_index // vocab, top_index % vocab
+    return [list(zip(*rows)) for rows in zip(top_scores.tolist(), top_beam.tolist(), top_token.tolist())]
+
+
+def _advance_sentence(
+    i: int,
+    k: int,
+    tokens: Tensor,
+    candidates: Iterable[tuple[float, int, int]],
+    *,
+    eos_id: int,
+    alpha: float,
+    last_step: bool,
+    finished: list[Hypothesis],
+    following: tuple[list[int], list[int], list[float]],
+) -> bool:
+    """One beam-search step of sentence ``i``, from its best candidates ``(score, beam, token)``,
+    best first: one ending in EOS that ranks within the first ``k`` is finished (added to
+    ``finished``); the best ``k`` others stay alive, written into rows ``i*k ...`` of
+    ``following`` (the row each continues, its token, its score). Returns whether the sentence is
+    done: it has ``k`` finished hypotheses, or this was its last step (``last_step``: its live
+    hypotheses are then finished as they are)."""
+    source, token_at, score_at = following
+    alive = 0
+    for rank, (score, beam, token) in enumerate(candidates):
+        if score == float("-inf"):
+            break
+        row = i * k + beam
+        if token == eos_id:
+            if rank < k:
+                prefix = tokens[row, 1:].tolist()
+                finished.append(Hypothesis(prefix, score, score / length_penalty(len(prefix) + 1, alpha)))
+            continue
+        slot = i * k + alive
+        source[slot], token_at[slot], score_at[slot] = row, token, score
+        alive += 1
+        if alive == k:
+            break
+    if len(finished) >= k:
+        return True
+    if not last_step:
+        return False
+    for slot in range(i * k, i * k + alive):  # out of length: the live hypotheses end here
+        prefix = tokens[source[slot], 1:].tolist() + [token_at[slot]]
+        finished.append(Hypothesis(prefix, score_at[slot], score_at[slot] / length_penalty(len(prefix), alpha)))
+    return True
