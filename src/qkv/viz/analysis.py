@@ -35,9 +35,13 @@ Shape legend: ``L`` layers, ``h`` heads, ``s_q`` queries, ``s_k`` keys, ``s`` to
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # qkv.viz.export imports this module
+    from qkv.viz.export import AttentionView
 
 DOMINANT_FRACTION = 0.5  # a pattern dominates when it takes more than half the attention
 BROAD_ENTROPY = 0.8  # a broad head's entropy is above 80% of the uniform distribution's
@@ -164,7 +168,7 @@ def head_labels(stats: dict[str, Tensor], broadness: Tensor) -> list[list[str | 
         row: list[str | None] = []
         for head in range(heads):
             values = {name: float(stats[name][layer, head]) for name in fractions}
-            best = max(values, key=values.get) if values else None
+            best = max(values, key=lambda name: values[name]) if values else None
             if best is not None and values[best] > DOMINANT_FRACTION:
                 row.append(LABELS[best])
             elif float(broadness[layer, head]) > BROAD_ENTROPY:
@@ -220,14 +224,16 @@ def cross_rollout(cross_attentions: Sequence[Tensor] | Tensor, encoder_rollout: 
     return mean @ encoder_rollout.to(torch.float64)
 
 
-def rounded(values: Tensor | float, decimals: int = DECIMALS):
+def rounded(values: Tensor | float, decimals: int = DECIMALS) -> float | list[Any]:
     """Nested lists (or a float) rounded to ``decimals`` places, to keep the document small."""
     if isinstance(values, Tensor):
         return values.double().round(decimals=decimals).tolist()
     return round(float(values), decimals)
 
 
-def view_fields(view, *, encoder_rollout: Tensor | None = None, delimiters: Sequence[int] | None = None) -> dict:
+def view_fields(
+    view: AttentionView, *, encoder_rollout: Tensor | None = None, delimiters: Sequence[int] | None = None
+) -> dict[str, object]:
     """The optional analysis fields of one view of the document: ``stats``, ``delimiters``,
     ``labels`` and ``rollout`` (see :mod:`qkv.viz.export`).
 
@@ -244,7 +250,7 @@ def view_fields(view, *, encoder_rollout: Tensor | None = None, delimiters: Sequ
     att, cross = stack_layers(view.attentions), view.cross
     delimiters = delimiter_indices(view.keys) if delimiters is None else list(delimiters)
     stats = head_stats(att, delimiters=delimiters, cross=cross)
-    fields = {
+    fields: dict[str, object] = {
         "stats": {name: rounded(value) for name, value in stats.items()},
         "delimiters": delimiters,
         "labels": head_labels(stats, entropy_ratio(att)),

@@ -14,11 +14,12 @@ Shape legend: ``b`` batch, ``h`` heads, ``s_q`` queries, ``s_k`` keys.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from qkv.attention.multihead import MultiHeadAttention
 
@@ -27,8 +28,8 @@ from qkv.attention.multihead import MultiHeadAttention
 class _Call:
     """The arguments of one recorded call of a MultiHeadAttention module."""
 
-    args: tuple
-    kwargs: dict = field(default_factory=dict)
+    args: tuple[object, ...]
+    kwargs: dict[str, object] = field(default_factory=dict)
 
 
 class AttentionRecorder:
@@ -45,13 +46,14 @@ class AttentionRecorder:
         weights = rec.weights()              # {"0": [(b, h, s, s)], ...} one tensor per call
     """
 
-    def __init__(self, modules: Mapping[str, MultiHeadAttention]) -> None:
-        for name, module in modules.items():
+    def __init__(self, modules: Mapping[str, object]) -> None:
+        self.modules: dict[str, MultiHeadAttention] = {}
+        for name, module in modules.items():  # checked here: callers pass a model's layers' attributes
             if not isinstance(module, MultiHeadAttention):
                 raise ValueError(f"{name!r} is a {type(module).__name__}, not a qkv MultiHeadAttention")
-        self.modules = dict(modules)
+            self.modules[name] = module
         self.calls: dict[str, list[_Call]] = {name: [] for name in self.modules}
-        self._handles: list = []
+        self._handles: list[RemovableHandle] = []
         self._recomputing = False
 
     def __enter__(self) -> AttentionRecorder:
@@ -59,13 +61,13 @@ class AttentionRecorder:
             self._handles.append(module.register_forward_pre_hook(self._hook(name), with_kwargs=True))
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
-    def _hook(self, name: str):
-        def record(module, args, kwargs):
+    def _hook(self, name: str) -> Callable[[nn.Module, tuple[object, ...], dict[str, object]], None]:
+        def record(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
             if not self._recomputing:
                 self.calls[name].append(_Call(tuple(args), dict(kwargs)))
             return None  # never changes the call

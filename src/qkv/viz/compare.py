@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -101,7 +102,7 @@ def compare_field(examples: Sequence[dict], first: int = 0, second: int = 1, *, 
         torch.tensor(view_b["attention"], dtype=torch.float64),
         pairs,
     )  # (L, h, n)
-    heads = [
+    heads: list[dict[str, Any]] = [
         {
             "layer": layer,
             "head": head,

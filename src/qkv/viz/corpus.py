@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
 from qkv.viz.analysis import delimiter_indices, entropy_ratio, head_labels, head_stats, rounded, stack_layers
 from qkv.viz.export import AttentionView
+
+if TYPE_CHECKING:  # the explorers import the tokenizers library
+    from qkv.viz.explorers import Explorer
 
 
 def read_corpus(path: str | Path, *, max_chars: int | None = None) -> list[tuple[int, str]]:
@@ -85,7 +89,9 @@ class CorpusAverage:
         return {"file": file, "sentences": self.sentences, "views": views}
 
 
-def corpus_field(explorer, sentences: Sequence[tuple[int, str]], *, file: str, progress: bool = False) -> dict:
+def corpus_field(
+    explorer: Explorer, sentences: Sequence[tuple[int, str]], *, file: str, progress: bool = False
+) -> dict:
     """Run ``explorer.views`` on every sentence and average the head statistics.
 
     Args:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeAlias
 
 import torch
 from tokenizers import decoders
@@ -28,8 +29,13 @@ from qkv.runtime.fileio import read_json
 from qkv.viz.analysis import rollout, view_fields
 from qkv.viz.capture import AttentionRecorder
 from qkv.viz.export import AttentionView, check_text, make_example
-from qkv.viz.lm_explorer import byte_level_text, lm_token_labels, visible
+from qkv.viz.lm_explorer import CausalLMExplorer, TextTokenizer, byte_level_text, lm_token_labels, visible
 from qkv.viz.saliency import cosine_saliency, saliency_field, translation_saliency
+
+if TYPE_CHECKING:
+    from qkv.data.tokenizer import Tokenizer
+    from qkv.models.transformer import Transformer
+    from qkv.pretrained import BertEncoder, EncodedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -42,23 +48,24 @@ class EncoderExplorer:
         name: the model's name shown in the explorer.
     """
 
-    kind = "encoder"
+    kind: ClassVar[Literal["encoder"]] = "encoder"
 
-    def __init__(self, *, model, name: str) -> None:
-        if getattr(model, "tokenizer", None) is None:
+    def __init__(self, *, model: BertEncoder, name: str) -> None:
+        if model.tokenizer is None:
             raise ValueError("the encoder has no tokenizer; load it with qkv.load_pretrained")
+        self.tokenizer = model.tokenizer
         self.model = model.eval()
         self.name = name
 
     @torch.no_grad()
-    def _run(self, text: str):
+    def _run(self, text: str) -> tuple[EncodedBatch, AttentionView]:
         check_text(text)
-        batch = self.model.tokenizer([text]).to(model_device(self.model))
+        batch = self.tokenizer([text]).to(model_device(self.model))
         modules = {str(i): layer.self_attn for i, layer in enumerate(self.model.layers)}
         with AttentionRecorder(modules) as recorder:
             self.model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
         weights = recorder.weights()
-        tokens = encoder_token_labels(self.model.tokenizer, batch.tokens[0])
+        tokens = encoder_token_labels(self.tokenizer, batch.tokens[0])
         view = AttentionView("self-attention", tokens, tokens, [weights[str(i)][0] for i in range(len(modules))])
         return batch, view
 
@@ -66,7 +73,7 @@ class EncoderExplorer:
         """The attention views of ``text`` (one: the self-attention), without the analysis."""
         return [self._run(text)[1]]
 
-    def example(self, text: str, *, paired_with: str | None = None) -> dict:
+    def example(self, text: str, *, paired_with: str | None = None) -> dict[str, Any]:
         """Tokenize ``text``, run the encoder once, and return an explorer example (see
         :mod:`qkv.viz.export`) with the head statistics, labels and rollout
         (:mod:`qkv.viz.analysis`).
@@ -82,7 +89,7 @@ class EncoderExplorer:
         example["views"][0].update(view_fields(view))
         if paired_with is not None:
             check_text(paired_with)
-            other = self.model.tokenizer([paired_with]).to(model_device(self.model))
+            other = self.tokenizer([paired_with]).to(model_device(self.model))
             scores, _, cosine = cosine_saliency(self.model, batch, other)
             example["saliency"] = saliency_field(
                 about=f"cosine similarity with \u201c{paired_with}\u201d (mean-pooled embeddings)",
@@ -105,9 +112,9 @@ class Seq2SeqExplorer:
         max_new_tokens: the longest translation decoded for the view.
     """
 
-    kind = "seq2seq"
+    kind: ClassVar[Literal["seq2seq"]] = "seq2seq"
 
-    def __init__(self, *, model, tokenizer, name: str, max_new_tokens: int = 64) -> None:
+    def __init__(self, *, model: Transformer, tokenizer: Tokenizer, name: str, max_new_tokens: int = 64) -> None:
         for attr in ("encode", "decode", "bos_id", "eos_id"):
             if not hasattr(tokenizer, attr):
                 raise ValueError(f"the tokenizer has no {attr!r}; a seq2seq view needs encode/decode/bos_id/eos_id")
@@ -124,14 +131,18 @@ class Seq2SeqExplorer:
         limit = min(self.max_new_tokens, self.model.config.max_len - 1)
         for _ in range(limit):
             ids = torch.tensor([tgt], dtype=torch.long, device=src.device)  # (1, t)
-            next_id = int(self.model.decode(ids, memory).logits[0, -1].argmax())
+            logits = self.model.decode(ids, memory).logits
+            assert logits is not None  # decode projects to the vocabulary unless asked not to
+            next_id = int(logits[0, -1].argmax())
             if next_id == self.tokenizer.eos_id:
                 break
             tgt.append(next_id)
         return tgt[1:]
 
     @torch.no_grad()
-    def _run(self, text: str, target: str | None):
+    def _run(
+        self, text: str, target: str | None
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[AttentionView]]:
         check_text(text)
         device = model_device(self.model)
         src_ids = self.tokenizer.encode(text, add_eos=True)
@@ -173,7 +184,7 @@ class Seq2SeqExplorer:
         over its greedy translation or ``target``, without the analysis."""
         return self._run(text, target)[4]
 
-    def example(self, text: str, target: str | None = None) -> dict:
+    def example(self, text: str, target: str | None = None) -> dict[str, Any]:
         """One explorer example for a source sentence, with the head statistics, labels and
         rollout of each view (the cross-attention's rollout through the encoder's:
         :func:`qkv.viz.analysis.cross_rollout`) and the saliency of each target token's
@@ -202,7 +213,7 @@ class Seq2SeqExplorer:
         return example
 
 
-def token_strings(tokenizer, ids: list[int]) -> list[str]:
+def token_strings(tokenizer: TextTokenizer, ids: list[int]) -> list[str]:
     """Readable strings for token ids: special tokens by name, sub-words as the text they stand for
     with spaces and control characters made visible (:func:`qkv.viz.lm_explorer.lm_token_labels`:
     a byte-level BPE token's leading space is ``␣``, never an empty label)."""
@@ -220,7 +231,7 @@ def token_strings(tokenizer, ids: list[int]) -> list[str]:
     return out
 
 
-def encoder_token_labels(tokenizer, tokens: list[str]) -> list[str]:
+def encoder_token_labels(tokenizer: object, tokens: list[str]) -> list[str]:
     """Readable labels for an encoder tokenizer's tokens: a byte-level BPE token (a tokenizer whose
     decoder is byte-level) as the text it stands for, every token with spaces and control
     characters made visible (:func:`qkv.viz.lm_explorer.visible`)."""
@@ -233,7 +244,11 @@ def encoder_token_labels(tokenizer, tokens: list[str]) -> list[str]:
     return labels
 
 
-def open_explorer(path: str | Path | None = None):
+# what open_explorer gives: tell them apart by ``kind`` ("encoder", "seq2seq" or "lm")
+Explorer: TypeAlias = "EncoderExplorer | Seq2SeqExplorer | CausalLMExplorer"
+
+
+def open_explorer(path: str | Path | None = None) -> Explorer:
     """Open a model folder for the explorer.
 
     Args:
@@ -248,7 +263,8 @@ def open_explorer(path: str | Path | None = None):
     Raises:
         FileNotFoundError: the folder or its config is missing. ValueError: not a known model kind.
     """
-    from qkv.pretrained import default_model_path, load_pretrained
+    from qkv.pretrained import BertEncoder, default_model_path, load_pretrained
+    from qkv.pretrained.gpt2 import load_gpt2
 
     folder = default_model_path() if path is None else Path(path)
     name = "all-MiniLM-L6-v2" if path is None else folder.name
@@ -264,15 +280,15 @@ def open_explorer(path: str | Path | None = None):
         model, tokenizer, run_config = load_run(folder)
         model.to(pick_device())
         if run_task(run_config) == "lm":
-            from qkv.viz.lm_explorer import CausalLMExplorer, run_sample_text
+            from qkv.viz.lm_explorer import run_sample_text
 
             return CausalLMExplorer(
                 model=model, tokenizer=tokenizer, name=name, sample_text=run_sample_text(folder, tokenizer)
             )
         return Seq2SeqExplorer(model=model, tokenizer=tokenizer, name=name)
     if isinstance(config, dict) and config.get("model_type") == "gpt2":
-        from qkv.viz.lm_explorer import CausalLMExplorer
-
-        model = load_pretrained(folder)
-        return CausalLMExplorer(model=model, tokenizer=model.tokenizer, name=name)
-    return EncoderExplorer(model=load_pretrained(folder), name=name)
+        model, tokenizer = load_gpt2(folder)
+        return CausalLMExplorer(model=model, tokenizer=tokenizer, name=name)
+    encoder = load_pretrained(folder)
+    assert isinstance(encoder, BertEncoder)  # any model_type but gpt2 is a BERT-family encoder
+    return EncoderExplorer(model=encoder, name=name)

@@ -46,9 +46,10 @@ byte-level BPE token's leading space is "␣").
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
@@ -84,7 +85,7 @@ class AttentionView:
         self.queries, self.keys = [str(t) for t in self.queries], [str(t) for t in self.keys]
         if not self.attentions:
             raise ValueError(f"view {self.name!r}: no attention layers")
-        layers = []
+        layers: list[Tensor] = []
         for i, a in enumerate(self.attentions):
             if a is None:
                 raise ValueError(f"view {self.name!r}: layer {i} has no attention weights (was need_weights set?)")
@@ -178,14 +179,21 @@ def check_data(data: dict) -> None:
 HEAD_LABELS = (*LABELS.values(), BROAD_LABEL)  # what a head label may be (qkv.viz.analysis)
 
 
-def _is_number(x) -> bool:
+def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
 
 
-def _check_grid(grid, shape: tuple[int, ...], where: str, *, item=_is_number, what: str = "numbers") -> None:
+def _check_grid(
+    grid: object,
+    shape: tuple[int, ...],
+    where: str,
+    *,
+    item: Callable[[object], bool] = _is_number,
+    what: str = "numbers",
+) -> None:
     """``grid`` is nested lists of ``shape`` whose leaves pass ``item``."""
 
-    def walk(node, depth: int) -> bool:
+    def walk(node: object, depth: int) -> bool:
         if depth == len(shape):
             return item(node)
         return isinstance(node, list) and len(node) == shape[depth] and all(walk(n, depth + 1) for n in node)
@@ -194,7 +202,7 @@ def _check_grid(grid, shape: tuple[int, ...], where: str, *, item=_is_number, wh
         raise ValueError(f"{where} must be {' x '.join(map(str, shape))} nested lists of {what}")
 
 
-def _check_view_analysis(view: dict, where: str) -> None:
+def _check_view_analysis(view: dict[str, Any], where: str) -> None:
     layers, heads, s_q, s_k = view["layers"], view["heads"], len(view["queries"]), len(view["keys"])
     if "stats" in view:
         if not isinstance(view["stats"], dict) or not view["stats"]:
@@ -217,7 +225,7 @@ def _check_view_analysis(view: dict, where: str) -> None:
         _check_grid(view["rollout"], (layers, s_q, s_k), f"{where}: 'rollout'")
 
 
-def _check_saliency(saliency, where: str) -> None:
+def _check_saliency(saliency: object, where: str) -> None:
     if not isinstance(saliency, dict):
         raise ValueError(f"{where} must be an object")
     for key in ("about", "inputs", "outputs", "scores", "attention"):
@@ -233,7 +241,7 @@ def _check_saliency(saliency, where: str) -> None:
         _check_grid(saliency[key], shape, f"{where}: {key!r}")
 
 
-def _check_compare(compare, examples: list) -> None:
+def _check_compare(compare: object, examples: list[dict[str, Any]]) -> None:
     where = "'compare'"
     if not isinstance(compare, dict):
         raise ValueError(f"{where} must be an object")
@@ -245,8 +253,9 @@ def _check_compare(compare, examples: list) -> None:
     ):
         raise ValueError(f"{where}: 'examples' must be two indices below {len(examples)}, got {str(pair)[:80]}")
     name = compare.get("view")
-    views = [next((v for v in examples[i].get("views") or [] if v["name"] == name), None) for i in pair]
-    if not isinstance(name, str) or None in views:
+    found = [next((v for v in examples[i].get("views") or [] if v["name"] == name), None) for i in pair]
+    views = [v for v in found if v is not None]
+    if not isinstance(name, str) or len(views) < 2:
         raise ValueError(f"{where}: 'view' must name a view of both examples, got {str(name)[:80]!r}")
     shared = compare.get("shared")
     sizes = [len(v["queries"]) for v in views]
@@ -273,7 +282,7 @@ def _check_compare(compare, examples: list) -> None:
         raise ValueError(f"{where}: 'measure' must be a string")
 
 
-def _check_corpus(corpus) -> None:
+def _check_corpus(corpus: object) -> None:
     where = "'corpus'"
     if not isinstance(corpus, dict) or not isinstance(corpus.get("file"), str):
         raise ValueError(f"{where} must be an object with a string 'file'")

@@ -16,6 +16,7 @@ import logging
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import torch
 
@@ -24,9 +25,25 @@ from qkv.viz.analysis import view_fields
 from qkv.viz.export import AttentionView, check_text, make_example
 from qkv.viz.saliency import next_token_saliency, saliency_field
 
+if TYPE_CHECKING:
+    from qkv.models.causal_lm import CausalLM, CausalLMOutput
+
 logger = logging.getLogger(__name__)
 
 VIEW_NAME = "causal self-attention"
+
+
+class TextTokenizer(Protocol):
+    """What a language-model view needs of a tokenizer (qkv's character and BPE tokenizers, GPT-2's)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
 VISIBLE = {" ": "\u2423", "\n": "\u23ce", "\t": "\u21e5", "\r": "\u240d"}  # ␣ ⏎ ⇥ ␍
 
 
@@ -70,7 +87,7 @@ def byte_level_text(raw: str) -> str | None:
     return bytes(BYTE_ALPHABET[c] for c in raw).decode("utf-8", errors="backslashreplace")
 
 
-def lm_token_labels(tokenizer, ids: Iterable[int]) -> list[str]:
+def lm_token_labels(tokenizer: TextTokenizer, ids: Iterable[int]) -> list[str]:
     """One readable label per token id of a language-model tokenizer (see :func:`visible`).
 
     A character tokenizer (``chars``) gives its characters; a byte-level BPE tokenizer (one with a
@@ -108,9 +125,9 @@ class CausalLMExplorer:
             (``qkv serve`` draws it when the page opens); e.g. the start of the run's own text.
     """
 
-    kind = "lm"
+    kind: ClassVar[Literal["lm"]] = "lm"
 
-    def __init__(self, *, model, tokenizer, name: str, sample_text: str | None = None) -> None:
+    def __init__(self, *, model: CausalLM, tokenizer: TextTokenizer, name: str, sample_text: str | None = None) -> None:
         for attr in ("encode", "decode"):
             if not hasattr(tokenizer, attr):
                 raise ValueError(f"the tokenizer has no {attr!r}; a language-model view needs encode/decode")
@@ -152,9 +169,10 @@ class CausalLMExplorer:
         return ids, note
 
     @torch.no_grad()
-    def _run(self, ids: list[int]):
+    def _run(self, ids: list[int]) -> tuple[torch.Tensor, CausalLMOutput, AttentionView]:
         x = torch.tensor([ids], dtype=torch.long, device=model_device(self.model))  # (1, s)
-        out = self.model(x, need_weights=True)
+        out: CausalLMOutput = self.model(x, need_weights=True)
+        assert out.attentions is not None  # need_weights
         tokens = lm_token_labels(self.tokenizer, ids)
         view = AttentionView(VIEW_NAME, tokens, tokens, list(out.attentions))  # per layer (1, h, s, s)
         return x, out, view
@@ -163,7 +181,7 @@ class CausalLMExplorer:
         """The attention views of ``text`` (one: the causal self-attention), without the analysis."""
         return [self._run(self._ids(text)[0])[2]]
 
-    def example(self, text: str) -> dict:
+    def example(self, text: str) -> dict[str, Any]:
         """Encode ``text``, keep its last ``context`` tokens, run the model once with
         ``need_weights=True`` and return an explorer example (see :mod:`qkv.viz.export`): one
         view with every layer and head and its head statistics, labels and rollout
@@ -175,6 +193,7 @@ class CausalLMExplorer:
         """
         ids, note = self._ids(text)
         x, out, view = self._run(ids)
+        assert out.logits is not None  # the model projects to the vocabulary unless asked not to
         probs = torch.softmax(out.logits[0, -1].float(), dim=-1)  # (V,)
         best = int(probs.argmax())
         label = lm_token_labels(self.tokenizer, [best])[0] if best < _vocab_size(self.tokenizer) else f"#{best}"
@@ -192,11 +211,11 @@ class CausalLMExplorer:
         return example
 
 
-def _vocab_size(tokenizer) -> int:
+def _vocab_size(tokenizer: object) -> int:
     return int(getattr(tokenizer, "vocab_size", 0) or 0)
 
 
-def run_sample_text(run_dir: str | Path, tokenizer, *, max_chars: int = 60) -> str | None:
+def run_sample_text(run_dir: str | Path, tokenizer: TextTokenizer, *, max_chars: int = 60) -> str | None:
     """The first line of a language-model run's own text (its validation split, else its training
     split), up to ``max_chars`` characters; None when neither can be read."""
     from qkv.data.text import read_tokens

@@ -22,11 +22,20 @@ embedding's output is swapped for a leaf tensor by a forward hook (:class:`Embed
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:  # qkv.pretrained imports the tokenizers library: only where an encoder is explained
+    from qkv.models.causal_lm import CausalLM
+    from qkv.models.transformer import Transformer
+    from qkv.pretrained import BertEncoder, EncodedBatch
 
 SIGNIFICANT_DIGITS = 4
+# a number, or nested lists of numbers (a tensor's tolist())
+Nested: TypeAlias = "float | list[Nested]"
 
 
 class EmbeddingTap:
@@ -40,9 +49,9 @@ class EmbeddingTap:
     def __init__(self, embedding: nn.Module) -> None:
         self.embedding = embedding
         self.leaves: list[Tensor] = []
-        self._handle = None
+        self._handle: RemovableHandle | None = None
 
-    def _hook(self, module, args, output: Tensor) -> Tensor:
+    def _hook(self, module: nn.Module, args: tuple[object, ...], output: Tensor) -> Tensor:
         leaf = output.detach().requires_grad_(True)
         self.leaves.append(leaf)
         return leaf
@@ -51,8 +60,10 @@ class EmbeddingTap:
         self._handle = self.embedding.register_forward_hook(self._hook)
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._handle.remove()
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
 
 
 def gradient_x_input(output: Tensor, embeddings: Tensor, *, retain_graph: bool = False) -> Tensor:
@@ -75,7 +86,7 @@ def _log_probs(logits: Tensor) -> Tensor:
     return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
 
-def translation_saliency(model, src: Tensor, tgt_in: Tensor, predicted: Sequence[int]) -> Tensor:
+def translation_saliency(model: Transformer, src: Tensor, tgt_in: Tensor, predicted: Sequence[int]) -> Tensor:
     """Saliency of each teacher-forced target token over the source tokens.
 
     Args:
@@ -94,7 +105,9 @@ def translation_saliency(model, src: Tensor, tgt_in: Tensor, predicted: Sequence
         with EmbeddingTap(model.src_embed.embedding) as tap:  # the source side only, even with shared tables
             memory = model.encode(src)
         (embeddings,) = tap.leaves  # (1, s_src, d)
-        log_probs = _log_probs(model.decode(tgt_in, memory).logits[0])  # (s_t, V)
+        logits = model.decode(tgt_in, memory).logits
+        assert logits is not None  # decode projects to the vocabulary unless asked not to
+        log_probs = _log_probs(logits[0])  # (s_t, V)
         positions = torch.arange(len(predicted), device=log_probs.device)
         picked = log_probs[positions, torch.tensor(list(predicted), device=log_probs.device)]  # (s_t,)
         rows = [
@@ -104,7 +117,7 @@ def translation_saliency(model, src: Tensor, tgt_in: Tensor, predicted: Sequence
     return torch.stack(rows)  # (s_t, s_src)
 
 
-def next_token_saliency(model, ids: Tensor, next_id: int) -> Tensor:
+def next_token_saliency(model: CausalLM, ids: Tensor, next_id: int) -> Tensor:
     """Saliency of one next token of a :class:`~qkv.CausalLM` over the text's tokens.
 
     Args:
@@ -123,7 +136,7 @@ def next_token_saliency(model, ids: Tensor, next_id: int) -> Tensor:
         return gradient_x_input(output, embeddings)[0]
 
 
-def cosine_saliency(encoder, batch_a, batch_b) -> tuple[Tensor, Tensor, float]:
+def cosine_saliency(encoder: BertEncoder, batch_a: EncodedBatch, batch_b: EncodedBatch) -> tuple[Tensor, Tensor, float]:
     """Saliency of the cosine similarity of two sentences' mean-pooled embeddings (what
     sentence-transformers' all-MiniLM-L6-v2 compares) over each sentence's tokens.
 
@@ -149,7 +162,7 @@ def cosine_saliency(encoder, batch_a, batch_b) -> tuple[Tensor, Tensor, float]:
     return (grad_a * emb_a).sum(-1)[0].detach(), (grad_b * emb_b).sum(-1)[0].detach(), float(cosine.detach())
 
 
-def significant(values, digits: int = SIGNIFICANT_DIGITS):
+def significant(values: Tensor | Nested, digits: int = SIGNIFICANT_DIGITS) -> Nested:
     """Nested lists of floats rounded to ``digits`` significant digits (scores can be tiny)."""
     if isinstance(values, Tensor):
         values = values.tolist()
@@ -160,7 +173,7 @@ def significant(values, digits: int = SIGNIFICANT_DIGITS):
 
 def saliency_field(
     *, about: str, inputs: Sequence[str], outputs: Sequence[str], scores: Tensor, attention: Tensor
-) -> dict:
+) -> dict[str, object]:
     """An example's ``saliency`` field (see :mod:`qkv.viz.export`).
 
     Args:

@@ -39,10 +39,18 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, TypeAlias
 
 from qkv.viz.app import DEFAULT_MAX_CHARS, ExplorerApp, RequestError
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
+# what socketserver hands a server per connection: the socket (TCP, as here), or (data, socket) for UDP
+Request: TypeAlias = "socket.socket | tuple[bytes, socket.socket]"
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +108,7 @@ class _DeadlineReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer) -> int:
+    def readinto(self, buffer: WriteableBuffer) -> int:
         left = self.deadline - time.monotonic()
         if left <= 0:
             self.timed_out = True
@@ -254,7 +262,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":  # HEAD: the headers GET would send, no body
             self.wfile.write(body)
 
-    def log_message(self, format: str, *args) -> None:  # route access logs through logging
+    def log_message(self, format: str, *args: object) -> None:  # route access logs through logging
         logger.debug("%s %s", self.address_string(), format % args)
 
 
@@ -269,7 +277,14 @@ class ExplorerServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # the listen backlog (socketserver's default, 5, drops connections in a burst)
 
-    def __init__(self, address, handler, *, max_concurrent: int, timeout: float) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[BaseHTTPRequestHandler],
+        *,
+        max_concurrent: int,
+        timeout: float,
+    ) -> None:
         super().__init__(address, handler)
         self.max_concurrent = max_concurrent
         self.read_timeout = timeout
@@ -291,7 +306,7 @@ class ExplorerServer(ThreadingHTTPServer):
     def active_connections(self) -> int:
         return self._active
 
-    def process_request(self, request, client_address) -> None:
+    def process_request(self, request: Request, client_address: object) -> None:
         if self._slots.acquire(blocking=False):
             with self._count_lock:
                 self._active += 1
@@ -301,7 +316,7 @@ class ExplorerServer(ThreadingHTTPServer):
         else:
             self._answer_busy(request, linger=False)
 
-    def _start(self, target, request, client_address) -> None:
+    def _start(self, target: Callable[[Request, object], None], request: Request, client_address: object) -> None:
         try:
             threading.Thread(target=target, args=(request, client_address), daemon=True).start()
         except RuntimeError:  # no more threads
@@ -314,23 +329,24 @@ class ExplorerServer(ThreadingHTTPServer):
             self._active -= 1
         self._slots.release()
 
-    def _serve(self, request, client_address) -> None:
+    def _serve(self, request: Request, client_address: object) -> None:
         try:
             self.process_request_thread(request, client_address)  # handles, then shutdown_request
         finally:
             self._release_slot()
 
-    def _reject(self, request, client_address) -> None:
+    def _reject(self, request: Request, client_address: object) -> None:
         try:
             self._answer_busy(request, linger=True)
         finally:
             self._rejecters.release()
 
-    def _answer_busy(self, request: socket.socket, *, linger: bool) -> None:
+    def _answer_busy(self, request: Request, *, linger: bool) -> None:
         logger.debug("busy: turned a connection away with 503")
+        sock = _socket_of(request)
         try:
-            request.settimeout(min(self.read_timeout, LINGER_S))
-            request.sendall(self._busy_answer)
+            sock.settimeout(min(self.read_timeout, LINGER_S))
+            sock.sendall(self._busy_answer)
         except OSError:
             pass
         if linger:
@@ -338,26 +354,32 @@ class ExplorerServer(ThreadingHTTPServer):
         else:
             self.close_request(request)
 
-    def shutdown_request(self, request: socket.socket) -> None:
+    def shutdown_request(self, request: Request) -> None:
         """Close after a lingering read: a socket closed with unread input resets the connection,
         and the client may then lose the answer it was sent (e.g. a 413 before its body was read)."""
+        sock = _socket_of(request)
         try:
-            request.shutdown(socket.SHUT_WR)
+            sock.shutdown(socket.SHUT_WR)
             deadline = time.monotonic() + min(self.read_timeout, LINGER_S)
             while (left := deadline - time.monotonic()) > 0:
-                request.settimeout(left)
-                if not request.recv(65536):
+                sock.settimeout(left)
+                if not sock.recv(65536):
                     break
         except OSError:
             pass
         self.close_request(request)
 
-    def handle_error(self, request, client_address) -> None:
+    def handle_error(self, request: Request, client_address: object) -> None:
         err = sys.exc_info()[1]
         if isinstance(err, (ConnectionError, TimeoutError)):
             logger.debug("connection from %s ended: %r", client_address, err)
         else:
             logger.exception("error while serving %s", client_address)
+
+
+def _socket_of(request: Request) -> socket.socket:
+    """The connection's socket: a TCP server's request is the socket itself."""
+    return request if isinstance(request, socket.socket) else request[1]
 
 
 def check_limits(*, timeout: float, max_concurrent: int) -> None:
