@@ -36,7 +36,7 @@ def main() -> int:
         p.error(f"--runs must be at least 1, got {args.runs}")
     check_result_file(p, args)  # before minutes of demos, not after
     runs = []
-    for i in range(args.runs):
+    for _ in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="qkv-demo-") as folder:
             command = [
                 sys.executable,

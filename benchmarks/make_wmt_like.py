@@ -24,6 +24,7 @@ import gzip
 import sys
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -84,6 +85,11 @@ def corpus_files(out: Path, name: str, use_gzip: bool) -> list[Path]:
     return [out / f"{name}.en{suffix}", out / f"{name}.de{suffix}"]
 
 
+def _open_binary(path: Path, use_gzip: bool) -> BinaryIO:
+    """``path`` opened for writing bytes, through gzip (its fastest level) when ``use_gzip``."""
+    return gzip.open(path, "wb", compresslevel=1) if use_gzip else open(path, "wb")
+
+
 def write_corpus(
     out: Path,
     name: str,
@@ -102,15 +108,14 @@ def write_corpus(
     en_vocab, de_vocab = vocabularies
     cdf = zipf_cdf(len(en_vocab))
     paths = corpus_files(out, name, use_gzip)
-    opener = (lambda p: gzip.open(p, "wb", compresslevel=1)) if use_gzip else (lambda p: open(p, "wb"))
     bad = {"empty": 0, "not_utf8": 0, "too_long": 0}
     words = 0
     # each file is written whole under a temporary name, then renamed onto its own (atomic_path)
     with (
         atomic_path(paths[0]) as en_tmp,
         atomic_path(paths[1]) as de_tmp,
-        opener(en_tmp) as en_file,
-        opener(de_tmp) as de_file,
+        _open_binary(en_tmp, use_gzip) as en_file,
+        _open_binary(de_tmp, use_gzip) as de_file,
     ):
         for start in range(0, pairs, chunk):
             n = min(chunk, pairs - start)

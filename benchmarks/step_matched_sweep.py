@@ -40,6 +40,7 @@ run folder keeps its validation and test 2016 translations, ``val.hyp.<tgt>`` an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import subprocess
@@ -209,48 +210,47 @@ def run_side_by_side(
     with --one), their run folders and rows (JSON and log) under ``folder``; the rows by label."""
     folder.mkdir(parents=True, exist_ok=True)
     procs = {}
-    for label, name in jobs.items():
-        cmd = [
-            sys.executable,
-            __file__,
-            "--one",
-            name,
-            "--label",
-            label,
-            "--steps",
-            str(recipe_steps),
-            "--data",
-            args.data,
-            "--src",
-            args.src,
-            "--tgt",
-            args.tgt,
-            "--seed",
-            str(args.seed),
-            "--eval-limit",
-            str(args.eval_limit),
-            "--run-root",
-            str(folder),
-            "--out",
-            str(folder / f"{label}.json"),
-        ]
-        log = open(folder / f"{label}.log", "w")
-        procs[label] = (
-            subprocess.Popen(cmd + (["--calibrating"] if calibrate else []), stdout=log, stderr=subprocess.STDOUT),
-            log,
-        )
-    rows = {}
-    for label, (proc, log) in procs.items():
-        proc.wait()
-        log.close()
-        path = folder / f"{label}.json"
-        if proc.returncode == 0 and path.is_file():
-            rows[label] = json.loads(path.read_text())
-        else:  # with what it wrote before it stopped (its training's row, if it got that far)
-            rows[label] = {
-                **(json.loads(path.read_text()) if path.is_file() else {}),
-                "failed": f"exit status {proc.returncode}; see {folder / (label + '.log')}",
-            }
+    with contextlib.ExitStack() as logs:  # each process's log stays open until it has ended
+        for label, name in jobs.items():
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                name,
+                "--label",
+                label,
+                "--steps",
+                str(recipe_steps),
+                "--data",
+                args.data,
+                "--src",
+                args.src,
+                "--tgt",
+                args.tgt,
+                "--seed",
+                str(args.seed),
+                "--eval-limit",
+                str(args.eval_limit),
+                "--run-root",
+                str(folder),
+                "--out",
+                str(folder / f"{label}.json"),
+            ]
+            log = logs.enter_context(open(folder / f"{label}.log", "w"))
+            procs[label] = subprocess.Popen(
+                cmd + (["--calibrating"] if calibrate else []), stdout=log, stderr=subprocess.STDOUT
+            )
+        rows = {}
+        for label, proc in procs.items():
+            proc.wait()
+            path = folder / f"{label}.json"
+            if proc.returncode == 0 and path.is_file():
+                rows[label] = json.loads(path.read_text())
+            else:  # with what it wrote before it stopped (its training's row, if it got that far)
+                rows[label] = {
+                    **(json.loads(path.read_text()) if path.is_file() else {}),
+                    "failed": f"exit status {proc.returncode}; see {folder / (label + '.log')}",
+                }
     return rows
 
 

@@ -82,10 +82,10 @@ def sentence_view(
     """A self-attention view with random heads, some replaced by ``hand_set[(l, h)] = offset``."""
     n = len(tokens)
     att = []
-    for l in range(layers):
+    for layer_index in range(layers):
         layer = np.stack([random_attention(rng, n) for _ in range(heads)])
         for (hl, hh), offset in (hand_set or {}).items():
-            if hl == l:
+            if hl == layer_index:
                 layer[hh] = shifted(n, offset)
         att.append(layer)
     return AttentionView("self-attention", tokens, tokens, [torch.tensor(a, dtype=torch.float32) for a in att])
@@ -97,7 +97,10 @@ def add_analysis(view: dict) -> None:
     att = [np.asarray(layer, dtype=np.float64) for layer in view["attention"]]
     tokens = view["queries"]
     delimiters = [i for i, t in enumerate(tokens) if t in DELIMITERS]
-    per_head = [[head_stats(att[l][h], delimiters) for h in range(view["heads"])] for l in range(view["layers"])]
+    per_head = [
+        [head_stats(att[layer_index][h], delimiters) for h in range(view["heads"])]
+        for layer_index in range(view["layers"])
+    ]
     names = list(per_head[0][0])
     view["stats"] = {name: [[round(s[name], 4) for s in row] for row in per_head] for name in names}
     view["delimiters"] = delimiters
@@ -133,16 +136,16 @@ def head_differences(view_a: dict, view_b: dict, pairs: list[list[int]]) -> list
     """Every layer/head: the total-variation distance between each shared token's attention over the
     shared tokens (each renormalised), per token and its mean; largest mean first."""
     rows = []
-    for l in range(view_a["layers"]):
+    for layer_index in range(view_a["layers"]):
         for h in range(view_a["heads"]):
-            a = np.asarray(view_a["attention"][l][h])[np.ix_([p[0] for p in pairs], [p[0] for p in pairs])]
-            b = np.asarray(view_b["attention"][l][h])[np.ix_([p[1] for p in pairs], [p[1] for p in pairs])]
+            a = np.asarray(view_a["attention"][layer_index][h])[np.ix_([p[0] for p in pairs], [p[0] for p in pairs])]
+            b = np.asarray(view_b["attention"][layer_index][h])[np.ix_([p[1] for p in pairs], [p[1] for p in pairs])]
             a = a / np.maximum(a.sum(axis=1, keepdims=True), 1e-12)
             b = b / np.maximum(b.sum(axis=1, keepdims=True), 1e-12)
             per_token = 0.5 * np.abs(a - b).sum(axis=1)
             rows.append(
                 {
-                    "layer": l,
+                    "layer": layer_index,
                     "head": h,
                     "difference": round(float(per_token.mean()), 4),
                     "per_token": [round(float(v), 4) for v in per_token],
@@ -183,7 +186,10 @@ def seed_document(layers: int = 3, heads: int = 4, seed: int = 0) -> dict:
         "attention over the shared tokens",
     }
     corpus_stats = {
-        name: [[round(v * 0.5 + 0.01 * (l + h), 4) for h, v in enumerate(row)] for l, row in enumerate(grid)]
+        name: [
+            [round(v * 0.5 + 0.01 * (layer_index + h), 4) for h, v in enumerate(row)]
+            for layer_index, row in enumerate(grid)
+        ]
         for name, grid in va["stats"].items()
     }
     corpus_labels = [["broad head"] * heads for _ in range(layers)]

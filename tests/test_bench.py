@@ -226,7 +226,7 @@ def test_training_benchmark_counts_tokens_of_the_timed_batches():
     report = training_benchmark(data, config, contenders=("qkv", "torch", "qkv+bf16"), device=CPU, repeats=4, warmup=1)
     tokens = [b.num_tgt_tokens for b in data.batches]
     timed = sum(tokens[(1 + i) % 3] for i in range(4))  # one warm-up batch, then four timed
-    for name, result in report["contenders"].items():
+    for result in report["contenders"].values():
         assert result["steps_timed"] == 4 and result["error"] is None
         assert result["tokens_per_s"] == pytest.approx(timed / sum(result["times_s"]))
     assert set(report["ratios"]) == set(report["paired_ratios"]) == {"qkv_vs_torch", "qkv+bf16_vs_qkv"}

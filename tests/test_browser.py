@@ -60,8 +60,8 @@ def browser():
         instance.close()
 
 
-@pytest.fixture(scope="module")
-def minilm():
+@pytest.fixture(scope="module", name="minilm")  # named apart from the function: other modules import it
+def minilm_fixture():
     from qkv.pretrained import default_model_path
 
     try:
@@ -70,8 +70,8 @@ def minilm():
         pytest.skip(str(err))
 
 
-@pytest.fixture(scope="module")
-def seq2seq_explorer():
+@pytest.fixture(scope="module", name="seq2seq_explorer")
+def seq2seq_explorer_fixture():
     torch.manual_seed(3)
     config = TransformerConfig(
         src_vocab_size=15,
@@ -231,7 +231,7 @@ def test_qkv_serve_in_the_browser(browser, minilm, seq2seq_explorer, tmp_path):
     )
     httpd = make_server(app, host="127.0.0.1", port=0)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    origin = "http://127.0.0.1:%d" % httpd.server_address[1]
+    origin = f"http://127.0.0.1:{httpd.server_address[1]}"
     context = browser.new_context(viewport={"width": 1320, "height": 900})
     blocked: list[str] = []
 

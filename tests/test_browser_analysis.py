@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 from explorer_documents import FRACTION_STATS, long_document, seed_document
-from test_browser import (  # noqa: F401  (minilm, seq2seq_explorer: fixtures)
+from test_browser import (  # noqa: F401  (minilm_fixture, seq2seq_explorer_fixture: fixtures)
     ARGS,
     CHROMIUM,
     Watch,
-    minilm,
+    minilm_fixture,
     offline_page,
-    seq2seq_explorer,
+    seq2seq_explorer_fixture,
     sync_api,
     wait_renders,
 )
@@ -128,16 +128,16 @@ def test_head_summary_heatmaps_labels_and_click(seed_page, seed_doc):
     )
     assert len(cells) == len(view["stats"]) * layers * heads == 6 * 3 * 4
     assert {c[0] for c in cells} == set(view["stats"])
-    for stat, l, h, opacity in cells:
+    for stat, layer, h, opacity in cells:
         grid = view["stats"][stat]
         scale = 1.0 if stat in FRACTION_STATS else max(max(row) for row in grid)
-        assert opacity == pytest.approx(min(1.0, grid[l][h] / scale), abs=1e-3), (stat, l, h)
+        assert opacity == pytest.approx(min(1.0, grid[layer][h] / scale), abs=1e-3), (stat, layer, h)
     # each head's label, as the document has it; the short names drawn for the labelled heads
     labels = page.eval_on_selector_all(
         "#summary-svg rect.label-cell", "rs => rs.map(r => [+r.dataset.layer, +r.dataset.head, r.dataset.label])"
     )
-    assert {(l, h): label or None for l, h, label in labels} == {
-        (l, h): view["labels"][l][h] for l in range(layers) for h in range(heads)
+    assert {(layer, h): label or None for layer, h, label in labels} == {
+        (layer, h): view["labels"][layer][h] for layer in range(layers) for h in range(heads)
     }
     short = {
         "previous-token head": "prev",
@@ -168,10 +168,10 @@ def test_head_summary_heatmaps_labels_and_click(seed_page, seed_doc):
         +r.dataset.layer, +r.dataset.head, +r.getAttribute('fill-opacity')])""",
     )
     assert len(cells) == len(corpus["stats"]) * layers * heads
-    for stat, l, h, opacity in cells:
+    for stat, layer, h, opacity in cells:
         grid = corpus["stats"][stat]
         scale = 1.0 if stat in FRACTION_STATS else max(max(row) for row in grid)
-        assert opacity == pytest.approx(min(1.0, grid[l][h] / scale), abs=1e-3)
+        assert opacity == pytest.approx(min(1.0, grid[layer][h] / scale), abs=1e-3)
     assert set(page.eval_on_selector_all("#summary-svg text.label-text", "ts => ts.map(t => t.textContent)")) == {
         "broad"
     }
@@ -273,10 +273,10 @@ def test_compare_side_by_side_and_heads_by_difference(seed_page, seed_doc):
     for index in (0, 4):
         click_and_wait(page, f"#compare-heads .compare-head[data-index='{index}']")
         entry = compare["heads"][index]
-        l, h = entry["layer"], entry["head"]
-        assert f"layer {l}, head {h}" in page.text_content("#compare-caption")
-        assert_same_lines(drawn_lines(page, "compare-left"), expected_lines({h: va["attention"][l][h]}))
-        assert_same_lines(drawn_lines(page, "compare-right"), expected_lines({h: vb["attention"][l][h]}))
+        layer, h = entry["layer"], entry["head"]
+        assert f"layer {layer}, head {h}" in page.text_content("#compare-caption")
+        assert_same_lines(drawn_lines(page, "compare-left"), expected_lines({h: va["attention"][layer][h]}))
+        assert_same_lines(drawn_lines(page, "compare-right"), expected_lines({h: vb["attention"][layer][h]}))
     # shared tokens are bold on both sides
     shared = {side: {pair[side] for pair in compare["shared"]} for side in (0, 1)}
     for side, svg in ((0, "compare-left"), (1, "compare-right")):
@@ -292,7 +292,7 @@ def test_compare_side_by_side_and_heads_by_difference(seed_page, seed_doc):
     shades = page.eval_on_selector_all(
         "#compare-right g.keys rect.weight", "rs => rs.map(r => +r.getAttribute('fill-opacity'))"
     )
-    assert shades == pytest.approx(vb["attention"][l][h][b_index], abs=1e-3)
+    assert shades == pytest.approx(vb["attention"][layer][h][b_index], abs=1e-3)
     page.mouse.move(1300, 5)
     # sorted by one shared token's own difference ("flies"): that token focused on both sides
     flies = next(i for i, p in enumerate(compare["shared"]) if va["queries"][p[0]] == "flies")
@@ -539,15 +539,15 @@ def check_summary(page, view: dict) -> None:
         +r.dataset.layer, +r.dataset.head, +r.getAttribute('fill-opacity')])""",
     )
     assert len(cells) == sum(len(g) * len(g[0]) for g in view["stats"].values()) > 0
-    for stat, l, h, opacity in cells:
+    for stat, layer, h, opacity in cells:
         grid = view["stats"][stat]
         scale = 1.0 if stat in FRACTION_STATS else max(max(row) for row in grid)
-        assert opacity == pytest.approx(min(1.0, grid[l][h] / scale), abs=1e-3)
+        assert opacity == pytest.approx(min(1.0, grid[layer][h] / scale), abs=1e-3)
     labels = page.eval_on_selector_all(
         "#summary-svg rect.label-cell", "rs => rs.map(r => [+r.dataset.layer, +r.dataset.head, r.dataset.label])"
     )
-    assert {(l, h): label or None for l, h, label in labels} == {
-        (l, h): lab for l, row in enumerate(view["labels"]) for h, lab in enumerate(row)
+    assert {(layer, h): label or None for layer, h, label in labels} == {
+        (layer, h): lab for layer, row in enumerate(view["labels"]) for h, lab in enumerate(row)
     }
 
 
@@ -649,11 +649,11 @@ def test_new_views_from_qkv_attend(browser, tmp_path):
     page.select_option("#compare-sort", str(flies))
     wait_renders(page, before)
     top = max(compare["heads"], key=lambda e: e["per_token"][flies])
-    l, h = top["layer"], top["head"]
-    assert f"layer {l}, head {h}" in page.text_content("#compare-caption")
+    layer, h = top["layer"], top["head"]
+    assert f"layer {layer}, head {h}" in page.text_content("#compare-caption")
     other = data["examples"][1]["views"][0]
-    assert_same_lines(drawn_lines(page, "compare-left"), expected_lines({h: view["attention"][l][h]}))
-    assert_same_lines(drawn_lines(page, "compare-right"), expected_lines({h: other["attention"][l][h]}))
+    assert_same_lines(drawn_lines(page, "compare-left"), expected_lines({h: view["attention"][layer][h]}))
+    assert_same_lines(drawn_lines(page, "compare-right"), expected_lines({h: other["attention"][layer][h]}))
     screenshot(page, "explorer_compare.png")
     assert watch.errors == [] and blocked == []
     assert all(url.startswith("file:") for url in watch.requests)
@@ -700,7 +700,7 @@ def test_new_views_in_qkv_serve(browser, minilm, tmp_path):
     )
     httpd = make_server(app, host="127.0.0.1", port=0)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    origin = "http://127.0.0.1:%d" % httpd.server_address[1]
+    origin = f"http://127.0.0.1:{httpd.server_address[1]}"
     context = browser.new_context(viewport={"width": 1320, "height": 900})
     blocked: list[str] = []
 
@@ -736,9 +736,9 @@ def test_new_views_in_qkv_serve(browser, minilm, tmp_path):
         assert listed == [[e["layer"], e["head"]] for e in compare["heads"]]
         first, second = (e["views"][0] for e in payload["examples"])
         click_and_wait(page, "#compare-heads .compare-head[data-index='2']")
-        l, h = compare["heads"][2]["layer"], compare["heads"][2]["head"]
-        assert_same_lines(drawn_lines(page, "compare-left"), expected_lines({h: first["attention"][l][h]}))
-        assert_same_lines(drawn_lines(page, "compare-right"), expected_lines({h: second["attention"][l][h]}))
+        layer, h = compare["heads"][2]["layer"], compare["heads"][2]["head"]
+        assert_same_lines(drawn_lines(page, "compare-left"), expected_lines({h: first["attention"][layer][h]}))
+        assert_same_lines(drawn_lines(page, "compare-right"), expected_lines({h: second["attention"][layer][h]}))
         # the new sentences are examples 1 and 2; their summary, rollout and saliency
         assert page.locator("#example-select option").count() == 3
         open_tab(page, "summary")

@@ -790,7 +790,27 @@ GPT2_CORPUS = [
     "The quick brown fox jumps over the lazy dog. The dog sleeps.",
     "Attention is all you need; the transformer attends to every token before it.",
 ] * 5
-BERT_WORDS = ["the", "a", "dog", "cat", "runs", "sleeps", "on", "mat", "time", "flies", "like", "an", "arrow", "fruit", "banana", "##s", "##ing", ",", "."]
+BERT_WORDS = [
+    "the",
+    "a",
+    "dog",
+    "cat",
+    "runs",
+    "sleeps",
+    "on",
+    "mat",
+    "time",
+    "flies",
+    "like",
+    "an",
+    "arrow",
+    "fruit",
+    "banana",
+    "##s",
+    "##ing",
+    ",",
+    ".",
+]
 BERT_TEXTS = ["time flies like an arrow", "the dog runs on the mat", "fruit flies like a banana ."]
 
 
@@ -1270,10 +1290,8 @@ def test_lm_chars_edit_is_refused(runs, tmp_path):
 def refingerprint(manifest) -> None:
     """Make an edited manifest's fingerprint that of its hashes again (as a deliberate edit would),
     so the checks after the fingerprint's are reached; leaves a manifest it cannot do that for."""
-    try:
+    with contextlib.suppress(KeyError, TypeError, ValueError):
         manifest["fingerprint"] = folder_fingerprint(manifest["tokenizer_sha256"], manifest["splits"])
-    except (KeyError, TypeError, ValueError):
-        pass
 
 
 def test_prepared_arrays(prepared, tmp_path, record_property):

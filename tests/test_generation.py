@@ -25,7 +25,7 @@ def tiny_lm(context: int = 16, vocab_size: int = 50, seed: int = 0) -> CausalLM:
         )
     )
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.3)
     return model.eval()

@@ -319,9 +319,9 @@ def test_language_model_page_in_a_real_browser(explorer, tmp_path):
             assert queries == [visible(c) for c in text]
             drawn = page.eval_on_selector_all("#head-svg line", "ls => ls.map(l => [+l.dataset.q, +l.dataset.k])")
             assert drawn and all(k <= q for q, k in drawn)  # every line goes to the token itself or an earlier one
-            assert {
-                h for h in page.eval_on_selector_all("#head-svg line", "ls => ls.map(l => +l.dataset.head)")
-            } == set(range(4))
+            assert set(page.eval_on_selector_all("#head-svg line", "ls => ls.map(l => +l.dataset.head)")) == set(
+                range(4)
+            )
             # the model view: one heatmap per layer and head, white above the diagonal
             cells = page.eval_on_selector_all(
                 "#model-grid canvas",
@@ -331,7 +331,9 @@ def test_language_model_page_in_a_real_browser(explorer, tmp_path):
                 return {layer: +c.dataset.layer, head: +c.dataset.head, above: above, first: d[0]};
             })""",
             )
-            assert sorted((c["layer"], c["head"]) for c in cells) == [(l, h) for l in range(2) for h in range(4)]
+            assert sorted((c["layer"], c["head"]) for c in cells) == [
+                (layer, h) for layer in range(2) for h in range(4)
+            ]
             assert all(set(c["above"]) == {255} and c["first"] == 36 for c in cells)  # token 0 sees only itself
             assert errors == []
             context.close()

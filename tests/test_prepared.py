@@ -293,7 +293,7 @@ def test_two_processes_take_disjoint_batches_that_cover_the_epoch(corpus, tmp_pa
     )
     plan = [list(b) for b in task.batches(0, TRAIN["max_tokens"], 0)]  # TrainConfig's default seed
     assert ranks[0] == plan[0::2] and ranks[1] == plan[1::2]  # accum 1: batch k goes to process k mod 2
-    seen = [set(i for b in r for i in b) for r in ranks]
+    seen = [{i for b in r for i in b} for r in ranks]
     assert not seen[0] & seen[1]
     kept = {
         i

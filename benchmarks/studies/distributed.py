@@ -95,14 +95,10 @@ def measure(mode: str, out: Path, batches_path: Path, steps: int, warmup: int) -
         dist_workers.launch(_worker, (str(out), str(batches_path), mode, steps, warmup, 1), timeout=1800)
     else:
         threads = int(mode.split("x")[1])
-        code = "import sys; sys.path.insert(0, %r); import distributed as d; d._alone(%r, %r, %r, %d, %d, %d)" % (
-            str(Path(__file__).parent),
-            str(out),
-            str(batches_path),
-            mode,
-            steps,
-            warmup,
-            threads,
+        here = str(Path(__file__).parent)
+        code = (
+            f"import sys; sys.path.insert(0, {here!r}); import distributed as d; "
+            f"d._alone({str(out)!r}, {str(batches_path)!r}, {mode!r}, {steps:d}, {warmup:d}, {threads:d})"
         )
         subprocess.run(
             [sys.executable, "-c", code],
