@@ -233,15 +233,12 @@ def _model_fields(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     from qkv.models.causal_lm import CausalLMConfig
     from qkv.models.transformer import TransformerConfig
 
-    vocab = raw["vocab_size"]
-    if raw["task"] == "lm":
-        model = _config_fields(path, "model", raw["model"], CausalLMConfig, ("vocab_size",))
-        build = functools.partial(CausalLMConfig, **model, vocab_size=vocab)
-    else:
-        model = _config_fields(path, "model", raw["model"], TransformerConfig, TOKENIZER_FIELDS)
-        build = functools.partial(TransformerConfig, **model, src_vocab_size=vocab, tgt_vocab_size=vocab)
+    vocab, lm = raw["vocab_size"], raw["task"] == "lm"
+    config_class: type = CausalLMConfig if lm else TransformerConfig
+    model = _config_fields(path, "model", raw["model"], config_class, ("vocab_size",) if lm else TOKENIZER_FIELDS)
+    vocab_fields = {"vocab_size": vocab} if lm else {"src_vocab_size": vocab, "tgt_vocab_size": vocab}
     try:
-        build()
+        config_class(**model, **vocab_fields)
     except ValueError as err:
         raise ValueError(f"{path}: model: {err}") from None
     return model
