@@ -1,6 +1,7 @@
 """The paper's recipes (qkv.runs.recipes) and `qkv train --recipe`: sizes against Table 3 and the
 parameter counts the paper states (computed here from the layer formulas), the split of a step's
-tokens over processes, that a recipe replaces the data's recipe whole, and the CLI."""
+tokens over processes, that a named recipe replaces the data's whole, and the CLI. The recipe files
+themselves (their values, their checks, qkv recipes) are tested in test_recipe_files.py."""
 
 from __future__ import annotations
 
@@ -10,14 +11,8 @@ import pytest
 import torch
 
 from qkv.models.transformer import Transformer, TransformerConfig
-from qkv.runs.recipes import (
-    MODEL_WHERE_BF16_IS_FAST,
-    RECIPES,
-    TRAIN_WHERE_BF16_IS_FAST,
-    recipe_overrides,
-    step_batches,
-    translation_recipes,
-)
+from qkv.runs.recipes import load_recipe, step_batches, translation_recipes
+from qkv.runs.recipes.choice import choose_recipe
 from qkv.training import TrainConfig
 
 
@@ -43,10 +38,10 @@ def expected_parameters(vocab: int, d: int, d_ff: int, layers: int) -> int:
     ],
 )
 def test_paper_models_match_table_3(name, d, heads, d_ff, dropout, paper_millions, tolerance):
-    recipe = RECIPES[name]
-    vocab = recipe["vocab_size"]
+    recipe = load_recipe(name)
+    vocab = recipe.vocab_size
     assert vocab == 37000  # shared source-target BPE of about 37,000 tokens (section 5.1)
-    config = TransformerConfig(**recipe["model"], src_vocab_size=vocab, tgt_vocab_size=vocab)
+    config = TransformerConfig(**recipe.model, src_vocab_size=vocab, tgt_vocab_size=vocab)
     assert (config.d_model, config.num_heads, config.d_ff, config.dropout) == (d, heads, d_ff, dropout)
     assert (config.num_encoder_layers, config.num_decoder_layers, config.norm_first) == (6, 6, False)
     assert config.share_embeddings and config.tie_output and config.positional == "sinusoidal"
@@ -58,15 +53,15 @@ def test_paper_models_match_table_3(name, d, heads, d_ff, dropout, paper_million
 
 
 def test_paper_training_settings():
-    base, big = TrainConfig(**RECIPES["paper-base"]["train"]), TrainConfig(**RECIPES["paper-big"]["train"])
+    base, big = TrainConfig(**load_recipe("paper-base").train), TrainConfig(**load_recipe("paper-big").train)
     for config in (base, big):
         assert config.adam_betas == (0.9, 0.98) and config.adam_eps == 1e-9  # section 5.3
         assert (config.warmup_steps, config.lr_factor, config.schedule) == (4000, 1.0, "inverse_sqrt")
         assert config.label_smoothing == 0.1 and config.bf16  # section 5.4; start_run keeps bf16 where fast
     assert (base.max_steps, base.average_last, big.max_steps, big.average_last) == (100_000, 5, 300_000, 20)
     for name in ("paper-base", "paper-big"):
-        assert RECIPES[name]["decode"] == {"beam_size": 4, "alpha": 0.6}  # section 6.1
-        assert RECIPES[name]["tokens_per_step"] == 25000
+        assert load_recipe(name).decode == {"beam_size": 4, "alpha": 0.6}  # section 6.1
+        assert load_recipe(name).tokens_per_step == 25000
 
 
 def test_step_batches_split_a_step_over_processes():
@@ -84,37 +79,31 @@ def test_step_batches_split_a_step_over_processes():
         step_batches(25000, 0)
 
 
-@pytest.mark.parametrize("source", ["multi30k", "files", "dates"])
-def test_a_recipe_replaces_the_data_recipe_whole(source):
-    """start_run merges options over the data's recipe: with the overrides, the merged model and
-    training configs are the paper recipe's (library defaults where it says nothing)."""
-    model, train, vocab = recipe_overrides("paper-base", source, world_size=8)
-    own = RECIPES[source]
-    merged_model = TransformerConfig(**{**own["model"], **model}, src_vocab_size=vocab, tgt_vocab_size=vocab)
-    assert merged_model == TransformerConfig(
-        **RECIPES["paper-base"]["model"], src_vocab_size=vocab, tgt_vocab_size=vocab
-    )
-    # also where the data's recipe changes its model for fast bf16 (start_run puts those under the options)
-    fast_model = TransformerConfig(
-        **{**own["model"], **own.get(MODEL_WHERE_BF16_IS_FAST, {}), **model}, src_vocab_size=vocab, tgt_vocab_size=vocab
-    )
-    assert fast_model == merged_model
-    merged_train = TrainConfig(**{**own["train"], **train})
-    assert merged_train == TrainConfig(**{**RECIPES["paper-base"]["train"], "max_tokens": 3125, "accum_steps": 1})
-    assert TrainConfig(**{**own["train"], **own.get(TRAIN_WHERE_BF16_IS_FAST, {}), **train}) == merged_train
-    assert vocab == 37000
-    # bf16 is passed only where the data's recipe disagrees: where both want it, start_run's own rule
-    # (on where bf16 is fast) decides
-    assert ("bf16" in train) == (not own["train"].get("bf16", False))
+def test_step_options_follow_the_processes_and_keep_what_is_given():
+    paper = load_recipe("paper-base")
+    assert paper.step_options(8) == {"max_tokens": 3125, "accum_steps": 1}
+    assert paper.step_options(1, max_tokens=3000) == {"max_tokens": 3000, "accum_steps": 8}
+    assert paper.step_options(1, max_tokens=3000, accum_steps=2) == {"max_tokens": 3000, "accum_steps": 2}
+    assert load_recipe("multi30k").step_options(8) == {}  # no tokens_per_step: its own max_tokens stands
 
 
-def test_recipe_overrides_refuse_unknown_names_and_language_models():
-    assert {"paper-base", "paper-big", "multi30k"} <= set(translation_recipes())
-    assert "tinyshakespeare" not in translation_recipes()
-    with pytest.raises(ValueError, match="unknown recipe 'paper-huge'"):
-        recipe_overrides("paper-huge", "files")
-    with pytest.raises(ValueError, match="translation recipe"):
-        recipe_overrides("paper-base", "tinyshakespeare")
+def test_choose_recipe_refuses_unknown_names_and_the_other_task():
+    assert {"paper-base", "paper-big", "multi30k", "multi30k-bf16", "dates"} == set(translation_recipes())
+    with pytest.raises(ValueError, match="unknown recipe 'paper-huge'; choose one of dates, multi30k"):
+        choose_recipe("paper-huge", "files")
+    with pytest.raises(ValueError, match="paper-base is a translation recipe, and tinyshakespeare data trains a"):
+        choose_recipe("paper-base", "tinyshakespeare")
+    with pytest.raises(ValueError, match="tinyshakespeare is a language-model recipe, and files data"):
+        choose_recipe("tinyshakespeare", "files")
+    # without a name, the data's own; a prepared folder trains with the files' recipe
+    chosen = choose_recipe(None, "prepared")
+    assert (chosen.recipe.name, chosen.named, chosen.why) == ("multi30k", False, "the default recipe for prepared data")
+    assert choose_recipe(None, "text").recipe.name == "tinyshakespeare"
+    assert choose_recipe("paper-big", "dates").record() == {
+        "name": "paper-big",
+        "file": "qkv/runs/recipes/paper-big.toml",
+        "why": "named (--recipe paper-big)",
+    }
 
 
 def _run_cli(argv):
@@ -172,25 +161,64 @@ def test_cli_trains_with_the_named_recipe(tmp_path, corpus):
     assert (train["average_last"], train["checkpoint_every_steps"], train["max_minutes"]) == (20, 600, 0.0)
     assert (train["max_tokens"], train["accum_steps"], train["max_steps"]) == (3000, 8, 1)  # 8 x 3,000 on 1 process
     assert train["bf16"] == bf16_is_fast("cpu")
-    # without --recipe, the data's own recipe (files: the Multi30k one)
+    assert config["recipe"] == {
+        "name": "paper-big",
+        "file": "qkv/runs/recipes/paper-big.toml",
+        "why": "named (--recipe paper-big)",
+    }
+    # without --recipe, the data's own recipe (files: the Multi30k one), on every machine
     default = tmp_path / "default"
     assert _run_cli(["train", *corpus, "--run-dir", default, *TINY, "--attention-dropout", "0.1"]) == 0
     config = json.loads((default / "config.json").read_text())
-    train = config["train"]
-    own = {**RECIPES["files"]["train"], **(RECIPES["files"][TRAIN_WHERE_BF16_IS_FAST] if bf16_is_fast("cpu") else {})}
-    assert (train["warmup_steps"], train["max_tokens"], train["accum_steps"]) == (
-        own["warmup_steps"],
-        own["max_tokens"],
-        1,
-    )
-    assert (config["model"]["attention_dropout"], "attention_dropout" in RECIPES["files"]["model"]) == (0.1, False)
+    train, own = config["train"], load_recipe("multi30k")
+    assert (train["warmup_steps"], train["max_tokens"], train["accum_steps"]) == (800, 2000, 1)
+    assert (train["lr_factor"], config["model"]["dropout"], config["model"]["activation"]) == (0.7, 0.1, "gelu")
+    assert (config["model"]["attention_dropout"], "attention_dropout" in own.model) == (0.1, False)
+    assert config["recipe"] == {
+        "name": "multi30k",
+        "file": "qkv/runs/recipes/multi30k.toml",
+        "why": "the default recipe for files data",
+    }
+
+
+def test_a_named_recipe_replaces_the_data_recipe_whole(tmp_path):
+    """--recipe paper-base on the date task: the run's model and training configs are the paper
+    recipe's with the options given over them (library defaults where the recipe says nothing),
+    nothing of the dates recipe behind; its decoding settings and tokenizer rule too."""
+    from dataclasses import asdict
+
+    from qkv.runtime.precision import bf16_is_fast
+
+    run = tmp_path / "run"
+    argv = ["train", "--data", "dates", "--run-dir", run, "--recipe", "paper-base", *TINY, "--max-tokens", "500"]
+    assert _run_cli(argv) == 0
+    config = json.loads((run / "config.json").read_text())
+    paper = load_recipe("paper-base")
+    tiny = dict(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64)
+    vocab = config["model"]["src_vocab_size"]
+    expected_model = TransformerConfig(**{**paper.model, **tiny}, src_vocab_size=vocab, tgt_vocab_size=vocab)
+    assert config["model"] == json.loads(json.dumps(asdict(expected_model)))
+    expected_train = TrainConfig(
+        **{
+            **paper.train,
+            "max_tokens": 500,
+            "accum_steps": 50,
+            "max_steps": 1,
+            "progress": False,
+            "bf16": bf16_is_fast("cpu"),
+        }
+    )  # 50 x 500: the paper's 25,000 tokens a step on one process
+    assert config["train"] == json.loads(json.dumps(asdict(expected_train)))
+    assert config["decode"] == {"beam_size": 4, "alpha": 0.6}
+    # the named recipe's tokenizer rule too: digits are not split (the dates recipe splits them)
+    assert '"Digits"' not in (run / "tokenizer.json").read_text(encoding="utf-8")
 
 
 def test_cli_refuses_an_unknown_recipe(tmp_path, corpus, capsys):
     run = tmp_path / "run"
     assert _run_cli(["train", *corpus, "--run-dir", run, "--recipe", "paper-huge"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "invalid choice: 'paper-huge'" in err and len(err.splitlines()) == 1
+    assert "unknown recipe 'paper-huge'" in err and len(err.splitlines()) == 1
     assert _run_cli(["train", "--data", "tinyshakespeare", "--run-dir", run, "--recipe", "paper-base"]) == 2
     err = capsys.readouterr().err.strip()
     assert "translation recipe" in err and len(err.splitlines()) == 1

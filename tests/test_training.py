@@ -2,6 +2,7 @@
 resume (also after Ctrl-C), checkpoints and averaging, and run folders that appear whole or not at all."""
 
 import json
+import logging
 import math
 from dataclasses import asdict, replace
 
@@ -18,7 +19,7 @@ from qkv.decoding.translate import translate_texts
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.nn.loss import label_smoothed_cross_entropy
 from qkv.runs import folder
-from qkv.runs.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST
+from qkv.runs.recipes import load_recipe
 from qkv.runs.translation import resume_run, start_run
 from qkv.training import TrainConfig, Trainer, TranslationTask, checkpoint_files, inverse_sqrt_lr
 
@@ -586,10 +587,11 @@ def test_start_and_resume_run_from_files(tmp_path):
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_recipe_bf16_only_where_it_is_fast(tmp_path, monkeypatch, fast):
+def test_recipe_bf16_only_where_it_is_fast(tmp_path, monkeypatch, caplog, fast):
     import qkv.runtime.precision
 
     monkeypatch.setattr(qkv.runtime.precision, "bf16_is_fast", lambda device: fast)
+    caplog.set_level(logging.INFO, logger="qkv")
     pairs = generate_dates(60, seed=3)
     (tmp_path / "s.txt").write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
     (tmp_path / "t.txt").write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
@@ -609,28 +611,37 @@ def test_recipe_bf16_only_where_it_is_fast(tmp_path, monkeypatch, fast):
         tmp_path / "asked", data=spec, model_options=TINY, vocab_size=300, train_options={**options, "bf16": True}
     )
     assert asked.config.bf16 is True  # an explicit request is honoured (with a warning when slow)
-    # the recipe's model for fast bf16 (more epochs fit the budget) only where the run is in fast bf16
-    files = RECIPES["files"]
-    dropout = files[MODEL_WHERE_BF16_IS_FAST]["dropout"] if fast else files["model"]["dropout"]
-    assert json.loads((tmp_path / "recipe" / "config.json").read_text())["model"]["dropout"] == dropout
-    assert files[MODEL_WHERE_BF16_IS_FAST]["dropout"] != files["model"]["dropout"]
-    assert json.loads((tmp_path / "asked" / "config.json").read_text())["model"]["dropout"] == dropout
-    # and its training fields (a gentler rate) likewise
-    lr_factor = files[TRAIN_WHERE_BF16_IS_FAST]["lr_factor"] if fast else files["train"]["lr_factor"]
-    assert files[TRAIN_WHERE_BF16_IS_FAST]["lr_factor"] != files["train"]["lr_factor"]
-    assert recipe.config.lr_factor == lr_factor
-    assert json.loads((tmp_path / "recipe" / "config.json").read_text())["train"]["lr_factor"] == lr_factor
+    # the same recipe on every machine: where bf16 is fast, the variant tuned for it is suggested, never taken
+    files, variant = load_recipe("multi30k"), load_recipe("multi30k-bf16")
+    assert (files.model["dropout"], files.train["lr_factor"]) != (variant.model["dropout"], variant.train["lr_factor"])
+    for run in ("recipe", "asked"):
+        config = json.loads((tmp_path / run / "config.json").read_text())
+        assert (config["model"]["dropout"], config["train"]["lr_factor"]) == (0.1, 0.7)  # multi30k's
+        assert config["recipe"]["name"] == "multi30k"
+    assert recipe.config.lr_factor == files.train["lr_factor"]
+    suggested = [r.getMessage() for r in caplog.records if "--recipe multi30k-bf16" in r.getMessage()]
+    assert len(suggested) == (2 if fast else 0)  # each run of the data's recipe in fast bf16 (recipe, asked)
+    if fast:
+        assert suggested[0].startswith("bf16 is fast here") and "this run keeps multi30k" in suggested[0]
+    caplog.clear()
+    named = start_run(
+        tmp_path / "named", data=spec, model_options=TINY, vocab_size=300, train_options=options, recipe="multi30k-bf16"
+    )
+    assert (named.model.config.dropout, named.model.config.activation, named.config.lr_factor) == (0.2, "relu", 0.5)
+    assert named.config.bf16 is fast  # on every machine the variant's values; bf16 only where it pays
+    assert not [r for r in caplog.records if "bf16 is fast here" in r.getMessage()]  # named: nothing to suggest
     plain = start_run(
         tmp_path / "fp32", data=spec, model_options=TINY, vocab_size=300, train_options={**options, "bf16": False}
     )
-    assert plain.model.config.dropout == files["model"]["dropout"]  # float32 makes the recipe's own steps
-    assert plain.config.lr_factor == files["train"]["lr_factor"]
+    assert plain.model.config.dropout == files.model["dropout"]
+    assert plain.config.lr_factor == files.train["lr_factor"]
     given = start_run(
         tmp_path / "given",
         data=spec,
         model_options={**TINY, "dropout": 0.05},
         vocab_size=300,
         train_options={**options, "lr_factor": 0.3},
+        recipe="multi30k-bf16",
     )
     assert (given.model.config.dropout, given.config.lr_factor) == (0.05, 0.3)  # explicit options win
 
