@@ -35,7 +35,7 @@ from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment, paired_ratio, ratio, time_interleaved
 from qkv.bench.training import _ContenderTask, multi30k_config
 from qkv.nn.loss import fused_linear_cross_entropy
-from qkv.runs.recipes import MODEL_WHERE_BF16_IS_FAST, RECIPES, TRAIN_WHERE_BF16_IS_FAST
+from qkv.runs.recipes import load_recipe
 from qkv.runtime.precision import bf16_is_fast
 from qkv.training import TrainConfig, Trainer
 
@@ -60,15 +60,13 @@ def paths_before(which: frozenset[str]):
 
 
 def recipe_data_and_model(data_dir: str | None, bf16: bool, batches: int):
-    """The Multi30k recipe's real batches and model config for a run in bf16 or float32 (the recipe's
-    fields where bf16 is fast when ``bf16``), as a training run of it would have them."""
-    recipe = RECIPES["multi30k"]
-    model_fields = {**recipe["model"], **(recipe[MODEL_WHERE_BF16_IS_FAST] if bf16 else {})}
-    train_fields = {**recipe["train"], **(recipe[TRAIN_WHERE_BF16_IS_FAST] if bf16 else {})}
+    """The Multi30k recipe's real batches and model config for a run in bf16 or float32 (the recipe
+    tuned for fast bf16, multi30k-bf16, when ``bf16``), as a training run of it would have them."""
+    recipe = load_recipe("multi30k-bf16" if bf16 else "multi30k")
     data = multi30k_data(
-        data_dir, vocab_size=recipe["vocab_size"], max_tokens=train_fields["max_tokens"], num_batches=batches
+        data_dir, vocab_size=recipe.vocab_size, max_tokens=recipe.train["max_tokens"], num_batches=batches
     )
-    return data, multi30k_config(data, **{k: v for k, v in model_fields.items() if k != "max_len"})
+    return data, multi30k_config(data, **{k: v for k, v in recipe.model.items() if k != "max_len"})
 
 
 def make_step(data, config, train: TrainConfig, which: frozenset[str]):
