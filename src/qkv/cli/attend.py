@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         if len(text) > args.max_chars:
             raise ValueError(f"a sentence has {len(text)} characters; the limit is --max-chars {args.max_chars}")
     corpus = read_corpus(args.corpus, max_chars=args.max_chars) if args.corpus else None
-    if not texts:
+    if not texts and corpus is not None:  # no sentence given: the corpus's first (checked above)
         texts = [corpus[0][1]]
     explorer = open_explorer(args.model)
     targets = args.target or []

@@ -21,6 +21,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -158,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     from qkv.data.spec import DataSpec
     from qkv.decoding.translate import translate_texts
     from qkv.metrics.scores import exact_match
+    from qkv.models.transformer import Transformer
     from qkv.runs.translation import run_training, start_run
     from qkv.runtime.device import pick_device
     from qkv.runtime.fileio import write_json
@@ -185,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     run_training(trainer)
-    model, tokenizer = trainer.model.eval(), trainer.task.tokenizer
+    # start_run trains a Transformer on the dates (the Trainer holds it as a plain nn.Module)
+    model, tokenizer = cast(Transformer, trainer.model.eval()), trainer.task.tokenizer
     train_seconds = trainer.state.seconds
 
     test = load_split(data, "test")

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from qkv.pretrained import default_model_path, load_pretrained, sentence_embeddings
+    from qkv.pretrained import BertEncoder, default_model_path, load_pretrained, sentence_embeddings
     from qkv.runtime.fileio import check_output_file, write_bytes, write_text
 
     out = Path(args.output) if args.output else None
@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("no sentences to embed")
     folder = Path(args.model) if args.model else default_model_path()
     model = load_pretrained(folder)
+    if not isinstance(model, BertEncoder):
+        raise ValueError(f"{folder}: a {type(model).__name__}, not a sentence encoder (a BERT-family folder)")
     vectors = sentence_embeddings(
         model, texts, batch_size=args.batch_size, normalize=not args.no_normalize, progress=len(texts) > 256
     )

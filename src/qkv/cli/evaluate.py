@@ -34,8 +34,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from qkv.models.causal_lm import CausalLM
 
 from qkv.cli.options import (
     MAX_BEAM,
@@ -214,7 +220,7 @@ def _read_against(args: argparse.Namespace, others: list[str], config: dict, sen
     from qkv.metrics.scores import read_translations
     from qkv.runs.folder import read_run_config, run_task
 
-    held = {}
+    held: dict[str, dict | list[str]] = {}
     for path in others:
         if Path(path).is_dir():
             other = read_run_config(path)
@@ -237,7 +243,14 @@ def _read_against(args: argparse.Namespace, others: list[str], config: dict, sen
     return held
 
 
-def _compare(args: argparse.Namespace, against: dict, hyps: list[str], src: list[str], refs: list[str], device) -> dict:
+def _compare(
+    args: argparse.Namespace,
+    against: dict,
+    hyps: list[str],
+    src: list[str],
+    refs: list[str],
+    device: torch.device | str | None,
+) -> dict:
     """This run's translations against each of ``against``'s (from :func:`_read_against`): a run is
     decoded here on ``src`` (its own recipe's beam and alpha unless given); then the paired tests."""
     from qkv.decoding.translate import translate_texts
@@ -304,7 +317,7 @@ def target_language(spec: dict, ref: str | None) -> str | None:
 LM_SPLIT_NAMES = {"val": "validation split", "test": "test split"}
 
 
-def _evaluate_language_model(args: argparse.Namespace, model, tokenizer, config: dict) -> int:
+def _evaluate_language_model(args: argparse.Namespace, model: CausalLM, tokenizer: Any, config: dict) -> int:
     """Score a language-model run on its validation and test splits (or ``--split``'s, or ``--text``)."""
     from qkv.data.text import read_text
     from qkv.runs.language_model import missing_test_split
@@ -360,7 +373,9 @@ def _split_tokens(run_dir: Path, config: dict, name: str) -> tuple[np.ndarray, f
     return read_tokens(run_dir / SPLIT_FILES[name], config["model"]["vocab_size"]), chars_per_token
 
 
-def _score_tokens(args: argparse.Namespace, model, tokenizer, tokens: np.ndarray, chars_per_token: float) -> dict:
+def _score_tokens(
+    args: argparse.Namespace, model: CausalLM, tokenizer: Any, tokens: np.ndarray, chars_per_token: float
+) -> dict:
     from qkv.training.tasks import LanguageModelTask
 
     context = model.config.context
@@ -369,6 +384,8 @@ def _score_tokens(args: argparse.Namespace, model, tokenizer, tokens: np.ndarray
     if args.limit:
         windows = min(windows, args.limit)
     figures = task.validate(model, windows, args.bf16)
+    if figures is None:  # the task validates on the tokens it was given
+        raise ValueError("no tokens to score")
     return {
         "tokens": windows * context,
         "windows": windows,

@@ -47,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
             print(line)
         for claim, held in result.claims.items():
             print(f"[{'holds' if held else 'FAILS'}] {claim}")
-        figures = ", ".join(str(result.folder / f) for f in result.figures)
-        print(f"wrote {result.folder / 'results.json'} and {figures}")
+        folder = result.folder
+        if folder is None:  # run_experiment writes results.json and names its folder
+            raise RuntimeError(f"experiment {name} wrote no results.json")
+        figures = ", ".join(str(folder / f) for f in result.figures)
+        print(f"wrote {folder / 'results.json'} and {figures}")
     return 0

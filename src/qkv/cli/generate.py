@@ -15,9 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 from qkv.cli.options import MAX_SAMPLES, num_samples, positive_int, set_threads
 from qkv.runtime.fileio import read_json
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
-def open_language_model(path: str | Path, weights: str = "model"):
+def open_language_model(path: str | Path, weights: str = "model") -> tuple[Any, Any]:
     """``(CausalLM in eval mode, tokenizer)`` from a qkv language-model run or a GPT-2 folder."""
     folder = Path(path)
     config_path = folder / "config.json"
@@ -75,14 +79,14 @@ class _Streamer:
     writes the text as it grows, holding back what could still turn into a stop text or is an
     incomplete UTF-8 character."""
 
-    def __init__(self, tokenizer, samples: int, stops: list[str], out) -> None:
+    def __init__(self, tokenizer: Any, samples: int, stops: list[str], out: TextIO) -> None:
         self.tokenizer, self.stops, self.out = tokenizer, stops, out
         self.ids: list[list[int]] = [[] for _ in range(samples)]
         self.texts, self.done = [""] * samples, [False] * samples
         self.stream, self.printed = samples == 1, 0
         self.hold = max((len(s) for s in stops), default=1) - 1
 
-    def step(self, new) -> bool:
+    def step(self, new: torch.Tensor) -> bool:
         for row, token in enumerate(new.tolist()):
             if self.done[row]:
                 continue

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
+Number = TypeVar("Number", int, float)
 
-def _number(kind, minimum, what, maximum=None):
-    def parse(text: str):
+
+def _number(
+    kind: Callable[[str], Number], minimum: float, what: str, maximum: float | None = None
+) -> Callable[[str], Number]:
+    """An argparse type: ``kind(text)`` within ``[minimum, maximum]`` (finite), else a usage error
+    that says ``what`` was expected."""
+
+    def parse(text: str) -> Number:
         try:
             value = kind(text)
         except ValueError:

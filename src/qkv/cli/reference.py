@@ -143,7 +143,7 @@ def render_markdown(parser: argparse.ArgumentParser | None = None) -> str:
     if parser.description:
         lines += [_escape(parser.description), ""]
     lines += ["```text", usage(parser), "```", ""]
-    for title, description, actions in _groups(parser):
+    for title, _description, actions in _groups(parser):
         lines += [f"**{_escape(title[:1].upper() + title[1:])}**", ""]
         lines += [_option_line(parser, action) for action in actions]
         lines.append("")

@@ -86,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
         )
     except OSError as err:  # the port is taken, the address is not this machine's, ...
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from None
-    host, port = server.server_address[:2]
+    address = server.server_address  # a TCP server's: (host, port, ...)
+    host, port = (address[0], address[1]) if isinstance(address, tuple) else (args.host, args.port)
+    host = host.decode() if isinstance(host, (bytes, bytearray)) else host
     print(
         f"serving the attention explorer on http://{host}:{port}/ (models: {', '.join(explorers)}; Ctrl-C to stop)",
         flush=True,
