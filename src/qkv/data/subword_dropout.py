@@ -40,7 +40,7 @@ def merge_parts(tokenizer: Tokenizer) -> np.ndarray:
     return parts
 
 
-def _uniform(*keys: np.ndarray) -> np.ndarray:
+def _uniform(*keys: np.ndarray | int) -> np.ndarray:
     """A uniform number in [0, 1) per element, a hash (splitmix64's finaliser) of the keys: the
     same keys always give the same number."""
     x = np.zeros(np.broadcast(*keys).shape, dtype=np.uint64)
@@ -71,7 +71,7 @@ class SubwordDropout:
         self.parts, self.p, self.seed, self.max_len = merge_parts(tokenizer), float(p), int(seed), int(max_len)
 
     def split_pairs(
-        self, src: list[list[int]], tgt: list[list[int]], examples, *, epoch: int
+        self, src: list[list[int]], tgt: list[list[int]], examples: list[int], *, epoch: int
     ) -> tuple[list[list[int]], list[list[int]]]:
         """Both sides of the pairs ``examples`` as this epoch cuts them."""
         return self.split(src, examples, epoch=epoch, side=0), self.split(tgt, examples, epoch=epoch, side=1)

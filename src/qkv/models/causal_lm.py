@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache
-from qkv.models.transformer import check_model_options
+from qkv.models.options import check_model_options
 from qkv.nn.layers import EncoderLayer
 from qkv.nn.loss import fused_linear_cross_entropy
 from qkv.nn.positional import build_positional_encoding
@@ -101,12 +101,13 @@ class CausalDecoder(nn.Module):
     ) -> tuple[Tensor, list[Tensor] | None, list[KVCache]]:
         """``x (b, s, d)``; ``cache`` from the previous call (its keys come before ``x``).
         Returns the hidden states, per-layer weights if asked, and the new cache."""
-        attentions, new_cache = ([] if need_weights else None), []
+        attentions: list[Tensor] | None = [] if need_weights else None
+        new_cache: list[KVCache] = []
         for i, layer in enumerate(self.layers):
             out = layer(x, is_causal=True, need_weights=need_weights, cache=None if cache is None else cache[i])
             x = out.output
             new_cache.append(out.self_cache)
-            if need_weights:
+            if attentions is not None:
                 attentions.append(out.self_weights)
         if self.norm is not None:
             x = self.norm(x)

@@ -15,48 +15,12 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache
+from qkv.models.options import check_model_options
 from qkv.nn.dropout import Dropout
 from qkv.nn.layers import DecoderLayer, EncoderLayer
 from qkv.nn.loss import fused_linear_cross_entropy
 from qkv.nn.positional import build_positional_encoding
 from qkv.runtime.fileio import read_json, write_json
-
-
-def check_model_options(config, positive: tuple[str, ...]) -> None:
-    """The checks every model config shares (``ValueError`` naming the field): the ``positive``
-    integer fields, heads dividing ``d_model``, dropouts in [0, 1), ``layer_norm_eps``, the
-    activation and the positional encoding."""
-    from qkv.nn.layers import ACTIVATIONS
-    from qkv.nn.positional import POSITIONAL_KINDS
-
-    for name in positive:
-        value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if config.d_model % config.num_heads != 0:
-        raise ValueError(f"d_model ({config.d_model}) must be divisible by num_heads ({config.num_heads})")
-    for item in fields(config):  # types as declared: a bool is not a number, "false" not a bool
-        value, kind = getattr(config, item.name), str(item.type)
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if (
-            (kind == "bool" and not isinstance(value, bool))
-            or (kind == "float" and not number)
-            or (kind == "int" and not (number and isinstance(value, int)))
-            or (kind == "str" and not isinstance(value, str))
-        ):
-            raise ValueError(f"{item.name} must be a {kind}, got {value!r}")
-    for name in ("dropout", "attention_dropout"):
-        value = getattr(config, name)
-        if not 0.0 <= value < 1.0:  # also rejects NaN
-            raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-    if not 0 < config.layer_norm_eps < 1:  # also rejects NaN and infinity
-        raise ValueError(f"layer_norm_eps must be positive, got {config.layer_norm_eps!r}")
-    if config.activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {config.activation!r}; choose one of {sorted(ACTIVATIONS)}")
-    if config.positional not in POSITIONAL_KINDS:
-        raise ValueError(f"unknown positional encoding {config.positional!r}; choose one of {POSITIONAL_KINDS}")
-    if config.positional == "sinusoidal" and config.d_model % 2:
-        raise ValueError(f"the sinusoidal encoding needs an even d_model, got {config.d_model}")
 
 
 @dataclass
@@ -180,11 +144,11 @@ class Encoder(nn.Module):
     def forward(
         self, x: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False, need_weights: bool = False
     ) -> tuple[Tensor, list[Tensor] | None]:
-        attentions = [] if need_weights else None
+        attentions: list[Tensor] | None = [] if need_weights else None
         for layer in self.layers:
             out = layer(x, key_padding_mask=key_padding_mask, is_causal=is_causal, need_weights=need_weights)
             x = out.output
-            if need_weights:
+            if attentions is not None:
                 attentions.append(out.self_weights)
         if self.norm is not None:
             x = self.norm(x)
@@ -212,7 +176,9 @@ class Decoder(nn.Module):
         """Target states ``x (b, s_tgt, d)`` through every layer against the encoder ``memory``.
         Returns the hidden states, per-layer self- and cross-attention weights (if asked) and the
         new (self, cross) cache of every layer."""
-        self_attns, cross_attns, new_cache = ([] if need_weights else None), ([] if need_weights else None), []
+        self_attns: list[Tensor] | None = [] if need_weights else None
+        cross_attns: list[Tensor] | None = [] if need_weights else None
+        new_cache: list[tuple[KVCache, KVCache]] = []
         for i, layer in enumerate(self.layers):
             self_cache, cross_cache = (None, None) if cache is None else cache[i]
             out = layer(
@@ -227,7 +193,7 @@ class Decoder(nn.Module):
             )
             x = out.output
             new_cache.append((out.self_cache, out.cross_cache))
-            if need_weights:
+            if self_attns is not None and cross_attns is not None:
                 self_attns.append(out.self_weights)
                 cross_attns.append(out.cross_weights)
         if self.norm is not None:
@@ -328,7 +294,9 @@ class Transformer(nn.Module):
         """Teacher-forced logits ``(b, s_tgt, V)`` for source ids ``(b, s_src)`` and target ids
         ``(b, s_tgt)`` (shifted right)."""
         memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
-        return self.decode(tgt, memory, tgt_key_padding_mask=tgt_key_padding_mask).logits
+        logits = self.decode(tgt, memory, tgt_key_padding_mask=tgt_key_padding_mask).logits
+        assert logits is not None  # decode projects by default
+        return logits
 
     def hidden_states(self, src: Tensor, tgt_in: Tensor, *, src_key_padding_mask: Tensor | None = None) -> Tensor:
         """The decoder's final hidden states ``(b, s_tgt, d)`` for teacher forcing (arguments as

@@ -11,6 +11,7 @@ devices, and code being compiled by ``torch.compile``, use ``F.dropout``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -59,18 +60,18 @@ class Dropout(nn.Module):
 
 
 @contextmanager
-def dropout_off(model: nn.Module):
+def dropout_off(model: nn.Module) -> Iterator[None]:
     """Run the block with every dropout of ``model`` at 0: :class:`Dropout` and ``nn.Dropout`` modules,
     and the attention-weight dropout of modules that keep it as a float ``dropout`` attribute
     (:class:`~qkv.attention.multihead.MultiHeadAttention`). The rates are put back afterwards, also
     when the block raises. Used for late dropout (``--dropout-start``): the first steps of a run
     learn faster and cheaper without it (Liu et al. 2023, "Dropout Reduces Underfitting")."""
-    saved = []
+    saved: list[tuple[nn.Module, str, float]] = []
     for module in model.modules():
         if isinstance(module, (Dropout, nn.Dropout)) and module.p:
             saved.append((module, "p", module.p))
-        elif isinstance(getattr(module, "dropout", None), float) and module.dropout:
-            saved.append((module, "dropout", module.dropout))
+        elif isinstance(rate := getattr(module, "dropout", None), float) and rate:
+            saved.append((module, "dropout", rate))
     try:
         for module, name, _ in saved:
             setattr(module, name, 0.0)

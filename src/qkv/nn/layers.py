@@ -9,17 +9,22 @@ Shape legend: ``b`` batch, ``s`` target/self length, ``s_m`` memory length, ``d`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.attention.multihead import KVCache, MultiHeadAttention
+from qkv.attention.multihead import AttentionOutput, KVCache, MultiHeadAttention
 from qkv.nn.dropout import Dropout
 from qkv.runtime.padded_linear import Linear
 
-ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 class FeedForward(nn.Module):
@@ -101,7 +106,7 @@ class EncoderLayer(nn.Module):
     ) -> LayerOutput:
         """Args: ``x (b, s, d)``; masks as in :class:`MultiHeadAttention`. Returns :class:`LayerOutput`."""
 
-        def attend(h: Tensor):
+        def attend(h: Tensor) -> AttentionOutput:
             return self.self_attn(
                 h,
                 key_padding_mask=key_padding_mask,
@@ -182,7 +187,7 @@ class DecoderLayer(nn.Module):
         self_cache, cross_cache: caches from the previous decoding step.
         """
 
-        def self_attend(h: Tensor):
+        def self_attend(h: Tensor) -> AttentionOutput:
             return self.self_attn(
                 h,
                 key_padding_mask=key_padding_mask,
@@ -192,7 +197,7 @@ class DecoderLayer(nn.Module):
                 cache=self_cache,
             )
 
-        def cross_attend(h: Tensor):
+        def cross_attend(h: Tensor) -> AttentionOutput:
             return self.cross_attn(
                 h, memory, key_padding_mask=memory_key_padding_mask, need_weights=need_weights, cache=cross_cache
             )

@@ -44,6 +44,8 @@ class _PositionalEncoding(nn.Module):
 class SinusoidalPositionalEncoding(_PositionalEncoding):
     """Fixed sinusoidal encoding, added to the input (not a parameter; saved with the model)."""
 
+    table: Tensor  # (max_len, d) the buffer
+
     def __init__(self, d_model: int, max_len: int = 1024) -> None:
         super().__init__()
         self.max_len = max_len

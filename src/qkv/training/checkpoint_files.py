@@ -10,6 +10,7 @@ import io
 import logging
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -71,7 +72,7 @@ def average_weight_files(paths: list[Path], out_path: str | Path) -> None:
 
 def rng_state() -> dict:
     """This process's random state (CPU, and every CUDA device), as the checkpoint keeps it."""
-    state = {"cpu": torch.get_rng_state()}
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -168,6 +169,8 @@ def _convert_trusted_checkpoint(path: Path) -> dict:
     except Exception as err:  # noqa: BLE001 - torch raises many types for a damaged file
         raise ValueError(f"{path}: damaged training state ({type(err).__name__}); the run cannot be resumed") from None
     saved = plain_values(saved)
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: holds a {type(saved).__name__}, not a training state; the run cannot be resumed")
     buffer = io.BytesIO()
     torch.save(saved, buffer)
     buffer.seek(0)

@@ -9,15 +9,20 @@ import contextlib
 import logging
 import signal
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 from qkv.training import checkpoint_files as ckpt
-from qkv.training.config import TrainState
+from qkv.training.config import TrainConfig, TrainState
 from qkv.training.distributed import (
+    Distributed,
     full_state,
     load_full_state,
     load_optimizer_shards,
@@ -29,13 +34,13 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def sigterm_held():
+def sigterm_held() -> Iterator[None]:
     """SIGTERM waits while the block runs (in the main thread): a save after a failure finishes, then
     the signal is delivered as it arrived. SIGKILL still ends the process at once."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    pending = []
+    pending: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: pending.append(signum))
     try:
         yield
@@ -46,16 +51,52 @@ def sigterm_held():
 
 
 class Checkpointing:
-    """The checkpoint half of :class:`~qkv.training.engine.Trainer` (which sets ``model``, ``optimizer``,
-    ``ema``, ``config``, ``state``, ``dist``, ``sharded``, ``run_dir`` and ``metrics_path`` and has
-    ``plain_model``)."""
+    """The checkpoint half of :class:`~qkv.training.engine.Trainer`, which sets the attributes declared
+    here and defines :meth:`plain_model`."""
+
+    model: nn.Module
+    task: Any  # a training task (qkv.training.tasks)
+    optimizer: torch.optim.Optimizer
+    ema: AveragedModel | None
+    config: TrainConfig
+    state: TrainState
+    dist: Distributed
+    sharded: bool  # FSDP2: each process holds a shard of the weights
+    run_dir: Path | None
+    metrics_path: Path | None
+    _shadow: nn.Module | None  # under FSDP2, rank 0's unsharded copy
+    _batches_epoch: int | None
+
+    def plain_model(self) -> nn.Module | None:
+        """The whole model (None on the processes other than rank 0 under FSDP2)."""
+        raise NotImplementedError
+
+    @property
+    def run_folder(self) -> Path:
+        """The run folder, for a Trainer built with one."""
+        if self.run_dir is None:
+            raise ValueError("this Trainer was built without a run folder (run_dir=None): it cannot save or resume")
+        return self.run_dir
+
+    def _whole_model(self) -> nn.Module:
+        """Rank 0's whole model: the model, or under FSDP2 its unsharded copy."""
+        model = self._shadow if self.sharded else self.model
+        if model is None:
+            raise RuntimeError("under FSDP2 only rank 0 holds the whole model")
+        return model
+
+    def _kept(self) -> list[str]:
+        """The names of the checkpoints kept for averaging (a list in the state from now on)."""
+        if self.state.kept_checkpoints is None:
+            self.state.kept_checkpoints = []
+        return self.state.kept_checkpoints
 
     def save(self, folder: str | Path | None = None) -> None:
         """Save the resumable checkpoint (one atomic file: weights, optimizer, position, every
         process's RNG; under FSDP2 the optimizer's shards go to a folder that file names) and
         ``last.safetensors``, at a step boundary, into ``folder`` (default: the run's). Every
         process calls it; rank 0 writes."""
-        folder = Path(folder) if folder is not None else self.run_dir
+        folder = Path(folder) if folder is not None else self.run_folder
         if self.sharded:  # full weights on rank 0 (the run folder's format), the optimizer in shards
             weights, _ = full_state(self.model, None, sharded=True)
             optim = save_optimizer_shards(self.model, self.optimizer, folder, self.state.step, self.dist)
@@ -63,13 +104,14 @@ class Checkpointing:
             weights, optim = full_state(self.model, self.optimizer, sharded=False)
         rng = self.dist.gather(ckpt.rng_state())
         if self.dist.is_main:
+            assert rng is not None  # gathered on rank 0
             metrics = folder / "metrics.jsonl"
             self.state.metrics_bytes = metrics.stat().st_size if metrics.is_file() else 0
             if self.sharded:
-                self._shadow.load_state_dict(weights)
+                self._whole_model().load_state_dict(weights)
             ckpt.save_checkpoint(
                 folder,
-                self._shadow if self.sharded else self.model,
+                self._whole_model(),
                 {
                     "train_state": asdict(self.state),
                     "optimizer": optim,
@@ -86,26 +128,27 @@ class Checkpointing:
         """Restore weights, optimizer, position and RNG from the run folder (saved by any number of
         processes), cut ``metrics.jsonl`` back to that step and clear what a killed process left.
         ``trust``: see :func:`qkv.training.checkpoint_files.load_checkpoint` (rank 0 converts; the others wait)."""
+        run_dir = self.run_folder
         if trust and self.dist.enabled:  # one process rewrites the file; the others then read the safe form
             if self.dist.is_main:
-                ckpt.load_checkpoint(self.run_dir, clean=True, trust=True)
+                ckpt.load_checkpoint(run_dir, clean=True, trust=True)
             self.dist.barrier()
-        saved = ckpt.load_checkpoint(self.run_dir, clean=self.dist.is_main, trust=trust and not self.dist.enabled)
-        weights = saved["model"] if "model" in saved else ckpt.read_weights(self.run_dir / "last.safetensors")
+        saved = ckpt.load_checkpoint(run_dir, clean=self.dist.is_main, trust=trust and not self.dist.enabled)
+        weights = saved["model"] if "model" in saved else ckpt.read_weights(run_dir / "last.safetensors")
         shapes_of = self._shadow if self.sharded else self.model  # the whole model's shapes (rank 0 under FSDP2)
         if shapes_of is not None:
-            ckpt.check_saved_weights(shapes_of, weights, self.run_dir / ckpt.CHECKPOINT_FILE)
+            ckpt.check_saved_weights(shapes_of, weights, run_dir / ckpt.CHECKPOINT_FILE)
         fields = saved["train_state"]
         unknown = sorted(set(fields) - {f.name for f in dataclass_fields(TrainState)} - {"best_bleu"})
         if unknown:
             raise ValueError(
-                f"{self.run_dir / ckpt.CHECKPOINT_FILE}: train_state holds fields qkv does not write: {unknown[:5]}"
+                f"{run_dir / ckpt.CHECKPOINT_FILE}: train_state holds fields qkv does not write: {unknown[:5]}"
             )
         optim = saved["optimizer"]
         shards = optim.get("shards") if isinstance(optim, dict) else None
         load_full_state(self.model, self.optimizer, weights, None if shards else optim, self.sharded)
         if shards:  # written by FSDP2: read back resharded for this run's processes and strategy
-            load_optimizer_shards(self.model, self.optimizer, self.run_dir / shards)
+            load_optimizer_shards(self.model, self.optimizer, run_dir / shards)
         rng = saved.get("rng", {"cpu": saved.get("torch_rng")})  # the oldest runs: the CPU state only
         per_process = rng if isinstance(rng, list) else [rng]
         if len(per_process) == self.dist.world_size or self.dist.rank < len(per_process):
@@ -128,19 +171,21 @@ class Checkpointing:
             fields["best_score"] = fields.pop("best_bleu")
         self.state = TrainState(**fields)
         self.state.kept_checkpoints = self.state.kept_checkpoints or []
+        metrics = self.metrics_path
         if self.state.one_way_from_epoch >= 0:  # past --both-directions-until when saved
             self.task.drop_reversed_pairs()
             self._batches_epoch = None  # any epoch's batches made before are rebuilt
         if self.dist.is_main:
             if (
                 "metrics_bytes" in saved["train_state"]
-                and self.metrics_path.is_file()
-                and (self.metrics_path.stat().st_size > self.state.metrics_bytes)
+                and metrics is not None
+                and metrics.is_file()
+                and (metrics.stat().st_size > self.state.metrics_bytes)
             ):
-                with open(self.metrics_path, "r+b") as handle:  # lines logged after the saved step are replayed
+                with open(metrics, "r+b") as handle:  # lines logged after the saved step are replayed
                     handle.truncate(self.state.metrics_bytes)
             self._remove_unkept_checkpoints()
-            remove_optimizer_shards(self.run_dir, keep=shards)
+            remove_optimizer_shards(run_dir, keep=shards)
             if self.state.step:
                 logger.info(
                     "resumed at step %d (epoch %d, %.1f minutes done)",
@@ -172,7 +217,7 @@ class Checkpointing:
                 else:
                     self.save()
         except Exception as save_err:  # e.g. a full disk: the previous checkpoint is still whole
-            on_disk = ckpt.saved_step(self.run_dir)
+            on_disk = ckpt.saved_step(self.run_folder)
             logger.error(
                 "could not save the checkpoint of step %d (%s); %s",
                 s.step,
@@ -183,7 +228,7 @@ class Checkpointing:
     def _save_alone(self, s: TrainState) -> None:
         """Rank 0's save without collectives (the other processes may be gone)."""
         ckpt.save_checkpoint(
-            self.run_dir,
+            self.run_folder,
             self.model,
             {
                 "train_state": asdict(s),
@@ -202,19 +247,20 @@ class Checkpointing:
         new file is written, then the state that lists it, and only then are files the state no
         longer lists removed, so a crash at any point leaves a consistent folder."""
         model = self.plain_model()
-        name = f"step_{self.state.step}.safetensors"
-        if name not in self.state.kept_checkpoints:
-            self.state.kept_checkpoints.append(name)
-        del self.state.kept_checkpoints[: max(0, len(self.state.kept_checkpoints) - max(self.config.average_last, 1))]
+        name, kept = f"step_{self.state.step}.safetensors", self._kept()
+        if name not in kept:
+            kept.append(name)
+        del kept[: max(0, len(kept) - max(self.config.average_last, 1))]
         if self.dist.is_main:
-            ckpt.save_weights(model, self.run_dir / "checkpoints" / name)
+            assert model is not None  # rank 0 holds the whole model
+            ckpt.save_weights(model, self.run_folder / "checkpoints" / name)
         self.save()
         if self.dist.is_main:
             self._remove_unkept_checkpoints()
 
     def _remove_unkept_checkpoints(self) -> None:
-        folder = self.run_dir / "checkpoints"
+        folder, kept = self.run_folder / "checkpoints", self._kept()
         if folder.is_dir():
             for path in folder.glob("step_*.safetensors"):
-                if path.name not in self.state.kept_checkpoints:
+                if path.name not in kept:
                     path.unlink(missing_ok=True)

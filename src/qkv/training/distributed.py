@@ -14,19 +14,21 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from qkv.runtime.device import pick_device
 from qkv.runtime.fileio import fsync_dir
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -62,7 +64,7 @@ class Distributed:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor.tolist()
 
-    def broadcast(self, obj):
+    def broadcast(self, obj: T) -> T:
         """Rank 0's ``obj`` on every process."""
         if not self.enabled:
             return obj
@@ -70,11 +72,11 @@ class Distributed:
         dist.broadcast_object_list(holder, src=0)
         return holder[0]
 
-    def gather(self, obj) -> list | None:
+    def gather(self, obj: object) -> list | None:
         """Every process's ``obj``, as a list on rank 0 (None elsewhere)."""
         if not self.enabled:
             return [obj]
-        out = [None] * self.world_size if self.is_main else None
+        out: list | None = [None] * self.world_size if self.is_main else None
         dist.gather_object(obj, out, dst=0)
         return out
 
@@ -113,7 +115,7 @@ def init_distributed(device: str | torch.device | None = None, *, timeout_minute
         dist.init_process_group(
             "nccl" if use_cuda else "gloo",
             timeout=datetime.timedelta(minutes=timeout_minutes),
-            **({"device_id": chosen} if use_cuda else {}),
+            device_id=chosen if use_cuda else None,
         )
     info = Distributed(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=chosen)
     if info.is_main:
@@ -136,7 +138,7 @@ class LossForward(nn.Module):
         self.model = model
         self.loss_fn = loss_fn
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
         return self.loss_fn(self.model, *args, **kwargs)
 
 
@@ -167,21 +169,22 @@ def wrap(model: nn.Module, loss_fn: Callable, ctx: Distributed, strategy: str = 
 
 
 @contextmanager
-def gradient_sync(module: nn.Module, enabled: bool):
+def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
     """Skip the gradient all-reduce (DDP ``no_sync``) or reduce-scatter (FSDP2) of a micro-batch
     that is not the last of its step; the last one synchronises the accumulated gradients."""
     if enabled:
         yield
         return
-    if hasattr(module, "no_sync"):  # DDP
-        with module.no_sync():
+    wrapped: Any = module  # DDP's and FSDP2's methods, found by name
+    if hasattr(wrapped, "no_sync"):  # DDP
+        with wrapped.no_sync():
             yield
-    elif hasattr(module, "set_requires_gradient_sync"):  # FSDP2
-        module.set_requires_gradient_sync(False)
+    elif hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
+        wrapped.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            module.set_requires_gradient_sync(True)
+            wrapped.set_requires_gradient_sync(True)
     else:  # one process: nothing to synchronise
         yield
 

@@ -18,8 +18,10 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -64,7 +66,7 @@ def make_optimizer(module: torch.nn.Module, config: TrainConfig, *, fused: bool 
     on the matrices (weights and embeddings, two dimensions or more) and not on biases or layer-norm
     gains. ``fused``: PyTorch's fused kernel (one over all parameters; 3x faster than the default
     per-tensor loop on a 2-core CPU), None for the default (FSDP2's sharded parameters)."""
-    options = dict(lr=0.0, betas=config.adam_betas, eps=config.adam_eps, fused=fused)
+    options: dict[str, Any] = dict(lr=0.0, betas=config.adam_betas, eps=config.adam_eps, fused=fused)
     if not config.weight_decay:  # one parameter group, as every run before the option (their checkpoints resume)
         return torch.optim.Adam(module.parameters(), **options)
     params = list(module.parameters())
@@ -90,7 +92,7 @@ class Trainer(Checkpointing):
     def __init__(
         self,
         model: torch.nn.Module,
-        task,
+        task: Any,
         config: TrainConfig,
         run_dir: str | Path | None = None,
         *,
@@ -98,7 +100,8 @@ class Trainer(Checkpointing):
         d_model: int | None = None,
     ) -> None:
         self.model, self.task, self.config = model, task, config
-        self.d_model = d_model or model.config.d_model
+        model_config: Any = getattr(model, "config", None)
+        self.d_model: int = d_model or model_config.d_model
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.device = next(model.parameters()).device
         self.dist = dist or Distributed(device=self.device)
@@ -117,7 +120,9 @@ class Trainer(Checkpointing):
         self.state = TrainState(kept_checkpoints=[])
         self.progress = 0.0  # share of the budget spent, set before each step by the loop (see _done)
         self.late_dropout = LateDropout(config.dropout_start)
-        self._batches_epoch, self._batches_cache = None, []  # the current epoch's batches, built once
+        # the current epoch's batches, built once
+        self._batches_epoch: int | None = None
+        self._batches_cache: Sequence[list[int]] = []
         self.metrics_path = self.run_dir / "metrics.jsonl" if self.run_dir is not None else None
 
     # ----------------------------------------------------------------- the step
@@ -164,7 +169,7 @@ class Trainer(Checkpointing):
         return StepStats(loss=loss_sum, tokens=int(tokens), lr=lr, grad_norm=float(grad_norm))
 
     # ----------------------------------------------------------------- the loop
-    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+    def _epoch_batches(self, epoch: int) -> Sequence[list[int]]:
         if self._batches_epoch != epoch:
             self._batches_epoch, self._batches_cache = (
                 epoch,
@@ -305,7 +310,7 @@ class Trainer(Checkpointing):
             return self.model
         weights, _ = full_state(self.model, None, sharded=True)
         if self.dist.is_main:
-            self._shadow.load_state_dict(weights)
+            self._whole_model().load_state_dict(weights)
         return self._shadow
 
     def log(self, record: dict) -> None:
@@ -321,6 +326,7 @@ class Trainer(Checkpointing):
         model = self.plain_model()
         record = None
         if self.dist.is_main:
+            assert model is not None  # rank 0 holds the whole model
             start = time.perf_counter()
             model.eval()
             figures = self.task.validate(model, c.eval_sentences, c.bf16)
@@ -346,7 +352,7 @@ class Trainer(Checkpointing):
                     s.stopped_early = True
                 if score > s.best_score:
                     s.best_score = score
-                    ckpt.save_weights(model, self.run_dir / "best.safetensors")
+                    ckpt.save_weights(model, self.run_folder / "best.safetensors")
         s.stopped_early, s.best_score = self.dist.broadcast((s.stopped_early, s.best_score))
         return record
 
@@ -354,8 +360,8 @@ class Trainer(Checkpointing):
         """Write ``model.safetensors`` and return its path: with ``final_weights="best"`` the best validation's
         weights (once one ran), with ``"ema"`` the moving average, else the kept checkpoints averaged (the final
         weights among them), or the final ones. A run with ``ema_decay`` also writes ``ema.safetensors``."""
-        c, out, best = self.config, self.run_dir / "model.safetensors", self.run_dir / "best.safetensors"
-        ema = self.run_dir / "ema.safetensors"
+        c, folder = self.config, self.run_folder
+        out, best, ema = folder / "model.safetensors", folder / "best.safetensors", folder / "ema.safetensors"
         if self.ema is not None and self.dist.is_main:
             ckpt.save_weights(self.ema.module, ema)
         if c.final_weights == "ema":
@@ -367,12 +373,13 @@ class Trainer(Checkpointing):
         elif c.average_last > 1:
             self.keep_checkpoint()
             if self.dist.is_main:
-                names = self.state.kept_checkpoints[-c.average_last :]
-                ckpt.average_weight_files([self.run_dir / "checkpoints" / n for n in names], out)
+                names = self._kept()[-c.average_last :]
+                ckpt.average_weight_files([folder / "checkpoints" / n for n in names], out)
                 logger.info("averaged %d checkpoints: %s", len(names), ", ".join(names))
         else:
             model = self.plain_model()
             if self.dist.is_main:
+                assert model is not None  # rank 0 holds the whole model
                 ckpt.save_weights(model, out)
         self.dist.barrier()
         return out

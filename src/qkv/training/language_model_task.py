@@ -115,7 +115,7 @@ class LanguageModelTask:
         return module(batch.ids, batch.targets, **loss_keywords(objective))
 
     @torch.no_grad()
-    def validate(self, model: nn.Module, windows: int, bf16: bool) -> dict | None:
+    def validate(self, model: CausalLM, windows: int, bf16: bool) -> dict | None:
         """Validation loss (nats per token), perplexity and bits per character over the first
         ``windows`` non-overlapping windows of the validation array."""
         if self.valid_tokens is None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -109,6 +111,25 @@ def translation_loss(
     return objective(Predictions(hidden, model.output_proj.weight, tgt_out, model.config.pad_id))
 
 
+class PairStore(Protocol):
+    """Tokenized training pairs: :class:`TokenLists` in memory, or a prepared folder's
+    :class:`~qkv.data.prepared.PreparedSplit` read a batch at a time."""
+
+    def __len__(self) -> int: ...
+
+    def lengths(self) -> np.ndarray:
+        """``(n, 2)`` the source and target lengths in tokens."""
+        ...
+
+    def read(self, indices: Iterable[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """The source and target ids of the pairs ``indices``."""
+        ...
+
+    def where(self, index: int) -> str:
+        """Where pair ``index`` comes from (file:line), for messages."""
+        ...
+
+
 class TokenLists:
     """Tokenized pairs in memory: the counterpart of :class:`~qkv.data.prepared.PreparedSplit`
     (``lengths()``, ``read(indices)``, ``where(index)``) for corpora that fit in memory."""
@@ -130,7 +151,7 @@ class TokenLists:
     def lengths(self) -> np.ndarray:
         return np.array([[len(s), len(t)] for s, t in zip(self.src_ids, self.tgt_ids)], dtype=np.int64).reshape(-1, 2)
 
-    def read(self, indices) -> tuple[list[list[int]], list[list[int]]]:
+    def read(self, indices: Iterable[int]) -> tuple[list[list[int]], list[list[int]]]:
         return [self.src_ids[i] for i in indices], [self.tgt_ids[i] for i in indices]
 
     def where(self, index: int) -> str:
@@ -159,7 +180,7 @@ class TranslationTask:
     def __init__(
         self,
         tokenizer: Tokenizer,
-        train_data,
+        train_data: ParallelText | PairStore,
         valid_data: ParallelText | None,
         *,
         max_len: int,
@@ -169,10 +190,11 @@ class TranslationTask:
         self.tokenizer, self.valid, self.max_len, self.pad_id = tokenizer, valid_data, max_len, pad_id
         self.both_directions = both_directions
         self.subword_dropout: SubwordDropout | None = None
+        self.pairs: PairStore
         if isinstance(train_data, ParallelText):
-            src_ids, tgt_ids, kept = encode_pairs(tokenizer, train_data, max_len)
+            src_ids, tgt_ids, encoded = encode_pairs(tokenizer, train_data, max_len)
             self.pairs = TokenLists(
-                src_ids, tgt_ids, [i + 1 for i in kept], {"src": train_data.src_path, "tgt": train_data.tgt_path}
+                src_ids, tgt_ids, [i + 1 for i in encoded], {"src": train_data.src_path, "tgt": train_data.tgt_path}
             )
         else:
             self.pairs = train_data
@@ -209,14 +231,19 @@ class TranslationTask:
     def num_examples(self) -> int:
         return len(self.pairs) if self.kept is None else len(self.kept)
 
+    def _in_memory(self) -> TokenLists:
+        if not isinstance(self.pairs, TokenLists):
+            raise TypeError("a prepared folder's pairs are read a batch at a time: no ids are held in memory")
+        return self.pairs
+
     @property
     def src_ids(self) -> list[list[int]]:
         """The source ids of pairs held in memory (text given to the task)."""
-        return self.pairs.src_ids
+        return self._in_memory().src_ids
 
     @property
     def tgt_ids(self) -> list[list[int]]:
-        return self.pairs.tgt_ids
+        return self._in_memory().tgt_ids
 
     def _trained_indices(self) -> np.ndarray:
         """The indices of the pairs that go into batches."""
@@ -252,11 +279,14 @@ class TranslationTask:
     def _cut_lengths(self, epoch: int, chunk: int = 50_000) -> np.ndarray:
         """Padded lengths of the pairs as subword dropout cuts them in ``epoch`` (make_batch cuts them
         again the same way: the cut is a hash, not a random stream)."""
+        dropout = self.subword_dropout
+        if dropout is None:
+            return self.padded_lengths
         lengths = self.padded_lengths.copy()
         indices = self._trained_indices()
         for start in range(0, len(indices), chunk):
             part = indices[start : start + chunk].tolist()
-            src, tgt = self.subword_dropout.split_pairs(*self.pairs.read(part), part, epoch=epoch)
+            src, tgt = dropout.split_pairs(*self.pairs.read(part), part, epoch=epoch)
             lengths[part] = [max(len(a), len(b)) + 1 for a, b in zip(src, tgt)]
         return lengths
 
@@ -277,7 +307,7 @@ class TranslationTask:
         return module(batch.src, batch.tgt_in, batch.tgt_out, **loss_keywords(objective))
 
     @torch.no_grad()
-    def validate(self, model: nn.Module, sentences: int, bf16: bool) -> dict | None:
+    def validate(self, model: Transformer, sentences: int, bf16: bool) -> dict | None:
         """Validation loss and greedy BLEU/chrF/exact match on the first ``sentences`` pairs that fit."""
         if self.valid is None:
             return None
