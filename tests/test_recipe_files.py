@@ -18,6 +18,7 @@ import torch
 
 from qkv.models.causal_lm import CausalLMConfig
 from qkv.models.transformer import TransformerConfig
+from qkv.runs import recipes as recipes_module
 from qkv.runs.recipes import RECIPE_DIR, Recipe, list_recipes, load_recipe, recipe_for_data
 from qkv.runs.recipes.choice import differences
 from qkv.training.config import TrainConfig
@@ -190,6 +191,9 @@ def test_every_recipe_resolves_to_the_values_of_the_dicts_it_replaced(name):
         # what start_run stored as the run's decoding settings: the recipe's, else the default's
         assert _typed(recipe.decode) == _typed({**OLD_DEFAULT_DECODE, **old.get("decode", {})})
         assert TransformerConfig(**recipe.model) == TransformerConfig(**old["model"])
+    # RECIPES, the plain form kept for scripts, by name and by data source, holds the same
+    plain = recipes_module.RECIPES[name]
+    assert (plain["vocab_size"], plain["model"], plain["train"]) == (old["vocab_size"], old["model"], old["train"])
 
 
 def test_the_recipes_are_the_six_files_and_each_data_source_has_one():
