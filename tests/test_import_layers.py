@@ -52,7 +52,9 @@ def imports(path: Path, *, top_level_only: bool = False) -> list[tuple[str, int]
     for node in nodes:
         if isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names if alias.name.split(".")[0] == "qkv"]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] == "qkv":
+        elif (
+            isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] == "qkv"
+        ):
             found += [(f"{node.module}.{alias.name}", node.lineno) for alias in node.names]
     return found
 

@@ -22,7 +22,28 @@ SENTENCES = [
     "The quick brown fox jumps over the lazy dog, then naps in the afternoon sun.",
     "ok",
 ]
-WORDS = ["the", "a", "dog", "cat", "runs", "sleeps", "on", "mat", "beach", "time", "flies", "like", "an", "arrow", "fruit", "banana", "##s", "##ing", ",", "."]
+WORDS = [
+    "the",
+    "a",
+    "dog",
+    "cat",
+    "runs",
+    "sleeps",
+    "on",
+    "mat",
+    "beach",
+    "time",
+    "flies",
+    "like",
+    "an",
+    "arrow",
+    "fruit",
+    "banana",
+    "##s",
+    "##ing",
+    ",",
+    ".",
+]
 
 
 def minilm_path():

@@ -15,7 +15,26 @@ from bench_loader import load_benchmark
 from qkv.metrics.scores import read_translations
 from qkv.metrics.significance import paired_significance
 
-WORDS = ["ein", "mann", "eine", "frau", "zwei", "hunde", "spielen", "im", "park", "auf", "der", "straße", "mit", "einem", "ball", "und", "lachen", "laut"]
+WORDS = [
+    "ein",
+    "mann",
+    "eine",
+    "frau",
+    "zwei",
+    "hunde",
+    "spielen",
+    "im",
+    "park",
+    "auf",
+    "der",
+    "straße",
+    "mit",
+    "einem",
+    "ball",
+    "und",
+    "lachen",
+    "laut",
+]
 
 
 def references(n: int, seed: int = 0) -> list[str]:

@@ -39,7 +39,43 @@ def test_every_command_line_training_field_and_translation_model_option_is_accep
 
 def test_the_readme_spellings_set_the_fields_they_always_set(bench):
     args, model, train = bench.parse_options(
-        ["--minutes", "0", "--max-steps", "1555", "--checkpoint-every-minutes", "0", "--checkpoint-every-steps", "83", "--schedule", "budget", "--decay-fraction", "0.3", "--warmup", "300", "--vocab", "6000", "--layers", "4", "--d-model", "128", "--heads", "4", "--d-ff", "256", "--dropout", "0.2", "--lr-factor", "0.5", "--no-bf16", "--src", "de", "--tgt", "en", "--threads", "1"]
+        [
+            "--minutes",
+            "0",
+            "--max-steps",
+            "1555",
+            "--checkpoint-every-minutes",
+            "0",
+            "--checkpoint-every-steps",
+            "83",
+            "--schedule",
+            "budget",
+            "--decay-fraction",
+            "0.3",
+            "--warmup",
+            "300",
+            "--vocab",
+            "6000",
+            "--layers",
+            "4",
+            "--d-model",
+            "128",
+            "--heads",
+            "4",
+            "--d-ff",
+            "256",
+            "--dropout",
+            "0.2",
+            "--lr-factor",
+            "0.5",
+            "--no-bf16",
+            "--src",
+            "de",
+            "--tgt",
+            "en",
+            "--threads",
+            "1",
+        ]
     )
     assert model == {
         "num_encoder_layers": 4,

@@ -29,7 +29,14 @@ from qkv.runtime.fileio import read_json
 from qkv.viz.analysis import rollout, view_fields
 from qkv.viz.capture import AttentionRecorder
 from qkv.viz.export import AttentionView, check_text, make_example
-from qkv.viz.lm_explorer import CausalLMExplorer, TextTokenizer, byte_level_text, lm_token_labels, visible
+from qkv.viz.lm_explorer import (
+    CausalLMExplorer,
+    TextTokenizer,
+    byte_level_text,
+    lm_token_labels,
+    run_sample_text,
+    visible,
+)
 from qkv.viz.saliency import cosine_saliency, saliency_field, translation_saliency
 
 if TYPE_CHECKING:
@@ -275,20 +282,27 @@ def open_explorer(path: str | Path | None = None) -> Explorer:
         raise FileNotFoundError(f"{config_path}: not found; pass a BERT checkpoint folder or a qkv run folder")
     config = read_json(config_path)
     if isinstance(config, dict) and isinstance(config.get("model"), dict) and "d_model" in config["model"]:
-        from qkv.runs.folder import load_run, run_task
-
-        model, tokenizer, run_config = load_run(folder)
-        model.to(pick_device())
-        if run_task(run_config) == "lm":
-            from qkv.viz.lm_explorer import run_sample_text
-
-            return CausalLMExplorer(
-                model=model, tokenizer=tokenizer, name=name, sample_text=run_sample_text(folder, tokenizer)
-            )
-        return Seq2SeqExplorer(model=model, tokenizer=tokenizer, name=name)
+        return _run_explorer(folder, name)
     if isinstance(config, dict) and config.get("model_type") == "gpt2":
         model, tokenizer = load_gpt2(folder)
         return CausalLMExplorer(model=model, tokenizer=tokenizer, name=name)
     encoder = load_pretrained(folder)
     assert isinstance(encoder, BertEncoder)  # any model_type but gpt2 is a BERT-family encoder
     return EncoderExplorer(model=encoder, name=name)
+
+
+def _run_explorer(folder: Path, name: str) -> Explorer:
+    """The explorer of a qkv run folder: a language model's or a translation model's."""
+    from qkv.data.tokenizer import Tokenizer
+    from qkv.models.causal_lm import CausalLM
+    from qkv.models.transformer import Transformer
+    from qkv.runs.folder import load_run, run_task
+
+    model, tokenizer, run_config = load_run(folder)
+    model.to(pick_device())
+    if run_task(run_config) == "lm":
+        assert isinstance(model, CausalLM)  # what a language-model run holds
+        sample_text = run_sample_text(folder, tokenizer)
+        return CausalLMExplorer(model=model, tokenizer=tokenizer, name=name, sample_text=sample_text)
+    assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # what a translation run holds
+    return Seq2SeqExplorer(model=model, tokenizer=tokenizer, name=name)
