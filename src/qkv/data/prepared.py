@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -142,8 +142,9 @@ class PreparedSplit:
         start, end = self._read(f"{self.name}.{side}.idx", np.dtype(np.int64), index, 2).tolist()
         return self._read(f"{self.name}.{side}.bin", self.ids_dtype, start, end - start).tolist()
 
-    def read(self, indices: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+    def read(self, indices: Iterable[int]) -> tuple[list[list[int]], list[list[int]]]:
         """The source and target ids of the pairs ``indices``."""
+        indices = list(indices)  # read twice, once a side
         return [self.ids("src", i) for i in indices], [self.ids("tgt", i) for i in indices]
 
     def where(self, index: int) -> str:

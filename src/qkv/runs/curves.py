@@ -37,12 +37,16 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path) -> None:
     fig, ax_loss = plt.subplots(figsize=(7, 4))
     ax_loss.plot([r["minutes"] for r in train], [r["loss"] for r in train], color="tab:blue", label="train loss")
     if valid:
-        ax_loss.plot([r["minutes"] for r in valid], [r["val_loss"] for r in valid], "o-", color="tab:cyan",
-                     label="val loss")
+        ax_loss.plot(
+            [r["minutes"] for r in valid], [r["val_loss"] for r in valid], "o-", color="tab:cyan", label="val loss"
+        )
     ax_loss.set_xlabel("minutes")
     ax_loss.set_ylabel("loss (nats/token)")
     # the task's own validation figure on the right: BLEU for translation, bits/char for a language model
-    for key, label, axis in (("val_bleu_greedy", "val BLEU (greedy)", "BLEU"), ("val_bpc", "val bits/char", "bits/char")):
+    for key, label, axis in (
+        ("val_bleu_greedy", "val BLEU (greedy)", "BLEU"),
+        ("val_bpc", "val bits/char", "bits/char"),
+    ):
         if valid and all(key in r for r in valid):
             ax_right = ax_loss.twinx()
             ax_right.plot([r["minutes"] for r in valid], [r[key] for r in valid], "s-", color="tab:red", label=label)

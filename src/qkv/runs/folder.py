@@ -28,11 +28,15 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Sequence
+from dataclasses import fields
+from functools import partial
 from pathlib import Path
 
-import torch
-
+from qkv.data.text import CharTokenizer, load_text_tokenizer
 from qkv.data.tokenizer import Tokenizer
+from qkv.decoding.ensemble import Ensemble, same_tokenizer
+from qkv.models.causal_lm import CausalLM, CausalLMConfig
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.runtime.fileio import atomic_folder, read_json, write_json
 from qkv.runtime.safe_load import (
@@ -40,15 +44,12 @@ from qkv.runtime.safe_load import (
     check_layer_counts,
     weights_header,
 )
-from qkv.decoding.ensemble import Ensemble, same_tokenizer
 from qkv.training.checkpoint_files import RUN_FORMAT, load_weights
 
 logger = logging.getLogger(__name__)
 
 
 RUN_MARKER = "qkv_run"  # config.json key that marks a qkv run folder; its value is the format version
-
-
 
 
 def is_run_folder(path: str | Path) -> bool:
@@ -82,7 +83,9 @@ def run_task(config: dict) -> str:
     return config.get("task", "translation")
 
 
-def load_run(run_dir: str | Path, weights: str = "model", *, task: str | None = None):
+def load_run(
+    run_dir: str | Path, weights: str = "model", *, task: str | None = None
+) -> tuple[Transformer | CausalLM, Tokenizer | CharTokenizer, dict]:
     """Load a trained run: a translation model or a language model.
 
     Args:
@@ -99,8 +102,6 @@ def load_run(run_dir: str | Path, weights: str = "model", *, task: str | None = 
     Raises:
         FileNotFoundError / ValueError: a missing or damaged file, in one line naming it.
     """
-    from qkv.data.text import load_text_tokenizer
-
     run_dir = Path(run_dir)
     config = read_run_config(run_dir)
     kind = run_task(config)
@@ -114,30 +115,36 @@ def load_run(run_dir: str | Path, weights: str = "model", *, task: str | None = 
     if not path.is_file():
         raise FileNotFoundError(f"{path}: weights file not found")
     model_config = read_model_config(run_dir, config)
-    tokenizer = load_text_tokenizer(run_dir / "tokenizer.json") if kind == "lm" else Tokenizer.load(
-        run_dir / "tokenizer.json")
-    vocab = model_config.vocab_size if kind == "lm" else min(model_config.src_vocab_size, model_config.tgt_vocab_size)
-    if kind == "lm" and not isinstance(tokenizer, Tokenizer) and tokenizer.vocab_size != vocab:  # characters
-        raise ValueError(f"{run_dir / 'tokenizer.json'}: {tokenizer.vocab_size} characters but the model's vocabulary "
-                         f"in config.json has {vocab}; the files do not belong together")
+    tokenizer = (
+        load_text_tokenizer(run_dir / "tokenizer.json") if kind == "lm" else Tokenizer.load(run_dir / "tokenizer.json")
+    )
+    if isinstance(model_config, CausalLMConfig):
+        vocab = model_config.vocab_size
+    else:
+        vocab = min(model_config.src_vocab_size, model_config.tgt_vocab_size)
+    if isinstance(tokenizer, CharTokenizer) and tokenizer.vocab_size != vocab:  # a language model's characters
+        raise ValueError(
+            f"{run_dir / 'tokenizer.json'}: {tokenizer.vocab_size} characters but the model's vocabulary "
+            f"in config.json has {vocab}; the files do not belong together"
+        )
     if tokenizer.vocab_size > vocab:
-        raise ValueError(f"{run_dir / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than the model's "
-                         f"vocabulary of {vocab} in config.json; the files do not belong together")
+        raise ValueError(
+            f"{run_dir / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than the model's "
+            f"vocabulary of {vocab} in config.json; the files do not belong together"
+        )
     model = build_run_model(run_dir, model_config, path)
     load_weights(model, path)
     model.eval()
     return model, tokenizer, config
 
 
-def read_model_config(run_dir: str | Path, config: dict):
+def read_model_config(run_dir: str | Path, config: dict) -> TransformerConfig | CausalLMConfig:
     """The run's model configuration (:class:`~qkv.models.transformer.TransformerConfig` or
     :class:`~qkv.models.causal_lm.CausalLMConfig`), checked field by field; one-line ``ValueError`` naming
     ``config.json`` otherwise. Nothing is built."""
-    from dataclasses import fields
-
-    from qkv.models.causal_lm import CausalLMConfig
-
-    kind = CausalLMConfig if run_task(config) == "lm" else TransformerConfig
+    kind: type[TransformerConfig] | type[CausalLMConfig] = (
+        CausalLMConfig if run_task(config) == "lm" else TransformerConfig
+    )
     # qkv has written every field since its first run folder: a missing one is damage, not an older
     # run, and its default would build another model without a word
     missing = [item.name for item in fields(kind) if item.name not in config["model"]]
@@ -149,28 +156,37 @@ def read_model_config(run_dir: str | Path, config: dict):
         raise ValueError(f"{Path(run_dir) / 'config.json'}: bad model section ({err})") from None
 
 
-def build_run_model(run_dir: str | Path, model_config, weights_path: str | Path) -> torch.nn.Module:
+def build_run_model(
+    run_dir: str | Path, model_config: TransformerConfig | CausalLMConfig, weights_path: str | Path
+) -> Transformer | CausalLM:
     """Build the run's model (weights not loaded) once ``config.json`` has been compared with the
     header of ``weights_path``: layer counts, then every tensor's shape and the memory the model
     needs (:mod:`qkv.runtime.safe_load`), so a copied config asking for 10,000 layers or d_model 10^6 is a
     one-line error in a fraction of a second, not minutes and gigabytes."""
-    from qkv.models.causal_lm import CausalLM, CausalLMConfig
-
     config_path = Path(run_dir) / "config.json"
     header = weights_header(weights_path)
     if isinstance(model_config, CausalLMConfig):
         layers = {"num_layers": ("decoder.layers.", model_config.num_layers)}
-        make = CausalLM
+        make: Callable[[], Transformer | CausalLM] = partial(CausalLM, model_config)
     else:
-        layers = {"num_encoder_layers": ("encoder.layers.", model_config.num_encoder_layers),
-                  "num_decoder_layers": ("decoder.layers.", model_config.num_decoder_layers)}
-        make = Transformer
+        layers = {
+            "num_encoder_layers": ("encoder.layers.", model_config.num_encoder_layers),
+            "num_decoder_layers": ("decoder.layers.", model_config.num_decoder_layers),
+        }
+        make = partial(Transformer, model_config)
     check_layer_counts(header, layers, config_path=config_path, weights_path=weights_path)
-    return build_within_weights(lambda: make(model_config), header, config_path=config_path, weights_path=weights_path,
-                                fields=vars(model_config))
+    model = build_within_weights(
+        make,
+        header,
+        config_path=config_path,
+        weights_path=weights_path,
+        fields=vars(model_config),
+    )
+    assert isinstance(model, (Transformer, CausalLM))  # what make built
+    return model
 
 
-def check_new_run_dir(run_dir: str | Path, *, overwrite: bool, inputs: list[str | Path] = ()) -> None:
+def check_new_run_dir(run_dir: str | Path, *, overwrite: bool, inputs: Sequence[str | Path] = ()) -> None:
     """Check that a new run may be created at ``run_dir``: it does not exist, or ``overwrite`` is
     given and :func:`check_replaceable` allows it. Raises ``ValueError``; deletes nothing."""
     if Path(run_dir).exists():
@@ -179,7 +195,7 @@ def check_new_run_dir(run_dir: str | Path, *, overwrite: bool, inputs: list[str 
         check_replaceable(run_dir, inputs=inputs)
 
 
-def check_replaceable(run_dir: str | Path, *, inputs: list[str | Path] = ()) -> None:
+def check_replaceable(run_dir: str | Path, *, inputs: Sequence[str | Path] = ()) -> None:
     """Check that ``--overwrite`` may replace ``run_dir``: it must be a qkv run folder or an empty
     folder, must not hold the current directory, and must not hold any of ``inputs`` (the files
     the new run reads). Raises ``ValueError`` saying which rule failed; deletes nothing."""
@@ -190,19 +206,30 @@ def check_replaceable(run_dir: str | Path, *, inputs: list[str | Path] = ()) -> 
         raise ValueError(f"{run_dir}: exists and is not a folder; --overwrite only replaces a qkv run folder")
     resolved = run_dir.resolve()
     if not (is_run_folder(run_dir) or not any(run_dir.iterdir())):
-        raise ValueError(f"{run_dir}: not a qkv run folder (no config.json marked '{RUN_MARKER}') and not empty; "
-                         "--overwrite only replaces a run folder: choose another --run-dir")
+        raise ValueError(
+            f"{run_dir}: not a qkv run folder (no config.json marked '{RUN_MARKER}') and not empty; "
+            "--overwrite only replaces a run folder: choose another --run-dir"
+        )
     cwd = Path.cwd().resolve()
     if cwd == resolved or resolved in cwd.parents:
         raise ValueError(f"{run_dir}: holds the current directory; --overwrite will not replace it")
     for item in inputs:
         if item and (resolved == Path(item).resolve() or resolved in Path(item).resolve().parents):
-            raise ValueError(f"{item}: the new run reads this file, and it lies inside {run_dir}, which "
-                             "--overwrite would replace; move it or choose another --run-dir")
+            raise ValueError(
+                f"{item}: the new run reads this file, and it lies inside {run_dir}, which "
+                "--overwrite would replace; move it or choose another --run-dir"
+            )
 
 
-def create_run(run_dir: str | Path, config: dict, tokenizer: Tokenizer, *, overwrite: bool = False,
-               write_initial=None, inputs: list[str | Path] = ()) -> Path:
+def create_run(
+    run_dir: str | Path,
+    config: dict,
+    tokenizer: Tokenizer | CharTokenizer,
+    *,
+    overwrite: bool = False,
+    write_initial: Callable[[Path], None] | None = None,
+    inputs: Sequence[str | Path] = (),
+) -> Path:
     """Create a run folder holding ``config.json`` (marked as a qkv run) and ``tokenizer.json``.
 
     The folder is assembled under a temporary name (with ``write_initial(folder)`` adding e.g. the
@@ -232,7 +259,9 @@ def write_config(run_dir: str | Path, config: dict) -> None:
     write_json(Path(run_dir) / "config.json", {RUN_MARKER: config.get(RUN_MARKER, RUN_FORMAT), **config})
 
 
-def load_translator(run_dirs: list[str | Path], weights: str = "model"):
+def load_translator(
+    run_dirs: Sequence[str | Path], weights: str = "model"
+) -> tuple[Transformer | Ensemble, Tokenizer, dict]:
     """Load one translation run, or several as an :class:`Ensemble`.
 
     Args:
@@ -248,13 +277,17 @@ def load_translator(run_dirs: list[str | Path], weights: str = "model"):
     """
 
     model, tokenizer, config = load_run(run_dirs[0], weights, task="translation")
+    assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # a translation run's
     if len(run_dirs) == 1:
         return model, tokenizer, config
     models = [model]
     for run_dir in run_dirs[1:]:
         other, other_tokenizer, _ = load_run(run_dir, weights, task="translation")
+        assert isinstance(other, Transformer)  # a translation run's
         if not same_tokenizer(tokenizer, other_tokenizer):
-            raise ValueError(f"{run_dir}: its tokenizer differs from {run_dirs[0]}'s; an ensemble decodes one "
-                             "vocabulary, so its runs must be trained on the same data (one tokenizer.json)")
+            raise ValueError(
+                f"{run_dir}: its tokenizer differs from {run_dirs[0]}'s; an ensemble decodes one "
+                "vocabulary, so its runs must be trained on the same data (one tokenizer.json)"
+            )
         models.append(other)
     return Ensemble(models), tokenizer, config

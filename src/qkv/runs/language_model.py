@@ -15,6 +15,7 @@ before, and :func:`missing_test_split` says why it has no test split.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ def lm_model_config(recipe: Recipe, model_options: dict | None, vocab_size: int)
 SPLIT_FILES = {"train": "train.bin", "val": "val.bin", "test": "test.bin"}
 
 
-def check_lm_arrays(run_dir: Path, config: dict, names=("train", "val", "test")) -> None:
+def check_lm_arrays(run_dir: Path, config: dict, names: Iterable[str] = ("train", "val", "test")) -> None:
     """Check the token arrays of ``names`` in a run folder against the token counts config.json
     records (by each file's size, without opening it). A split the run lacks (a test split under
     ``--val-text`` alone, or any split of a run folder older than these records) is skipped here.

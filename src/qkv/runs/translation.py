@@ -25,13 +25,9 @@ from pathlib import Path
 
 import torch
 
-from qkv.data.parallel import ParallelText
-from qkv.data.prepared import PreparedCorpus, PreparedSplit, write_token_lists
 from qkv.data.sources import (
-    both_directions,
     check_spec,
     data_fingerprint,
-    load_train_valid,
     open_training_data,
 )
 from qkv.data.spec import DataSpec
@@ -43,6 +39,7 @@ from qkv.runs.curves import plot_metrics
 from qkv.runs.language_model import open_lm_task, start_lm_run
 from qkv.runs.recipes import Recipe, decode_settings
 from qkv.runs.recipes.choice import RecipeChoice, choose_recipe
+from qkv.runs.translation_data import RUN_DATA_FOLDER, open_translation_task, write_run_data
 from qkv.runtime import precision
 from qkv.runtime.device import pick_device
 from qkv.training import Distributed, TrainConfig, Trainer, TrainingCrashed, TranslationTask
@@ -219,7 +216,8 @@ def start_translation_run(
 
     def write_initial(folder: Path) -> None:
         if corpus is None:  # the run's own prepared copy: resuming and other processes read it
-            manifest = _write_run_data(folder / RUN_DATA_FOLDER, tokenizer, task.pairs, training.valid, data)
+            assert isinstance(task.pairs, TokenLists)  # pairs read from text are held in memory
+            manifest = write_run_data(folder / RUN_DATA_FOLDER, tokenizer, task.pairs, training.valid, data)
             prepared["fingerprint"] = manifest["fingerprint"]  # known once the copy is written: a resume compares it
             run_folder.write_config(folder, config)
         trainer.save(folder)
@@ -256,92 +254,6 @@ def _model_and_train_configs(
         logger.info(line)
     model_config = _model_config(choice.recipe, model_options, tokenizer.vocab_size, tokenizer.pad_id)
     return model_config, train_config
-
-
-RUN_DATA_FOLDER = "data"
-RESUME_REMEDY = "resuming would not continue the same run; restore the folder or start a new --run-dir"
-
-
-def _write_run_data(
-    folder: Path, tokenizer: Tokenizer, pairs: TokenLists, valid: ParallelText | None, data: DataSpec
-) -> dict:
-    """The training pairs a run starts with (already tokenised, over-long ones left out) and its
-    validation pairs, as a prepared folder inside the run folder. Returns its manifest."""
-    folder.mkdir()
-    splits = {"train": (pairs.src_ids, pairs.tgt_ids, pairs.lines)}
-    sources = {"train": pairs.source}
-    if valid is not None:
-        splits["valid"] = (
-            tokenizer.encode_batch(valid.src),
-            tokenizer.encode_batch(valid.tgt),
-            list(range(1, len(valid) + 1)),
-        )
-        sources["valid"] = {"src": valid.src_path, "tgt": valid.tgt_path}
-    return write_token_lists(folder, tokenizer, splits, sources=sources, data=data.to_json())
-
-
-def _open_translation_task(
-    run_dir: Path, config: dict, tokenizer: Tokenizer, model_config: TransformerConfig
-) -> TranslationTask:
-    """The task of a translation run: from its prepared folder (its own copy, or the one it was
-    started with, refused if it changed since: another fingerprint, or files that are not what the
-    manifest says), or for runs older than prepared folders from its text, refused if that changed."""
-    try:
-        spec = DataSpec.from_json(config.get("data"))
-    except ValueError as err:
-        raise ValueError(f"{run_dir / 'config.json'}: data: {err}") from None
-    prepared, saved_print = config.get("prepared"), config.get("data_fingerprint")
-    if prepared and spec.source != "prepared":
-        _check_source_unchanged(spec, saved_print)
-    if prepared:
-        corpus = PreparedCorpus(run_dir / prepared["folder"])  # an absolute folder stays itself
-        if prepared.get("fingerprint") and corpus.fingerprint != prepared["fingerprint"]:
-            raise ValueError(
-                f"the prepared folder {corpus.folder} changed since this run started (fingerprint "
-                f"{corpus.fingerprint[:12]}, the run's {prepared['fingerprint'][:12]}): resuming would not "
-                "continue the same run; restore it or start a new --run-dir"
-            )
-        # the run's own copy keeps no hash cache: nothing is written into a run folder by opening it
-        vocab = min(model_config.src_vocab_size, model_config.tgt_vocab_size)
-        corpus.verify(vocab, cache=spec.source == "prepared", remedy=RESUME_REMEDY)
-        train: ParallelText | PreparedSplit = corpus.split("train")
-        valid = corpus.text("valid", tokenizer) if corpus.has("valid") else None
-    else:
-        train, valid = load_train_valid(spec)
-        _compare_fingerprint(saved_print, train)
-        if spec.both_directions:
-            train = both_directions(train)
-    # the run's own copy holds the pairs both ways round already
-    return TranslationTask(
-        tokenizer,
-        train,
-        valid,
-        max_len=model_config.max_len,
-        pad_id=model_config.pad_id,
-        both_directions=spec.both_directions,
-    )
-
-
-def _check_source_unchanged(spec: DataSpec, saved_print: dict | None) -> None:
-    """A run that keeps its own copy of its pairs still refuses to resume when the text it was
-    started from changed (the user most likely meant to train on the new text); when that text is
-    gone, the copy is all the run needs."""
-    try:
-        train_data, _ = load_train_valid(spec)
-    except FileNotFoundError as error:
-        logger.info("%s; resuming from the run's own copy of its training pairs", error)
-        return
-    _compare_fingerprint(saved_print, train_data)
-
-
-def _compare_fingerprint(saved_print: dict | None, train_data: ParallelText) -> None:
-    now = data_fingerprint(train_data)
-    if saved_print and saved_print != now:
-        raise ValueError(
-            f"the training data changed since this run started ({saved_print['pairs']} pairs, now "
-            f"{now['pairs']}{'' if saved_print['pairs'] != now['pairs'] else ', different text'}): "
-            "resuming would not continue the same run; restore the data or start a new --run-dir"
-        )
 
 
 def resume_run(
@@ -387,7 +299,8 @@ def resume_run(
         trainer = Trainer(model, open_lm_task(run_dir, config), train_config, run_dir, dist=dist)
         return _resumed(trainer, run_dir, config, train_config, train_options, trust_checkpoint)
     tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
-    task = _open_translation_task(run_dir, config, tokenizer, model_config)
+    assert isinstance(model_config, TransformerConfig)  # read_model_config: a translation run's
+    task = open_translation_task(run_dir, config, tokenizer, model_config)
     trainer = Trainer(model, task, train_config, run_dir, dist=dist)
     return _resumed(trainer, run_dir, config, train_config, train_options, trust_checkpoint)
 
@@ -414,9 +327,10 @@ def run_training(trainer: Trainer) -> Path:
     try:
         trainer.train()
     finally:
-        if trainer.dist.is_main and trainer.metrics_path.is_file():
+        metrics, run_dir = trainer.metrics_path, trainer.run_dir
+        if trainer.dist.is_main and metrics is not None and run_dir is not None and metrics.is_file():
             try:
-                plot_metrics(trainer.metrics_path, trainer.run_dir / "curves.png")
+                plot_metrics(metrics, run_dir / "curves.png")
             except Exception as err:  # noqa: BLE001 - a plot must never hide the training's own outcome
                 logger.warning("could not draw curves.png (%s)", err)
     return trainer.finish()
