@@ -344,13 +344,17 @@ def test_dropout_starts_when_its_share_of_the_budget_is_spent(tmp_path, monkeypa
     pairs = generate_dates(64, seed=5)
     train = TrainConfig(max_tokens=400, warmup_steps=4, max_steps=4, progress=False, average_last=1, dropout_start=0.5)
     trainer = tiny_run(tmp_path, pairs, train, dropout=0.3, attention_dropout=0.2)
-    rates = lambda: sorted(
-        {
-            round(float(getattr(m, "p", getattr(m, "dropout", 0.0))), 3)  # noqa: E731
-            for m in trainer.model.modules()
-            if hasattr(m, "p") or isinstance(getattr(m, "dropout", None), float)
-        }
-    )
+
+    def rates() -> list[float]:
+        """The model's distinct dropout rates now (Dropout modules' p, attention's float dropout)."""
+        return sorted(
+            {
+                round(float(getattr(m, "p", getattr(m, "dropout", 0.0))), 3)
+                for m in trainer.model.modules()
+                if hasattr(m, "p") or isinstance(getattr(m, "dropout", None), float)
+            }
+        )
+
     assert rates() == [0.2, 0.3]
     seen, loss = [], TranslationTask.loss
 
@@ -443,7 +447,7 @@ def test_checkpoint_averaging_and_best(tmp_path):
     valid_events = [e for e in events if e["event"] == "valid"]
     assert [e["step"] for e in valid_events] == [4, 8]
     assert all(0 <= e["val_exact_match"] <= 1 and math.isfinite(e["val_loss"]) for e in valid_events)
-    assert not [p for p in trainer.run_dir.rglob("*.tmp")]  # atomic writes leave no temporaries
+    assert not list(trainer.run_dir.rglob("*.tmp"))  # atomic writes leave no temporaries
 
 
 def test_stop_at_exact_match(tmp_path):
@@ -524,7 +528,9 @@ def test_compiled_training_follows_the_eager_run(tmp_path, monkeypatch):
     for name, weight in runs[False][1].items():
         if name.endswith("k_proj.bias"):  # its gradient is 0 in exact arithmetic (softmax ignores a
             continue  # per-query shift); Adam's update of the rounding noise is +-lr, in either run
-        torch.testing.assert_close(runs[True][1][name], weight, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            runs[True][1][name], weight, atol=1e-4, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 # --------------------------------------------------------------------------- run folders
