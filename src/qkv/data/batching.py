@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import torch
@@ -80,18 +81,24 @@ class BatchPlan(Sequence):
     def __len__(self) -> int:
         return len(self.batch_order)
 
-    def __getitem__(self, k):
+    @overload
+    def __getitem__(self, k: int) -> list[int]: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> list[list[int]]: ...
+
+    def __getitem__(self, k: int | slice) -> list[int] | list[list[int]]:
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(len(self)))]
         b = int(self.batch_order[k])
         return self.order[self.bounds[b] : self.bounds[b + 1]].tolist()
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         if not isinstance(other, (BatchPlan, list, tuple)):
             return NotImplemented
         return len(self) == len(other) and all(a == list(b) for a, b in zip(self, other))
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # a plan is compared by its batches, so it is not hashable
 
     def __repr__(self) -> str:
         return f"BatchPlan({len(self)} batches of {len(self.order)} examples)"
@@ -164,8 +171,8 @@ def _greedy_cuts(sorted_lengths: np.ndarray, max_tokens: int) -> np.ndarray:
 
 
 def token_batches(
-    src_lengths,
-    tgt_lengths,
+    src_lengths: Sequence[int] | np.ndarray,
+    tgt_lengths: Sequence[int] | np.ndarray,
     max_tokens: int,
     *,
     seed: int | None = 0,

@@ -31,6 +31,7 @@ from itertools import chain
 from operator import itemgetter
 
 import numpy as np
+import numpy.typing as npt
 import regex
 
 from qkv.data.tokenizer import Tokenizer
@@ -82,7 +83,7 @@ class CachedEncoder:
             150 bytes a piece).
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, dtype=np.uint16, cache_size: int = 500_000) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, dtype: npt.DTypeLike = np.uint16, cache_size: int = 500_000) -> None:
         self.backend = tokenizer.backend
         self.dtype = np.dtype(dtype)
         if tokenizer.vocab_size > np.iinfo(self.dtype).max + 1:
@@ -106,11 +107,11 @@ class CachedEncoder:
             (int64), so text ``i`` is ``flat[sum(lengths[:i]) : sum(lengths[:i + 1])]``.
         """
         if self.fast and self._all_fast(texts):  # the usual case, checked once for the whole list
-            pieces = list(map(ASCII_PIECES.findall, texts))
-            self._cache_pieces(set().union(*pieces))
-            return self._join_cached(pieces)
+            ascii_pieces = list(map(ASCII_PIECES.findall, texts))
+            self._cache_pieces(set().union(*ascii_pieces))
+            return self._join_cached(ascii_pieces)
         fast = [self._fast(t) for t in texts]
-        pieces = [split_pieces(t) if f else None for t, f in zip(texts, fast)]
+        pieces: list[list[str] | None] = [split_pieces(t) if f else None for t, f in zip(texts, fast)]
         self._cache_pieces(set().union(*(ps for ps in pieces if ps is not None)))
         cache = self.cache
         slow = [t for t, f in zip(texts, fast) if not f]
@@ -129,9 +130,9 @@ class CachedEncoder:
             self.cache.clear()
             unseen = distinct
         if unseen:
-            unseen = list(unseen)
-            encoded = self.backend.encode_batch(unseen, add_special_tokens=False)
-            self.cache.update(zip(unseen, (self._ids_bytes(e.ids) for e in encoded)))
+            ordered = list(unseen)
+            encoded = self.backend.encode_batch(ordered, add_special_tokens=False)
+            self.cache.update(zip(ordered, (self._ids_bytes(e.ids) for e in encoded)))
 
     def _join_cached(self, pieces: list[list[str]]) -> tuple[np.ndarray, np.ndarray]:
         """Every text's cached pieces end to end, looked up in one ``itemgetter`` call, and each

@@ -143,7 +143,8 @@ def generate_dates(n: int, *, seed: int = 0, split: str = "train") -> ParallelTe
     rng = random.Random(f"qkv-dates-{split}-{seed}")
     first, last = FIRST.toordinal(), LAST.toordinal()
     names = list(FORMATS)
-    src, tgt = [], []
+    src: list[str] = []
+    tgt: list[str] = []
     while len(src) < n:
         date = dt.date.fromordinal(rng.randint(first, last))
         if is_held_out(date) != (split == "test"):

@@ -60,8 +60,10 @@ class Tokenizer:
         backend = _HFTokenizer(models.BPE(unk_token=UNK))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if split_digits:
-            byte_level = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        backend.pre_tokenizer = byte_level
+            digits = pre_tokenizers.Digits(individual_digits=True)
+            backend.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
+        else:
+            backend.pre_tokenizer = byte_level
         backend.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,

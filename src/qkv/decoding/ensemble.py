@@ -18,17 +18,22 @@ from __future__ import annotations
 
 import json
 import math
+from typing import TypeVar, cast
 
 import torch
 from torch import Tensor, nn
 
+from qkv.attention.multihead import KVCache
+from qkv.data.tokenizer import Tokenizer
 from qkv.models.transformer import DecoderOutput, EncoderOutput, Transformer
+
+T = TypeVar("T")
 
 
 class Ensemble(nn.Module):
     """Average the next-token probabilities of ``models`` (two or more :class:`Transformer`)."""
 
-    def __init__(self, models: list[Transformer]):
+    def __init__(self, models: list[Transformer]) -> None:
         super().__init__()
         if len(models) < 2:
             raise ValueError(f"an ensemble needs at least 2 models, got {len(models)}")
@@ -47,30 +52,40 @@ class Ensemble(nn.Module):
         self._layers = [m.config.num_decoder_layers for m in models]
 
     def encode(self, src: Tensor, *, src_key_padding_mask: Tensor | None = None) -> EncoderOutput:
-        outputs = [m.encode(src, src_key_padding_mask=src_key_padding_mask) for m in self.members]
+        outputs = [m.encode(src, src_key_padding_mask=src_key_padding_mask) for m in self._models()]
         hidden = torch.cat([o.hidden for o in outputs], dim=-1)  # (b, s_src, sum of d_model)
         return EncoderOutput(hidden, None, outputs[0].key_padding_mask)
 
-    def decode(self, tgt: Tensor, memory: EncoderOutput, *, cache=None) -> DecoderOutput:
+    def _models(self) -> list[Transformer]:
+        """The members, as the Transformers they are (a ModuleList holds them, for their parameters)."""
+        return cast(list[Transformer], list(self.members))
+
+    def decode(
+        self, tgt: Tensor, memory: EncoderOutput, *, cache: list[tuple[KVCache, KVCache]] | None = None
+    ) -> DecoderOutput:
         hiddens = memory.hidden.split(self._widths, dim=-1)
-        caches = _split(cache, self._layers) if cache is not None else [None] * len(self.members)
-        log_probs, new_cache = [], []
-        for model, hidden, member_cache in zip(self.members, hiddens, caches):
+        caches: list[list[tuple[KVCache, KVCache]] | None]
+        caches = list(_split(cache, self._layers)) if cache is not None else [None] * len(self.members)
+        log_probs: list[Tensor] = []
+        new_cache: list[tuple[KVCache, KVCache]] = []
+        for model, hidden, member_cache in zip(self._models(), hiddens, caches):
             out = model.decode(tgt, EncoderOutput(hidden, None, memory.key_padding_mask), cache=member_cache)
+            assert out.logits is not None and out.cache is not None  # decode projects and caches unless told not to
             log_probs.append(torch.log_softmax(out.logits.float(), dim=-1))
             new_cache.extend(out.cache)
         mean = torch.logsumexp(torch.stack(log_probs), dim=0) - math.log(len(log_probs))  # (b, s_tgt, V)
         return DecoderOutput(mean, out.hidden, cache=new_cache)  # hidden: the last member's (widths may differ)
 
 
-def _split(items: list, counts: list[int]) -> list[list]:
-    parts, start = [], 0
+def _split(items: list[T], counts: list[int]) -> list[list[T]]:
+    parts: list[list[T]] = []
+    start = 0
     for n in counts:
         parts.append(items[start : start + n])
         start += n
     return parts
 
 
-def same_tokenizer(a, b) -> bool:
+def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
     """Whether two runs' tokenizers are one and the same (vocabulary, merges and settings)."""
     return json.loads(a.backend.to_str()) == json.loads(b.backend.to_str())

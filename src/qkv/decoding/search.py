@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
 
 from qkv.attention.multihead import KVCache
+from qkv.decoding.ensemble import Ensemble
 from qkv.models.transformer import DecoderOutput, EncoderOutput, Transformer
 
 
@@ -68,7 +70,7 @@ def _expand_memory(memory: EncoderOutput, k: int) -> EncoderOutput:
 
 @torch.no_grad()
 def greedy_decode(
-    model: Transformer,
+    model: Transformer | Ensemble,
     src: Tensor,
     *,
     bos_id: int,
@@ -111,9 +113,39 @@ def greedy_decode(
     return [tokens[i, 1 : 1 + int(lengths[i])].tolist() for i in range(b)]
 
 
+@overload
+def beam_search(
+    model: Transformer | Ensemble,
+    src: Tensor,
+    *,
+    bos_id: int,
+    eos_id: int,
+    beam_size: int = 5,
+    alpha: float = 0.6,
+    extra_len: int = 50,
+    use_cache: bool = True,
+    return_all: Literal[False] = False,
+) -> list[list[int]]: ...
+
+
+@overload
+def beam_search(
+    model: Transformer | Ensemble,
+    src: Tensor,
+    *,
+    bos_id: int,
+    eos_id: int,
+    beam_size: int = 5,
+    alpha: float = 0.6,
+    extra_len: int = 50,
+    use_cache: bool = True,
+    return_all: Literal[True],
+) -> list[list[Hypothesis]]: ...
+
+
 @torch.no_grad()
 def beam_search(
-    model: Transformer,
+    model: Transformer | Ensemble,
     src: Tensor,
     *,
     bos_id: int,

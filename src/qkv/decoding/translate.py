@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from qkv.data.batching import pad_sequences
 from qkv.data.tokenizer import Tokenizer
+from qkv.decoding.ensemble import Ensemble
 from qkv.decoding.search import beam_search, greedy_decode
 from qkv.models.transformer import Transformer
 from qkv.runtime.precision import autocast_context
@@ -18,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 def translate_texts(
-    model: Transformer,
+    model: Transformer | Ensemble,
     tokenizer: Tokenizer,
     texts: list[str],
     *,
@@ -55,11 +56,11 @@ def translate_texts(
     with autocast_context(device, bf16):
         for batch in tqdm(batches, desc="translating", disable=not progress, leave=False):
             src = pad_sequences([ids[i] for i in batch], model.config.pad_id).to(device)
-            kwargs = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+            bos_id, eos_id = tokenizer.bos_id, tokenizer.eos_id
             if beam_size == 1:
-                out = greedy_decode(model, src, **kwargs)
+                out = greedy_decode(model, src, bos_id=bos_id, eos_id=eos_id)
             else:
-                out = beam_search(model, src, beam_size=beam_size, alpha=alpha, **kwargs)
+                out = beam_search(model, src, bos_id=bos_id, eos_id=eos_id, beam_size=beam_size, alpha=alpha)
             for i, tokens in zip(batch, out):
                 results[i] = tokenizer.decode(tokens)
     return results
@@ -69,7 +70,8 @@ def length_batches(ids: list[list[int]], budget: int) -> list[list[int]]:
     """Group the indices of ``ids`` (token lists) into batches of similar length, shortest first, each
     holding at most ``budget`` tokens once padded to its longest (a longer sentence gets a batch of
     its own)."""
-    batches, current = [], []
+    batches: list[list[int]] = []
+    current: list[int] = []
     for i in sorted(range(len(ids)), key=lambda i: len(ids[i])):
         if current and len(ids[i]) * (len(current) + 1) > budget:
             batches.append(current)

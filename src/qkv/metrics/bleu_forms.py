@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 from functools import cache
+from typing import Any
 
 import sacrebleu
 
@@ -47,14 +48,14 @@ _COMPOUND = re.compile(r"(\S)-(\S)")
 
 
 @cache
-def _normalizer(lang: str):
+def _normalizer(lang: str) -> Any:  # sacremoses ships no types
     from sacremoses import MosesPunctNormalizer
 
     return MosesPunctNormalizer(lang=lang, perl_parity=True)
 
 
 @cache
-def _tokenizer(lang: str):
+def _tokenizer(lang: str) -> Any:  # sacremoses ships no types
     from sacremoses import MosesTokenizer
 
     return MosesTokenizer(lang=lang)
@@ -126,5 +127,5 @@ def published_forms(hypotheses: list[str], references: list[str], lang: str) -> 
     return result
 
 
-def _entry(score, form: str) -> dict:
+def _entry(score: sacrebleu.metrics.bleu.BLEUScore, form: str) -> dict:
     return {"bleu": round(score.score, 2), "form": form, "details": str(score)}

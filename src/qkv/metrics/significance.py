@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 
 import sacrebleu
-from sacrebleu.significance import PairedTest
+from sacrebleu.significance import PairedTest, Result
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def paired_significance(
     for name, hyps in systems.items():
         if len(hyps) != len(references):
             raise ValueError(f"{name}: {len(hyps)} translations for {len(references)} references")
-    named = list(systems.items())
+    named: list[tuple[str, Sequence[str]]] = list(systems.items())
     saved = os.environ.get("SACREBLEU_SEED")
     os.environ["SACREBLEU_SEED"] = str(seed)  # sacreBLEU reads its seed from here
     try:
@@ -60,18 +61,34 @@ def paired_significance(
             os.environ["SACREBLEU_SEED"] = saved
     out = {}
     baseline = named[0][1]
-    for i, (name, hyps) in enumerate(named):
-        bs, ar = bootstrap["BLEU"][i], randomization["BLEU"][i]
-        differing = None if i == 0 else sum(a != b for a, b in zip(hyps, baseline))
+    for i, ((name, texts), bs, ar) in enumerate(
+        zip(named, _results(bootstrap["BLEU"]), _results(randomization["BLEU"]))
+    ):
+        differing = None if i == 0 else sum(a != b for a, b in zip(texts, baseline))
         out[name] = {
             "bleu": round(float(bs.score), 2),
-            "bootstrap_mean": round(float(bs.mean), 2),
-            "ci95": round(float(bs.ci), 2),
-            "p_bootstrap": None if i == 0 else 1.0 if differing == 0 else round(float(bs.p_value), 4),
-            "p_randomization": None if i == 0 else 1.0 if differing == 0 else round(float(ar.p_value), 4),
+            "bootstrap_mean": round(_figure(bs.mean), 2),
+            "ci95": round(_figure(bs.ci), 2),
+            "p_bootstrap": None if i == 0 else 1.0 if differing == 0 else round(_figure(bs.p_value), 4),
+            "p_randomization": None if i == 0 else 1.0 if differing == 0 else round(_figure(ar.p_value), 4),
             "differing": differing,
         }
     return out
+
+
+def _results(column: list[str | Result]) -> list[Result]:
+    """sacreBLEU's column of one metric: one :class:`Result` per system, in the systems' order."""
+    results = [item for item in column if isinstance(item, Result)]
+    if len(results) != len(column):
+        raise ValueError(f"sacreBLEU's paired test gave {column!r}, not one result per system")
+    return results
+
+
+def _figure(value: float | None) -> float:
+    """A figure sacreBLEU's paired test fills in (only a baseline's p-value is None, and it is not read)."""
+    if value is None:
+        raise ValueError("sacreBLEU's paired test left a figure out")
+    return float(value)
 
 
 def significance_lines(results: dict[str, dict]) -> list[str]:

@@ -283,7 +283,7 @@ def load_translator(
     models = [model]
     for run_dir in run_dirs[1:]:
         other, other_tokenizer, _ = load_run(run_dir, weights, task="translation")
-        assert isinstance(other, Transformer)  # a translation run's
+        assert isinstance(other, Transformer) and isinstance(other_tokenizer, Tokenizer)  # a translation run's
         if not same_tokenizer(tokenizer, other_tokenizer):
             raise ValueError(
                 f"{run_dir}: its tokenizer differs from {run_dirs[0]}'s; an ensemble decodes one "
