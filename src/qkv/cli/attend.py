@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"got {len(texts)} sentences but {len(targets)} --target values")
     examples = []
     for i, text in enumerate(texts):
-        if targets:
+        if targets and explorer.kind == "seq2seq":  # (targets are for a translation run: checked above)
             examples.append(explorer.example(text, targets[i]))
         elif args.compare and explorer.kind == "encoder":  # the saliency of the pair's cosine similarity
             examples.append(explorer.example(text, paired_with=texts[1 - i]))

@@ -38,11 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    import torch
-
-    from qkv.models.causal_lm import CausalLM
-
+from qkv.cli.evaluate_against import check_against, compare, print_comparison, read_against
 from qkv.cli.options import (
     MAX_BEAM,
     add_ensemble_option,
@@ -52,6 +48,11 @@ from qkv.cli.options import (
     positive_int,
     set_threads,
 )
+
+if TYPE_CHECKING:
+    from qkv.models.causal_lm import CausalLM
+
+_read_against = read_against  # the name tests/test_evaluate_against.py imports
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,9 +134,12 @@ def run(args: argparse.Namespace) -> int:
         check_lang(args.tgt_lang, "--tgt-lang")
     if args.hyp_out:
         check_output_file(args.hyp_out, "--hyp-out")
-    others = _check_against(args)
+    others = check_against(args)
     set_threads(args.threads)
     device = pick_device(args.device)
+    # a Transformer (an Ensemble of them with --ensemble) or a CausalLM, as the run's task says
+    model: Any
+    tokenizer: Any
     if args.ensemble:
         model, tokenizer, config = load_translator([args.run_dir, *args.ensemble], args.weights)
     else:
@@ -156,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     src, refs = data.src, data.tgt
     if args.limit:
         src, refs = src[: args.limit], refs[: args.limit]
-    against = _read_against(args, others, config, len(src))
+    against = read_against(args, others, config, len(src))
     target_lang = args.tgt_lang or target_language(config.get("data") or {}, args.ref)
     decode = decode_settings(config, beam_size=args.beam, alpha=args.alpha)
     hyps = translate_texts(model, tokenizer, src, **decode, bf16=args.bf16, progress=sys.stderr.isatty())
@@ -175,16 +179,22 @@ def run(args: argparse.Namespace) -> int:
         scores["ensemble"] = [args.run_dir, *args.ensemble]
     if others:
         del model  # one model in memory at a time
-        scores["against"] = _compare(args, against, hyps, src, refs, device)
+        scores["against"] = compare(args, against, hyps, src, refs, device)
     if args.hyp_out:
         write_text(Path(args.hyp_out).resolve(), "".join(h + "\n" for h in hyps))
     if args.json:
         print(json.dumps(scores))
-        return 0
+    else:
+        _print_scores(args, scores, config)
+    return 0
+
+
+def _print_scores(args: argparse.Namespace, scores: dict, config: dict) -> None:
+    """A translation run's scores as lines of text (``--json`` prints ``scores`` as it is)."""
     members = f", an ensemble of {1 + len(args.ensemble)} runs" if args.ensemble else ""
     print(
-        f"{name}: {len(src)} sentences, beam {decode['beam_size']}, alpha {decode['alpha']}, {args.weights} weights"
-        f"{members}"
+        f"{scores['split']}: {scores['sentences']} sentences, beam {scores['beam']}, alpha {scores['alpha']}, "
+        f"{args.weights} weights{members}"
     )
     print(f"BLEU {scores['bleu']:.2f}  ({scores['bleu_signature']})")
     print(f"     {scores['bleu_details']}")
@@ -192,109 +202,11 @@ def run(args: argparse.Namespace) -> int:
     for key in ("bleu_papers_form", "bleu_compound_split"):  # each labelled by its form
         if key in scores:
             print(f"BLEU {scores[key]['bleu']:.2f}  ({scores[key]['form']})")
-    if target_lang is None and (config.get("data") or {}).get("source") != "dates":
+    if scores["target_lang"] is None and (config.get("data") or {}).get("source") != "dates":
         print("(the papers' BLEU forms need the references' language: pass --tgt-lang)")
     print(f"exact match {100 * scores['exact_match']:.2f}%")
-    if others:
-        _print_comparison(scores["against"])
-    return 0
-
-
-def _check_against(args: argparse.Namespace) -> list[str]:
-    """The --against paths, each named once and existing (checked before any model is loaded)."""
-    seen = {str(Path(args.run_dir).resolve())}
-    for path in args.against:
-        resolved = Path(path).resolve()
-        if not resolved.exists():
-            raise FileNotFoundError(f"--against {path}: no such run folder or translations file")
-        if str(resolved) in seen:
-            raise ValueError(f"--against {path}: already compared (each run once, and not the run itself)")
-        seen.add(str(resolved))
-    return list(args.against)
-
-
-def _read_against(args: argparse.Namespace, others: list[str], config: dict, sentences: int) -> dict:
-    """Each --against as what it holds, checked before anything is decoded: a translations file's lines
-    (``sentences`` of them, the first ones under --limit), a run folder's config (a translation run of
-    this run's language pair, where both name one)."""
-    from qkv.metrics.scores import read_translations
-    from qkv.runs.folder import read_run_config, run_task
-
-    held: dict[str, dict | list[str]] = {}
-    for path in others:
-        if Path(path).is_dir():
-            other = read_run_config(path)
-            if run_task(other) == "lm":
-                raise ValueError(f"--against {path}: a language-model run, not a translation run")
-            ours, theirs = _direction(config), _direction(other)
-            if ours and theirs and ours != theirs:
-                raise ValueError(f"--against {path}: it translates {'->'.join(theirs)}, this run {'->'.join(ours)}")
-            held[path] = other
-        else:
-            translations = read_translations(path)
-            if args.limit:
-                translations = translations[: args.limit]
-            if len(translations) != sentences:
-                raise ValueError(
-                    f"--against {path}: {len(translations)} translations for the {sentences} sentences "
-                    "scored (one line each)"
-                )
-            held[path] = translations
-    return held
-
-
-def _compare(
-    args: argparse.Namespace,
-    against: dict,
-    hyps: list[str],
-    src: list[str],
-    refs: list[str],
-    device: torch.device | str | None,
-) -> dict:
-    """This run's translations against each of ``against``'s (from :func:`_read_against`): a run is
-    decoded here on ``src`` (its own recipe's beam and alpha unless given); then the paired tests."""
-    from qkv.decoding.translate import translate_texts
-    from qkv.metrics.significance import paired_significance
-    from qkv.runs.folder import load_run
-    from qkv.runs.recipes import decode_settings
-
-    name = " + ".join([args.run_dir, *args.ensemble])
-    systems = {name: hyps}
-    for path, held in against.items():
-        if isinstance(held, dict):  # a run's config
-            model, tokenizer, _ = load_run(path, args.weights)
-            decode = decode_settings(held, beam_size=args.beam, alpha=args.alpha)
-            systems[path] = translate_texts(
-                model.to(device), tokenizer, src, **decode, bf16=args.bf16, progress=sys.stderr.isatty()
-            )
-            del model
-        else:
-            systems[path] = held
-    resamples, trials = 1000, 10000
-    return {
-        "tests": f"two-sided, against {name}: paired bootstrap ({resamples} resamples; its mean and 95% "
-        f"interval, mean +- ci95) and approximate randomization ({trials} trials)",
-        "results": paired_significance(systems, refs, resamples=resamples, trials=trials),
-    }
-
-
-def _direction(config: dict) -> tuple[str, str] | None:
-    """A run's language pair when its data names one (Multi30k), else None."""
-    spec = config.get("data") or {}
-    return (spec["src_lang"], spec["tgt_lang"]) if spec.get("src_lang") and spec.get("tgt_lang") else None
-
-
-def _print_comparison(comparison: dict) -> None:
-    from qkv.metrics.significance import significance_lines
-
-    print(f"against the others ({comparison['tests']}):")
-    for line in significance_lines(comparison["results"]):
-        print(f"  {line}")
-    print(
-        "  (a difference is larger than chance at p < 0.05; the interval is the score's own spread over "
-        "resampled sentences;\n   'differ': sentences translated otherwise than by the first, and where only a "
-        "few differ the randomization p is too small to trust)"
-    )
+    if "against" in scores:
+        print_comparison(scores["against"])
 
 
 def target_language(spec: dict, ref: str | None) -> str | None:

@@ -64,10 +64,10 @@ def open_language_model(path: str | Path, weights: str = "model") -> tuple[Any, 
     if isinstance(config, dict) and config.get("model_type") is not None:
         from qkv.pretrained import load_pretrained
 
-        model = load_pretrained(folder)
-        if not hasattr(model, "generate"):
+        pretrained = load_pretrained(folder)
+        if not hasattr(pretrained, "generate"):
             raise ValueError(f"{folder}: a {config.get('model_type')} encoder, not a language model")
-        return model, model.tokenizer
+        return pretrained, pretrained.tokenizer
     from qkv.runs.folder import load_run
 
     model, tokenizer, _ = load_run(folder, weights, task="lm")

@@ -75,9 +75,9 @@ def run(args: argparse.Namespace) -> int:
     text = args.text
     if text is None:
         text, first = DEFAULT_TEXT, next(iter(explorers.values()))
-        sample = getattr(first, "sample_text", None)
-        if sample and not first.encodes(text):
-            text = sample
+        # a language model's tokenizer may not hold the default sentence's characters: its own sample then
+        if first.kind == "lm" and first.sample_text and not first.encodes(text):
+            text = first.sample_text
     app = ExplorerApp(explorers=explorers, max_chars=args.max_chars, initial_text=text)
     app.page()  # draw the first sentence now, so a broken model fails before serving
     try:
