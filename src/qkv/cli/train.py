@@ -20,201 +20,65 @@ import contextlib
 import signal
 import sys
 import threading
-from dataclasses import fields
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
 
 import torch
 
-from qkv.cli.options import positive_int, set_threads
-from qkv.data.text import TEXT_SOURCES
-from qkv.runs.recipes import RECIPES, translation_recipes
-
-# command-line option -> (TransformerConfig field, CausalLMConfig field, type, help); None where the
-# option does not apply to that kind of model (None everywhere = keep the recipe's value)
-MODEL_OPTIONS = {
-    "d_model": ("d_model", "d_model", int, "model width"),
-    "heads": ("num_heads", "num_heads", int, "attention heads; must divide --d-model"),
-    "encoder_layers": ("num_encoder_layers", None, int, "encoder layers (translation)"),
-    "decoder_layers": ("num_decoder_layers", None, int, "decoder layers (translation)"),
-    "layers": (None, "num_layers", int, "layers of a language model"),
-    "d_ff": ("d_ff", "d_ff", int, "inner width of the feed-forward layers"),
-    "dropout": ("dropout", "dropout", float, "residual and embedding dropout, in [0, 1)"),
-    "attention_dropout": (
-        "attention_dropout",
-        "attention_dropout",
-        float,
-        "dropout on the attention weights, in [0, 1) (not in the paper; default 0)",
-    ),
-    "activation": ("activation", "activation", str, "feed-forward activation: relu, gelu or gelu_tanh"),
-    "norm_first": ("norm_first", "norm_first", bool, "pre-LN instead of the paper's post-LN"),
-    "max_len": (
-        "max_len",
-        None,
-        int,
-        "longest sequence in tokens (translation; longer training pairs are dropped, with a count)",
-    ),
-    "context": (None, "context", int, "tokens a language model attends over (its training windows)"),
-    "share_embeddings": ("share_embeddings", None, bool, "one embedding table for source and target"),
-}
-LM_OPTIONS = ("tokenizer", "windows")  # language-model options that are neither model nor TrainConfig fields
-TASKS = ("translation", "lm")
-DATA_OPTIONS = (
-    "task",
-    "data",
-    "prepared",
-    "data_dir",
-    "src_lang",
-    "tgt_lang",
-    "train_src",
-    "train_tgt",
-    "val_src",
-    "val_tgt",
-    "train_text",
-    "val_text",
-    "test_text",
-    "vocab_size",
-    "recipe",
-    "both_directions",
-    *LM_OPTIONS,
+from qkv.cli.options import set_threads
+from qkv.cli.train_options import (  # re-exported: the training benchmarks declare qkv train's options
+    DATA_OPTIONS,
+    GROUP_TITLES,
+    LM_OPTIONS,
+    MODEL_OPTIONS,
+    add_cli_options,
+    add_model_arguments,
+    add_train_arguments,
+    flag_of,
+    model_options_from,
+    train_options_from,
 )
+from qkv.data.spec import DataSpec
+from qkv.data.text import TEXT_SOURCES
 
+if TYPE_CHECKING:
+    from qkv.training import Trainer
 
-def _train_fields():
-    """The :class:`~qkv.training.TrainConfig` fields that are command-line options, with their flags."""
-    from qkv.training import TrainConfig
-
-    for f in fields(TrainConfig):
-        if f.metadata.get("cli"):
-            yield f, f.metadata["flag"] or "--" + f.name.replace("_", "-")
+# the options are declared in qkv.cli.train_options (data and run options, model options, and the
+# TrainConfig fields' metadata), each with its help group; --help and --help-all in qkv.cli.train_help
+OWN_HELP = True  # qkv.cli.build_parser: this command adds its own -h/--help
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    data = parser.add_argument_group("data (one of --data, --prepared, --train-src/--train-tgt or --train-text)")
-    data.add_argument(
-        "--task",
-        choices=TASKS,
-        help="what to train (default: what the data is for: a language "
-        "model for tinyshakespeare and --train-text, else translation); "
-        "given, it must agree with the data",
+    """``qkv train``'s options, by group: ``--help`` lists data, model, training and run, the
+    options most runs need; ``--help-all`` adds the advanced options and the research methods."""
+    from qkv.cli.train_help import DEFAULT_DATA, FullHelp, ShortHelp, default_notes, recipe_in_view
+
+    parser.usage = (
+        "%(prog)s (--data NAME | --prepared DIR | --train-src FILE --train-tgt FILE | --train-text FILE)\n"
+        "                 --run-dir DIR [OPTION ...]\n"
+        "       %(prog)s --run-dir DIR --resume [OPTION ...]"
     )
-    data.add_argument(
-        "--data",
-        choices=["multi30k", "dates", "tinyshakespeare"],
-        help="a known data set (tinyshakespeare: a language model)",
-    )
-    data.add_argument(
-        "--prepared",
-        metavar="DIR",
-        help="a prepared folder made by qkv prepare (its tokenizer, training and validation pairs; "
-        "every process reads it a batch at a time)",
-    )
-    data.add_argument(
-        "--data-dir",
-        help="folder with the Multi30k files or tiny Shakespeare's input.txt (default: "
-        "$QKV_DATA/multi30k or $QKV_DATA/tinyshakespeare, the cache, or a download)",
-    )
-    data.add_argument("--src-lang", choices=["en", "de", "fr"], help="Multi30k source language (default en)")
-    data.add_argument("--tgt-lang", choices=["en", "de", "fr"], help="Multi30k target language (default de)")
-    data.add_argument(
-        "--both-directions",
-        action="store_true",
-        default=None,
-        help="translation from text: train on the pairs and on the same pairs reversed (one model "
-        "for both ways; validation stays in the given direction)",
-    )
-    data.add_argument("--train-src", help="training source file, one sentence a line (.gz allowed)")
-    data.add_argument("--train-tgt", help="training target file, line-aligned with --train-src")
-    data.add_argument("--val-src", help="validation source file (optional)")
-    data.add_argument("--val-tgt", help="validation target file")
-    data.add_argument("--train-text", help="UTF-8 text to train a language model on")
-    data.add_argument(
-        "--val-text",
-        help="validation text (default: --train-text is cut by position: its first 90%% "
-        "of characters train, the next 5%% validate, the last 5%% are the test split)",
-    )
-    data.add_argument(
-        "--test-text",
-        help="test text, with --val-text (without it, the run has no test split); "
-        "training never reads it: qkv evaluate scores it",
-    )
-    data.add_argument(
-        "--tokenizer",
-        choices=["char", "bpe"],
-        help="a language model's tokens: characters (default) or byte-level BPE (--vocab-size)",
-    )
-    data.add_argument(
-        "--windows",
-        choices=["random", "strided"],
-        help="a language model's training windows: random offsets (default) or non-overlapping",
-    )
-    run = parser.add_argument_group("run folder")
-    run.add_argument(
-        "--run-dir", required=True, help="the run folder (created; it must not exist unless --resume or --overwrite)"
-    )
-    run.add_argument("--resume", action="store_true", help="continue the run in --run-dir where it stopped")
-    run.add_argument(
-        "--trust-checkpoint",
-        action="store_true",
-        help="with --resume: load a state.pt that holds pickled Python objects (written by an older "
-        "qkv) in full, once, and rewrite it in the safe form; loading such a file can run any "
-        "code, so only for a run you made yourself",
-    )
-    run.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace --run-dir if it is a qkv run folder (or empty), once every check has passed",
-    )
-    model = parser.add_argument_group("model (defaults: the data set's recipe; fixed once a run exists)")
-    model.add_argument(
+    parser.add_argument("-h", "--help", action=ShortHelp, help="show the options most runs need and exit")
+    parser.add_argument("--help-all", action=FullHelp, help="show every option, research methods included, and exit")
+    groups = {name: parser.add_argument_group(title) for name, title in GROUP_TITLES.items()}
+    # the reference (qkv.cli.reference) shows the default data's recipe; --help the one the command line names
+    notes = default_notes(recipe_in_view(["--data", DEFAULT_DATA]))
+    add_cli_options(groups, notes=notes)
+    add_model_arguments(groups, notes=notes)
+    add_train_arguments(groups, notes=notes)
+    groups["run"].add_argument(
         "--recipe",
-        choices=translation_recipes(),
-        help="train with this recipe instead of the data set's: paper-base / paper-big are the "
-        "paper's WMT 2014 models (Table 3; ~25k tokens a step over max_tokens x accum_steps x "
-        "processes, set for the number of processes unless --max-tokens/--accum-steps say)",
+        metavar="NAME|FILE.toml",
+        help="train with this recipe instead of the data set's (the same run on every machine; "
+        "options given here still win): a name from qkv recipes, e.g. multi30k-bf16 (Multi30k where "
+        "bf16 is fast) or paper-base / paper-big (the paper's WMT 2014 models, ~25k tokens a step over "
+        "max_tokens x accum_steps x processes, set for the number of processes unless "
+        "--max-tokens/--accum-steps say), or a recipe file of your own (qkv recipes show NAME --toml)",
     )
-    add_model_arguments(model)
-    add_train_arguments(parser.add_argument_group("training (defaults: the recipe; with --resume: the run's own)"))
-    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
-    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def add_model_arguments(group, *, translation_only: bool = False) -> None:
-    """``--vocab-size`` and the model options (:data:`MODEL_OPTIONS`; with ``translation_only``, those
-    of a translation model): declared here once, for ``qkv train`` and the training benchmarks."""
-    group.add_argument(
-        "--vocab-size",
-        type=int,
-        help="BPE vocabulary (recipe: 8000; dates 600; a language model with --tokenizer bpe 2000)",
-    )
-    for option, (translation_field, _, kind, help_text) in MODEL_OPTIONS.items():
-        if translation_only and translation_field is None:
-            continue
-        if kind is bool:
-            group.add_argument(_flag(option), action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            group.add_argument(_flag(option), type=kind, help=help_text)
-
-
-def add_train_arguments(group) -> None:
-    """One option per :class:`~qkv.training.TrainConfig` field marked for the command line (each
-    declared once, on the field), defaulting to None: the recipe's value."""
-    for f, flag in _train_fields():
-        if f.type == "bool":
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
-        elif f.metadata.get("choices"):
-            group.add_argument(flag, dest=f.name, choices=f.metadata["choices"], help=f.metadata["help"])
-        else:
-            group.add_argument(flag, dest=f.name, type=int if f.type == "int" else float, help=f.metadata["help"])
-
-
-def train_options_from(args: argparse.Namespace) -> dict:
-    """The :class:`~qkv.training.TrainConfig` fields given on the command line."""
-    return {f.name: getattr(args, f.name) for f, _ in _train_fields() if getattr(args, f.name) is not None}
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
 
 
 def _data_dir(args: argparse.Namespace) -> str | None:
@@ -234,18 +98,18 @@ def _prepared_folder(folder: str) -> str:
     return str(Path(folder).resolve())
 
 
-def data_spec(args: argparse.Namespace) -> dict:
+def data_spec(args: argparse.Namespace) -> DataSpec:
     """The data spec (:mod:`qkv.data.sources`, :mod:`qkv.data.text`) the options describe; ``--task``,
     when given, must name what that data trains."""
     spec = _data_spec(args)
-    task = "lm" if spec["source"] in TEXT_SOURCES else "translation"
+    task = "lm" if spec.source in TEXT_SOURCES else "translation"
     if args.task is not None and args.task != task:
         given = {
             "tinyshakespeare": "--data tinyshakespeare",
             "text": "--train-text",
             "prepared": "--prepared (a parallel corpus)",
             "files": "--train-src/--train-tgt",
-        }.get(spec["source"], f"--data {args.data}")
+        }.get(spec.source, f"--data {args.data}")
         raise ValueError(
             f"--task {args.task} does not fit {given}, which trains "
             f"{'a language model' if task == 'lm' else 'a translation model'}: use --task {task}, or "
@@ -254,12 +118,12 @@ def data_spec(args: argparse.Namespace) -> dict:
     return spec
 
 
-def _data_spec(args: argparse.Namespace) -> dict:
+def _data_spec(args: argparse.Namespace) -> DataSpec:
     spec = _source_spec(args)
-    return {**spec, "both_directions": True} if args.both_directions else spec  # start_run checks where it fits
+    return replace(spec, both_directions=True) if args.both_directions else spec  # start_run checks where it fits
 
 
-def _source_spec(args: argparse.Namespace) -> dict:
+def _source_spec(args: argparse.Namespace) -> DataSpec:
     files = [args.train_src, args.train_tgt, args.val_src, args.val_tgt]
     texts = [args.train_text, args.val_text, args.test_text]
     if sum(bool(x) for x in (args.data, args.prepared, any(files), any(texts))) > 1:
@@ -268,17 +132,17 @@ def _source_spec(args: argparse.Namespace) -> dict:
     if not is_lm:
         for name in LM_OPTIONS:
             if getattr(args, name) is not None:
-                raise ValueError(f"{_flag(name)} is for a language model (--data tinyshakespeare or --train-text)")
+                raise ValueError(f"{flag_of(name)} is for a language model (--data tinyshakespeare or --train-text)")
     if args.data not in ("multi30k", "tinyshakespeare") and args.data_dir is not None:
         raise ValueError("--data-dir is for --data multi30k or tinyshakespeare")
     if args.data != "multi30k":
         for name in ("src_lang", "tgt_lang"):
             if getattr(args, name) is not None:
-                raise ValueError(f"{_flag(name)} is for --data multi30k only")
+                raise ValueError(f"{flag_of(name)} is for --data multi30k only")
     if args.data == "tinyshakespeare":
-        return {"source": "tinyshakespeare", "folder": _data_dir(args)}
+        return DataSpec(source="tinyshakespeare", folder=_data_dir(args))
     if args.prepared:
-        return {"source": "prepared", "folder": _prepared_folder(args.prepared)}
+        return DataSpec(source="prepared", folder=_prepared_folder(args.prepared))
     if any(texts):
         if not args.train_text:
             raise ValueError(f"{'--val-text' if args.val_text else '--test-text'} needs --train-text")
@@ -287,28 +151,23 @@ def _source_spec(args: argparse.Namespace) -> dict:
                 "--test-text needs --val-text (without --val-text, the last 5% of --train-text is the "
                 "test split and the 5% before it validates)"
             )
-        return {
-            "source": "text",
-            **{
-                k: (str(Path(f).resolve()) if f else None)
-                for k, f in zip(("train_text", "val_text", "test_text"), texts)
-            },
-        }
+        train_text, val_text, test_text = (str(Path(f).resolve()) if f else None for f in texts)
+        return DataSpec(source="text", train_text=train_text, val_text=val_text, test_text=test_text)
     if args.data == "multi30k":
         folder = _data_dir(args)
         src, tgt = args.src_lang or "en", args.tgt_lang or "de"
         if src == tgt:
             raise ValueError(f"--src-lang and --tgt-lang are both {src!r}")
-        return {"source": "multi30k", "folder": folder, "src_lang": src, "tgt_lang": tgt}
+        return DataSpec(source="multi30k", folder=folder, src_lang=src, tgt_lang=tgt)
     if args.data == "dates":
-        return {"source": "dates", "train_size": 20000, "valid_size": 1000, "seed": args.seed or 0}
+        return DataSpec(source="dates", train_size=20000, valid_size=1000, seed=args.seed or 0)
     if not (args.train_src and args.train_tgt):
         raise ValueError(
             "no training data: pass --data multi30k/dates/tinyshakespeare, --prepared DIR, --train-src "
             "and --train-tgt, or --train-text"
         )
-    keys = ("train_src", "train_tgt", "val_src", "val_tgt")
-    return {"source": "files", **{k: (str(Path(f).resolve()) if f else None) for k, f in zip(keys, files)}}
+    train_src, train_tgt, val_src, val_tgt = (str(Path(f).resolve()) if f else None for f in files)
+    return DataSpec(source="files", train_src=train_src, train_tgt=train_tgt, val_src=val_src, val_tgt=val_tgt)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -324,8 +183,8 @@ def run(args: argparse.Namespace) -> int:
     if args.no_progress or not sys.stderr.isatty():
         train_options["progress"] = False
     if args.resume:
-        fixed = [_flag(opt) for opt in MODEL_OPTIONS if getattr(args, opt) is not None]
-        fixed += [_flag(opt) for opt in DATA_OPTIONS if getattr(args, opt) is not None]
+        fixed = [flag_of(opt) for opt in MODEL_OPTIONS if getattr(args, opt) is not None]
+        fixed += [flag_of(opt) for opt in DATA_OPTIONS if getattr(args, opt) is not None]
         if args.overwrite:
             raise ValueError("--resume continues a run and --overwrite replaces it: give one of them")
         if fixed:
@@ -339,13 +198,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--trust-checkpoint converts the checkpoint of a run being resumed: give it with --resume")
     else:
         spec = data_spec(args)
-        model_options = model_options_from(args, is_lm=spec["source"] in TEXT_SOURCES)
-        vocab_size, recipe_note, decode = args.vocab_size, None, None
+        model_options = model_options_from(args, is_lm=spec.source in TEXT_SOURCES)
+        vocab_size, recipe_note = args.vocab_size, None
         if args.recipe:  # the named recipe in place of the data's; explicit options still go over it
-            model_options, train_options, vocab_size, recipe_note = _with_recipe(
-                args, spec, model_options, train_options
-            )
-            decode = RECIPES[args.recipe].get("decode")
+            train_options, recipe_note = _with_recipe(args, spec, train_options)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one process of several
         dist = init_distributed(args.device)
         if not dist.is_main:
@@ -377,56 +233,32 @@ def run(args: argparse.Namespace) -> int:
                 overwrite=args.overwrite,
                 device=args.device,
                 dist=dist,
-                decode=decode,
+                recipe=args.recipe,
             )
         return _train(trainer, args.run_dir)
     finally:
         shutdown()
 
 
-def _with_recipe(
-    args: argparse.Namespace, spec: dict, model_options: dict, train_options: dict
-) -> tuple[dict, dict, int, str]:
-    """Model options, training options and vocabulary size of ``--recipe`` (under the explicit
-    options), and a line saying how a step's tokens are split."""
+def _with_recipe(args: argparse.Namespace, spec: DataSpec, train_options: dict) -> tuple[dict, str | None]:
+    """``--recipe`` read and checked against the data before anything starts (start_run trains with
+    it, the explicit options over it); for a recipe with ``tokens_per_step``, the training options
+    with the step's split over this many processes, and a line saying what it is."""
     import os
 
-    from qkv.data.sources import recipe_source
-    from qkv.runs.recipes import recipe_overrides
+    from qkv.runs.recipes.choice import choose_recipe
 
+    recipe = choose_recipe(args.recipe, spec.source).recipe
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    recipe_model, recipe_train, recipe_vocab = recipe_overrides(
-        args.recipe,
-        recipe_source(spec["source"]),
-        world_size=world,
-        max_tokens=args.max_tokens,
-        accum_steps=args.accum_steps,
+    steps = recipe.step_options(world, max_tokens=args.max_tokens, accum_steps=args.accum_steps)
+    if not steps:
+        return train_options, None
+    train_options = {**steps, **train_options}
+    max_tokens, accum = train_options["max_tokens"], train_options["accum_steps"]
+    return train_options, (
+        f"recipe {recipe.name}: a step is {world} process(es) x {accum} batch(es) x {max_tokens} padded tokens = "
+        f"{world * accum * max_tokens} (the recipe's {recipe.tokens_per_step})"
     )
-    train_options = {**recipe_train, **train_options}
-    note = f"recipe {args.recipe}"
-    if "tokens_per_step" in RECIPES[args.recipe]:
-        max_tokens, accum = train_options["max_tokens"], train_options["accum_steps"]
-        note += (
-            f": a step is {world} process(es) x {accum} batch(es) x {max_tokens} padded tokens = "
-            f"{world * accum * max_tokens} (the recipe's {RECIPES[args.recipe]['tokens_per_step']})"
-        )
-    vocab_size = recipe_vocab if args.vocab_size is None else args.vocab_size
-    return {**recipe_model, **model_options}, train_options, vocab_size, note
-
-
-def model_options_from(args: argparse.Namespace, *, is_lm: bool) -> dict:
-    """The model options given, as fields of the kind of model the data trains; an option of the
-    other kind is an error."""
-    options = {}
-    for opt, (translation_field, lm_field, _, _) in MODEL_OPTIONS.items():
-        if getattr(args, opt, None) is None:  # not given (or not declared: add_model_arguments(translation_only))
-            continue
-        field = lm_field if is_lm else translation_field
-        if field is None:
-            kind = "a language model" if is_lm else "a translation model"
-            raise ValueError(f"{_flag(opt)} is not an option of {kind}")
-        options[field] = getattr(args, opt)
-    return options
 
 
 class Terminated(KeyboardInterrupt):
@@ -435,7 +267,7 @@ class Terminated(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def sigterm_saves_first():
+def sigterm_saves_first() -> Iterator[None]:
     """While training, SIGTERM raises :class:`Terminated` in the main thread; a second SIGTERM is
     ignored so that it cannot cut the checkpoint short (SIGKILL still ends the process). Once the
     block is left, SIGTERM stays ignored until the caller's ``finally`` restores the old handler:
@@ -445,7 +277,7 @@ def sigterm_saves_first():
         yield
         return
 
-    def terminate(signum, frame):
+    def terminate(signum: int, frame: FrameType | None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated
 
@@ -457,7 +289,7 @@ def sigterm_saves_first():
 
 
 @contextlib.contextmanager
-def sigterm_restored():
+def sigterm_restored() -> Iterator[None]:
     """Put back the SIGTERM handler found on entry when the block ends (see :func:`sigterm_saves_first`)."""
     main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if main else None
@@ -481,7 +313,7 @@ def _what_is_saved(run_dir: str, step: int) -> str:
     return f"the checkpoint of step {step} could not be saved; the run folder holds step {on_disk}"
 
 
-def _train(trainer, run_dir: str) -> int:
+def _train(trainer: Trainer, run_dir: str) -> int:
     """Run the loop; report Ctrl-C or SIGTERM and a failed step in one line each (rank 0 speaks for all)."""
     from qkv.runs.translation import TrainingCrashed, run_training
 
