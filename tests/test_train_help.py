@@ -373,3 +373,11 @@ def test_the_cli_reference_lists_what_help_all_lists(monkeypatch):
     for flag in option_lines(text):
         assert f"`{flag}" in section, flag
     assert "research methods (off by default" in section.lower()
+
+
+def test_a_recipe_that_cannot_be_read_is_named_and_the_next_one_shown(monkeypatch):
+    text = help_text(monkeypatch, "--recipe", "no-such-recipe", "--data", "dates", "--help")
+    assert "Defaults shown: the dates recipe's (--data dates)." in text
+    assert "Not shown: --recipe no-such-recipe: unknown recipe 'no-such-recipe'" in text
+    text = help_text(monkeypatch, "--recipe", "no-such-recipe", "--help")
+    assert "Defaults shown: the multi30k recipe's" in text and "Not shown: --recipe no-such-recipe" in text

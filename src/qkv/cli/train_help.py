@@ -73,10 +73,12 @@ def recipe_defaults(*, data: str | None = None, recipe: str | None = None) -> Re
 
 @dataclass(frozen=True)
 class InView:
-    """The recipe the help shows, and the option that chose it (None: nothing chose it)."""
+    """The recipe the help shows, the option that chose it (None: nothing chose it), and why a
+    recipe the command line names could not be shown (None: none failed)."""
 
     recipe: RecipeDefaults
     chosen_by: str | None
+    unreadable: str | None = None
 
 
 class _PrePass(argparse.ArgumentParser):
@@ -102,14 +104,15 @@ def recipe_in_view(given: Sequence[str]) -> InView:
         ({"data": "files" if known.train_src else None}, "--train-src"),
         ({"data": "text" if known.task == "lm" else None}, "--task lm"),
     )
+    unreadable = None
     for wanted, chosen_by in candidates:
         if None in wanted.values():
             continue
         try:
-            return InView(recipe_defaults(**wanted), chosen_by)
-        except (ValueError, FileNotFoundError):  # no such data or recipe: the parse (or the run) says so
-            continue
-    return InView(recipe_defaults(data=DEFAULT_DATA), None)
+            return InView(recipe_defaults(**wanted), chosen_by, unreadable)
+        except (ValueError, FileNotFoundError) as err:  # no such data or recipe: the next one named, if any
+            unreadable = unreadable or f"{chosen_by}: {' '.join(str(err).split())}"
+    return InView(recipe_defaults(data=DEFAULT_DATA), None, unreadable)
 
 
 def _shown(value: Any) -> str:
@@ -195,6 +198,8 @@ def says(view: InView) -> str:
     """The line that says whose defaults the help shows."""
     recipe = view.recipe
     variant = f" Where bf16 is fast, the run suggests --recipe {recipe.bf16_variant}." if recipe.bf16_variant else ""
+    if view.unreadable:
+        variant += f" (Not shown: {view.unreadable}.)"
     if view.chosen_by is None:
         return (
             f"Defaults shown: the {recipe.name} recipe's (the recipe of --data {DEFAULT_DATA}, of text files "
