@@ -15,7 +15,7 @@ report it) and, for a German target, ``bleu_compound_split`` (qkv.metrics.bleu_f
 Defaults are the library's Multi30k recipe (qkv.runs.recipes.RECIPES["multi30k"]): d_model 256, 4 heads,
 3+3 layers, d_ff 1024, joint byte-level BPE 8k with shared embeddings, label smoothing 0.1, bf16
 autocast where the hardware runs it fast, GELU, dropout 0.1, ~2k padded tokens a batch, warmup 800 x
-factor 0.7 (in fast bf16, where the hour holds ~3.5x the steps: ReLU, dropout 0.2, factor 0.5), the
+factor 0.7 (--recipe multi30k-bf16, for where bf16 is fast and the hour holds ~3.5x the steps: ReLU, dropout 0.2, factor 0.5), the
 rate brought to zero over the budget's last 30%, checkpoints every 3 minutes with the last 2 averaged.
 Every option below overrides one field of it. An existing --out is kept unless --overwrite is given.
 Other processes sharing the CPU depress the figures; the JSON records the load average. Smoke test:
@@ -83,6 +83,11 @@ def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, di
     model.add_argument("--layers", dest="both_layers", type=int, help="encoder and decoder layers each")
     add_train_arguments(p.add_argument_group("training (default: the recipe's; see qkv train --help)"))
     p.set_defaults(max_minutes=60.0, seed=0, eval_sentences=300, log_every_steps=10)
+    p.add_argument(
+        "--recipe",
+        default="multi30k",
+        help="the recipe to start from (default multi30k; the runs on fast-bf16 Xeons before qkv 1.0 were multi30k-bf16)",
+    )
     p.add_argument("--beam", type=int, default=None, help="beam size (default: the recipe's, qkv.runs.recipes)")
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N training pairs (smoke tests)")
     p.add_argument("--eval-limit", type=int, default=0, help="score only the first N val/test pairs (smoke tests)")
@@ -146,6 +151,7 @@ def main() -> int:
                 vocab_size=args.vocab_size,
                 overwrite=True,
                 device=device,
+                recipe=args.recipe,
             )
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
