@@ -6,7 +6,10 @@ process builds the same batches from the shared seed and takes its share of each
 rank 0 logs, validates and writes the run folder, the others wait for it. The loss is a sum over
 target tokens divided by the number of target tokens of the whole step over all processes, so N
 processes with batch B train like one process with batch N*B (section 5.3's optimiser, 5.4's label
-smoothing, 6.1's checkpoint averaging).
+smoothing, 6.1's checkpoint averaging). What a step minimises is its training objective
+(:mod:`qkv.training.objectives`: label-smoothed cross-entropy, or R-Drop's); the research methods
+scheduled over the budget (late dropout, both directions until, subword dropout) are
+:mod:`qkv.training.methods`.
 
 Seeds and thread counts are the caller's business (the CLI sets them); the engine saves and
 restores every process's RNG state, so a resumed run continues exactly like an uninterrupted one.
