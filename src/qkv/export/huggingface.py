@@ -1,0 +1,276 @@
+"""``qkv export RUN --to hf OUT``: a run as a Hugging Face ``transformers`` folder.
+
+A translation run becomes a ``MarianMTModel`` folder, a language-model run a ``GPT2LMHeadModel``
+folder (:mod:`qkv.export.hf_gpt2`), each with ``config.json``, ``model.safetensors``,
+``generation_config.json`` and a tokenizer ``AutoTokenizer`` loads (:mod:`qkv.export.hf_tokenizer`).
+
+Only an exact counterpart is written. A configuration Marian (or GPT-2) cannot express is refused
+with a one-line ``ValueError`` naming the field, and every folder is reloaded and its logits
+compared with qkv's on a probe batch before it is put in place.
+
+Marian vs qkv: both scale the token embedding by sqrt(d_model), add sinusoids of the same
+frequencies, run post-LN layers (no final LayerNorm) and use ``nn.LayerNorm`` (eps 1e-5). One
+thing differs in layout: qkv interleaves the sinusoids (sin in even dimensions, cos in odd ones),
+Marian puts all sines first and the cosines after. The model is exported in Marian's basis of the
+residual stream: a fixed permutation of the d_model dimensions applied to every weight that reads
+or writes the stream (embeddings, LayerNorms, the projections' input or output side). LayerNorm,
+attention and the tied output projection are unchanged by a permutation of that basis, so the
+exported model computes the same function, not an approximation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qkv.data.tokenizer import Tokenizer
+from qkv.models.causal_lm import CausalLM
+from qkv.models.transformer import Transformer, TransformerConfig
+from qkv.nn.positional import sinusoidal_table
+from qkv.runtime.fileio import atomic_folder
+
+# qkv activation -> the ``transformers`` activation_function computing the same function
+HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+MARIAN_LAYER_NORM_EPS = 1e-5  # Marian's nn.LayerNorm has no eps option
+PROBE_TOLERANCE = 1e-4  # float32 logits of the reloaded folder vs qkv's (same function, other kernels)
+
+
+def marian_refusal(config: TransformerConfig) -> str | None:
+    """Why ``config`` has no exact ``MarianMTModel`` counterpart, or None when it has one."""
+    if config.norm_first:
+        return "norm_first=True (pre-LN): Marian's layers are post-LN only"
+    if config.positional != "sinusoidal":
+        return f"positional={config.positional!r}: Marian has only sinusoidal positions"
+    if config.layer_norm_eps != MARIAN_LAYER_NORM_EPS:
+        return f"layer_norm_eps={config.layer_norm_eps}: Marian's LayerNorm eps is fixed at 1e-5"
+    if config.activation not in HF_ACTIVATIONS:
+        return f"activation={config.activation!r}: no transformers activation of that name"
+    if not config.share_embeddings and not config.tie_output:
+        return "share_embeddings=False with tie_output=False: not tested against Marian; refused"
+    return None
+
+
+def residual_permutation(d_model: int) -> Tensor:
+    """Indices ``perm`` with ``marian_vector = qkv_vector[..., perm]``: qkv's even dimensions
+    (sines) first, then its odd ones (cosines), Marian's sinusoid layout."""
+    return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
+
+
+def marian_config(config: TransformerConfig, tokenizer: Tokenizer) -> Any:
+    """The ``MarianConfig`` of a qkv translation model (checked by :func:`marian_refusal` first)."""
+    from transformers import MarianConfig
+
+    return MarianConfig(
+        vocab_size=config.src_vocab_size,
+        decoder_vocab_size=config.tgt_vocab_size,
+        share_encoder_decoder_embeddings=config.share_embeddings,
+        tie_word_embeddings=config.tie_output,
+        d_model=config.d_model,
+        encoder_layers=config.num_encoder_layers,
+        decoder_layers=config.num_decoder_layers,
+        encoder_attention_heads=config.num_heads,
+        decoder_attention_heads=config.num_heads,
+        encoder_ffn_dim=config.d_ff,
+        decoder_ffn_dim=config.d_ff,
+        activation_function=HF_ACTIVATIONS[config.activation],
+        dropout=config.dropout,
+        attention_dropout=config.attention_dropout,
+        activation_dropout=config.dropout,  # qkv's FeedForward drops after the activation at the residual rate
+        max_position_embeddings=config.max_len,
+        scale_embedding=True,
+        pad_token_id=config.pad_id,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+        decoder_start_token_id=tokenizer.bos_id,  # qkv's decoder starts from BOS
+        forced_eos_token_id=None,
+        is_encoder_decoder=True,
+    )
+
+
+def _attention(out: dict[str, Tensor], hf: str, ours: dict[str, Tensor], qkv: str, perm: Tensor) -> None:
+    """One attention block: q/k/v read the residual stream (columns permuted), out_proj writes it (rows)."""
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        out[f"{hf}.{proj}.weight"] = ours[f"{qkv}.{proj}.weight"][:, perm]
+        out[f"{hf}.{proj}.bias"] = _bias(ours, f"{qkv}.{proj}.bias", ours[f"{qkv}.{proj}.weight"].size(0))
+    out[f"{hf}.out_proj.weight"] = ours[f"{qkv}.out_proj.weight"][perm]
+    out[f"{hf}.out_proj.bias"] = _bias(ours, f"{qkv}.out_proj.bias", perm.numel())[perm]
+
+
+def _bias(ours: dict[str, Tensor], name: str, size: int) -> Tensor:
+    """A bias, or zeros for a model built with ``bias=False`` (Marian always has biases: zeros are exact)."""
+    return ours[name] if name in ours else torch.zeros(size)
+
+
+def _layer_rest(out: dict[str, Tensor], hf: str, ours: dict[str, Tensor], qkv: str, norms: dict, perm: Tensor) -> None:
+    """The feed-forward network and the LayerNorms (``norms``: Marian name -> qkv name) of one layer."""
+    out[f"{hf}.fc1.weight"] = ours[f"{qkv}.feed_forward.linear1.weight"][:, perm]
+    d_ff = ours[f"{qkv}.feed_forward.linear1.weight"].size(0)
+    out[f"{hf}.fc1.bias"] = _bias(ours, f"{qkv}.feed_forward.linear1.bias", d_ff)
+    out[f"{hf}.fc2.weight"] = ours[f"{qkv}.feed_forward.linear2.weight"][perm]
+    out[f"{hf}.fc2.bias"] = _bias(ours, f"{qkv}.feed_forward.linear2.bias", perm.numel())[perm]
+    for marian_norm, qkv_norm in norms.items():
+        out[f"{hf}.{marian_norm}.weight"] = ours[f"{qkv}.{qkv_norm}.weight"][perm]
+        out[f"{hf}.{marian_norm}.bias"] = ours[f"{qkv}.{qkv_norm}.bias"][perm]
+
+
+def marian_state(model: Transformer) -> dict[str, Tensor]:
+    """``MarianMTModel`` tensors by name for ``model``, in Marian's residual basis
+    (:func:`residual_permutation`); the sinusoid tables are Marian's own and not listed."""
+    config = model.config
+    perm = residual_permutation(config.d_model)
+    ours = {name: t.detach().float().cpu() for name, t in model.state_dict().items()}
+    out: dict[str, Tensor] = {}
+    src = ours["src_embed.embedding.weight"][:, perm]
+    tgt = ours["tgt_embed.embedding.weight"][:, perm]
+    if config.share_embeddings:
+        out["model.shared.weight"] = src
+    out["model.encoder.embed_tokens.weight"] = src
+    out["model.decoder.embed_tokens.weight"] = tgt
+    out["lm_head.weight"] = ours["output_proj.weight"][:, perm]
+    out["final_logits_bias"] = torch.zeros(1, config.tgt_vocab_size)
+    for i in range(config.num_encoder_layers):
+        hf, qkv = f"model.encoder.layers.{i}", f"encoder.layers.{i}"
+        _attention(out, f"{hf}.self_attn", ours, f"{qkv}.self_attn", perm)
+        _layer_rest(out, hf, ours, qkv, {"self_attn_layer_norm": "norm1", "final_layer_norm": "norm2"}, perm)
+    for i in range(config.num_decoder_layers):
+        hf, qkv = f"model.decoder.layers.{i}", f"decoder.layers.{i}"
+        _attention(out, f"{hf}.self_attn", ours, f"{qkv}.self_attn", perm)
+        _attention(out, f"{hf}.encoder_attn", ours, f"{qkv}.cross_attn", perm)
+        norms = {"self_attn_layer_norm": "norm1", "encoder_attn_layer_norm": "norm2", "final_layer_norm": "norm3"}
+        _layer_rest(out, hf, ours, qkv, norms, perm)
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+def build_marian(model: Transformer, tokenizer: Tokenizer) -> Any:
+    """A ``MarianMTModel`` (eval mode) computing what ``model`` computes.
+
+    Raises:
+        ValueError: the configuration has no exact Marian counterpart (one line naming the field).
+    """
+    from transformers import MarianMTModel
+
+    reason = marian_refusal(model.config)
+    if reason is not None:
+        raise ValueError(f"cannot export to Marian: {reason}")
+    hf_model = MarianMTModel(marian_config(model.config, tokenizer))
+    state = marian_state(model)
+    params = hf_model.state_dict()
+    missing = sorted(k for k in params if k not in state and ".embed_positions." not in k)
+    extra = sorted(k for k in state if k not in params)
+    if missing or extra:  # the name map is the contract with this transformers version
+        raise RuntimeError(f"Marian name map disagrees with transformers: missing {missing[:4]}, extra {extra[:4]}")
+    perm = residual_permutation(model.config.d_model)
+    theirs = hf_model.model.encoder.embed_positions.weight.detach()
+    ours = sinusoidal_table(model.config.max_len, model.config.d_model)[:, perm]
+    if not torch.allclose(theirs, ours, atol=1e-6):  # guard the layout the permutation relies on
+        raise RuntimeError("Marian's sinusoid table differs from qkv's permuted one; not exported")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor)
+    return hf_model.eval()
+
+
+def generation_settings(config: dict, tokenizer: Tokenizer, max_len: int) -> dict:
+    """``generation_config.json`` fields: the run's beam size and length penalty (its recipe's
+    :func:`~qkv.runs.recipes.decode_settings`), BOS as the decoder's start. Hugging Face divides a
+    hypothesis's log-probability by ``len ** length_penalty``, qkv by GNMT's ``((5 + len) / 6) ** alpha``:
+    the same alpha ranks beams differently (see docs/deploy.md)."""
+    from qkv.runs.recipes import decode_settings
+
+    decode = decode_settings(config)
+    return dict(
+        num_beams=decode["beam_size"],
+        length_penalty=decode["alpha"],
+        early_stopping=True,  # qkv finishes a sentence once it has beam_size finished hypotheses
+        max_length=max_len,  # the positional table: qkv's limit is also min(source + 50, max_len - 1)
+        decoder_start_token_id=tokenizer.bos_id,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+    )
+
+
+def probe_ids(vocab: int, first: int, rows: int = 2, length: int = 7, seed: int = 0) -> Tensor:
+    """A small batch ``(rows, length)`` of token ids ``first .. vocab-1`` from a fixed seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(first, vocab, (rows, length), generator=generator)
+
+
+def check_same_logits(name: str, ours: Tensor, theirs: Tensor) -> None:
+    """RuntimeError when the exported folder's logits differ from qkv's beyond :data:`PROBE_TOLERANCE`."""
+    diff = (ours.float() - theirs.float()).abs().max().item()
+    if diff > PROBE_TOLERANCE:
+        raise RuntimeError(f"the exported {name} differs from the run's model (max |logit diff| {diff:.2e})")
+
+
+def _check_marian_folder(model: Transformer, folder: Path) -> None:
+    """Reload ``folder`` with ``transformers`` and compare teacher-forced logits with qkv's."""
+    from transformers import MarianMTModel
+
+    reloaded = MarianMTModel.from_pretrained(str(folder)).eval()
+    first = 4  # above the special ids
+    length = min(7, model.config.max_len)
+    src = probe_ids(model.config.src_vocab_size, first, length=length)
+    tgt = probe_ids(model.config.tgt_vocab_size, first, length=length, seed=1)
+    with torch.no_grad():
+        ours = model(src, tgt)
+        theirs = reloaded(input_ids=src, attention_mask=torch.ones_like(src), decoder_input_ids=tgt).logits
+    check_same_logits("Marian model", ours, theirs)
+
+
+def export_translation(model: Transformer, tokenizer: Tokenizer, config: dict, out: Path) -> None:
+    """Write ``model`` as a ``MarianMTModel`` folder at ``out`` (assembled aside, checked, then moved in)."""
+    from transformers import GenerationConfig
+
+    from qkv.export.hf_tokenizer import save_bpe_tokenizer
+
+    hf_model = build_marian(model, tokenizer)
+    hf_model.generation_config = GenerationConfig(**generation_settings(config, tokenizer, model.config.max_len))
+    with atomic_folder(out, tag="export") as tmp:
+        hf_model.save_pretrained(str(tmp), safe_serialization=True)
+        save_bpe_tokenizer(tokenizer, tmp, max_len=model.config.max_len, append_eos=True)
+        _check_marian_folder(model, tmp)
+
+
+def check_output_folder(out: Path, *, overwrite: bool) -> None:
+    """``out`` must not exist, be an empty folder, or (with ``overwrite``) be an earlier export."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a folder")
+    if any(out.iterdir()) and not (overwrite and (out / "config.json").is_file()):
+        hint = "; pass --overwrite to replace an earlier export" if (out / "config.json").is_file() else ""
+        raise ValueError(f"{out}: folder exists and is not empty{hint}")
+
+
+def export_hf(run_dir: str | Path, out: str | Path, *, weights: str = "model", overwrite: bool = False) -> Path:
+    """Export a qkv run as a Hugging Face folder (Marian for translation, GPT-2 for a language model).
+
+    Args:
+        run_dir: the run folder.
+        out: the folder to write (must not exist or be empty, unless ``overwrite`` replaces an export).
+        weights: which of the run's weights (see :func:`qkv.runs.folder.load_run`).
+        overwrite: replace an earlier export at ``out``.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: the model has no exact counterpart (one line naming the field), or ``out`` is taken.
+        FileNotFoundError: the run is missing a file.
+    """
+    from qkv.export.hf_gpt2 import export_language_model
+    from qkv.runs.folder import load_run
+
+    out = Path(out)
+    check_output_folder(out, overwrite=overwrite)
+    model, tokenizer, config = load_run(run_dir, weights)
+    if isinstance(model, CausalLM):
+        export_language_model(model, tokenizer, out)
+    else:
+        assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # a translation run's
+        export_translation(model, tokenizer, config, out)
+    return out
