@@ -21,25 +21,27 @@ model's own ``encode``/``decode``, so the exported computation is qkv's, not a c
 
 from __future__ import annotations
 
-import json
+import logging
 import shutil
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache, MultiHeadAttention
 from qkv.data.tokenizer import Tokenizer
-from qkv.decoding.translate import length_batches
+from qkv.export.onnx_runtime import MANIFEST_FORMAT, OnnxTranslator
 from qkv.models.transformer import EncoderOutput, Transformer
 from qkv.runs.folder import load_run
 
-MANIFEST_FORMAT = 1  # the manifest's "qkv_onnx" value; raise it when the graphs' interface changes
 OPSET = 18  # ONNX opset of both graphs (onnxruntime 1.16+ runs it)
 EXTRA_LEN = 50  # tokens beyond the source length before a sentence stops: greedy_decode's default
+
+__all__ = ["MANIFEST_FORMAT", "OnnxTranslator", "export_onnx"]
 
 
 def cache_names(num_layers: int, prefix: str) -> list[str]:
@@ -66,6 +68,7 @@ class EncoderGraph(nn.Module):
         outputs = [memory]
         for layer in self.model.decoder.layers:
             attn = layer.cross_attn
+            assert isinstance(attn, MultiHeadAttention)  # for mypy: ModuleList items are untyped
             outputs += [_heads(attn, attn.k_proj(memory)), _heads(attn, attn.v_proj(memory))]
         return tuple(outputs)
 
@@ -98,3 +101,128 @@ class DecoderStepGraph(nn.Module):
         x, _, _, new_cache = self.model.decoder(self.model.tgt_embed(token, start), memory, cache=cache)
         new = [t for self_cache, _ in new_cache for t in (self_cache.key, self_cache.value)]
         return (self.model.output_proj(x)[:, -1], *new)
+
+
+def _example_inputs(model: Transformer) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
+    """Inputs to trace the graphs with: two sentences (one padded), three tokens already decoded.
+    Every dynamic size is at least 2 so that the exporter does not take it for a constant 1."""
+    config = model.config
+    generator = torch.Generator().manual_seed(0)
+    high = min(config.src_vocab_size, config.tgt_vocab_size)
+    src = torch.randint(4, high, (2, 5), generator=generator)
+    src[1, 3:] = config.pad_id
+    token = torch.randint(4, high, (2, 1), generator=generator)
+    with torch.no_grad():
+        cross = list(EncoderGraph(model)(src)[1:])
+    heads, head_dim = config.num_heads, config.d_model // config.num_heads
+    past = [torch.randn(2, heads, 3, head_dim, generator=generator) for _ in cross]
+    return src, token, past, cross
+
+
+@contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """Silence what the exporter says while it works: its registry's notes on optional packages
+    (torchvision), the optimizer's per-pass info lines and its own deprecation warnings, none of
+    which the user can act on. Its errors still raise."""
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnx_ir", "onnxscript")]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            for logger in loggers:
+                logger.setLevel(logging.ERROR)
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
+def _export_graphs(model: Transformer, folder: Path) -> dict[str, dict[str, list[str]]]:
+    """Write encoder.onnx and decoder_step.onnx into ``folder``; returns their input/output names."""
+    from torch.export import Dim
+
+    n = len(model.decoder.layers)
+    max_len = model.config.max_len
+    batch = Dim("batch", min=1)
+    src_len = Dim("src_len", min=1, max=max_len)
+    past = Dim("past", min=0, max=max_len - 2)  # the last step's input holds max_len - 2 tokens
+    src, token, self_kv, cross_kv = _example_inputs(model)
+    names = {
+        "encoder": {"inputs": ["src"], "outputs": ["memory", *cache_names(n, "cross_")]},
+        "decoder_step": {
+            "inputs": ["token", "src_mask", *cache_names(n, "self_"), *cache_names(n, "cross_")],
+            "outputs": ["logits", *cache_names(n, "new_self_")],
+        },
+    }
+    cache_shapes = tuple([{0: batch, 2: past}] * (2 * n) + [{0: batch, 2: src_len}] * (2 * n))
+    exports: list[tuple[nn.Module, tuple[Any, ...], Any, str]] = [
+        (EncoderGraph(model), (src,), {"src": {0: batch, 1: src_len}}, "encoder"),
+        (
+            DecoderStepGraph(model),
+            (token, src != model.config.pad_id, *self_kv, *cross_kv),
+            ({0: batch}, {0: batch, 1: src_len}, cache_shapes),
+            "decoder_step",
+        ),
+    ]
+    with _quiet_exporter():
+        for module, args, dynamic_shapes, name in exports:
+            torch.onnx.export(
+                module.eval(),
+                args,
+                str(folder / f"{name}.onnx"),
+                input_names=names[name]["inputs"],
+                output_names=names[name]["outputs"],
+                dynamic_shapes=dynamic_shapes,
+                opset_version=OPSET,
+                dynamo=True,
+                external_data=False,
+                verbose=False,
+            )
+    return names
+
+
+def export_onnx(run_dir: str | Path, out: str | Path) -> Path:
+    """Export a translation run to ONNX for greedy decoding with onnxruntime (:class:`OnnxTranslator`).
+
+    Args:
+        run_dir: a translation run folder (its ``model.safetensors``, or ``last.safetensors``).
+        out: the folder to write (see the module's docstring for its files); replaced when it holds an
+            earlier export, refused when it holds anything else.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: ``run_dir`` is a language-model run, or ``out`` holds something else.
+        FileNotFoundError: ``run_dir`` is not a run folder.
+    """
+    from qkv.runtime.fileio import atomic_folder, write_json
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "manifest.json").is_file())):
+        raise ValueError(f"{out}: exists and is not an earlier ONNX export; choose a new folder")
+    model, tokenizer, _ = load_run(run_dir, task="translation")
+    assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # task="translation" says so
+    model = model.float().eval()
+    with atomic_folder(out, tag="onnx") as tmp:
+        names = _export_graphs(model, tmp)
+        shutil.copyfile(Path(run_dir) / "tokenizer.json", tmp / "tokenizer.json")
+        config = model.config
+        manifest = {
+            "qkv_onnx": MANIFEST_FORMAT,
+            "opset": OPSET,
+            "pad_id": config.pad_id,
+            "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id,
+            "max_len": config.max_len,  # positions the model covers: source ids (EOS included) and decoded ones
+            "extra_len": EXTRA_LEN,
+            "num_layers": len(model.decoder.layers),
+            "num_heads": config.num_heads,
+            "head_dim": config.d_model // config.num_heads,
+            "tgt_vocab_size": config.tgt_vocab_size,
+            "files": {"encoder": "encoder.onnx", "decoder_step": "decoder_step.onnx", "tokenizer": "tokenizer.json"},
+            **names,
+        }
+        write_json(tmp / "manifest.json", manifest)
+    return out
