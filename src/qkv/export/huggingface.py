@@ -48,8 +48,6 @@ def marian_refusal(config: TransformerConfig) -> str | None:
         return f"layer_norm_eps={config.layer_norm_eps}: Marian's LayerNorm eps is fixed at 1e-5"
     if config.activation not in HF_ACTIVATIONS:
         return f"activation={config.activation!r}: no transformers activation of that name"
-    if not config.share_embeddings and not config.tie_output:
-        return "share_embeddings=False with tie_output=False: not tested against Marian; refused"
     return None
 
 

@@ -1,0 +1,50 @@
+"""``qkv export``: a trained run in another format.
+
+qkv export runs/multi30k --to hf hf-model/       # a MarianMTModel folder (transformers)
+qkv export runs/shakespeare --to hf hf-lm/       # a GPT2LMHeadModel folder, when GPT-2-shaped
+qkv export runs/multi30k --to onnx model.onnx    # ONNX (qkv.export.onnx)
+
+A model with no exact counterpart in the chosen format is refused with a one-line reason naming
+the configuration field (exit code 2), never written as a different model.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+FORMATS = ("hf", "onnx")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", help="the run folder (made by qkv train)")
+    parser.add_argument("out", help="where to write: a folder for --to hf, a file or folder for --to onnx")
+    parser.add_argument("--to", required=True, choices=FORMATS, help="hf: a Hugging Face folder; onnx: ONNX")
+    parser.add_argument(
+        "--weights",
+        default="model",
+        choices=("model", "best", "last", "ema"),
+        help="which of the run's weights (default: model, the averaged/final ones)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export at OUT")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: run folder not found")
+    if args.to == "hf":
+        from transformers.utils import logging as hf_logging
+
+        from qkv.export.huggingface import export_hf
+
+        hf_logging.disable_progress_bar()  # one line of output, not a bar per file written
+        out = export_hf(run_dir, args.out, weights=args.weights, overwrite=args.overwrite)
+    else:
+        try:
+            from qkv.export.onnx import export_onnx
+        except ImportError as err:
+            raise ValueError(f"ONNX export needs qkv.export.onnx and its dependencies ({err})") from None
+        out = export_onnx(run_dir, args.out)
+    print(f"exported {run_dir} to {out}")
+    return 0
