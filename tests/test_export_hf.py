@@ -18,7 +18,7 @@ from qkv.cli import main  # noqa: E402
 from qkv.data.batching import pad_sequences  # noqa: E402
 from qkv.data.dates import generate_dates  # noqa: E402
 from qkv.data.tokenizer import Tokenizer  # noqa: E402
-from qkv.decoding.search import greedy_decode  # noqa: E402
+from qkv.decoding.search import beam_search, greedy_decode  # noqa: E402
 from qkv.export.hf_gpt2 import build_gpt2_model, export_language_model  # noqa: E402
 from qkv.export.huggingface import build_marian, export_translation, residual_permutation  # noqa: E402
 from qkv.models.causal_lm import CausalLM, CausalLMConfig  # noqa: E402
@@ -123,6 +123,21 @@ def test_marian_greedy_generate_equals_qkv_greedy_decode(dates_export):
     batch = hf.generate(src, attention_mask=src != 0, num_beams=1)  # padded together, as qkv decodes
     for i, row in enumerate(batch.tolist()):
         assert row[1 : 1 + len(ours[i]) + 1] == [*ours[i], tokenizer.eos_id]
+
+
+def test_marian_beam_search_without_length_penalty_equals_qkvs(dates_export):
+    """With alpha 0 both rank by the summed log-probability, keep 2k candidates a step and stop at k
+    finished hypotheses (early_stopping): the same search. (With alpha > 0 they differ: GNMT's
+    ((5 + len) / 6) ** alpha against Hugging Face's len ** alpha; docs/deploy.md.)"""
+    model, tokenizer, pairs, folder = dates_export
+    hf = MarianMTModel.from_pretrained(folder).eval()
+    for text in pairs.src:
+        ids = torch.tensor([tokenizer.encode(text) + [tokenizer.eos_id]])
+        ours = beam_search(model, ids, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, beam_size=4, alpha=0.0)[0]
+        limit = min(ids.size(1) + 50, model.config.max_len - 1)
+        with torch.no_grad():
+            out = hf.generate(ids, num_beams=4, length_penalty=0.0, early_stopping=True, max_new_tokens=limit)
+        assert out[0, 1:].tolist() == [*ours, tokenizer.eos_id], text
 
 
 def test_exported_tokenizer_encodes_and_decodes_as_qkv(translation_export):
