@@ -21,7 +21,7 @@ from qkv.data.batching import pad_sequences  # noqa: E402
 from qkv.data.dates import generate_dates  # noqa: E402
 from qkv.decoding.search import greedy_decode  # noqa: E402
 from qkv.decoding.translate import translate_texts  # noqa: E402
-from qkv.export.onnx import OnnxTranslator, export_onnx  # noqa: E402
+from qkv.export.onnx import OnnxTranslator, check_output_folder, export_onnx  # noqa: E402
 from qkv.runs.folder import load_run  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs_v0_1"
@@ -156,9 +156,14 @@ def test_refusals(tmp_path, fixture_export):
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="not an earlier ONNX export"):
-        export_onnx(fixture_export[0], busy)
+    for overwrite in (False, True):  # --overwrite replaces an earlier export, never other files
+        with pytest.raises(ValueError, match="busy: not empty; choose a new folder"):
+            export_onnx(fixture_export[0], busy, overwrite=overwrite)
     assert [p.name for p in busy.iterdir()] == ["notes.txt"]
+    with pytest.raises(ValueError, match="pass --overwrite to replace an earlier export"):
+        check_output_folder(fixture_export[1], overwrite=False)
+    check_output_folder(fixture_export[1], overwrite=True)
+    check_output_folder(tmp_path / "new", overwrite=False)
     with pytest.raises(ValueError, match="language-model run"):
         export_onnx(FIXTURES / "lm_run", tmp_path / "lm")
     assert not (tmp_path / "lm").exists()

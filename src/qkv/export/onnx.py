@@ -41,6 +41,8 @@ from qkv.runs.folder import load_run
 OPSET = 18  # ONNX opset of both graphs (onnxruntime 1.16+ runs it)
 EXTRA_LEN = 50  # tokens beyond the source length before a sentence stops: greedy_decode's default
 
+CHECK_TOL = 1e-4  # largest difference from the model an export may show on its tracing inputs
+
 __all__ = ["MANIFEST_FORMAT", "OnnxTranslator", "export_onnx"]
 
 
@@ -182,27 +184,61 @@ def _export_graphs(model: Transformer, folder: Path) -> dict[str, dict[str, list
     return names
 
 
-def export_onnx(run_dir: str | Path, out: str | Path) -> Path:
+def _check_graphs(model: Transformer, folder: Path) -> float:
+    """Run both graphs with onnxruntime on the tracing inputs and compare them with the model (encoder
+    output, cross-attention keys/values, a step's logits and cache): ``ValueError`` beyond
+    :data:`CHECK_TOL`, so that an export that does not compute the model is never put in place.
+    Returns the largest difference."""
+    translator = OnnxTranslator(folder, threads=1)
+    src, token, self_kv, cross_kv = _example_inputs(model)
+    src_mask = src != model.config.pad_id
+    with torch.no_grad():
+        expected = [*EncoderGraph(model)(src), *DecoderStepGraph(model)(token, src_mask, *self_kv, *cross_kv)]
+    logits, new_self = translator.step(
+        token.numpy(), src_mask.numpy(), [t.numpy() for t in self_kv], [t.numpy() for t in cross_kv]
+    )
+    got = [*translator.encode(src.numpy()), logits, *new_self]
+    worst = max(float(abs(torch.from_numpy(a) - b).max()) for a, b in zip(got, expected, strict=True))
+    if not worst <= CHECK_TOL:  # NaN fails too
+        raise ValueError(f"the ONNX graphs differ from the model by {worst:.2e} (> {CHECK_TOL}); nothing written")
+    return worst
+
+
+def check_output_folder(out: Path, *, overwrite: bool) -> None:
+    """``out`` must not exist, be an empty folder, or (with ``overwrite``) hold an earlier ONNX export;
+    ``ValueError`` otherwise, in one line."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a folder; an ONNX export is a folder")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    earlier = (out / "manifest.json").is_file() and (out / "decoder_step.onnx").is_file()
+    if not (overwrite and earlier):
+        hint = "; pass --overwrite to replace an earlier export" if earlier else "; choose a new folder"
+        raise ValueError(f"{out}: not empty{hint}")
+
+
+def export_onnx(run_dir: str | Path, out: str | Path, *, weights: str = "model", overwrite: bool = False) -> Path:
     """Export a translation run to ONNX for greedy decoding with onnxruntime (:class:`OnnxTranslator`).
 
     Args:
-        run_dir: a translation run folder (its ``model.safetensors``, or ``last.safetensors``).
-        out: the folder to write (see the module's docstring for its files); replaced when it holds an
-            earlier export, refused when it holds anything else.
+        run_dir: a translation run folder.
+        out: the folder to write (see the module's docstring for its files): it must not exist or be
+            empty, unless ``overwrite`` replaces an earlier ONNX export there.
+        weights: which of the run's weights: ``model`` (averaged/final), ``best``, ``last`` or ``ema``.
+        overwrite: replace an earlier ONNX export at ``out`` (never anything else).
 
     Returns:
         ``out``.
 
     Raises:
-        ValueError: ``run_dir`` is a language-model run, or ``out`` holds something else.
-        FileNotFoundError: ``run_dir`` is not a run folder.
+        ValueError: ``run_dir`` is a language-model run, or ``out`` may not be written.
+        FileNotFoundError: ``run_dir`` is not a run folder, or lacks the weights.
     """
     from qkv.runtime.fileio import atomic_folder, write_json
 
     out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "manifest.json").is_file())):
-        raise ValueError(f"{out}: exists and is not an earlier ONNX export; choose a new folder")
-    model, tokenizer, _ = load_run(run_dir, task="translation")
+    check_output_folder(out, overwrite=overwrite)
+    model, tokenizer, _ = load_run(run_dir, weights, task="translation")
     assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # task="translation" says so
     model = model.float().eval()
     with atomic_folder(out, tag="onnx") as tmp:
@@ -225,4 +261,5 @@ def export_onnx(run_dir: str | Path, out: str | Path) -> Path:
             **names,
         }
         write_json(tmp / "manifest.json", manifest)
+        _check_graphs(model, tmp)
     return out
