@@ -16,7 +16,8 @@
 :class:`OnnxTranslator` decodes greedily over those two graphs with onnxruntime, the way
 :func:`qkv.decoding.search.greedy_decode` does over the PyTorch model. Both graphs are made by
 PyTorch's dynamo-based exporter (``torch.onnx.export(..., dynamo=True)``) from wrappers that call the
-model's own ``encode``/``decode``, so the exported computation is qkv's, not a copy of it.
+model's own modules (``encode``, the target embedding, the decoder stack, the output projection), so the
+exported computation is qkv's, not a copy of it.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ class EncoderGraph(nn.Module):
 
 
 class DecoderStepGraph(nn.Module):
-    """What decoder_step.onnx computes: one greedy step through :meth:`Transformer.decode` with the
-    cache passed as flat tensors (ONNX graphs take tensors, not :class:`KVCache` objects)."""
+    """What decoder_step.onnx computes: one step of :meth:`Transformer.decode` with the cache passed as
+    flat tensors (ONNX graphs take tensors, not :class:`KVCache` objects)."""
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
