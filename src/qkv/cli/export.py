@@ -18,7 +18,7 @@ FORMATS = ("hf", "onnx")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="the run folder (made by qkv train)")
-    parser.add_argument("out", help="where to write: a folder for --to hf, a file or folder for --to onnx")
+    parser.add_argument("out", help="the folder to write (created; see --overwrite)")
     parser.add_argument("--to", required=True, choices=FORMATS, help="hf: a Hugging Face folder; onnx: ONNX")
     parser.add_argument(
         "--weights",
@@ -44,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             from qkv.export.onnx import export_onnx
         except ImportError as err:
-            raise ValueError(f"ONNX export needs qkv.export.onnx and its dependencies ({err})") from None
-        out = export_onnx(run_dir, args.out)
+            raise ValueError(
+                f"ONNX export needs onnx, onnxscript and onnxruntime: pip install 'qkv[deploy]' ({err})"
+            ) from None
+        out = export_onnx(run_dir, args.out, weights=args.weights, overwrite=args.overwrite)
     print(f"exported {run_dir} to {out}")
     return 0
