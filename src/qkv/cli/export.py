@@ -3,6 +3,7 @@
 qkv export runs/multi30k --to hf hf-model/       # a MarianMTModel folder (transformers)
 qkv export runs/shakespeare --to hf hf-lm/       # a GPT2LMHeadModel folder, when GPT-2-shaped
 qkv export runs/multi30k --to onnx model.onnx    # ONNX (qkv.export.onnx)
+qkv export runs/multi30k --to ctranslate2 ct2/ --quantization int8   # CTranslate2 (qkv.export.ctranslate2)
 
 A model with no exact counterpart in the chosen format is refused with a one-line reason naming
 the configuration field (exit code 2), never written as a different model.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-FORMATS = ("hf", "onnx")
+FORMATS = ("hf", "onnx", "ctranslate2")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="which of the run's weights (default: model, the averaged/final ones)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export at OUT")
+    parser.add_argument(
+        "--quantization",
+        default="float32",
+        choices=("float32", "int8", "int8_float32", "int16", "float16", "bfloat16"),
+        help="ctranslate2 only: the stored weight type (default float32, exact; int8: smaller and faster)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,6 +47,16 @@ def run(args: argparse.Namespace) -> int:
 
         hf_logging.disable_progress_bar()  # one line of output, not a bar per file written
         out = export_hf(run_dir, args.out, weights=args.weights, overwrite=args.overwrite)
+    elif args.to == "ctranslate2":
+        try:
+            import ctranslate2  # noqa: F401  (imported here only to name the missing package)
+
+            from qkv.export.ctranslate2 import export_ctranslate2
+        except ImportError as err:
+            raise ValueError(f"CTranslate2 export needs ctranslate2: pip install 'qkv[deploy]' ({err})") from None
+        out = export_ctranslate2(
+            run_dir, args.out, weights=args.weights, quantization=args.quantization, overwrite=args.overwrite
+        )
     else:
         try:
             from qkv.export.onnx import export_onnx

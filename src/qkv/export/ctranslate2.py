@@ -1,0 +1,338 @@
+"""``qkv export RUN --to ctranslate2 OUT``: a translation run as a CTranslate2 model folder.
+
+The model is described with CTranslate2's own specification classes (``TransformerSpec`` with an
+encoder and a decoder spec) filled with the run's weights, then saved by CTranslate2
+(``model.bin``, ``config.json``, the vocabularies). The folder also holds the run's
+``tokenizer.json`` and ``qkv_ct2.json`` (special ids, limits, the run's decoding settings), which
+:class:`Ct2Translator` reads to translate text as :func:`qkv.decoding.translate.translate_texts` does.
+
+Why the spec rather than the Marian folder of ``--to hf`` plus CTranslate2's Transformers
+converter: the spec takes the positional table as a tensor, so qkv's own table (sines and cosines
+interleaved, or a learned table) is written as it is, with no change of basis; pre-LN models have a
+spec counterpart (``pre_norm`` with a final LayerNorm) that Marian lacks; and the decoder's start
+token is set to qkv's BOS directly, not the converter's Marian conventions.
+
+Every float32 folder is reloaded and its teacher-forced token log-probabilities (``score_batch``)
+compared with qkv's before it is put in place; a quantized one (int8, ...) must load and translate.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from qkv.data.tokenizer import SPECIALS, Tokenizer
+from qkv.models.transformer import Transformer, TransformerConfig
+from qkv.runtime.fileio import atomic_folder, read_json, write_json
+
+MANIFEST = "qkv_ct2.json"
+MANIFEST_FORMAT = 1
+EXTRA_LEN = 50  # greedy_decode/beam_search: a sentence stops after source length + 50 tokens
+QUANTIZATIONS = ("float32", "int8", "int8_float32", "int16", "float16", "bfloat16")
+CHECK_TOL = 1e-4  # float32 log-probabilities of the saved folder vs qkv's (same function, other kernels)
+
+__all__ = ["Ct2Translator", "ct2_refusal", "export_ctranslate2"]
+
+
+def ct2_refusal(config: TransformerConfig) -> str | None:
+    """Why ``config`` has no exact CTranslate2 ``TransformerSpec`` counterpart, or None when it has one.
+
+    Every qkv translation configuration maps today (pre- or post-LN, any positional kind, biases or
+    none, relu/gelu/gelu_tanh); the check guards options qkv may add later."""
+    if config.activation not in ("relu", "gelu", "gelu_tanh"):
+        return f"activation={config.activation!r}: CTranslate2 has no activation of that name"
+    if config.positional not in ("sinusoidal", "learned", "none"):
+        return f"positional={config.positional!r}: no CTranslate2 position table for it"
+    return None
+
+
+def _np(t: Tensor) -> np.ndarray:
+    return t.detach().float().cpu().contiguous().numpy()
+
+
+def _linear(spec: Any, weight: Tensor, bias: Tensor | None) -> None:
+    spec.weight = _np(weight)
+    if bias is not None:  # a bias-free qkv projection leaves CTranslate2's optional bias unset
+        spec.bias = _np(bias)
+
+
+def _norm(spec: Any, norm: Any) -> None:
+    spec.gamma = _np(norm.weight)
+    spec.beta = _np(norm.bias)
+
+
+def _self_attention(spec: Any, attn: Any) -> None:
+    """qkv's q/k/v projections fused in CTranslate2's order (q, k, v) into its first linear."""
+    projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+    weight = torch.cat([p.weight for p in projs])
+    bias = torch.cat([p.bias for p in projs]) if attn.q_proj.bias is not None else None
+    _linear(spec.linear[0], weight, bias)
+    _linear(spec.linear[1], attn.out_proj.weight, attn.out_proj.bias)
+
+
+def _cross_attention(spec: Any, attn: Any) -> None:
+    """Queries alone, then keys and values fused (CTranslate2 projects the memory once)."""
+    _linear(spec.linear[0], attn.q_proj.weight, attn.q_proj.bias)
+    bias = torch.cat([attn.k_proj.bias, attn.v_proj.bias]) if attn.k_proj.bias is not None else None
+    _linear(spec.linear[1], torch.cat([attn.k_proj.weight, attn.v_proj.weight]), bias)
+    _linear(spec.linear[2], attn.out_proj.weight, attn.out_proj.bias)
+
+
+def _ffn(spec: Any, ff: Any, norm: Any) -> None:
+    _linear(spec.linear_0, ff.linear1.weight, ff.linear1.bias)
+    _linear(spec.linear_1, ff.linear2.weight, ff.linear2.bias)
+    _norm(spec.layer_norm, norm)
+
+
+def _positions(model: Transformer, embed: Any) -> np.ndarray:
+    """The table the embedding adds: qkv's sinusoids as qkv lays them out, a learned table, or zeros."""
+    config = model.config
+    positional = embed.positional
+    if config.positional == "sinusoidal":
+        return _np(positional.table)
+    if config.positional == "learned":
+        return _np(positional.embedding.weight)
+    return np.zeros((config.max_len, config.d_model), dtype=np.float32)  # "none": adds nothing
+
+
+def build_spec(model: Transformer) -> Any:
+    """A CTranslate2 ``TransformerSpec`` computing what ``model`` computes (weights filled, no vocabulary).
+
+    Raises:
+        ValueError: the configuration has no exact counterpart (one line naming the field).
+    """
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    config = model.config
+    reason = ct2_refusal(config)
+    if reason is not None:
+        raise ValueError(f"cannot export to CTranslate2: {reason}")
+    activation = {
+        "relu": common_spec.Activation.RELU,
+        "gelu": common_spec.Activation.GELU,  # erf GELU, as torch's default
+        "gelu_tanh": common_spec.Activation.GELUTanh,
+    }[config.activation]
+    options = dict(pre_norm=config.norm_first, activation=activation)
+    encoder = transformer_spec.TransformerEncoderSpec(config.num_encoder_layers, config.num_heads, **options)
+    decoder = transformer_spec.TransformerDecoderSpec(config.num_decoder_layers, config.num_heads, **options)
+    for side, embed in ((encoder, model.src_embed), (decoder, model.tgt_embed)):
+        side.scale_embeddings = True  # qkv multiplies the token embedding by sqrt(d_model) too
+        side.position_encodings.encodings = _positions(model, embed)
+    encoder.embeddings[0].weight = _np(model.src_embed.embedding.weight)
+    decoder.embeddings.weight = _np(model.tgt_embed.embedding.weight)
+    decoder.projection.weight = _np(model.output_proj.weight)  # qkv's output projection has no bias
+    if config.norm_first:  # pre-LN stacks end with a LayerNorm, as CTranslate2's pre_norm does
+        _norm(encoder.layer_norm, model.encoder.norm)
+        _norm(decoder.layer_norm, model.decoder.norm)
+    for spec, layer in zip(encoder.layer, model.encoder.layers, strict=True):
+        _self_attention(spec.self_attention, layer.self_attn)
+        _norm(spec.self_attention.layer_norm, layer.norm1)
+        _ffn(spec.ffn, layer.feed_forward, layer.norm2)
+    for spec, layer in zip(decoder.layer, model.decoder.layers, strict=True):
+        _self_attention(spec.self_attention, layer.self_attn)
+        _norm(spec.self_attention.layer_norm, layer.norm1)
+        _cross_attention(spec.attention, layer.cross_attn)
+        _norm(spec.attention.layer_norm, layer.norm2)
+        _ffn(spec.ffn, layer.feed_forward, layer.norm3)
+    spec = transformer_spec.TransformerSpec(encoder, decoder)
+    spec.config.layer_norm_epsilon = config.layer_norm_eps
+    return spec
+
+
+def vocabulary(tokenizer: Tokenizer, size: int) -> list[str]:
+    """One distinct token string per model id ``0 .. size - 1``: the tokenizer's own strings, then
+    placeholders for rows a model's embedding may have beyond the tokenizer (never produced by it)."""
+    known = min(size, tokenizer.vocab_size)
+    tokens = [tokenizer.backend.id_to_token(i) or f"<qkv_unused_{i}>" for i in range(known)]
+    tokens += [f"<qkv_unused_{i}>" for i in range(known, size)]
+    if len(set(tokens)) != size:
+        raise ValueError(f"the tokenizer's token strings are not distinct ({len(set(tokens))} of {size})")
+    return tokens
+
+
+def _check_folder(model: Transformer, tokenizer: Tokenizer, folder: Path) -> float:
+    """Teacher-forced log-probabilities of the saved folder vs qkv's on a few fixed pairs: ``ValueError``
+    beyond :data:`CHECK_TOL` so that nothing that differs from the run is put in place. Returns the largest."""
+    translator = Ct2Translator(folder)
+    generator = torch.Generator().manual_seed(0)
+    first, high = len(SPECIALS), min(model.config.src_vocab_size, model.config.tgt_vocab_size)
+    src = torch.randint(first, high, (2, 6), generator=generator)
+    src[:, -1] = tokenizer.eos_id
+    tgt = torch.randint(first, high, (2, 5), generator=generator)
+    result = translator.translator.score_batch(
+        [translator.to_tokens(row.tolist()) for row in src], [translator.to_tokens(row.tolist()) for row in tgt]
+    )
+    tgt_in = torch.cat([torch.full((2, 1), tokenizer.bos_id), tgt], dim=1)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(src, tgt_in).float(), dim=-1)  # (2, 6, V)
+    gold = torch.cat([tgt, torch.full((2, 1), tokenizer.eos_id)], dim=1)  # CTranslate2 scores EOS too
+    ours = logprobs.gather(-1, gold[..., None])[..., 0]
+    theirs = torch.tensor([r.log_probs for r in result])
+    worst = float((ours - theirs).abs().max())
+    if not worst <= CHECK_TOL:  # NaN fails too
+        raise ValueError(f"the CTranslate2 model differs from the run by {worst:.2e} (> {CHECK_TOL}); nothing written")
+    return worst
+
+
+def write_model(
+    model: Transformer, tokenizer: Tokenizer, folder: Path, *, decode: dict, quantization: str = "float32"
+) -> None:
+    """Save ``model`` (float32, eval mode) into ``folder`` with CTranslate2, and :data:`MANIFEST`; the
+    caller adds ``tokenizer.json``. ``decode``: the run's ``{"beam_size", "alpha"}``."""
+    spec = build_spec(model)
+    spec.register_source_vocabulary(vocabulary(tokenizer, model.config.src_vocab_size))
+    spec.register_target_vocabulary(vocabulary(tokenizer, model.config.tgt_vocab_size))
+    _, bos, eos, unk = SPECIALS
+    spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = unk, bos, eos
+    spec.config.decoder_start_token = bos  # qkv's decoder starts from BOS
+    spec.config.add_source_bos, spec.config.add_source_eos = False, False  # Ct2Translator adds EOS as qkv does
+    spec.validate()
+    spec.optimize(quantization=None if quantization == "float32" else quantization)
+    spec.save(str(folder))
+    manifest = {
+        "qkv_ct2": MANIFEST_FORMAT,
+        "quantization": quantization,
+        "bos_id": tokenizer.bos_id,
+        "eos_id": tokenizer.eos_id,
+        "max_len": model.config.max_len,
+        "vocab_size": max(model.config.src_vocab_size, model.config.tgt_vocab_size),
+        "extra_len": EXTRA_LEN,
+        "decode": decode,
+    }
+    write_json(folder / MANIFEST, manifest)
+
+
+def check_model(model: Transformer, tokenizer: Tokenizer, folder: Path, *, quantization: str) -> None:
+    """A float32 folder must score as ``model`` does (:func:`_check_folder`); a quantized one computes
+    something else by design, so it must load and translate."""
+    if quantization == "float32":
+        _check_folder(model, tokenizer, folder)
+    else:
+        Ct2Translator(folder).translate(["1"], beam_size=1)
+
+
+def check_output_folder(out: Path, *, overwrite: bool) -> None:
+    """``out`` must not exist, be empty, or (with ``overwrite``) hold an earlier CTranslate2 export."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a folder; a CTranslate2 export is a folder")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    earlier = (out / MANIFEST).is_file() and (out / "model.bin").is_file()
+    if not (overwrite and earlier):
+        hint = "; pass --overwrite to replace an earlier export" if earlier else "; choose a new folder"
+        raise ValueError(f"{out}: not empty{hint}")
+
+
+def export_ctranslate2(
+    run_dir: str | Path,
+    out: str | Path,
+    *,
+    weights: str = "model",
+    quantization: str = "float32",
+    overwrite: bool = False,
+) -> Path:
+    """Export a translation run as a CTranslate2 model folder (:class:`Ct2Translator` translates with it).
+
+    Args:
+        run_dir: a translation run folder.
+        out: the folder to write: must not exist or be empty, unless ``overwrite`` replaces an earlier export.
+        weights: which of the run's weights: ``model`` (averaged/final), ``best``, ``last`` or ``ema``.
+        quantization: the stored weight type, one of :data:`QUANTIZATIONS` (float32 is exact; int8 is smaller
+            and faster, and its translations may differ).
+        overwrite: replace an earlier CTranslate2 export at ``out`` (never anything else).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: a language-model run, a configuration without a counterpart, or ``out`` is taken.
+        FileNotFoundError: ``run_dir`` is not a run folder, or lacks the weights.
+    """
+    from qkv.runs.folder import load_run
+    from qkv.runs.recipes import decode_settings
+
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+    out = Path(out)
+    check_output_folder(out, overwrite=overwrite)
+    model, tokenizer, config = load_run(run_dir, weights, task="translation")
+    assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # task="translation" says so
+    with atomic_folder(out, tag="ct2") as tmp:
+        write_model(model.float().eval(), tokenizer, tmp, decode=decode_settings(config), quantization=quantization)
+        shutil.copyfile(Path(run_dir) / "tokenizer.json", tmp / "tokenizer.json")
+        check_model(model, tokenizer, tmp, quantization=quantization)
+    return out
+
+
+class Ct2Translator:
+    """Translate text with an exported folder: qkv's tokenizer around ``ctranslate2.Translator``."""
+
+    def __init__(self, folder: str | Path, *, device: str = "cpu", threads: int = 1, compute_type: str = "default"):
+        """Args: ``folder`` an export of :func:`export_ctranslate2`; the rest go to ``ctranslate2.Translator``."""
+        import ctranslate2
+
+        folder = Path(folder)
+        if not (folder / MANIFEST).is_file():
+            raise FileNotFoundError(f"{folder}: {MANIFEST} missing; not a qkv CTranslate2 export")
+        self.manifest = read_json(folder / MANIFEST)
+        if self.manifest.get("qkv_ct2") != MANIFEST_FORMAT:
+            raise ValueError(f"{folder}: {MANIFEST} has format {self.manifest.get('qkv_ct2')!r}, expected 1")
+        self.tokenizer = Tokenizer.load(folder / "tokenizer.json")
+        self.translator = ctranslate2.Translator(
+            str(folder), device=device, intra_threads=threads, compute_type=compute_type
+        )
+        self.tokens = vocabulary(self.tokenizer, self.manifest["vocab_size"])
+        self.ids = {token: i for i, token in enumerate(self.tokens)}
+
+    def to_tokens(self, ids: list[int]) -> list[str]:
+        """CTranslate2's token strings for qkv ids."""
+        return [self.tokens[i] for i in ids]
+
+    def translate(self, texts: list[str], *, beam_size: int | None = None, alpha: float | None = None) -> list[str]:
+        """Translate ``texts`` as qkv does: sources cut to the positional table, EOS appended, each
+        sentence stopped after its length + 50 tokens (capped by the table).
+
+        Args:
+            texts: source sentences.
+            beam_size: 1 = greedy; default: the run's (its recipe's) beam size.
+            alpha: CTranslate2's length penalty (log-probability divided by ``length ** alpha``; qkv
+                divides by GNMT's ``((5 + length) / 6) ** alpha``); default: the run's alpha.
+
+        Returns:
+            the translations, one per input sentence.
+        """
+        limit = self.manifest["max_len"] - 1
+        sources = [ids[:limit] + [self.manifest["eos_id"]] for ids in self.tokenizer.encode_batch(texts)]
+        outputs = self.translate_ids(sources, beam_size=beam_size, alpha=alpha)
+        return [self.tokenizer.decode(ids) for ids in outputs]
+
+    def translate_ids(
+        self, sources: list[list[int]], *, beam_size: int | None = None, alpha: float | None = None
+    ) -> list[list[int]]:
+        """Translate token ids (each source ending with EOS, no padding) to token ids without BOS and
+        EOS, as :func:`qkv.decoding.search.greedy_decode` and ``beam_search`` return them; arguments
+        as in :meth:`translate`."""
+        decode = self.manifest["decode"]
+        beam_size = decode["beam_size"] if beam_size is None else beam_size
+        alpha = decode["alpha"] if alpha is None else alpha
+        limit = self.manifest["max_len"] - 1
+        groups: dict[int, list[int]] = {}  # CTranslate2 takes one length limit per call
+        for i, ids in enumerate(sources):
+            groups.setdefault(min(len(ids) + self.manifest["extra_len"], limit), []).append(i)
+        results: list[list[int]] = [[] for _ in sources]
+        for max_length, indices in groups.items():
+            outputs = self.translator.translate_batch(
+                [self.to_tokens(sources[i]) for i in indices],
+                beam_size=beam_size,
+                length_penalty=alpha if beam_size > 1 else 0.0,
+                max_decoding_length=max_length,
+                max_input_length=0,  # the sources are already cut to the positional table
+            )
+            for i, output in zip(indices, outputs, strict=True):
+                results[i] = [self.ids[token] for token in output.hypotheses[0]]
+        return results
