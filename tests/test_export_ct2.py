@@ -161,6 +161,9 @@ def test_refusals(dates_export, tmp_path, capsys):
     error = capsys.readouterr().err.strip()
     assert "language-model run" in error and "\n" not in error
     assert not lm_out.exists()
+    onnx_out = tmp_path / "onnx"
+    assert main(["export", str(dates_export[0]), "--to", "onnx", str(onnx_out), "--quantization", "int8"]) == 2
+    assert "applies to --to ctranslate2 only" in capsys.readouterr().err and not onnx_out.exists()
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")

@@ -20,7 +20,12 @@ FORMATS = ("hf", "onnx", "ctranslate2")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="the run folder (made by qkv train)")
     parser.add_argument("out", help="the folder to write (created; see --overwrite)")
-    parser.add_argument("--to", required=True, choices=FORMATS, help="hf: a Hugging Face folder; onnx: ONNX")
+    parser.add_argument(
+        "--to",
+        required=True,
+        choices=FORMATS,
+        help="hf: a Hugging Face folder; onnx: ONNX; ctranslate2: a CTranslate2 folder",
+    )
     parser.add_argument(
         "--weights",
         default="model",
@@ -40,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: run folder not found")
+    if args.quantization != "float32" and args.to != "ctranslate2":
+        raise ValueError(f"--quantization {args.quantization} applies to --to ctranslate2 only")
     if args.to == "hf":
         from transformers.utils import logging as hf_logging
 
