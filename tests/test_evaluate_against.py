@@ -109,7 +109,7 @@ def test_bad_comparisons_are_refused_before_decoding(runs, tmp_path, capsys):
 def test_runs_of_another_pair_or_a_language_model_are_refused(tmp_path):
     import argparse
 
-    from qkv.cli.evaluate import _read_against
+    from qkv.cli.evaluate_against import read_against
 
     def run_folder(name, config):
         folder = tmp_path / name
@@ -120,10 +120,10 @@ def test_runs_of_another_pair_or_a_language_model_are_refused(tmp_path):
     ours = {"data": {"source": "multi30k", "src_lang": "en", "tgt_lang": "de"}}
     args = argparse.Namespace(limit=0)
     same = run_folder("same", ours)
-    assert _read_against(args, [same], ours, 5)[same]["data"]["tgt_lang"] == "de"
+    assert read_against(args, [same], ours, 5)[same]["data"]["tgt_lang"] == "de"
     reverse = run_folder("reverse", {"data": {"source": "multi30k", "src_lang": "de", "tgt_lang": "en"}})
     with pytest.raises(ValueError, match="it translates de->en, this run en->de"):
-        _read_against(args, [reverse], ours, 5)
+        read_against(args, [reverse], ours, 5)
     lm = run_folder("lm", {"task": "lm"})
     with pytest.raises(ValueError, match="a language-model run"):
-        _read_against(args, [lm], ours, 5)
+        read_against(args, [lm], ours, 5)

@@ -52,8 +52,6 @@ from qkv.cli.options import (
 if TYPE_CHECKING:
     from qkv.models.causal_lm import CausalLM
 
-_read_against = read_against  # the name tests/test_evaluate_against.py imports
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run folder made by qkv train")
