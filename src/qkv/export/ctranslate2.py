@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from qkv.data.tokenizer import SPECIALS, Tokenizer
+from qkv.export.output import check_output_folder as check_export_folder
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.runtime.fileio import atomic_folder, read_json, write_json
 
@@ -218,14 +219,7 @@ def check_model(model: Transformer, tokenizer: Tokenizer, folder: Path, *, quant
 
 def check_output_folder(out: Path, *, overwrite: bool) -> None:
     """``out`` must not exist, be empty, or (with ``overwrite``) hold an earlier CTranslate2 export."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out}: exists and is not a folder; a CTranslate2 export is a folder")
-    if not out.exists() or not any(out.iterdir()):
-        return
-    earlier = (out / MANIFEST).is_file() and (out / "model.bin").is_file()
-    if not (overwrite and earlier):
-        hint = "; pass --overwrite to replace an earlier export" if earlier else "; choose a new folder"
-        raise ValueError(f"{out}: not empty{hint}")
+    check_export_folder(out, overwrite=overwrite, kind="a CTranslate2", marks=(MANIFEST, "model.bin"))
 
 
 def export_ctranslate2(

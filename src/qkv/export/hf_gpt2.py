@@ -15,7 +15,7 @@ from torch import Tensor
 
 from qkv.data.text import CharTokenizer
 from qkv.data.tokenizer import Tokenizer
-from qkv.export.huggingface import HF_ACTIVATIONS, check_same_logits, probe_ids
+from qkv.export.hf_common import HF_ACTIVATIONS, check_same_logits, probe_ids
 from qkv.models.causal_lm import CausalLM, CausalLMConfig
 from qkv.pretrained.gpt2 import gpt2_key_map
 from qkv.runtime.fileio import atomic_folder

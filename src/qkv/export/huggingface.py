@@ -27,15 +27,15 @@ import torch
 from torch import Tensor
 
 from qkv.data.tokenizer import Tokenizer
+from qkv.export.hf_common import HF_ACTIVATIONS, check_same_logits, probe_ids
+from qkv.export.hf_gpt2 import export_language_model
+from qkv.export.output import check_output_folder as check_export_folder
 from qkv.models.causal_lm import CausalLM
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.nn.positional import sinusoidal_table
 from qkv.runtime.fileio import atomic_folder
 
-# qkv activation -> the ``transformers`` activation_function computing the same function
-HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 MARIAN_LAYER_NORM_EPS = 1e-5  # Marian's nn.LayerNorm has no eps option
-PROBE_TOLERANCE = 1e-4  # float32 logits of the reloaded folder vs qkv's (same function, other kernels)
 
 
 def marian_refusal(config: TransformerConfig) -> str | None:
@@ -191,19 +191,6 @@ def generation_settings(config: dict, tokenizer: Tokenizer, max_len: int) -> dic
     )
 
 
-def probe_ids(vocab: int, first: int, rows: int = 2, length: int = 7, seed: int = 0) -> Tensor:
-    """A small batch ``(rows, length)`` of token ids ``first .. vocab-1`` from a fixed seed."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(first, vocab, (rows, length), generator=generator)
-
-
-def check_same_logits(name: str, ours: Tensor, theirs: Tensor) -> None:
-    """RuntimeError when the exported folder's logits differ from qkv's beyond :data:`PROBE_TOLERANCE`."""
-    diff = (ours.float() - theirs.float()).abs().max().item()
-    if diff > PROBE_TOLERANCE:
-        raise RuntimeError(f"the exported {name} differs from the run's model (max |logit diff| {diff:.2e})")
-
-
 def _check_marian_folder(model: Transformer, folder: Path) -> None:
     """Reload ``folder`` with ``transformers`` and compare teacher-forced logits with qkv's."""
     from transformers import MarianMTModel
@@ -234,14 +221,8 @@ def export_translation(model: Transformer, tokenizer: Tokenizer, config: dict, o
 
 
 def check_output_folder(out: Path, *, overwrite: bool) -> None:
-    """``out`` must not exist, be an empty folder, or (with ``overwrite``) be an earlier export."""
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise ValueError(f"{out}: exists and is not a folder")
-    if any(out.iterdir()) and not (overwrite and (out / "config.json").is_file()):
-        hint = "; pass --overwrite to replace an earlier export" if (out / "config.json").is_file() else ""
-        raise ValueError(f"{out}: folder exists and is not empty{hint}")
+    """``out`` must not exist, be empty, or (with ``overwrite``) hold an earlier Hugging Face export."""
+    check_export_folder(out, overwrite=overwrite, kind="a Hugging Face", marks=("config.json",))
 
 
 def export_hf(run_dir: str | Path, out: str | Path, *, weights: str = "model", overwrite: bool = False) -> Path:
@@ -260,7 +241,6 @@ def export_hf(run_dir: str | Path, out: str | Path, *, weights: str = "model", o
         ValueError: the model has no exact counterpart (one line naming the field), or ``out`` is taken.
         FileNotFoundError: the run is missing a file.
     """
-    from qkv.export.hf_gpt2 import export_language_model
     from qkv.runs.folder import load_run
 
     out = Path(out)

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from qkv.attention.multihead import KVCache, MultiHeadAttention
 from qkv.data.tokenizer import Tokenizer
 from qkv.export.onnx_runtime import MANIFEST_FORMAT, OnnxTranslator
+from qkv.export.output import check_output_folder as check_export_folder
 from qkv.models.transformer import EncoderOutput, Transformer
 from qkv.runs.folder import load_run
 
@@ -206,16 +207,8 @@ def _check_graphs(model: Transformer, folder: Path) -> float:
 
 
 def check_output_folder(out: Path, *, overwrite: bool) -> None:
-    """``out`` must not exist, be an empty folder, or (with ``overwrite``) hold an earlier ONNX export;
-    ``ValueError`` otherwise, in one line."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out}: exists and is not a folder; an ONNX export is a folder")
-    if not out.exists() or not any(out.iterdir()):
-        return
-    earlier = (out / "manifest.json").is_file() and (out / "decoder_step.onnx").is_file()
-    if not (overwrite and earlier):
-        hint = "; pass --overwrite to replace an earlier export" if earlier else "; choose a new folder"
-        raise ValueError(f"{out}: not empty{hint}")
+    """``out`` must not exist, be empty, or (with ``overwrite``) hold an earlier ONNX export."""
+    check_export_folder(out, overwrite=overwrite, kind="an ONNX", marks=("manifest.json", "decoder_step.onnx"))
 
 
 def export_onnx(run_dir: str | Path, out: str | Path, *, weights: str = "model", overwrite: bool = False) -> Path:

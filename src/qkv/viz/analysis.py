@@ -35,13 +35,20 @@ Shape legend: ``L`` layers, ``h`` heads, ``s_q`` queries, ``s_k`` keys, ``s`` to
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # qkv.viz.export imports this module
-    from qkv.viz.export import AttentionView
+
+class AttentionViewLike(Protocol):
+    """What :func:`view_fields` reads of a :class:`~qkv.viz.export.AttentionView` (declared here, since
+    :mod:`qkv.viz.export` imports this module)."""
+
+    keys: list[str]
+    attentions: list[Tensor]
+    cross: bool
+
 
 DOMINANT_FRACTION = 0.5  # a pattern dominates when it takes more than half the attention
 BROAD_ENTROPY = 0.8  # a broad head's entropy is above 80% of the uniform distribution's
@@ -232,7 +239,7 @@ def rounded(values: Tensor | float, decimals: int = DECIMALS) -> float | list[An
 
 
 def view_fields(
-    view: AttentionView, *, encoder_rollout: Tensor | None = None, delimiters: Sequence[int] | None = None
+    view: AttentionViewLike, *, encoder_rollout: Tensor | None = None, delimiters: Sequence[int] | None = None
 ) -> dict[str, object]:
     """The optional analysis fields of one view of the document: ``stats``, ``delimiters``,
     ``labels`` and ``rollout`` (see :mod:`qkv.viz.export`).
