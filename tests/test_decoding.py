@@ -264,3 +264,13 @@ def test_scores_match_sacrebleu_directly():
     with pytest.raises(ValueError, match="2 hypotheses but 3 references"):
         score_translations(hyps[:2], refs)
     assert math.isclose(exact_match(["a", "b"], ["a", "c"]), 0.5)
+
+
+def test_power_length_penalty_is_length_to_the_alpha():
+    from qkv.decoding.search import length_penalty
+
+    assert length_penalty(7, 0.6, "power") == pytest.approx(7**0.6)
+    assert length_penalty(7, 0.6) == pytest.approx((12 / 6) ** 0.6)
+    assert length_penalty(7, 0.0, "power") == 1.0
+    with pytest.raises(ValueError, match="gnmt, power"):
+        length_penalty(7, 0.6, "fairseq")  # type: ignore[arg-type]

@@ -32,11 +32,24 @@ class Hypothesis:
     normalized: float  # score / length_penalty(len)
 
 
-def length_penalty(length: int, alpha: float) -> float:
-    """GNMT length penalty ``((5 + length) / 6) ** alpha`` (Wu et al. 2016, eq. 14, without its coverage
-    term), which "Attention Is All You Need" used with alpha 0.6 and beam 4 (section 6.1). A finished
-    hypothesis's length counts its EOS, as tensor2tensor's beam search (the paper's) counts it."""
-    return ((5.0 + length) / 6.0) ** alpha
+PenaltyForm = Literal["gnmt", "power"]
+PENALTY_FORMS: tuple[str, ...] = ("gnmt", "power")
+
+
+def length_penalty(length: int, alpha: float, form: PenaltyForm = "gnmt") -> float:
+    """The divisor of a finished hypothesis's log-probability.
+
+    ``"gnmt"`` (qkv's default): ``((5 + length) / 6) ** alpha`` (Wu et al. 2016, eq. 14, without its
+    coverage term), which "Attention Is All You Need" used with alpha 0.6 and beam 4 (section 6.1).
+    ``"power"``: ``length ** alpha``, the form of Hugging Face's ``generate`` (``length_penalty``) and
+    CTranslate2 (``length_penalty``); with it qkv ranks beams as they do. Either way a finished
+    hypothesis's length counts its EOS (not BOS), as tensor2tensor's beam search (the paper's),
+    Hugging Face and CTranslate2 count it."""
+    if form == "gnmt":
+        return ((5.0 + length) / 6.0) ** alpha
+    if form == "power":
+        return float(length) ** alpha
+    raise ValueError(f"length penalty form must be one of {', '.join(PENALTY_FORMS)}, got {form!r}")
 
 
 def _source_mask(memory: EncoderOutput) -> Tensor:
@@ -122,6 +135,7 @@ def beam_search(
     eos_id: int,
     beam_size: int = 5,
     alpha: float = 0.6,
+    penalty: PenaltyForm = "gnmt",
     extra_len: int = 50,
     use_cache: bool = True,
     return_all: Literal[False] = False,
@@ -137,6 +151,7 @@ def beam_search(
     eos_id: int,
     beam_size: int = 5,
     alpha: float = 0.6,
+    penalty: PenaltyForm = "gnmt",
     extra_len: int = 50,
     use_cache: bool = True,
     return_all: Literal[True],
@@ -152,6 +167,7 @@ def beam_search(
     eos_id: int,
     beam_size: int = 5,
     alpha: float = 0.6,
+    penalty: PenaltyForm = "gnmt",
     extra_len: int = 50,
     use_cache: bool = True,
     return_all: bool = False,
@@ -162,7 +178,7 @@ def beam_search(
     sentence, finalises those ending in EOS that rank within the first ``k`` and keeps the best
     ``k`` others alive. A sentence is done once it has ``k`` finished hypotheses or reaches
     ``source length + extra_len`` tokens (then its live hypotheses are finished as they are).
-    The winner maximises ``log p / length_penalty(len, alpha)``.
+    The winner maximises ``log p / length_penalty(len, alpha, penalty)``.
 
     Args:
         model: a :class:`Transformer` in eval mode.
@@ -171,6 +187,7 @@ def beam_search(
         eos_id: the target's end token.
         beam_size: ``k``; 1 gives exactly greedy decoding.
         alpha: length penalty exponent (0 = raw log-probability).
+        penalty: the length penalty's form, ``"gnmt"`` or ``"power"`` (see :func:`length_penalty`).
         extra_len: length limit beyond the source length.
         use_cache: incremental decoding with the KV cache.
         return_all: return every finished hypothesis (best first) instead of the best ids.
@@ -180,6 +197,7 @@ def beam_search(
     """
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    length_penalty(1, alpha, penalty)  # an unknown form fails here, before any work
     k = beam_size
     pad_id = model.config.pad_id
     device = src.device
@@ -207,6 +225,7 @@ def beam_search(
                 candidates[i],
                 eos_id=eos_id,
                 alpha=alpha,
+                penalty=penalty,
                 last_step=step + 1 >= max_len[i],
                 finished=finished[i],
                 following=following,
@@ -253,6 +272,7 @@ def _advance_sentence(
     *,
     eos_id: int,
     alpha: float,
+    penalty: PenaltyForm,
     last_step: bool,
     finished: list[Hypothesis],
     following: tuple[list[int], list[int], list[float]],
@@ -272,7 +292,7 @@ def _advance_sentence(
         if token == eos_id:
             if rank < k:
                 prefix = tokens[row, 1:].tolist()
-                finished.append(Hypothesis(prefix, score, score / length_penalty(len(prefix) + 1, alpha)))
+                finished.append(Hypothesis(prefix, score, score / length_penalty(len(prefix) + 1, alpha, penalty)))
             continue
         slot = i * k + alive
         source[slot], token_at[slot], score_at[slot] = row, token, score
@@ -285,5 +305,7 @@ def _advance_sentence(
         return False
     for slot in range(i * k, i * k + alive):  # out of length: the live hypotheses end here
         prefix = tokens[source[slot], 1:].tolist() + [token_at[slot]]
-        finished.append(Hypothesis(prefix, score_at[slot], score_at[slot] / length_penalty(len(prefix), alpha)))
+        finished.append(
+            Hypothesis(prefix, score_at[slot], score_at[slot] / length_penalty(len(prefix), alpha, penalty))
+        )
     return True

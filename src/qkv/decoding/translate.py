@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from qkv.data.batching import pad_sequences
 from qkv.data.tokenizer import Tokenizer
 from qkv.decoding.ensemble import Ensemble
-from qkv.decoding.search import beam_search, greedy_decode
+from qkv.decoding.search import PenaltyForm, beam_search, greedy_decode
 from qkv.models.transformer import Transformer
 from qkv.runtime.precision import autocast_context
 
@@ -25,6 +25,7 @@ def translate_texts(
     *,
     beam_size: int = 1,
     alpha: float = 0.6,
+    penalty: PenaltyForm = "gnmt",
     max_tokens: int = 4000,
     bf16: bool = False,
     progress: bool = False,
@@ -36,6 +37,9 @@ def translate_texts(
         tokenizer: the run's tokenizer.
         texts: source sentences.
         beam_size: 1 = greedy decoding, else beam search with length penalty ``alpha``.
+        alpha: the length penalty's exponent.
+        penalty: its form, ``"gnmt"`` (qkv's) or ``"power"`` (Hugging Face's and CTranslate2's);
+            see :func:`qkv.decoding.search.length_penalty`.
         max_tokens: source tokens per batch (times ``beam_size`` rows are decoded).
         bf16: run under bfloat16 autocast (faster on CPUs with bf16 matrix units).
         progress: show a progress bar.
@@ -60,7 +64,9 @@ def translate_texts(
             if beam_size == 1:
                 out = greedy_decode(model, src, bos_id=bos_id, eos_id=eos_id)
             else:
-                out = beam_search(model, src, bos_id=bos_id, eos_id=eos_id, beam_size=beam_size, alpha=alpha)
+                out = beam_search(
+                    model, src, bos_id=bos_id, eos_id=eos_id, beam_size=beam_size, alpha=alpha, penalty=penalty
+                )
             for i, tokens in zip(batch, out):
                 results[i] = tokenizer.decode(tokens)
     return results
