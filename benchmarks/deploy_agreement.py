@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from qkv.bench.provenance import write_result
-from qkv.data.batching import pad_sequences
 from qkv.data.sources import load_split
 from qkv.decoding.search import length_penalty
 from qkv.decoding.translate import translate_texts
@@ -160,7 +159,7 @@ def main() -> int:
         for compute_type in ("float32", "int8"):
             name = f"ct2_{compute_type}_beam_power"
             translator = Ct2Translator(folder, threads=args.threads, compute_type=compute_type)
-            hyps[name], seconds = timed(lambda: translator.translate(src, beam_size=beam, alpha=alpha))
+            hyps[name], seconds = timed(lambda t=translator: t.translate(src, beam_size=beam, alpha=alpha))
             systems[name] = {"beam_size": beam, "alpha": alpha, "penalty": "power", "compute_type": compute_type}
             systems[name].update(**bleu(hyps[name], refs, lang), seconds=seconds)
             print(name, systems[name]["bleu"], f"{seconds} s", flush=True)
