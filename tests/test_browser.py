@@ -16,8 +16,9 @@ import torch
 import qkv
 from qkv import Transformer, TransformerConfig
 from qkv.cli import main
+from qkv.serve.server import make_server
 from qkv.viz import EncoderExplorer, Seq2SeqExplorer, explorer_data, write_html
-from qkv.viz.server import ExplorerApp, make_server
+from qkv.viz.app import ExplorerApp
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [

@@ -31,8 +31,9 @@ from test_browser import (  # noqa: F401  (minilm_fixture, seq2seq_explorer_fixt
 )
 
 from qkv.cli import main
+from qkv.serve.server import make_server
 from qkv.viz import EncoderExplorer, explorer_data, write_html
-from qkv.viz.server import ExplorerApp, make_server
+from qkv.viz.app import ExplorerApp
 
 POSITIVE, NEGATIVE, ATTENTION = "#d9480f", "#1c7ed6", "#5f3dc4"
 SVG = "{http://www.w3.org/2000/svg}"

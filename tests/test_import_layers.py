@@ -1,6 +1,6 @@
 """The package's layers, checked from the source: imports go downward only, and no import circle.
 
-    cli -> viz / experiments / bench -> runs -> training -> decoding / metrics / pretrained
+    cli -> serve -> viz / experiments / bench / export -> runs -> training -> decoding / metrics / pretrained
         -> models -> nn -> attention -> data / runtime
 
 A module may import from its own package and from any lower layer, never from a higher one or from a
@@ -24,7 +24,8 @@ LAYERS = [
     {"decoding", "metrics", "pretrained"},
     {"training"},
     {"runs"},
-    {"viz", "experiments", "bench", "serve", "export"},
+    {"viz", "experiments", "bench", "export"},
+    {"serve"},
     {"cli"},
 ]
 RANK = {package: rank for rank, packages in enumerate(LAYERS) for package in packages}

@@ -256,7 +256,7 @@ def test_gpt2_folder_opens_as_a_language_model(tmp_path):
 def test_serve_command_opens_on_the_runs_own_text(lm_run, monkeypatch, capsys):
     """``qkv serve --model RUN``: the default sentence has characters this vocabulary lacks, so the
     page opens on the start of the run's own text instead of failing."""
-    import qkv.viz.server as server
+    import qkv.serve.server as server
 
     apps = []
 

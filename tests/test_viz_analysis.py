@@ -34,12 +34,12 @@ from qkv.viz import (
     make_example,
 )
 from qkv.viz.analysis import cross_rollout, entropy_ratio, head_labels, head_stats, rollout, view_fields
+from qkv.viz.app import ExplorerApp, RequestError
 from qkv.viz.compare import compare_field, shared_tokens
 from qkv.viz.explorers import encoder_token_labels, token_strings
 from qkv.viz.html import page_document
 from qkv.viz.lm_explorer import visible
 from qkv.viz.saliency import cosine_saliency, next_token_saliency, translation_saliency
-from qkv.viz.server import ExplorerApp, RequestError
 
 # ---- independent references -----------------------------------------------------------------
 

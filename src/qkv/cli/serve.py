@@ -1,15 +1,17 @@
-"""``qkv serve``: the attention explorer as a local web app; type a sentence, see every head.
+"""``qkv serve``: qkv models behind an HTTP API (FastAPI + uvicorn), with the attention explorer.
 
-qkv serve                                       # all-MiniLM-L6-v2 on http://127.0.0.1:8000/
-qkv serve --model runs/multi30k --model path/to/bert --port 8080
-qkv serve --model runs/shakespeare              # a language model's causal self-attention
-qkv serve --timeout 5 --max-concurrent 8        # tighter limits for slow or many clients
+qkv serve                                       # all-MiniLM-L6-v2 (/v1/embed) on http://127.0.0.1:8000/
+qkv serve --model runs/en-de                    # /v1/translate, batching concurrent requests
+qkv serve --model runs/shakespeare              # /v1/generate, tokens as server-sent events
+qkv serve --model runs/en-de --max-batch-wait 0 # no batching: each request decoded alone
+
+Each model's kind decides its endpoint; every model is also in the explorer (GET /). The API is
+documented at /docs. See docs/serve.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 DEFAULT_TEXT = "time flies like an arrow"
@@ -19,59 +21,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         action="append",
-        help="a BERT or GPT-2 checkpoint folder, or a qkv translation or language-model run folder; "
-        "repeat for several "
-        "(default: all-MiniLM-L6-v2). Only these can be used from the page.",
+        help="a qkv translation or language-model run folder, or a BERT or GPT-2 checkpoint folder; repeat for "
+        "several (default: all-MiniLM-L6-v2). A translation run serves /v1/translate, a language model "
+        "/v1/generate, an encoder /v1/embed; all are in the explorer.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    parser.add_argument("--max-chars", type=int, default=500, help="longest accepted input (default 500 characters)")
+    parser.add_argument("--max-chars", type=int, default=500, help="longest accepted text (default 500 characters)")
+    parser.add_argument("--max-texts", type=int, default=64, help="texts per translate/embed request (default 64)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=512, help="tokens one generate request may ask for (default 512)"
+    )
+    parser.add_argument(
+        "--max-batch-wait",
+        type=float,
+        default=5.0,
+        help="milliseconds a translation request waits for others to share its batch (default 5; 0 = no "
+        "batching, each request is decoded alone)",
+    )
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=4000,
+        help="source tokens times beam size in one decoding batch (default 4000)",
+    )
     parser.add_argument(
         "--text",
-        help=f"the sentence shown when the page opens (default {DEFAULT_TEXT!r}, or for a character-level "
+        help=f"the sentence shown when the explorer opens (default {DEFAULT_TEXT!r}, or for a character-level "
         "language model whose vocabulary lacks its characters, the start of the run's own text)",
     )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=10.0,
-        help="seconds a client has to send a whole request (and to take the answer); a client that stalls "
-        "gets 408 and is disconnected (default 10)",
-    )
-    parser.add_argument(
-        "--max-concurrent",
-        type=int,
-        default=32,
-        help="connections served at once; more are turned away at once with 503 and Retry-After (default 32)",
-    )
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for the model (default: all cores)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Raise a one-line ValueError for an option out of range, before any model is opened."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
-    if args.max_chars <= 0:
-        raise ValueError(f"--max-chars must be positive, got {args.max_chars}")
-    if not 0 < args.timeout < math.inf:
-        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    if args.max_concurrent <= 0:
-        raise ValueError(f"--max-concurrent must be positive, got {args.max_concurrent}")
+    for flag in ("max_chars", "max_texts", "max_new_tokens", "max_batch_tokens"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if not 0 <= args.max_batch_wait <= 10_000:  # also refuses nan
+        raise ValueError(f"--max-batch-wait must be between 0 and 10000 milliseconds, got {args.max_batch_wait}")
+    if args.threads is not None and args.threads <= 0:
+        raise ValueError(f"--threads must be positive, got {args.threads}")
 
 
 def run(args: argparse.Namespace) -> int:
-    from qkv.viz.explorers import open_explorer
-    from qkv.viz.server import ExplorerApp, make_server
+    from qkv.serve import check_installed
 
     check_arguments(args)
-    explorers = {}
-    for path in args.model or [None]:
-        explorer = open_explorer(path)
-        name = explorer.name
-        suffix = 2
-        while name in explorers:  # two folders with the same name
-            name, suffix = f"{explorer.name}-{suffix}", suffix + 1
-        explorer.name = name
-        explorers[name] = explorer
+    check_installed()
+    from qkv.serve import server as serving
+    from qkv.serve.models import Limits, open_models
+    from qkv.viz.app import ExplorerApp
+
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    models = open_models(args.model or [None])
+    explorers = {name: served.explorer for name, served in models.items()}
     text = args.text
     if text is None:
         text, first = DEFAULT_TEXT, next(iter(explorers.values()))
@@ -80,17 +89,23 @@ def run(args: argparse.Namespace) -> int:
             text = first.sample_text
     app = ExplorerApp(explorers=explorers, max_chars=args.max_chars, initial_text=text)
     app.page()  # draw the first sentence now, so a broken model fails before serving
+    limits = Limits(
+        max_chars=args.max_chars,
+        max_texts=args.max_texts,
+        max_new_tokens=args.max_new_tokens,
+        max_batch_wait_ms=args.max_batch_wait,
+        max_batch_tokens=args.max_batch_tokens,
+    )
     try:
-        server = make_server(
-            app, host=args.host, port=args.port, timeout=args.timeout, max_concurrent=args.max_concurrent
-        )
+        server = serving.make_server(app, models=models, host=args.host, port=args.port, limits=limits)
     except OSError as err:  # the port is taken, the address is not this machine's, ...
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from None
-    address = server.server_address  # a TCP server's: (host, port, ...)
-    host, port = (address[0], address[1]) if isinstance(address, tuple) else (args.host, args.port)
-    host = host.decode() if isinstance(host, (bytes, bytearray)) else host
+    host, port = server.server_address[0], server.server_address[1]
+    shown = f"[{host}]" if ":" in str(host) else host
+    served = ", ".join(f"{name} ({served.endpoint})" for name, served in models.items())
+    batching = "off" if args.max_batch_wait == 0 else f"{args.max_batch_wait:g} ms"
     print(
-        f"serving the attention explorer on http://{host}:{port}/ (models: {', '.join(explorers)}; Ctrl-C to stop)",
+        f"serving on http://{shown}:{port}/ (models: {served}; batching {batching}; API docs at /docs; Ctrl-C to stop)",
         flush=True,
     )
     try:

@@ -1,6 +1,6 @@
 """The attention explorer's request logic, independent of HTTP: :class:`ExplorerApp` validates a
 request body, runs the chosen model and builds the page; a client's mistake is a :class:`RequestError`
-(an HTTP status and a one-line message). :mod:`qkv.viz.server` puts it behind a web server.
+(an HTTP status and a one-line message). :mod:`qkv.serve` puts it behind a web server.
 
 Only models named at start-up can be used; inputs are capped at ``max_chars`` characters.
 """

@@ -1,0 +1,106 @@
+"""The models ``qkv serve`` serves, opened by kind, and the limits every request is held to.
+
+Each ``--model`` folder is opened once, with :func:`qkv.viz.explorers.open_explorer`, and its kind
+decides its endpoints: a translation run serves ``POST /v1/translate``, a language model (a qkv LM
+run or a GPT-2 folder) ``POST /v1/generate``, a BERT-family encoder ``POST /v1/embed``; every model
+is also in the attention explorer. The explorer and the endpoint share one copy of the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qkv.runs.folder import is_run_folder, read_run_config
+from qkv.runs.recipes.steps import decode_settings
+from qkv.viz.explorers import Explorer, open_explorer
+
+# the explorer's kind -> the endpoint that serves it
+ENDPOINTS = {"seq2seq": "/v1/translate", "lm": "/v1/generate", "encoder": "/v1/embed"}
+KIND_NAMES = {"seq2seq": "translation", "lm": "language model", "encoder": "encoder"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for, and how translation requests are batched.
+
+    Args:
+        max_chars: the longest text (a sentence, a prompt, a stop text) in characters.
+        max_texts: the most texts in one translation or embedding request.
+        max_new_tokens: the most tokens one generation request may produce.
+        max_beam: the largest beam size a request may ask for.
+        max_body_bytes: the largest request body; a longer one is answered 413 before it is parsed.
+        max_batch_wait_ms: how long the first translation request of a batch waits for others to join
+            it; 0 turns batching off (each request is decoded alone, one after another).
+        max_batch_tokens: source tokens (times the beam size) decoded in one batch.
+    """
+
+    max_chars: int = 500
+    max_texts: int = 64
+    max_new_tokens: int = 512
+    max_beam: int = 16
+    max_body_bytes: int = 262_144
+    max_batch_wait_ms: float = 5.0
+    max_batch_tokens: int = 4000
+
+    def __post_init__(self) -> None:
+        for name in ("max_chars", "max_texts", "max_new_tokens", "max_beam", "max_body_bytes", "max_batch_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        wait = self.max_batch_wait_ms
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 10_000:
+            raise ValueError(f"max_batch_wait_ms must be between 0 and 10000 milliseconds, got {wait!r}")
+
+
+@dataclass
+class ServedModel:
+    """One model: its explorer (which holds the model and tokenizer), its kind, and for a translation
+    run the beam size and length penalty its recipe decodes with (a request's defaults)."""
+
+    name: str
+    explorer: Explorer
+    decode: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return self.explorer.kind
+
+    @property
+    def endpoint(self) -> str:
+        return ENDPOINTS[self.kind]
+
+    @property
+    def model(self) -> Any:
+        return self.explorer.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.explorer.tokenizer
+
+
+def served_model(explorer: Explorer, folder: str | Path | None = None) -> ServedModel:
+    """A :class:`ServedModel` of an open explorer; a translation run's recipe gives its decoding defaults."""
+    decode: dict[str, Any] = {}
+    if explorer.kind == "seq2seq":
+        config = read_run_config(folder) if folder is not None and is_run_folder(folder) else {}
+        decode = {**decode_settings(config), "penalty": "gnmt"}
+    return ServedModel(name=explorer.name, explorer=explorer, decode=decode)
+
+
+def open_models(paths: Iterable[str | Path | None]) -> dict[str, ServedModel]:
+    """Open every folder (None: the default all-MiniLM-L6-v2); two folders of the same name are told
+    apart by a suffix (``run``, ``run-2``). Raises one-line ``FileNotFoundError`` / ``ValueError``."""
+    models: dict[str, ServedModel] = {}
+    for path in paths:
+        explorer = open_explorer(path)
+        name, suffix = explorer.name, 2
+        while name in models:
+            name, suffix = f"{explorer.name}-{suffix}", suffix + 1
+        explorer.name = name
+        models[name] = served_model(explorer, path)
+    if not models:
+        raise ValueError("no models to serve")
+    return models
