@@ -70,15 +70,21 @@ def _max_lengths(memory: EncoderOutput, extra_len: int, limit: int) -> Tensor:
     return (src_len + extra_len).clamp(max=limit)
 
 
-def _reorder_cache(cache: list[tuple[KVCache, KVCache]], index: Tensor) -> list[tuple[KVCache, KVCache]]:
-    # self-attention caches follow their beams; the cross-attention cache is the same for every
-    # beam of a sentence and beams never change sentence, so it is left as it is.
-    return [(self_cache.index_select(index), cross_cache) for self_cache, cross_cache in cache]
-
-
-def _expand_memory(memory: EncoderOutput, k: int) -> EncoderOutput:
-    index = torch.arange(memory.hidden.size(0), device=memory.hidden.device).repeat_interleave(k)
+def _select_rows(memory: EncoderOutput, index: Tensor) -> EncoderOutput:
+    """The encoder output of the batch rows ``index`` (in that order)."""
     return EncoderOutput(memory.hidden.index_select(0, index), None, _source_mask(memory).index_select(0, index))
+
+
+def _select_cache(
+    cache: list[tuple[KVCache, KVCache]], index: Tensor, cross_index: Tensor | None = None
+) -> list[tuple[KVCache, KVCache]]:
+    """Every layer's caches for the batch rows ``index``: the self-attention caches follow ``index``;
+    the cross-attention caches (the memory's keys and values, which do not depend on the decoded
+    prefix) follow ``cross_index``, and are left as they are when it is None."""
+    return [
+        (self_cache.index_select(index), cross_cache if cross_index is None else cross_cache.index_select(cross_index))
+        for self_cache, cross_cache in cache
+    ]
 
 
 @torch.no_grad()
@@ -104,26 +110,33 @@ def greedy_decode(
     Returns:
         one list of token ids per sentence, without BOS and EOS.
     """
-    pad_id = model.config.pad_id
     memory = model.encode(src)
     b = src.size(0)
     max_len = _max_lengths(memory, extra_len, model.config.max_len - 1)  # (b,)
-    tokens = torch.full((b, 1), bos_id, dtype=torch.long, device=src.device)  # (b, t)
-    finished = torch.zeros(b, dtype=torch.bool, device=src.device)
-    lengths = max_len.clone()
+    tokens = torch.full((b, 1), bos_id, dtype=torch.long, device=src.device)  # (b', t)
+    sentence = torch.arange(b, device=src.device)  # (b',) the sentence each row decodes
+    results: list[list[int]] = [[] for _ in range(b)]
     cache = None
-    for step in range(int(max_len.max())):
+    for step in range(int(max_len.max()) if b else 0):
         out = model.decode(tokens[:, -1:] if use_cache else tokens, memory, cache=cache)
         cache = out.cache if use_cache else None
-        next_token = _logits(out)[:, -1].argmax(dim=-1)  # (b,)
-        next_token = next_token.masked_fill(finished, pad_id)
-        just_ended = ~finished & (next_token == eos_id)
-        lengths = torch.where(just_ended, torch.full_like(lengths, step), lengths)
-        finished |= just_ended | (step + 1 >= max_len)
+        next_token = _logits(out)[:, -1].argmax(dim=-1)  # (b',)
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-        if bool(finished.all()):
+        at_eos = next_token == eos_id
+        ended = at_eos | (step + 1 >= max_len)
+        if not bool(ended.any()):
+            continue
+        # a sentence that ended leaves the batch: its ids (EOS dropped) are kept, its row is not decoded again
+        rows = ended.nonzero()[:, 0]
+        for row, i, with_eos, limit in zip(*(t.tolist() for t in (rows, sentence[rows], at_eos[rows], max_len[rows]))):
+            results[i] = tokens[row, 1 : 1 + (step if with_eos else min(step + 1, limit))].tolist()
+        keep = (~ended).nonzero()[:, 0]
+        if keep.numel() == 0:
             break
-    return [tokens[i, 1 : 1 + int(lengths[i])].tolist() for i in range(b)]
+        tokens, sentence, max_len = tokens[keep], sentence[keep], max_len[keep]
+        memory = _select_rows(memory, keep)
+        cache = _select_cache(cache, keep, keep) if cache is not None else None
+    return results
 
 
 @overload
@@ -198,31 +211,73 @@ def beam_search(
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
     length_penalty(1, alpha, penalty)  # an unknown form fails here, before any work
-    k = beam_size
-    pad_id = model.config.pad_id
-    device = src.device
     memory = model.encode(src)
-    b = src.size(0)
     max_len = _max_lengths(memory, extra_len, model.config.max_len - 1).tolist()
-    memory = _expand_memory(memory, k)  # (b*k, s_src, d)
-    tokens = torch.full((b * k, 1), bos_id, dtype=torch.long, device=device)  # (b*k, t)
+    finished: list[list[Hypothesis]] = [[] for _ in max_len]
+    if max_len:
+        _search(
+            model,
+            memory,
+            beam_size,
+            max_len,
+            finished,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            alpha=alpha,
+            penalty=penalty,
+            use_cache=use_cache,
+        )
+    results = [sorted(hyps, key=lambda h: h.normalized, reverse=True) for hyps in finished]
+    if return_all:
+        return results
+    return [hyps[0].tokens if hyps else [] for hyps in results]
+
+
+def _search(
+    model: Transformer | Ensemble,
+    memory: EncoderOutput,
+    k: int,
+    max_len: list[int],
+    finished: list[list[Hypothesis]],
+    *,
+    bos_id: int,
+    eos_id: int,
+    alpha: float,
+    penalty: PenaltyForm,
+    use_cache: bool,
+) -> None:
+    """:func:`beam_search`'s steps, adding each sentence's finished hypotheses to ``finished``.
+
+    The batch holds ``k`` rows per sentence still searching (rows ``p*k ... p*k + k - 1`` the beams
+    of sentence ``active[p]``); a sentence that is done leaves it, so that no step decodes rows
+    whose result is already known. The first step decodes one row per sentence: every beam starts
+    from BOS and only the first is alive, so the other ``k - 1`` rows would compute the same; its
+    logits, caches and memory are then repeated ``k`` times."""
+    b, device, pad_id = len(max_len), memory.hidden.device, model.config.pad_id
+    tokens = torch.full((b, 1), bos_id, dtype=torch.long, device=device)  # (b, 1) then (b'*k, t)
+    out = model.decode(tokens, memory)
+    beams = torch.arange(b, device=device).repeat_interleave(k)  # (b*k,) the row each beam starts from
+    logits = _logits(out)[:, -1].index_select(0, beams)  # (b*k, V)
+    memory, tokens = _select_rows(memory, beams), tokens.index_select(0, beams)
+    cache = _select_cache(out.cache, beams, beams) if use_cache and out.cache is not None else None
     scores = _first_scores(b, k, device)  # (b*k,)
-    finished: list[list[Hypothesis]] = [[] for _ in range(b)]
-    done = [False] * b
-    cache = None
+    active = list(range(b))
     for step in range(max(max_len)):
-        out = model.decode(tokens[:, -1:] if use_cache else tokens, memory, cache=cache)
-        candidates = _best_candidates(scores, _logits(out)[:, -1], b, k)
+        if step:
+            out = model.decode(tokens[:, -1:] if use_cache else tokens, memory, cache=cache)
+            logits, cache = _logits(out)[:, -1], out.cache if use_cache else None
+        candidates = _best_candidates(scores, logits, len(active), k)
         # the next step's rows: which old row each continues, its new token and its score
-        following = list(range(b * k)), [pad_id] * (b * k), [float("-inf")] * (b * k)
-        for i in range(b):
-            if done[i]:
-                continue
-            done[i] = _advance_sentence(
-                i,
+        rows = len(active) * k
+        following = list(range(rows)), [pad_id] * rows, [float("-inf")] * rows
+        kept = [
+            p
+            for p, i in enumerate(active)
+            if not _advance_sentence(
+                p,
                 k,
                 tokens,
-                candidates[i],
+                candidates[p],
                 eos_id=eos_id,
                 alpha=alpha,
                 penalty=penalty,
@@ -230,19 +285,21 @@ def beam_search(
                 finished=finished[i],
                 following=following,
             )
-            if done[i]:
-                following[2][i * k : (i + 1) * k] = [float("-inf")] * k
-        if all(done):
+        ]
+        if not kept:
             break
-        new_source, new_token, new_scores = following
-        index = torch.tensor(new_source, device=device)
-        tokens = torch.cat([tokens.index_select(0, index), torch.tensor(new_token, device=device)[:, None]], dim=1)
-        scores = torch.tensor(new_scores, device=device)
-        cache = _reorder_cache(out.cache, index) if use_cache and out.cache is not None else None
-    results = [sorted(hyps, key=lambda h: h.normalized, reverse=True) for hyps in finished]
-    if return_all:
-        return results
-    return [hyps[0].tokens if hyps else [] for hyps in results]
+        slots = [p * k + j for p in kept for j in range(k)]  # the kept sentences' rows
+        source, token_at, score_at = ([column[slot] for slot in slots] for column in following)
+        index = torch.tensor(source, device=device)
+        tokens = torch.cat([tokens.index_select(0, index), torch.tensor(token_at, device=device)[:, None]], dim=1)
+        scores = torch.tensor(score_at, device=device)
+        # the memory and its keys/values are the same for every beam of a sentence: they only change
+        # when a sentence leaves
+        staying = torch.tensor(slots, device=device) if len(kept) < len(active) else None
+        if staying is not None:
+            memory = _select_rows(memory, staying)
+        cache = _select_cache(cache, index, staying) if cache is not None else None
+        active = [active[p] for p in kept]
 
 
 def _first_scores(b: int, k: int, device: torch.device) -> Tensor:
@@ -277,8 +334,8 @@ def _advance_sentence(
     finished: list[Hypothesis],
     following: tuple[list[int], list[int], list[float]],
 ) -> bool:
-    """One beam-search step of sentence ``i``, from its best candidates ``(score, beam, token)``,
-    best first: one ending in EOS that ranks within the first ``k`` is finished (added to
+    """One beam-search step of the sentence whose beams are the batch's rows ``i*k ... i*k + k - 1``,
+    from its best candidates ``(score, beam, token)``, best first: one ending in EOS that ranks within the first ``k`` is finished (added to
     ``finished``); the best ``k`` others stay alive, written into rows ``i*k ...`` of
     ``following`` (the row each continues, its token, its score). Returns whether the sentence is
     done: it has ``k`` finished hypotheses, or this was its last step (``last_step``: its live
