@@ -1,5 +1,6 @@
 """CTranslate2 export (qkv.export.ctranslate2): the saved model scores target tokens as qkv does, greedy and
-beam-4 (alpha 0) decoding give exactly qkv's translations on a trained dates run, every configuration
+beam-4 decoding (alpha 0, and the run's alpha with qkv's power form) give exactly qkv's translations on a
+trained dates run, an empty translation (EOS first) is kept as qkv keeps it, every configuration
 kind (pre-/post-LN, sinusoidal/learned/no positions, biases or none, shared or tied embeddings, a
 vocabulary wider than the tokenizer) exports exactly, and what cannot be exported is refused in one line."""
 
@@ -16,7 +17,7 @@ pytest.importorskip("ctranslate2")
 from qkv.cli import main  # noqa: E402  (after the skip: without ctranslate2 nothing here runs)
 from qkv.data.batching import pad_sequences  # noqa: E402
 from qkv.data.dates import generate_dates  # noqa: E402
-from qkv.decoding.search import greedy_decode  # noqa: E402
+from qkv.decoding.search import beam_search, greedy_decode  # noqa: E402
 from qkv.decoding.translate import translate_texts  # noqa: E402
 from qkv.export.ctranslate2 import (  # noqa: E402
     Ct2Translator,
@@ -74,8 +75,8 @@ def test_greedy_translations_equal_qkv(dates_export):
 
 
 def test_beam_search(dates_export):
-    """alpha 0 ranks beams by log-probability in both: identical. At the run's alpha the penalties differ
-    (CTranslate2: length ** alpha, qkv: ((5 + length) / 6) ** alpha): agreement is reported, not asserted."""
+    """alpha 0 ranks beams by log-probability in both: identical. At the run's alpha CTranslate2 divides by
+    length ** alpha: identical to qkv's beam search with the same (power) form."""
     run_dir, folder, _ = dates_export
     sources = dates_sources(100)
     model, tokenizer, config = load_run(run_dir)
@@ -83,9 +84,33 @@ def test_beam_search(dates_export):
     expected = translate_texts(model, tokenizer, sources, beam_size=4, alpha=0.0)
     assert translator.translate(sources, beam_size=4, alpha=0.0) == expected
     alpha = translator.manifest["decode"]["alpha"]
-    ours = translate_texts(model, tokenizer, sources, beam_size=4, alpha=alpha)
-    theirs = translator.translate(sources, beam_size=4, alpha=alpha)
-    print(f"beam 4, alpha {alpha}: {sum(a == b for a, b in zip(ours, theirs))}/100 identical")
+    ours = translate_texts(model, tokenizer, sources, beam_size=4, alpha=alpha, penalty="power")
+    assert translator.translate(sources, beam_size=4, alpha=alpha) == ours
+
+
+def test_empty_translation_as_qkv(dates_export, tmp_path):
+    """A model that often says EOS first: an empty translation is a finished hypothesis in qkv's search (and
+    Hugging Face's), so CTranslate2 is told so (its default forbids EOS at the first step, and then it searches
+    on where qkv has its beam_size finished hypotheses): greedy and beam 4 (power form) ids equal qkv's."""
+    _, tokenizer, _ = load_run(dates_export[0])
+    torch.manual_seed(0)
+    vocab = tokenizer.vocab_size
+    config = TransformerConfig(
+        src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=16, num_heads=2, num_encoder_layers=1,
+        num_decoder_layers=1, d_ff=32, max_len=40, tie_output=False,
+    )  # fmt: skip
+    model = Transformer(config).eval()
+    with torch.no_grad():  # EOS's output row a multiple of another token's: EOS is likely at every step
+        model.output_proj.weight[tokenizer.eos_id] = 3 * model.output_proj.weight[5]
+    write_model(model, tokenizer, tmp_path, decode={"beam_size": 4, "alpha": 0.6})
+    shutil.copyfile(dates_export[0] / "tokenizer.json", tmp_path / "tokenizer.json")
+    ids = [s[:39] + [tokenizer.eos_id] for s in tokenizer.encode_batch(dates_sources(100))]
+    src = pad_sequences(ids, 0)
+    translator = Ct2Translator(tmp_path)
+    for beam in (1, 4):
+        ours = beam_search(model, src, bos_id=1, eos_id=2, beam_size=beam, alpha=0.6, penalty="power")
+        assert any(not out for out in ours) and any(out for out in ours)  # empty ones and others
+        assert translator.translate_ids(ids, beam_size=beam, alpha=0.6) == ours
 
 
 def test_int8_loads_and_translates(dates_export):

@@ -6,6 +6,7 @@
     qkv evaluate runs/dates --split test            # also prints exact-match accuracy
     qkv evaluate runs/en-de --ensemble runs/en-de-seed1   # two runs decoding as one (qkv.decoding.ensemble)
     qkv evaluate runs/en-de --split val --against runs/en-de-wd   # is the difference larger than chance?
+    qkv evaluate runs/en-de --engine ctranslate2 --quantization int8   # decoded by CTranslate2
     qkv evaluate runs/shakespeare                   # a language model: its validation and test splits
     qkv evaluate runs/shakespeare --split test      # ... one of them
     qkv evaluate runs/shakespeare --text other.txt  # ... or any UTF-8 text
@@ -19,6 +20,8 @@ With ``--against OTHER`` (a run folder, decoded here, or a file of its translati
 system's BLEU beside this run's, with two-sided p-values from sacreBLEU's paired bootstrap and
 approximate randomization (:func:`qkv.metrics.significance.paired_significance`): whether a difference is
 larger than what the choice of test sentences alone would give.
+``--engine ctranslate2`` decodes with CTranslate2 (as ``qkv translate``; an export as RUN_DIR needs
+--src/--ref, it keeps no data splits); beam search then divides by ``len ** alpha``, the power form.
 A language model: the loss in nats per token, perplexity and bits per character over the
 non-overlapping windows of the model's context in each split scored: by default validation, then
 test (the split training never read; see :mod:`qkv.data.text`), ``--split val|test`` for one, or
@@ -33,6 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +46,11 @@ import numpy as np
 from qkv.cli.evaluate_against import check_against, compare, print_comparison, read_against
 from qkv.cli.options import (
     MAX_BEAM,
+    add_engine_options,
     add_ensemble_option,
     beam_size,
+    check_engine,
+    ct2_translator,
     length_penalty,
     non_negative_int,
     positive_int,
@@ -50,6 +58,7 @@ from qkv.cli.options import (
 )
 
 if TYPE_CHECKING:
+    from qkv.decoding.search import PenaltyForm
     from qkv.models.causal_lm import CausalLM
 
 
@@ -99,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--bf16", action="store_true", help="decode under bfloat16 autocast")
     add_ensemble_option(parser)
+    add_engine_options(parser)
     parser.add_argument(
         "--against",
         action="append",
@@ -109,20 +119,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "translations, one per line (with --limit N: its first N lines): paired bootstrap "
         "and approximate randomization p-values for each BLEU difference (repeatable)",
     )
-    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="CPU threads (default: all cores; CTranslate2: its own default)",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from qkv.data.parallel import read_parallel
-    from qkv.data.sources import load_split
-    from qkv.decoding.translate import translate_texts
     from qkv.metrics.bleu_forms import check_lang
-    from qkv.metrics.scores import exact_match, score_translations
-    from qkv.runs.folder import load_run, load_translator, run_task
-    from qkv.runs.recipes import decode_settings
+    from qkv.runs.folder import load_run, load_translator, read_run_config, run_task
     from qkv.runtime.device import pick_device
-    from qkv.runtime.fileio import check_output_file, write_text
+    from qkv.runtime.fileio import check_output_file
 
     if bool(args.src) != bool(args.ref):
         raise ValueError("give both --src and --ref, or a --split")
@@ -132,9 +142,25 @@ def run(args: argparse.Namespace) -> int:
         check_lang(args.tgt_lang, "--tgt-lang")
     if args.hyp_out:
         check_output_file(args.hyp_out, "--hyp-out")
+    penalty = check_engine(args)
     others = check_against(args)
     set_threads(args.threads)
     device = pick_device(args.device)
+    if args.engine == "ctranslate2":
+        exported = (Path(args.run_dir) / "qkv_ct2.json").is_file()
+        if exported and not args.src:
+            raise ValueError(f"{args.run_dir}: a CTranslate2 export keeps no data splits: give --src and --ref")
+        if args.text:
+            raise ValueError("--text scores a language-model run; CTranslate2 decodes translation runs")
+        config = {} if exported else read_run_config(args.run_dir)
+        if run_task(config) == "lm":
+            raise ValueError(f"{args.run_dir}: a language-model run; --engine ctranslate2 decodes translation runs")
+        with ct2_translator(args, device) as translator:
+            config = {"decode": translator.manifest["decode"]} if exported else config
+            engine = {"compute_type": translator.translator.compute_type}
+            return _evaluate_translation(
+                args, config, others, device, lambda src, decode: translator.translate(src, **decode), engine=engine
+            )
     # a Transformer (an Ensemble of them with --ensemble) or a CausalLM, as the run's task says
     model: Any
     tokenizer: Any
@@ -149,6 +175,41 @@ def run(args: argparse.Namespace) -> int:
         return _evaluate_language_model(args, model, tokenizer, config)
     if args.text:
         raise ValueError("--text is for a language-model run; a translation run takes --src and --ref")
+    held = {"model": model}  # dropped before --against decodes its runs: one model in memory at a time
+    del model
+    return _evaluate_translation(
+        args, config, others, device, partial(_qkv_translate, held, tokenizer, args, penalty), release=held.clear
+    )
+
+
+def _qkv_translate(
+    held: dict, tokenizer: Any, args: argparse.Namespace, penalty: PenaltyForm, src: list[str], decode: dict
+) -> list[str]:
+    from qkv.decoding.translate import translate_texts
+
+    return translate_texts(
+        held["model"], tokenizer, src, **decode, penalty=penalty, bf16=args.bf16, progress=sys.stderr.isatty()
+    )
+
+
+def _evaluate_translation(
+    args: argparse.Namespace,
+    config: dict,
+    others: list[str],
+    device: Any,
+    translate: Callable[[list[str], dict], list[str]],
+    release: Callable[[], None] | None = None,
+    engine: dict | None = None,
+) -> int:
+    """Score a translation run's (or export's) translations of the split or --src, decoded by ``translate``
+    (sources, ``{"beam_size", "alpha"}``); ``release`` drops its model before --against decodes others;
+    ``engine``: what the scores record of CTranslate2 (its compute type)."""
+    from qkv.data.parallel import read_parallel
+    from qkv.data.sources import load_split
+    from qkv.metrics.scores import exact_match, score_translations
+    from qkv.runs.recipes import decode_settings
+    from qkv.runtime.fileio import write_text
+
     if args.src:
         data, name = read_parallel(args.src, args.ref), f"{args.src} -> {args.ref}"
     else:
@@ -161,22 +222,26 @@ def run(args: argparse.Namespace) -> int:
     against = read_against(args, others, config, len(src))
     target_lang = args.tgt_lang or target_language(config.get("data") or {}, args.ref)
     decode = decode_settings(config, beam_size=args.beam, alpha=args.alpha)
-    hyps = translate_texts(model, tokenizer, src, **decode, bf16=args.bf16, progress=sys.stderr.isatty())
+    hyps = translate(src, decode)
     scores = score_translations(hyps, refs, target_lang=target_lang)
     scores.update(
         split=name,
         sentences=len(src),
         beam=decode["beam_size"],
         alpha=decode["alpha"],
+        length_penalty_form="power" if args.engine == "ctranslate2" else (args.length_penalty_form or "gnmt"),
+        engine=args.engine,
         weights=args.weights,
         bf16=args.bf16,
         target_lang=target_lang,
         exact_match=round(exact_match(hyps, refs), 4),
     )
+    scores.update(engine or {})
     if args.ensemble:
         scores["ensemble"] = [args.run_dir, *args.ensemble]
     if others:
-        del model  # one model in memory at a time
+        if release is not None:
+            release()
         scores["against"] = compare(args, against, hyps, src, refs, device)
     if args.hyp_out:
         write_text(Path(args.hyp_out).resolve(), "".join(h + "\n" for h in hyps))
@@ -190,9 +255,11 @@ def run(args: argparse.Namespace) -> int:
 def _print_scores(args: argparse.Namespace, scores: dict, config: dict) -> None:
     """A translation run's scores as lines of text (``--json`` prints ``scores`` as it is)."""
     members = f", an ensemble of {1 + len(args.ensemble)} runs" if args.ensemble else ""
+    form = f" ({scores['length_penalty_form']} form)" if scores["beam"] > 1 else ""
+    engine = f", CTranslate2 ({scores['compute_type']})" if args.engine == "ctranslate2" else ""
     print(
-        f"{scores['split']}: {scores['sentences']} sentences, beam {scores['beam']}, alpha {scores['alpha']}, "
-        f"{args.weights} weights{members}"
+        f"{scores['split']}: {scores['sentences']} sentences, beam {scores['beam']}, alpha {scores['alpha']}{form}, "
+        f"{args.weights} weights{members}{engine}"
     )
     print(f"BLEU {scores['bleu']:.2f}  ({scores['bleu_signature']})")
     print(f"     {scores['bleu_details']}")

@@ -65,7 +65,8 @@ def compare(
     device: torch.device | str | None,
 ) -> dict:
     """This run's translations against each of ``against``'s (from :func:`read_against`): a run is
-    decoded here on ``src`` (its own recipe's beam and alpha unless given); then the paired tests."""
+    decoded here on ``src`` (its own recipe's beam and alpha unless given, the length-penalty form this
+    run is decoded with); then the paired tests."""
     from qkv.data.tokenizer import Tokenizer
     from qkv.decoding.translate import translate_texts
     from qkv.metrics.significance import paired_significance
@@ -82,7 +83,13 @@ def compare(
                 raise ValueError(f"--against {path}: not a translation run")
             decode = decode_settings(held, beam_size=args.beam, alpha=args.alpha)
             systems[path] = translate_texts(
-                model.to(device), tokenizer, src, **decode, bf16=args.bf16, progress=sys.stderr.isatty()
+                model.to(device),
+                tokenizer,
+                src,
+                **decode,
+                penalty=getattr(args, "length_penalty_form", None) or "gnmt",
+                bf16=args.bf16,
+                progress=sys.stderr.isatty(),
             )
             del model
         else:

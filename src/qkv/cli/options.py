@@ -6,9 +6,15 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
-from typing import TypeVar
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from qkv.decoding.search import PenaltyForm
+    from qkv.export.ctranslate2 import Ct2Translator
 
 Number = TypeVar("Number", int, float)
 
@@ -77,4 +83,91 @@ def add_ensemble_option(parser: argparse.ArgumentParser) -> None:
         help="decode with these translation runs too, averaging every run's next-token "
         "probabilities (an ensemble; they must share the first run's tokenizer: trained "
         "on the same data). The first run's recipe gives the default beam and alpha",
+    )
+
+
+ENGINES = ("qkv", "ctranslate2")
+# CTranslate2's compute types (ctranslate2.Translator's compute_type); which a machine supports is
+# ctranslate2.get_supported_compute_types("cpu") (an unsupported one is refused by CTranslate2, one line)
+COMPUTE_TYPES = ("float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16")
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """``--engine``, ``--quantization`` and ``--length-penalty-form`` for translate and evaluate."""
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="qkv",
+        help="what decodes: qkv (default) or ctranslate2 (the run converted into a temporary folder, "
+        "never into the run; or RUN_DIR may be a folder made by qkv export --to ctranslate2)",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=COMPUTE_TYPES,
+        default=None,
+        help="--engine ctranslate2 only: CTranslate2's compute type (default: the folder's stored type, "
+        "float32 for a run; int8 is smaller and faster, its translations may differ)",
+    )
+    parser.add_argument(
+        "--length-penalty-form",
+        choices=("gnmt", "power"),
+        default=None,
+        help="how beam search divides a finished hypothesis's log-probability: gnmt, ((5 + len) / 6) ** alpha "
+        "(qkv's default), or power, len ** alpha (the form of CTranslate2 and Hugging Face generate; the only "
+        "one CTranslate2 has, so its default there); len counts EOS",
+    )
+
+
+def check_engine(args: argparse.Namespace) -> PenaltyForm:
+    """The length-penalty form to decode with, once ``args``' engine options agree with the rest:
+    ``ValueError`` (one line) for what the chosen engine cannot do."""
+    form = args.length_penalty_form
+    if args.engine == "qkv":
+        if args.quantization is not None:
+            raise ValueError(
+                f"--quantization {args.quantization} is CTranslate2's compute type: it applies to --engine ctranslate2 only"
+            )
+        return form or "gnmt"
+    if form == "gnmt":
+        raise ValueError(
+            "--length-penalty-form gnmt: CTranslate2 divides by len ** alpha only; use --length-penalty-form power "
+            "(its default) or --engine qkv"
+        )
+    if args.ensemble:
+        raise ValueError("--ensemble: CTranslate2 decodes one model; use --engine qkv for an ensemble")
+    if args.bf16:
+        raise ValueError("--bf16 is qkv's autocast; with --engine ctranslate2 use --quantization bfloat16")
+    runs = [path for path in getattr(args, "against", []) if Path(path).is_dir()]
+    if runs:
+        raise ValueError(
+            f"--against {runs[0]}: other runs are decoded by qkv; with --engine ctranslate2 pass their "
+            "translations as a file, or use --engine qkv"
+        )
+    return "power"
+
+
+def ct2_translator(args: argparse.Namespace, device: torch.device) -> AbstractContextManager[Ct2Translator]:
+    """A CTranslate2 translator for ``args.run_dir`` (an export, or a run converted into a temporary
+    folder that is removed on leaving; the run is only read), with ``--weights``, ``--threads`` (CTranslate2's
+    intra_threads; default: its own) and ``--quantization`` (the compute type)."""
+    try:
+        import ctranslate2
+
+        from qkv.export.ctranslate2 import open_translator
+    except ImportError as err:
+        raise ValueError(f"--engine ctranslate2 needs ctranslate2: pip install 'qkv[deploy]' ({err})") from None
+    if device.type != "cuda":
+        where = "cpu"
+    elif ctranslate2.get_cuda_device_count() > 0:
+        where = "cuda"
+    elif args.device:
+        raise ValueError(f"--device {args.device}: this CTranslate2 was built without CUDA")
+    else:  # qkv's default device is CUDA where torch has it: CTranslate2 falls back to the CPU
+        where = "cpu"
+    return open_translator(
+        args.run_dir,
+        weights=args.weights,
+        device=where,
+        threads=args.threads or 0,
+        compute_type=args.quantization or "default",
     )

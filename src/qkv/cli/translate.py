@@ -3,6 +3,11 @@
 echo "A man rides a bike." | qkv translate runs/en-de --beam 5
 qkv translate runs/en-de sentences.en -o sentences.de
 qkv translate runs/en-de sentences.en --ensemble runs/en-de-seed1   # two runs, probabilities averaged
+qkv translate runs/en-de sentences.en --engine ctranslate2 --quantization int8   # decoded by CTranslate2
+
+With ``--engine ctranslate2`` the run is converted into a temporary folder (the run is only read) or
+RUN_DIR is a folder made by ``qkv export --to ctranslate2``; beam search then divides by ``len ** alpha``
+(``--length-penalty-form power``), which ``--engine qkv --length-penalty-form power`` reproduces.
 """
 
 from __future__ import annotations
@@ -11,11 +16,23 @@ import argparse
 import sys
 from pathlib import Path
 
-from qkv.cli.options import MAX_BEAM, add_ensemble_option, beam_size, length_penalty, positive_int, set_threads
+from qkv.cli.options import (
+    MAX_BEAM,
+    add_engine_options,
+    add_ensemble_option,
+    beam_size,
+    check_engine,
+    ct2_translator,
+    length_penalty,
+    positive_int,
+    set_threads,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="a run folder made by qkv train")
+    parser.add_argument(
+        "run_dir", help="a run folder made by qkv train (with --engine ctranslate2 also a CTranslate2 export)"
+    )
     parser.add_argument("input", nargs="?", help="file with one sentence a line (.gz allowed; default: stdin)")
     parser.add_argument("-o", "--output", help="write the translations here (default: stdout)")
     parser.add_argument(
@@ -38,7 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--bf16", action="store_true", help="decode under bfloat16 autocast")
     add_ensemble_option(parser)
-    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
+    add_engine_options(parser)
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="CPU threads (default: all cores; CTranslate2: its own default)",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
@@ -52,15 +75,21 @@ def run(args: argparse.Namespace) -> int:
 
     if args.output:  # checked before translating: a bad path must not cost the work
         check_output_file(args.output, "-o/--output")
+    penalty = check_engine(args)
     set_threads(args.threads)
     device = pick_device(args.device)
-    model, tokenizer, config = load_translator([args.run_dir, *args.ensemble], args.weights)
-    decode = decode_settings(config, beam_size=args.beam, alpha=args.alpha)
-    model.to(device)
-    lines = read_lines(args.input) if args.input else decode_lines(sys.stdin.buffer.read())
-    outputs = translate_texts(
-        model, tokenizer, lines, **decode, bf16=args.bf16, progress=len(lines) > 100 and sys.stderr.isatty()
-    )
+    if args.engine == "ctranslate2":
+        with ct2_translator(args, device) as translator:
+            decode = decode_settings({"decode": translator.manifest["decode"]}, beam_size=args.beam, alpha=args.alpha)
+            lines = read_lines(args.input) if args.input else decode_lines(sys.stdin.buffer.read())
+            outputs = translator.translate(lines, **decode)
+    else:
+        model, tokenizer, config = load_translator([args.run_dir, *args.ensemble], args.weights)
+        decode = decode_settings(config, beam_size=args.beam, alpha=args.alpha)
+        model.to(device)
+        lines = read_lines(args.input) if args.input else decode_lines(sys.stdin.buffer.read())
+        progress = len(lines) > 100 and sys.stderr.isatty()
+        outputs = translate_texts(model, tokenizer, lines, **decode, penalty=penalty, bf16=args.bf16, progress=progress)
     text = "".join(line + "\n" for line in outputs)
     if args.output:
         write_text(Path(args.output).resolve(), text)

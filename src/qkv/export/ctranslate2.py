@@ -19,6 +19,9 @@ compared with qkv's before it is put in place; a quantized one (int8, ...) must 
 from __future__ import annotations
 
 import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,7 @@ EXTRA_LEN = 50  # greedy_decode/beam_search: a sentence stops after source lengt
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "int16", "float16", "bfloat16")
 CHECK_TOL = 1e-4  # float32 log-probabilities of the saved folder vs qkv's (same function, other kernels)
 
-__all__ = ["Ct2Translator", "ct2_refusal", "export_ctranslate2"]
+__all__ = ["Ct2Translator", "ct2_refusal", "export_ctranslate2", "open_translator"]
 
 
 def ct2_refusal(config: TransformerConfig) -> str | None:
@@ -263,6 +266,31 @@ def export_ctranslate2(
     return out
 
 
+@contextmanager
+def open_translator(
+    source: str | Path, *, weights: str = "model", device: str = "cpu", threads: int = 0, compute_type: str = "default"
+) -> Iterator[Ct2Translator]:
+    """A :class:`Ct2Translator` for ``source``: a folder of :func:`export_ctranslate2`, or a translation run
+    converted (float32, checked as the export checks it) into a temporary folder removed on leaving; the
+    run folder is only read. ``weights``: the run's weights to convert (an export holds one set);
+    the rest go to ``ctranslate2.Translator`` (``compute_type`` "default": the folder's stored type).
+
+    Raises:
+        ValueError: ``weights`` other than ``model`` with an export, or what :func:`export_ctranslate2` refuses.
+    """
+    source = Path(source)
+    if (source / MANIFEST).is_file():
+        if weights != "model":
+            raise ValueError(
+                f"{source}: a CTranslate2 export holds one set of weights; --weights {weights} needs a run"
+            )
+        yield Ct2Translator(source, device=device, threads=threads, compute_type=compute_type)
+        return
+    with tempfile.TemporaryDirectory(prefix="qkv-ct2-") as tmp:
+        folder = export_ctranslate2(source, Path(tmp) / "model", weights=weights)
+        yield Ct2Translator(folder, device=device, threads=threads, compute_type=compute_type)
+
+
 class Ct2Translator:
     """Translate text with an exported folder: qkv's tokenizer around ``ctranslate2.Translator``."""
 
@@ -289,7 +317,9 @@ class Ct2Translator:
 
     def translate(self, texts: list[str], *, beam_size: int | None = None, alpha: float | None = None) -> list[str]:
         """Translate ``texts`` as qkv does: sources cut to the positional table, EOS appended, each
-        sentence stopped after its length + 50 tokens (capped by the table).
+        sentence stopped after its length + 50 tokens (capped by the table), EOS allowed at the first
+        step (an empty translation is a finished hypothesis, as in qkv's beam search and Hugging Face's:
+        CTranslate2 by default forbids it, and then searches on where qkv has its ``beam_size`` finished).
 
         Args:
             texts: source sentences.
@@ -326,6 +356,7 @@ class Ct2Translator:
                 length_penalty=alpha if beam_size > 1 else 0.0,
                 max_decoding_length=max_length,
                 max_input_length=0,  # the sources are already cut to the positional table
+                min_decoding_length=0,  # EOS allowed first, as in qkv (CTranslate2's default, 1, forbids it)
             )
             for i, output in zip(indices, outputs, strict=True):
                 results[i] = [self.ids[token] for token in output.hypotheses[0]]
