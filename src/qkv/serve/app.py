@@ -98,8 +98,8 @@ class Service:
         for i, text in enumerate(texts):
             self.check_text(text, f"{field}[{i}]")
 
-    def check_text(self, text: str, field: str) -> None:
-        if not text.strip():
+    def check_text(self, text: str, field: str, *, blank_ok: bool = False) -> None:
+        if not (text if blank_ok else text.strip()):
             raise ApiError(422, f"{field} must be a non-empty string")
         if len(text) > self.limits.max_chars:
             raise ApiError(413, f"{field} has {len(text)} characters; the limit is {self.limits.max_chars}")
@@ -210,11 +210,12 @@ def _source_tokens(served: ServedModel, texts: list[str]) -> int:
 
 
 def _sampling(service: Service, served: ServedModel, body: GenerateRequest) -> Sampling:
-    service.check_text(body.prompt, "prompt")
+    service.check_text(body.prompt, "prompt", blank_ok=True)  # a language model may continue a newline
     for i, stop in enumerate(body.stop):
-        service.check_text(stop, f"stop[{i}]")
-    if body.max_tokens > service.limits.max_new_tokens:
-        raise ApiError(413, f"max_tokens {body.max_tokens}; the limit is {service.limits.max_new_tokens}")
+        service.check_text(stop, f"stop[{i}]", blank_ok=True)  # a stop text may be spaces or newlines
+    max_tokens = body.max_tokens if body.max_tokens is not None else min(128, service.limits.max_new_tokens)
+    if max_tokens > service.limits.max_new_tokens:
+        raise ApiError(413, f"max_tokens {max_tokens}; the limit is {service.limits.max_new_tokens}")
     try:
         ids = served.tokenizer.encode(body.prompt)
     except ValueError as err:  # a character the vocabulary lacks
@@ -223,7 +224,7 @@ def _sampling(service: Service, served: ServedModel, body: GenerateRequest) -> S
         raise ApiError(422, "prompt gives no tokens")
     return Sampling(
         ids=list(ids),
-        max_tokens=body.max_tokens,
+        max_tokens=max_tokens,
         temperature=body.temperature,
         top_k=body.top_k,
         top_p=body.top_p,
@@ -243,7 +244,8 @@ def add_explorer_routes(app: FastAPI, service: Service) -> None:
     async def index() -> HTMLResponse:
         return HTMLResponse(await service.worker.run(explorer.page))
 
-    @app.api_route("/api/models", methods=["GET", "HEAD"])
+    @app.get("/api/models")
+    @app.head("/api/models", include_in_schema=False)
     async def explorer_models() -> dict[str, Any]:
         """The explorer's models and its input limit."""
         return {"models": explorer.model_names, "max_chars": explorer.max_chars}

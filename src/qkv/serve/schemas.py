@@ -34,7 +34,9 @@ class TranslateResponse(BaseModel):
 class GenerateRequest(_Body):
     prompt: str = Field(description="the text to continue", min_length=1)
     model: str | None = Field(None, description="a language model's name (default: the first one served)")
-    max_tokens: int = Field(128, ge=1, description="tokens to generate at most")
+    max_tokens: int | None = Field(
+        None, ge=1, description="tokens to generate at most (default 128, or the server's limit)"
+    )
     temperature: float = Field(1.0, ge=0, description="0 = greedy")
     top_k: int | None = Field(None, ge=1, description="sample among the k most likely tokens")
     top_p: float | None = Field(None, gt=0, le=1, description="sample within the nucleus of probability p")
