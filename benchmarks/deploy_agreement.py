@@ -11,7 +11,9 @@ and how many translations are identical.
   and Hugging Face ``generate`` on the ``--to hf`` export (``num_beams``, ``length_penalty`` = alpha,
   ``early_stopping=True``, each sentence limited as qkv limits it: source length + 50 tokens). For each
   CTranslate2 and Hugging Face disagreement, qkv's model scores both translations (teacher forcing,
-  the power form): which search found the better-scoring one, or whether the two tie.
+  the power form): which search found the better-scoring one, or whether the two tie. Also CTranslate2
+  float32 at its own default ``min_decoding_length=1`` (qkv's CTranslate2 engine passes 0: an empty
+  translation is a finished hypothesis in qkv's search and Hugging Face's): what that setting changes.
 
 Nothing is chosen on the test set: the beam size and alpha are the run's recorded ones. The exports are
 written into a temporary folder, never into the run.
@@ -60,6 +62,18 @@ def bleu(hyps: list[str], refs: list[str], lang: str) -> dict:
 def source_ids(tokenizer, texts: list[str], max_len: int) -> list[list[int]]:
     """The ids qkv decodes: each source cut to the positional table, EOS appended."""
     return [s[: max_len - 1] + [tokenizer.eos_id] for s in tokenizer.encode_batch(texts)]
+
+
+class DefaultMinLength:
+    """A ``ctranslate2.Translator`` left at CTranslate2's own ``min_decoding_length`` (1: EOS forbidden at the
+    first step), where :class:`Ct2Translator` passes 0 as qkv decodes: what that setting changes."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def translate_batch(self, *args, **kwargs):
+        kwargs.pop("min_decoding_length", None)
+        return self.inner.translate_batch(*args, **kwargs)
 
 
 def hf_generate(folder: Path, ids: list[list[int]], tokenizer, *, beam: int, alpha: float, max_len: int) -> list[str]:
@@ -163,6 +177,8 @@ def main() -> int:
             systems[name] = {"beam_size": beam, "alpha": alpha, "penalty": "power", "compute_type": compute_type}
             systems[name].update(**bleu(hyps[name], refs, lang), seconds=seconds)
             print(name, systems[name]["bleu"], f"{seconds} s", flush=True)
+        translator.translator = DefaultMinLength(Ct2Translator(folder, threads=args.threads).translator)
+        hyps["ct2_float32_min_length_1"] = translator.translate(src, beam_size=beam, alpha=alpha)
         greedy, greedy_seconds = timed(lambda: translate_texts(model, tokenizer, src[:n], beam_size=1))
         onnx = OnnxTranslator(export_onnx(args.run, Path(tmp) / "onnx"), threads=args.threads)
         onnx_greedy, onnx_seconds = timed(lambda: onnx.translate(src[:n]))
@@ -190,6 +206,9 @@ def main() -> int:
         "identical_all_sentences": {
             "qkv_power_vs_ct2_float32": agreement(power, f32, **scored),
             "qkv_power_vs_ct2_int8": agreement(power, hyps["ct2_int8_beam_power"]),
+            "qkv_power_vs_ct2_float32_at_its_default_min_decoding_length_1": agreement(
+                power, hyps["ct2_float32_min_length_1"], **scored
+            ),
             "qkv_gnmt_vs_qkv_power": agreement(hyps["qkv_beam_gnmt"], power),
         },
         f"identical_first_{n}": {
