@@ -19,6 +19,7 @@ from qkv.data.batching import pad_sequences  # noqa: E402
 from qkv.data.dates import generate_dates  # noqa: E402
 from qkv.data.tokenizer import Tokenizer  # noqa: E402
 from qkv.decoding.search import beam_search, greedy_decode  # noqa: E402
+from qkv.decoding.translate import translate_texts  # noqa: E402
 from qkv.export.hf_gpt2 import build_gpt2_model, export_language_model  # noqa: E402
 from qkv.export.huggingface import build_marian, export_translation, residual_permutation  # noqa: E402
 from qkv.models.causal_lm import CausalLM, CausalLMConfig  # noqa: E402
@@ -125,10 +126,37 @@ def test_marian_greedy_generate_equals_qkv_greedy_decode(dates_export):
         assert row[1 : 1 + len(ours[i]) + 1] == [*ours[i], tokenizer.eos_id]
 
 
+def _generated(row: list[int], eos_id: int) -> list[int]:
+    """A ``generate`` row without its decoder start, its fill and its EOS. (A hypothesis cut at the
+    length limit has no EOS; transformers fills rows with the EOS id when the pad id is 0.)"""
+    row = row[1:]
+    while row and row[-1] in (0, eos_id):
+        row = row[:-1]
+    return row
+
+
+def _beam_parity(model, tokenizer, hf, texts, beam, alpha, **hf_settings):
+    """The sentences of ``texts`` on which qkv's beam search with the "power" penalty and
+    Hugging Face's ``generate`` disagree, and qkv's best hypotheses."""
+    differ, ours_all = [], []
+    for text in texts:
+        ids = torch.tensor([tokenizer.encode(text) + [tokenizer.eos_id]])
+        ours = beam_search(
+            model, ids, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, beam_size=beam, alpha=alpha, penalty="power"
+        )[0]
+        # qkv stops a sentence after min(source length + 50, max_len - 1) tokens; HF has one limit per call
+        limit = min(ids.size(1) + 50, model.config.max_len - 1)
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=limit, **hf_settings)
+        ours_all.append(ours)
+        if _generated(out[0].tolist(), tokenizer.eos_id) != ours:
+            differ.append(text)
+    return differ, ours_all
+
+
 def test_marian_beam_search_without_length_penalty_equals_qkvs(dates_export):
     """With alpha 0 both rank by the summed log-probability, keep 2k candidates a step and stop at k
-    finished hypotheses (early_stopping): the same search. (With alpha > 0 they differ: GNMT's
-    ((5 + len) / 6) ** alpha against Hugging Face's len ** alpha; docs/deploy.md.)"""
+    finished hypotheses (early_stopping): the same search, whatever qkv's penalty form."""
     model, tokenizer, pairs, folder = dates_export
     hf = MarianMTModel.from_pretrained(folder).eval()
     for text in pairs.src:
@@ -138,6 +166,98 @@ def test_marian_beam_search_without_length_penalty_equals_qkvs(dates_export):
         with torch.no_grad():
             out = hf.generate(ids, num_beams=4, length_penalty=0.0, early_stopping=True, max_new_tokens=limit)
         assert out[0, 1:].tolist() == [*ours, tokenizer.eos_id], text
+
+
+@pytest.mark.parametrize(("beam", "alpha"), [(4, 0.6), (4, 1.0), (5, 0.6), (5, 1.0)])
+def test_marian_beam_search_with_length_penalty_equals_qkvs_power_form(dates_export, beam, alpha):
+    """Hugging Face divides a finished hypothesis's log-probability by len ** length_penalty (len
+    counting EOS, not the decoder start): qkv's penalty="power". The exported generation_config
+    carries the run's beam size (5) and alpha (0.6) with early_stopping, so a bare ``generate``
+    is the run's beam search."""
+    model, tokenizer, pairs, folder = dates_export
+    hf = MarianMTModel.from_pretrained(folder).eval()
+    if (beam, alpha) == (5, 0.6):  # the run's own settings: generation_config.json's
+        assert (hf.generation_config.num_beams, hf.generation_config.length_penalty) == (beam, alpha)
+        assert hf.generation_config.early_stopping is True
+        settings = {}
+    else:
+        settings = dict(num_beams=beam, length_penalty=alpha, early_stopping=True)
+    differ, _ = _beam_parity(model, tokenizer, hf, pairs.src, beam, alpha, **settings)
+    assert differ == []
+
+
+QKV_LAST_STEP = pytest.mark.xfail(
+    strict=True,
+    reason="qkv's beam search (decoding/search.py _advance_sentence) ends a sentence once k hypotheses are "
+    "finished even on its last step, before the live hypotheses cut at the length limit compete; Hugging Face "
+    "lets both compete (one sentence here: a cut hypothesis ranks first)",
+)
+
+
+@pytest.mark.parametrize(("beam", "alpha"), [(4, 0.6), (4, 1.0), (5, 0.6), pytest.param(5, 1.0, marks=QKV_LAST_STEP)])
+def test_power_form_ranks_as_hugging_face_where_the_length_penalty_decides(translation_export, beam, alpha):
+    """The date model's translations are all about 10 tokens long, so the length penalty rarely
+    changes a winner there. This model (the fixture with its EOS embedding doubled) ends its
+    hypotheses anywhere from 6 tokens to the limit: at alpha 1.0 the penalty and its form change
+    most winners, and Hugging Face still picks qkv's "power" winner on every sentence."""
+    base, tokenizer, _, _ = translation_export
+    model = Transformer(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        model.src_embed.embedding.weight[tokenizer.eos_id] *= 2.0  # shared and tied: EOS becomes likelier
+    hf = build_marian(model, tokenizer)
+    settings = dict(num_beams=beam, length_penalty=alpha, early_stopping=True)
+    settings.update(decoder_start_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=0)
+    differ, power = _beam_parity(model, tokenizer, hf, SENTENCES, beam, alpha, **settings)
+    ids = [torch.tensor([tokenizer.encode(t) + [tokenizer.eos_id]]) for t in SENTENCES]
+    special = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, beam_size=beam)
+    assert len({len(t) for t in power}) >= 5
+    if alpha == 1.0:  # (at 0.6 this model's winners are those of alpha 0)
+        raw = [beam_search(model, x, alpha=0.0, **special)[0] for x in ids]
+        gnmt = [beam_search(model, x, alpha=alpha, penalty="gnmt", **special)[0] for x in ids]
+        assert sum(a != b for a, b in zip(raw, power)) >= 5  # the penalty decides here
+        assert sum(a != b for a, b in zip(gnmt, power)) >= 5  # and so does its form
+    assert differ == []
+
+
+def test_translating_with_generate_as_the_docs_say_gives_qkvs_power_beam_translations(dates_export):
+    """transformers 5 has no translation pipeline; the documented recipe (AutoTokenizer, a padded
+    batch, ``generate`` with the exported generation_config, ``batch_decode``) gives what
+    ``translate_texts(..., penalty="power")`` gives with the run's beam size and alpha."""
+    import transformers
+    from transformers import AutoModelForSeq2SeqLM
+
+    model, tokenizer, pairs, folder = dates_export
+    hf_tokenizer = AutoTokenizer.from_pretrained(folder)
+    hf = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+    texts = list(pairs.src)
+    batch = hf_tokenizer(texts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = hf.generate(**batch)  # num_beams 5, length_penalty 0.6, early_stopping: the run's
+    theirs = hf_tokenizer.batch_decode(out, skip_special_tokens=True)
+    ours = translate_texts(model, tokenizer, texts, beam_size=5, alpha=0.6, penalty="power")
+    assert theirs == ours
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        with pytest.raises(KeyError, match="removed"):
+            transformers.pipeline("translation", model=str(folder))
+
+
+def test_gpt2_folder_works_in_the_text_generation_pipeline(tmp_path, capsys):
+    """The exported GPT-2 folder in transformers' text-generation pipeline, greedy, continues a
+    prompt as ``qkv generate --temperature 0`` does on the run (within the context of 32 positions:
+    past it qkv slides its window, GPT-2 has no position left)."""
+    from transformers import pipeline
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(FIXTURES / "lm_run", run_dir)
+    assert main(["export", str(run_dir), "--to", "hf", str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    generate = ["--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "26", "--device", "cpu"]
+    assert main(["generate", str(run_dir), *generate]) == 0
+    ours = capsys.readouterr().out.rstrip("\n")
+    generator = pipeline("text-generation", model=str(tmp_path / "hf"), device="cpu")
+    theirs = generator("ROMEO:", do_sample=False, max_new_tokens=26, pad_token_id=0)[0]["generated_text"]
+    assert theirs == ours and len(ours) == len("ROMEO:") + 26
 
 
 def test_exported_tokenizer_encodes_and_decodes_as_qkv(translation_export):

@@ -15,7 +15,9 @@ Marian puts all sines first and the cosines after. The model is exported in Mari
 residual stream: a fixed permutation of the d_model dimensions applied to every weight that reads
 or writes the stream (embeddings, LayerNorms, the projections' input or output side). LayerNorm,
 attention and the tied output projection are unchanged by a permutation of that basis, so the
-exported model computes the same function, not an approximation.
+exported model computes the same function, not an approximation. The tensor map is
+:func:`qkv.pretrained.marian.marian_key_map`, the one qkv reads such folders back with
+(``qkv attend FOLDER``, :func:`qkv.load_pretrained`).
 """
 
 from __future__ import annotations
@@ -136,9 +138,14 @@ def build_marian(model: Transformer, tokenizer: Tokenizer) -> Any:
 
 def generation_settings(config: dict, tokenizer: Tokenizer, max_len: int) -> dict:
     """``generation_config.json`` fields: the run's beam size and length penalty (its recipe's
-    :func:`~qkv.runs.recipes.decode_settings`), BOS as the decoder's start. Hugging Face divides a
-    hypothesis's log-probability by ``len ** length_penalty``, qkv by GNMT's ``((5 + len) / 6) ** alpha``:
-    the same alpha ranks beams differently (see docs/deploy.md)."""
+    :func:`~qkv.runs.recipes.decode_settings`), BOS as the decoder's start, early stopping.
+
+    Hugging Face divides a finished hypothesis's log-probability by ``len ** length_penalty``
+    (len counts EOS, not the decoder start): qkv's ``penalty="power"``, not its default GNMT
+    ``((5 + len) / 6) ** alpha``. ``generate`` with these settings picks the translations of
+    ``beam_search(..., penalty="power")`` (tests/test_export_hf.py); with qkv's default form the
+    same alpha can rank beams differently. ``max_length`` is the positional table's: qkv's own
+    limit is ``min(source + 50, max_len - 1)`` new tokens, which ``max_new_tokens`` sets per call."""
     from qkv.runs.recipes import decode_settings
 
     decode = decode_settings(config)
