@@ -195,8 +195,12 @@ def add_api_routes(app: FastAPI, service: Service) -> None:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        """The server is up; which models it serves."""
-        return {"status": "ok", "models": {name: KIND_NAMES[m.kind] for name, m in service.models.items()}}
+        """The server is up; which models it serves, and how many translation batches each has decoded."""
+        return {
+            "status": "ok",
+            "models": {name: KIND_NAMES[m.kind] for name, m in service.models.items()},
+            "translation_batches": {name: batcher.batches for name, batcher in service.batchers.items()},
+        }
 
 
 def _source_tokens(served: ServedModel, texts: list[str]) -> int:
