@@ -209,7 +209,7 @@ def measure(server: Server, sentences: list[str], clients: int, n: int, args: ar
         "clients": clients,
         **summary(log, wall),
         "batches": batches,
-        "mean_batch_requests": round(n / max(1, batches), 2),
+        "mean_batch_requests": round(sum(ok for ok, _, _ in log) / max(1, batches), 2),
     }
 
 
