@@ -6,6 +6,11 @@ cross-attention keys/values of the encoder output are projected once, on the fir
 reused. ``use_cache=False`` recomputes the whole prefix every step (the slow reference the tests
 compare against).
 
+A sentence that is done (EOS, or its length limit; in beam search ``k`` finished hypotheses) leaves
+the batch: later steps decode only the rows still searching, as CTranslate2 does. Rows are
+independent in every layer, so this changes what is computed, not the result (the 1000 sentences of
+Multi30k test 2016 translate to the same strings; docs/deploy.md, "Decoding speed").
+
 Shape legend: ``b`` sentences, ``k`` beam size, ``s_src`` source length, ``t`` decoded length.
 """
 
@@ -87,7 +92,7 @@ def _select_cache(
     ]
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def greedy_decode(
     model: Transformer | Ensemble,
     src: Tensor,
@@ -171,7 +176,7 @@ def beam_search(
 ) -> list[list[Hypothesis]]: ...
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def beam_search(
     model: Transformer | Ensemble,
     src: Tensor,

@@ -1,0 +1,404 @@
+"""Decoding speed of qkv and of the engines it exports to, side by side in one run, each with its BLEU.
+
+One command exports a translation run (Hugging Face Marian, ONNX, CTranslate2 float32 and int8) into a
+folder under /tmp, then decodes the run's test set (Multi30k: test 2016) with
+
+    qkv_greedy, qkv_beam (beam 5, the power length penalty, len ** alpha, as HF and CTranslate2 rank),
+    hf_greedy, hf_beam (``generate`` on the exported MarianMTModel),
+    ct2_float32_greedy, ct2_float32_beam, ct2_int8_greedy, ct2_int8_beam,
+    onnxruntime_greedy (qkv's ONNX export with its greedy loop),
+    and, with --with-gnmt, qkv_beam_gnmt (qkv's default length penalty, ((5 + len) / 6) ** alpha)
+
+at every --threads count (torch.set_num_threads, CTranslate2's intra_threads, onnxruntime's
+intra_op_num_threads). Every engine gets the same batches: the sentences
+sorted by length and cut into batches of --batch-size sentences (16), and the same length limit per
+batch (the longest source + 50 tokens, capped by the positional table). Timing is interleaved: each
+repeat runs every engine once, the order rotated every repeat, so that load from other processes hits
+them alike; the figure is the median repeat. Only the first --timed-sentences sentences of the sorted
+order, spread over the whole set, are timed (to keep the run short); BLEU (sacreBLEU, qkv.metrics) is
+scored on all --sentences sentences, decoded once at the largest thread count.
+
+Writes benchmarks/results/deploy/decoding_engines.json: per thread count and engine sentences/s,
+target tokens/s (the tokens the engine itself produced, EOS excluded) and its time over CTranslate2
+float32's with the same search (greedy or beam); per engine BLEU and how many translations equal qkv's.
+
+    python benchmarks/decoding_engines.py --run /work/runs/en-de
+    python benchmarks/decoding_engines.py --run RUN --quick --out /tmp/x.json   # a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from qkv.bench.provenance import write_result
+from qkv.cli.evaluate import target_language
+from qkv.data.batching import pad_sequences
+from qkv.data.sources import load_split
+from qkv.decoding.search import beam_search as qkv_beam_search
+from qkv.decoding.search import greedy_decode as qkv_greedy_decode
+from qkv.metrics.scores import score_translations
+from qkv.runs.folder import load_run
+from qkv.runtime.machine import environment
+
+OUT = Path(__file__).resolve().parent / "results" / "deploy" / "decoding_engines.json"
+EXTRA_LEN = 50  # qkv's length limit: source length + 50 (the exports' too)
+Decoder = Callable[[list[list[int]]], list[list[int]]]  # one batch of source ids -> ids per sentence
+logger = logging.getLogger("decoding_engines")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="a translation run folder (read only)")
+    p.add_argument("--out", default=str(OUT), help="the result JSON")
+    p.add_argument("--exports", default=None, help="reuse (or write) the exports here instead of a new /tmp folder")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batch-size", type=int, default=16, help="sentences per batch")
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--alpha", type=float, default=None, help="length penalty exponent (default: the run's)")
+    p.add_argument("--sentences", type=int, default=None, help="sentences decoded for BLEU (default: all)")
+    p.add_argument("--timed-sentences", type=int, default=320, help="sentences timed at each thread count")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats (the median counts)")
+    p.add_argument("--with-gnmt", action="store_true", help="also time qkv's beam search with its GNMT penalty")
+    p.add_argument(
+        "--before",
+        default=None,
+        metavar="GIT_REF",
+        help="also time qkv's decoding as it was at this commit (src/qkv/decoding/search.py from git): "
+        "qkv_greedy_before, qkv_beam_before",
+    )
+    p.add_argument("--engines", nargs="+", default=None, help="only these engines (names as in the docstring)")
+    p.add_argument("--quick", action="store_true", help="24 sentences, 16 timed, 1 repeat, 1 thread: a smoke test")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sentences, args.timed_sentences, args.repeats, args.threads = 24, 16, 1, [1]
+    return args
+
+
+def export_all(run: str, folder: Path) -> dict[str, Path | str]:
+    """The run's four exports in ``folder`` (an export already there is reused); per export its folder,
+    or why it could not be made (a configuration the format cannot hold)."""
+    from qkv.export.ctranslate2 import export_ctranslate2
+    from qkv.export.huggingface import export_hf
+    from qkv.export.onnx import export_onnx
+
+    makers: dict[str, Callable[[Path], Any]] = {
+        "hf": lambda out: export_hf(run, out),
+        "onnx": lambda out: export_onnx(run, out),
+        "ct2_float32": lambda out: export_ctranslate2(run, out),
+        "ct2_int8": lambda out: export_ctranslate2(run, out, quantization="int8"),
+    }
+    found: dict[str, Path | str] = {}
+    for name, make in makers.items():
+        out = folder / name
+        if out.is_dir() and any(out.iterdir()):
+            found[name] = out
+            continue
+        start = time.perf_counter()
+        try:
+            make(out)
+        except (ValueError, ImportError) as err:
+            found[name] = f"not exported: {err}"
+            logger.warning("%s %s", name, found[name])
+            continue
+        found[name] = out
+        logger.info("exported %s in %.1f s", name, time.perf_counter() - start)
+    return found
+
+
+def sorted_batches(ids: list[list[int]], size: int) -> list[list[int]]:
+    """Indices of ``ids`` sorted by length (stable), in batches of ``size``."""
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def timed_subset(batches: list[list[int]], sentences: int) -> list[list[int]]:
+    """About ``sentences`` sentences' worth of ``batches``, evenly spread over all of them (short to long)."""
+    want = max(1, min(len(batches), -(-sentences // max(1, len(batches[0]))) if batches else 0))
+    step = len(batches) / want
+    return [batches[int(i * step)] for i in range(want)]
+
+
+def search_at(ref: str) -> ModuleType:
+    """``qkv.decoding.search`` as it was at git commit ``ref`` (to time the decoding before a change)."""
+    root = Path(__file__).resolve().parent.parent
+    text = subprocess.run(
+        ["git", "-C", str(root), "show", f"{ref}:src/qkv/decoding/search.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp(prefix="qkv-search-")) / "search_before.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("search_before", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look themselves up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def qkv_engines(
+    model: Any, tok: Any, beam: int, alpha: float, with_gnmt: bool, search: Any = None, suffix: str = ""
+) -> dict[str, Decoder]:
+    """qkv's greedy decoding and beam search (``search``: the module that has them, default today's)."""
+    pad, bos, eos = model.config.pad_id, tok.bos_id, tok.eos_id
+    greedy_decode = search.greedy_decode if search is not None else qkv_greedy_decode
+    beam_search = search.beam_search if search is not None else qkv_beam_search
+
+    def greedy(batch: list[list[int]]) -> list[list[int]]:
+        return greedy_decode(model, pad_sequences(batch, pad), bos_id=bos, eos_id=eos, extra_len=EXTRA_LEN)
+
+    def beam_with(penalty: str) -> Decoder:
+        def decode(batch: list[list[int]]) -> list[list[int]]:
+            src = pad_sequences(batch, pad)
+            kw = dict(bos_id=bos, eos_id=eos, beam_size=beam, alpha=alpha, extra_len=EXTRA_LEN)
+            return beam_search(model, src, penalty=penalty, **kw)  # type: ignore[arg-type]
+
+        return decode
+
+    engines = {f"qkv_greedy{suffix}": greedy, f"qkv_beam{suffix}": beam_with("power")}
+    if with_gnmt:
+        engines[f"qkv_beam_gnmt{suffix}"] = beam_with("gnmt")
+    return engines
+
+
+def batch_limit(batch: list[list[int]], max_len: int) -> int:
+    """qkv's length limit for the longest sentence of ``batch``: its length + 50, capped by the table."""
+    return min(max(len(s) for s in batch) + EXTRA_LEN, max_len - 1)
+
+
+def hf_engines(folder: Path, beam: int, alpha: float, pad: int, eos: int, max_len: int) -> dict[str, Decoder]:
+    import transformers
+    from transformers import MarianMTModel
+
+    transformers.logging.set_verbosity_error()  # not a warning per batch that max_new_tokens wins over max_length
+
+    hf = MarianMTModel.from_pretrained(str(folder)).eval()
+
+    def with_beams(n: int) -> Decoder:
+        def decode(batch: list[list[int]]) -> list[list[int]]:
+            src = pad_sequences(batch, pad)
+            extra = dict(num_beams=n, length_penalty=alpha, early_stopping=True) if n > 1 else dict(num_beams=1)
+            with torch.inference_mode():
+                out = hf.generate(
+                    input_ids=src,
+                    attention_mask=src != pad,
+                    do_sample=False,
+                    max_new_tokens=batch_limit(batch, max_len),
+                    **extra,
+                )
+            return [_until_eos(row[1:], eos, pad) for row in out.tolist()]  # row[0]: the decoder start (BOS)
+
+        return decode
+
+    return {"hf_greedy": with_beams(1), "hf_beam": with_beams(beam)}
+
+
+def _until_eos(ids: list[int], eos: int, pad: int) -> list[int]:
+    ids = ids[: ids.index(eos)] if eos in ids else ids
+    return [i for i in ids if i != pad]
+
+
+def ct2_engines(exports: dict[str, Path | str], threads: int, beam: int, alpha: float) -> dict[str, Decoder]:
+    from qkv.export.ctranslate2 import Ct2Translator
+
+    engines: dict[str, Decoder] = {}
+    for kind in ("float32", "int8"):
+        folder = exports.get(f"ct2_{kind}")
+        if not isinstance(folder, Path):
+            continue
+        ct2 = Ct2Translator(folder, threads=threads, compute_type=kind)
+
+        def with_beams(n: int, ct2: Ct2Translator = ct2) -> Decoder:
+            def decode(batch: list[list[int]]) -> list[list[int]]:
+                outputs = ct2.translator.translate_batch(
+                    [ct2.to_tokens(s) for s in batch],
+                    beam_size=n,
+                    length_penalty=alpha if n > 1 else 0.0,
+                    max_decoding_length=batch_limit(batch, ct2.manifest["max_len"]),
+                    max_input_length=0,
+                )
+                return [[ct2.ids[t] for t in o.hypotheses[0]] for o in outputs]
+
+            return decode
+
+        engines[f"ct2_{kind}_greedy"], engines[f"ct2_{kind}_beam"] = with_beams(1), with_beams(beam)
+    return engines
+
+
+def ort_engines(exports: dict[str, Path | str], threads: int) -> dict[str, Decoder]:
+    from qkv.export.onnx_runtime import OnnxTranslator, pad_batch
+
+    folder = exports.get("onnx")
+    if not isinstance(folder, Path):
+        return {}
+    ort = OnnxTranslator(folder, threads=threads)
+    return {"onnxruntime_greedy": lambda batch: ort.greedy(pad_batch(batch, ort.pad_id))}
+
+
+def decode_all(decode: Decoder, ids: list[list[int]], batches: list[list[int]]) -> dict[int, list[int]]:
+    """``decode`` over ``batches`` (indices into ``ids``): sentence index -> its output ids."""
+    out: dict[int, list[int]] = {}
+    for batch in batches:
+        for i, result in zip(batch, decode([ids[i] for i in batch]), strict=True):
+            out[i] = result
+    return out
+
+
+def time_engines(
+    engines: dict[str, Decoder], ids: list[list[int]], batches: list[list[int]], repeats: int
+) -> dict[str, dict[str, Any]]:
+    """Each engine over ``batches``: one untimed pass (warm-up), then ``repeats`` interleaved timed ones,
+    the order rotated each repeat. Returns per engine its times, median, sentences/s and tokens/s."""
+    names = list(engines)
+    outputs = {name: decode_all(engines[name], ids, batches[:2]) for name in names}  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            outputs[name] = decode_all(engines[name], ids, batches)
+            times[name].append(time.perf_counter() - start)
+        logger.info("repeat %d/%d: %s", r + 1, repeats, {n: round(t[-1], 2) for n, t in times.items()})
+    sentences = sum(len(b) for b in batches)
+    results = {}
+    for name in names:
+        median = statistics.median(times[name])
+        tokens = sum(len(o) for o in outputs[name].values())
+        results[name] = dict(
+            median_s=round(median, 4),
+            times_s=[round(t, 4) for t in times[name]],
+            sentences=sentences,
+            target_tokens=tokens,
+            sentences_per_s=round(sentences / median, 2),
+            tokens_per_s=round(tokens / median, 1),
+        )
+    for name, r in results.items():  # the time over CTranslate2 float32's with the same search
+        base = results.get("ct2_float32_greedy" if "greedy" in name else "ct2_float32_beam")
+        r["time_over_ct2_float32"] = round(r["median_s"] / base["median_s"], 3) if base else None
+        before = results.get(f"{name}_before")
+        if before:  # the same search as qkv decoded at --before
+            r["speedup_over_before"] = round(before["median_s"] / r["median_s"], 3)
+            r["same_output_as_before"] = outputs[name] == outputs[f"{name}_before"]
+    return results
+
+
+def engines_at(
+    threads: int, args: argparse.Namespace, model: Any, tok: Any, exports: dict[str, Path | str], alpha: float
+) -> dict[str, Decoder]:
+    """Every engine, set to ``threads`` threads (torch's for qkv and Hugging Face)."""
+    torch.set_num_threads(threads)
+    engines = qkv_engines(model, tok, args.beam, alpha, args.with_gnmt)
+    if args.before:
+        engines |= qkv_engines(model, tok, args.beam, alpha, args.with_gnmt, search_at(args.before), "_before")
+    hf = exports.get("hf")
+    if isinstance(hf, Path):
+        engines |= hf_engines(hf, args.beam, alpha, model.config.pad_id, tok.eos_id, model.config.max_len)
+    engines |= ct2_engines(exports, threads, args.beam, alpha)
+    engines |= ort_engines(exports, threads)
+    if args.engines:
+        engines = {n: e for n, e in engines.items() if n in args.engines}
+    return engines
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args = parse_args(argv)
+    model, tok, config = load_run(args.run, "model", task="translation")
+    model.eval()
+    alpha = config.get("decode", {}).get("alpha", 0.6) if args.alpha is None else args.alpha
+    split = load_split(config.get("data") or {}, "test")
+    src, refs = split.src[: args.sentences], split.tgt[: args.sentences]
+    limit = model.config.max_len - 1
+    ids = [s[:limit] + [tok.eos_id] for s in tok.encode_batch(src)]  # as translate_texts cuts them
+    batches = sorted_batches(ids, args.batch_size)
+    timed = timed_subset(batches, args.timed_sentences)
+    folder = Path(args.exports) if args.exports else Path(tempfile.mkdtemp(prefix="qkv-decoding-engines-"))
+    exports = export_all(args.run, folder)
+    report: dict[str, Any] = dict(
+        run=str(Path(args.run).resolve()),
+        exports={n: str(e) for n, e in exports.items()},
+        data=dict(split="test", name="test2016" if (config.get("data") or {}).get("source") == "multi30k" else "test"),
+        settings=dict(
+            batching=f"length-sorted batches of {args.batch_size} sentences, the same for every engine",
+            length_limit="longest source of the batch + 50 tokens, capped by the positional table",
+            beam=args.beam,
+            alpha=alpha,
+            qkv_beam_penalty="power (len ** alpha, as Hugging Face and CTranslate2)",
+            repeats=args.repeats,
+            sentences_bleu=len(ids),
+            sentences_timed=sum(len(b) for b in timed),
+        ),
+        model=dict(
+            parameters=sum(p.numel() for p in model.parameters()),
+            **{k: getattr(model.config, k) for k in ("d_model", "num_heads", "d_ff", "tgt_vocab_size")},
+            layers=[model.config.num_encoder_layers, model.config.num_decoder_layers],
+        ),
+        threads={},
+    )
+    for threads in args.threads:
+        engines = engines_at(threads, args, model, tok, exports, alpha)
+        logger.info("%d thread(s): timing %s", threads, ", ".join(engines))
+        report["threads"][str(threads)] = time_engines(engines, ids, timed, args.repeats)
+    report["engines"] = quality(engines, ids, batches, src, refs, tok, config)
+    report["machine"] = environment()
+    write_result(args.out, report, ["benchmarks/decoding_engines.py", *(sys.argv[1:] if argv is None else argv)])
+    print_table(report)
+    return 0
+
+
+def quality(
+    engines: dict[str, Decoder],
+    ids: list[list[int]],
+    batches: list[list[int]],
+    src: list[str],
+    refs: list[str],
+    tok: Any,
+    config: dict,
+) -> dict[str, dict[str, Any]]:
+    """Every engine over all sentences (at the last thread count): BLEU, and the share of translations
+    equal to qkv's with the same search."""
+    lang = target_language(config.get("data") or {}, None)
+    texts: dict[str, list[str]] = {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, decode in engines.items():
+        if name.endswith("_before"):  # the same translations as today's (time_engines compares them)
+            continue
+        start = time.perf_counter()
+        result = decode_all(decode, ids, batches)
+        seconds = time.perf_counter() - start
+        texts[name] = [tok.decode(result[i]) for i in range(len(ids))]
+        scores = score_translations(texts[name], refs, target_lang=lang)
+        out[name] = dict(bleu=round(scores["bleu"], 2), chrf=round(scores["chrf"], 2), full_pass_s=round(seconds, 2))
+        logger.info("%s: BLEU %.2f (%.1f s)", name, scores["bleu"], seconds)
+    for name, r in out.items():
+        same = "qkv_greedy" if "greedy" in name else "qkv_beam"
+        if same in texts:
+            r[f"equal_to_{same}"] = round(sum(a == b for a, b in zip(texts[name], texts[same])) / len(src), 4)
+    return out
+
+
+def print_table(report: dict) -> None:
+    for threads, engines in report["threads"].items():
+        print(f"{threads} thread(s): engine, sentences/s, tokens/s, time over CTranslate2 float32, BLEU")
+        for name, r in engines.items():
+            bleu = report["engines"].get(name, {}).get("bleu")
+            print(
+                f"  {name:22s} {r['sentences_per_s']:8.1f} {r['tokens_per_s']:9.1f} {r['time_over_ct2_float32']}  {bleu}"
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
