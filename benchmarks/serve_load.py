@@ -43,20 +43,20 @@ def main() -> int:
     parser.add_argument("--beam", type=int, default=1, help="beam size of every request (default 1, greedy)")
     parser.add_argument("--alpha", type=float, default=0.6, help="length penalty of every request (default 0.6)")
     parser.add_argument("--max-batch-wait", type=float, default=5.0, help="the batching mode's wait, ms (default 5)")
-    parser.add_argument("--requests-per-client", type=int, default=4, help="requests each client sends (default 4)")
-    parser.add_argument("--min-requests", type=int, default=16, help="requests per phase at least (default 16)")
+    parser.add_argument("--requests-per-client", type=int, default=8, help="requests each client sends (default 8)")
+    parser.add_argument("--min-requests", type=int, default=32, help="requests per phase at least (default 32)")
     parser.add_argument("--contended", action="store_true", help="record that other jobs shared the machine")
     add_result_options(parser, "benchmarks/results/deploy/serve_load.json")
     args = parser.parse_args()
     out = check_result_file(parser, args)
     if args.max_batch_wait <= 0:
         parser.error("--max-batch-wait must be positive (the one-at-a-time mode is measured anyway)")
-    sentences = read_sentences(args.data)
+    data, sentences = read_sentences(args.data)
     report: dict = {
         "what": "qkv serve POST /v1/translate under load: dynamic batching on vs one-at-a-time decoding, "
         "and 16 stalled clients beside 32 live ones",
         "run": str(Path(args.run).resolve()),
-        "data": "Multi30k test2016 (test_2016_flickr.en), one sentence per request",
+        "data": f"Multi30k test2016 ({data}), {len(sentences)} sentences, one per request",
         "beam_size": args.beam,
         "alpha": args.alpha,
         "clients": list(CLIENTS),
@@ -86,13 +86,13 @@ def phase_requests(args: argparse.Namespace, clients: int) -> int:
     return max(args.min_requests, args.requests_per_client * clients)
 
 
-def read_sentences(data: str | None) -> list[str]:
+def read_sentences(data: str | None) -> tuple[str, list[str]]:
     folder = Path(data) if data else Path(os.environ.get("QKV_DATA", "data")) / "multi30k"
     path = folder / "test_2016_flickr.en.gz"
     if not path.is_file():
         sys.exit(f"serve_load.py: error: {path} not found (set QKV_DATA or pass --data)")
     with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [line.strip() for line in f if line.strip()]
+        return str(path), [line.strip() for line in f if line.strip()]
 
 
 class Server:
