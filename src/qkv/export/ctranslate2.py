@@ -324,8 +324,9 @@ class Ct2Translator:
         Args:
             texts: source sentences.
             beam_size: 1 = greedy; default: the run's (its recipe's) beam size.
-            alpha: CTranslate2's length penalty (log-probability divided by ``length ** alpha``; qkv
-                divides by GNMT's ``((5 + length) / 6) ** alpha``); default: the run's alpha.
+            alpha: CTranslate2's length penalty (log-probability divided by ``length ** alpha``, EOS
+                counted: qkv's ``penalty="power"``; qkv's default is GNMT's ``((5 + length) / 6) ** alpha``);
+                default: the run's alpha.
 
         Returns:
             the translations, one per input sentence.
