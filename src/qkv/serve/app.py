@@ -248,8 +248,9 @@ def add_explorer_routes(app: FastAPI, service: Service) -> None:
     async def index() -> HTMLResponse:
         return HTMLResponse(await service.worker.run(explorer.page))
 
-    @app.get("/api/models")
-    @app.head("/api/models", include_in_schema=False)
+    # GET and HEAD on one route (one 405 that names both); out of the OpenAPI schema, whose operation
+    # ids would repeat for the two methods
+    @app.api_route("/api/models", methods=["GET", "HEAD"], include_in_schema=False)
     async def explorer_models() -> dict[str, Any]:
         """The explorer's models and its input limit."""
         return {"models": explorer.model_names, "max_chars": explorer.max_chars}
