@@ -209,6 +209,10 @@ def test_errors_are_one_line_of_json(client):
     post = client.post
     assert "not valid JSON" in error(post("/v1/translate", content=b'{"texts": [', headers=JSON), 400)
     assert "texts" in error(post("/v1/translate", json={"texts": "one string"}), 422)
+    form = {"Content-Type": "application/x-www-form-urlencoded"}  # curl -d without -H
+    assert "Content-Type: application/json" in error(
+        post("/v1/translate", content=b'{"texts": ["a"]}', headers=form), 415
+    )
     assert "beam_size" in error(post("/v1/translate", json={"texts": ["a"], "beam_size": "4"}), 422)
     assert "penalty" in error(post("/v1/translate", json={"texts": ["a"], "penalty": "cubic"}), 422)
     assert "extra" in error(post("/v1/translate", json={"texts": ["a"], "colour": 1}), 422).lower()

@@ -2,7 +2,8 @@
 that bounds request bodies and adds the security headers to every answer.
 
 * a client's mistake the routes find: :class:`ApiError` (status, message);
-* a request the schema refuses: 422, naming the field (malformed JSON: 400);
+* a request the schema refuses: 422, naming the field (malformed JSON: 400; a body not sent as
+  ``application/json``: 415);
 * an unknown path: 404; a method the path does not take: 405 with ``Allow``;
 * a body over the limit: 413, before it is read further;
 * anything else: 500 ``internal error; see the server log`` (the traceback goes to the log only).
@@ -59,6 +60,11 @@ def _validation_message(errors: list[Any]) -> tuple[int, str]:
     return 422, f"{where}: {first.get('msg', 'invalid')}{more}"
 
 
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error as one line of JSON."""
 
@@ -68,7 +74,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        status, message = _validation_message(list(err.errors()))
+        errors = list(err.errors())
+        content_type = request.headers.get("content-type", "")
+        if errors and tuple(errors[0].get("loc", ())) == ("body",) and content_type and not _is_json(content_type):
+            # a body sent as a form (curl -d without -H) is never read as JSON
+            return error_response(
+                415, f"send the body as JSON with Content-Type: application/json (got {content_type[:60]!r})"
+            )
+        status, message = _validation_message(errors)
         return error_response(status, message)
 
     @app.exception_handler(HTTPException)
