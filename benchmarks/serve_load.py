@@ -79,7 +79,10 @@ def main() -> int:
     report["speedup_at_32_clients"] = speedup(report["phases"], 32)
     write_result(out, report)
     print(f"wrote {out}")
-    return 0
+    failed = report["stalled"]["refused_or_failed_valid_requests"] + sum(p["failed"] for p in report["phases"])
+    if failed:
+        print(f"serve_load.py: {failed} valid requests were refused or failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def phase_requests(args: argparse.Namespace, clients: int) -> int:
