@@ -19,8 +19,9 @@ from qkv.cli import main
 from qkv.data.dates import generate_dates
 from qkv.decoding.translate import translate_texts
 from qkv.serve.app import create_app
-from qkv.serve.batching import DecodeKey
+from qkv.serve.batching import DecodeKey, ModelWorker
 from qkv.serve.models import Limits, open_models
+from qkv.serve.streaming import Sampling, stream_events
 from qkv.viz.app import ExplorerApp
 
 pytest.importorskip("fastapi")
@@ -177,6 +178,32 @@ def test_generate_with_a_seed_equals_sampling_with_that_seed(client, models):
     streamed = "".join(d["text"] for n, d in read_events(client, body) if n == "message")
     whole = client.post("/v1/generate", json={**body, "stream": False}).json()
     assert streamed == whole["text"] == expected and whole["tokens"] == 30
+
+
+def test_a_client_that_leaves_stops_the_sampling(models):
+    served = models["lm"]
+
+    class Counting:  # the run's tokenizer, counting the steps (each step decodes once)
+        calls = 0
+
+        def decode(self, ids):
+            Counting.calls += 1
+            return served.tokenizer.decode(ids)
+
+    worker = ModelWorker()
+    request = Sampling(ids=served.tokenizer.encode(PROMPT), max_tokens=5000, temperature=0)
+
+    async def leave_after_the_first_event() -> None:
+        events = stream_events(worker, served.model, Counting(), request)
+        assert (await events.__anext__()).startswith("data: ")
+        await events.aclose()  # what Starlette does when the client disconnects
+        await worker.run(lambda: None)  # the model thread is free again: the sampling ended
+
+    try:
+        asyncio.run(leave_after_the_first_event())
+    finally:
+        worker.close()
+    assert 1 <= Counting.calls < 5000
 
 
 def test_embed_equals_hugging_face_mean_pooling(client, models, tmp_path):
