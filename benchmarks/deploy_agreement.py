@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from qkv.bench.provenance import write_result
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.data.sources import load_split
 from qkv.decoding.search import length_penalty
 from qkv.decoding.translate import translate_texts
@@ -139,11 +140,12 @@ def agreement(ours: list[str], theirs: list[str], *, model=None, ids=None, token
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="a trained Multi30k translation run folder (only read)")
-    p.add_argument("--out", default=str(OUT), help=f"the JSON to write (default: {OUT})")
+    add_result_options(p, OUT)
     p.add_argument("--threads", type=int, default=1, help="CPU threads for every engine (default 1)")
     p.add_argument("--agreement-sentences", type=int, default=200)
     p.add_argument("--limit", type=int, default=0, help="only the first N test sentences (0 = all; for a dry run)")
     args = p.parse_args()
+    args.out = check_result_file(p, args)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no bar per file written or read

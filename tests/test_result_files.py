@@ -71,6 +71,7 @@ REFUSALS = [
     ("paper_scale", ["--work", "{dir}/work", "--out", "{out}"], "{dir}/work"),
     ("compare_runs", ["--run", "a={dir}/a.jsonl", "--run", "b={dir}/b.jsonl", "--out", "{out}"], None),
     ("crash_consistency", ["--out", "{out}"], None),
+    ("deploy_agreement", ["--run", "{dir}/run", "--out", "{out}"], None),
 ]
 
 

@@ -39,7 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "embed": ("qkv.cli.embed", "sentence embeddings from a pretrained encoder"),
     "attend": ("qkv.cli.attend", "write a self-contained HTML attention explorer"),
-    "serve": ("qkv.cli.serve", "serve the attention explorer on localhost"),
+    "serve": ("qkv.cli.serve", "serve translation, generation, embeddings and the attention explorer over HTTP"),
     "explain": ("qkv.cli.explain", "attention worked by hand, step by step"),
     "experiment": ("qkv.cli.experiment", "run one of the explanatory experiments"),
     "report": ("qkv.cli.report", "gather experiment results into one HTML page"),
