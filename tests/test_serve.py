@@ -369,3 +369,19 @@ def test_missing_fastapi_is_one_line_naming_the_extra(tiny_bert_dir, monkeypatch
     assert main(["serve", "--model", str(tiny_bert_dir), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("qkv serve: error:") and "pip install 'qkv[serve]'" in err and "\n" not in err
+
+
+def test_old_server_limits_are_accepted_and_ignored_with_a_warning(capsys):
+    import argparse
+
+    from qkv.cli import serve as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    args = parser.parse_args(["--timeout", "5", "--max-concurrent", "8"])
+    serve_cli.warn_about_old_options(args)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all("is ignored since qkv 1.1" in line for line in err)
+    assert err[0].startswith("warning: --timeout") and err[1].startswith("warning: --max-concurrent")
+    serve_cli.warn_about_old_options(parser.parse_args([]))
+    assert capsys.readouterr().err == ""

@@ -51,6 +51,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "language model whose vocabulary lacks its characters, the start of the run's own text)",
     )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for the model (default: all cores)")
+    # 1.0's limits of the hand-written server: still accepted, so scripts keep working, and ignored with a warning
+    for gone in ("--timeout", "--max-concurrent"):
+        parser.add_argument(gone, type=float, default=None, help=argparse.SUPPRESS)
+
+
+def warn_about_old_options(args: argparse.Namespace) -> None:
+    """``--timeout`` and ``--max-concurrent`` limited qkv 1.0's own HTTP server; uvicorn has neither cap."""
+    for flag in ("timeout", "max_concurrent"):
+        if getattr(args, flag, None) is not None:
+            print(
+                f"warning: --{flag.replace('_', '-')} is ignored since qkv 1.1: the server (uvicorn) no longer "
+                "cuts slow clients or caps connections, so stalled clients cannot keep others out",
+                file=sys.stderr,
+            )
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -70,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from qkv.serve import check_installed
 
     check_arguments(args)
+    warn_about_old_options(args)
     check_installed()
     from qkv.serve import server as serving
     from qkv.serve.models import Limits, open_models
