@@ -10,19 +10,24 @@ folder under /tmp, then decodes the run's test set (Multi30k: test 2016) with
     and, with --with-gnmt, qkv_beam_gnmt (qkv's default length penalty, ((5 + len) / 6) ** alpha)
 
 at every --threads count (torch.set_num_threads, CTranslate2's intra_threads, onnxruntime's
-intra_op_num_threads). Every engine gets the same batches: the sentences
-sorted by length and cut into batches of --batch-size sentences (16), and the same length limit per
-batch (the longest source + 50 tokens, capped by the positional table). Timing is interleaved: each
-repeat runs every engine once, the order rotated every repeat, so that load from other processes hits
-them alike; the figure is the median repeat. Only the first --timed-sentences sentences of the sorted
-order, spread over the whole set, are timed (to keep the run short); BLEU (sacreBLEU, qkv.metrics) is
-scored on all --sentences sentences, decoded once at the largest thread count.
+intra_op_num_threads). Every engine gets the same batches: the sentences sorted by length and cut
+into batches of --batch-size sentences (16), and the same length limit per batch (the longest source
++ 50 tokens, capped by the positional table). Timing is interleaved: in each repeat the engines take
+turns batch by batch (the order rotated every batch), so that load from other processes hits them
+alike; an engine's time is the median over repeats of its summed batches. To keep the run short only
+about --timed-sentences sentences (240: 15 of the batches, spread evenly from the shortest to the
+longest) are timed; BLEU (sacreBLEU, qkv.metrics) is scored on all --sentences sentences, decoded once
+at the last --threads count.
 
 Writes benchmarks/results/deploy/decoding_engines.json: per thread count and engine sentences/s,
 target tokens/s (the tokens the engine itself produced, EOS excluded) and its time over CTranslate2
 float32's with the same search (greedy or beam); per engine BLEU and how many translations equal qkv's.
+With --before GIT_REF, qkv's decoding as it was at that commit is timed too (qkv_greedy_before,
+qkv_beam_before): the speed-up of the changes since, measured side by side, and whether the
+translations stayed the same.
 
     python benchmarks/decoding_engines.py --run /work/runs/en-de
+    python benchmarks/decoding_engines.py --run /work/runs/en-de --before 3f4fd5a   # + qkv before the changes
     python benchmarks/decoding_engines.py --run RUN --quick --out /tmp/x.json   # a smoke test
 """
 
@@ -69,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--alpha", type=float, default=None, help="length penalty exponent (default: the run's)")
     p.add_argument("--sentences", type=int, default=None, help="sentences decoded for BLEU (default: all)")
-    p.add_argument("--timed-sentences", type=int, default=320, help="sentences timed at each thread count")
+    p.add_argument("--timed-sentences", type=int, default=240, help="sentences timed at each thread count")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (the median counts)")
     p.add_argument("--with-gnmt", action="store_true", help="also time qkv's beam search with its GNMT penalty")
     p.add_argument(
@@ -261,16 +266,25 @@ def decode_all(decode: Decoder, ids: list[list[int]], batches: list[list[int]]) 
 def time_engines(
     engines: dict[str, Decoder], ids: list[list[int]], batches: list[list[int]], repeats: int
 ) -> dict[str, dict[str, Any]]:
-    """Each engine over ``batches``: one untimed pass (warm-up), then ``repeats`` interleaved timed ones,
-    the order rotated each repeat. Returns per engine its times, median, sentences/s and tokens/s."""
+    """Each engine over ``batches``: one untimed pass over two batches (warm-up), then ``repeats`` timed
+    passes. Within a pass the engines take turns batch by batch (the order rotated every batch), so
+    that a burst of load from other processes, which lasts seconds, falls on every engine alike; an
+    engine's time for the pass is the sum over its batches. Returns per engine its times, median,
+    sentences/s and tokens/s."""
     names = list(engines)
     outputs = {name: decode_all(engines[name], ids, batches[:2]) for name in names}  # warm-up
     times: dict[str, list[float]] = {name: [] for name in names}
+    turn = 0
     for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
-            outputs[name] = decode_all(engines[name], ids, batches)
-            times[name].append(time.perf_counter() - start)
+        total = dict.fromkeys(names, 0.0)
+        for batch in batches:
+            turn += 1
+            for name in names[turn % len(names) :] + names[: turn % len(names)]:
+                start = time.perf_counter()
+                outputs[name] |= decode_all(engines[name], ids, [batch])
+                total[name] += time.perf_counter() - start
+        for name in names:
+            times[name].append(total[name])
         logger.info("repeat %d/%d: %s", r + 1, repeats, {n: round(t[-1], 2) for n, t in times.items()})
     sentences = sum(len(b) for b in batches)
     results = {}
