@@ -367,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("%d thread(s): timing %s", threads, ", ".join(engines))
         report["threads"][str(threads)] = time_engines(engines, ids, timed, args.repeats)
     report["engines"] = quality(engines, ids, batches, src, refs, tok, config)
+    report["headline"] = headline(report)
     report["machine"] = environment()
     write_result(args.out, report, ["benchmarks/decoding_engines.py", *(sys.argv[1:] if argv is None else argv)])
     print_table(report)
@@ -401,6 +402,21 @@ def quality(
         same = "qkv_greedy" if "greedy" in name else "qkv_beam"
         if same in texts:
             r[f"equal_to_{same}"] = round(sum(a == b for a, b in zip(texts[name], texts[same])) / len(src), 4)
+    return out
+
+
+def headline(report: dict) -> dict[str, float]:
+    """The figures benchmarks/results/INDEX.md lists: qkv's time over CTranslate2 float32's per search and
+    thread count, and the BLEUs of qkv and CTranslate2 float32."""
+    out = {}
+    for threads, engines in report["threads"].items():
+        for search in ("greedy", "beam"):
+            ratio = engines.get(f"qkv_{search}", {}).get("time_over_ct2_float32")
+            if ratio is not None:
+                out[f"qkv_{search}_time_over_ct2_float32_{threads}_thread"] = ratio
+    for name in ("qkv_greedy", "qkv_beam", "ct2_float32_beam"):
+        if name in report["engines"]:
+            out[f"{name}_bleu"] = report["engines"][name]["bleu"]
     return out
 
 

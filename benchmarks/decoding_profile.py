@@ -168,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
 
             report["profiles"][f"{name} ({version})"] = profile_call(call, step_op, args.repeats)
             print(version, name, report["profiles"][f"{name} ({version})"]["ms_per_step"], "ms/step")
+    today = {name: report["profiles"][f"{name} (today)"]["categories"] for name in ("qkv_greedy", "qkv_beam")}
+    report["headline"] = {  # the shares benchmarks/results/INDEX.md lists
+        f"{name}_share_{short}": round(sum(cats[c]["share_of_profiled_wall"] for c in cats if c.startswith(prefix)), 3)
+        for name, cats in today.items()
+        for short, prefix in (("linear_layers", "linear layers"), ("output_projection", "output projection"))
+    }
     report["machine"] = environment()
     write_result(args.out, report, ["benchmarks/decoding_profile.py", *(sys.argv[1:] if argv is None else argv)])
     return 0

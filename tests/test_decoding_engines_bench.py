@@ -58,3 +58,5 @@ def test_quick_run_writes_every_engine_with_its_bleu(dates_run, tmp_path):
         assert report["engines"][name]["bleu"] == report["engines"]["qkv_greedy"]["bleu"], name
     for name in ("ct2_float32_beam", "hf_beam"):  # the same search: power penalty, beam 5
         assert report["engines"][name]["equal_to_qkv_beam"] == 1.0, name
+    assert report["headline"]["qkv_beam_bleu"] == report["engines"]["qkv_beam"]["bleu"]  # INDEX.md's figures
+    assert report["headline"]["qkv_beam_time_over_ct2_float32_1_thread"] == timed["qkv_beam"]["time_over_ct2_float32"]
