@@ -8,8 +8,10 @@ compare against).
 
 A sentence that is done (EOS, or its length limit; in beam search ``k`` finished hypotheses) leaves
 the batch: later steps decode only the rows still searching, as CTranslate2 does. Rows are
-independent in every layer, so this changes what is computed, not the result (the 1000 sentences of
-Multi30k test 2016 translate to the same strings; docs/deploy.md, "Decoding speed").
+independent in every layer, so this changes what is computed, not what it means; a matrix product's
+last bits can depend on how many rows it has (MKL on a few rows), as they already did between batches
+of different sizes, and the 1000 sentences of Multi30k test 2016 translate to the same strings as
+before (docs/deploy.md, "Decoding speed").
 
 Shape legend: ``b`` sentences, ``k`` beam size, ``s_src`` source length, ``t`` decoded length.
 """
