@@ -132,6 +132,18 @@ def test_batched_beam_equals_one_sentence_at_a_time(trained, beam_size):
         assert [h.score for h in single] == pytest.approx([h.score for h in batched[i]], abs=1e-4)
 
 
+def test_batched_greedy_equals_one_sentence_at_a_time(trained, untrained):
+    """Sentences leave the batch as they end (EOS or their length limit): those still decoding must get
+    what they get alone."""
+    for model, src in ((trained[0], trained[3]), untrained):
+        batched = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, extra_len=6)
+        lengths = {len(tokens) for tokens in batched}
+        assert len(lengths) > 1  # sentences end at different steps: some leave while others go on
+        for i in range(src.size(0)):
+            row = src[i : i + 1, : int((src[i] != 0).sum())]
+            assert greedy_decode(model, row, bos_id=BOS, eos_id=EOS, extra_len=6)[0] == batched[i]
+
+
 def test_beam_scores_are_teacher_forced_log_probs(trained, untrained):
     for model, src in ((trained[0], trained[3][:4]), untrained):
         hyps = beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=3, alpha=0.6, extra_len=10, return_all=True)
