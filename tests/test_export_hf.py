@@ -186,15 +186,7 @@ def test_marian_beam_search_with_length_penalty_equals_qkvs_power_form(dates_exp
     assert differ == []
 
 
-QKV_LAST_STEP = pytest.mark.xfail(
-    strict=True,
-    reason="qkv's beam search (decoding/search.py _advance_sentence) ends a sentence once k hypotheses are "
-    "finished even on its last step, before the live hypotheses cut at the length limit compete; Hugging Face "
-    "lets both compete (one sentence here: a cut hypothesis ranks first)",
-)
-
-
-@pytest.mark.parametrize(("beam", "alpha"), [(4, 0.6), (4, 1.0), (5, 0.6), pytest.param(5, 1.0, marks=QKV_LAST_STEP)])
+@pytest.mark.parametrize(("beam", "alpha"), [(4, 0.6), (4, 1.0), (5, 0.6), (5, 1.0)])
 def test_power_form_ranks_as_hugging_face_where_the_length_penalty_decides(translation_export, beam, alpha):
     """The date model's translations are all about 10 tokens long, so the length penalty rarely
     changes a winner there. This model (the fixture with its EOS embedding doubled) ends its

@@ -346,7 +346,7 @@ def _advance_sentence(
     ``finished``); the best ``k`` others stay alive, written into rows ``i*k ...`` of
     ``following`` (the row each continues, its token, its score). Returns whether the sentence is
     done: it has ``k`` finished hypotheses, or this was its last step (``last_step``: its live
-    hypotheses are then finished as they are)."""
+    hypotheses are then finished as they are, and ranked with the finished ones)."""
     source, token_at, score_at = following
     alive = 0
     for rank, (score, beam, token) in enumerate(candidates):
@@ -363,11 +363,11 @@ def _advance_sentence(
         alive += 1
         if alive == k:
             break
-    if len(finished) >= k:
-        return True
     if not last_step:
-        return False
-    for slot in range(i * k, i * k + alive):  # out of length: the live hypotheses end here
+        return len(finished) >= k
+    # out of length: the live hypotheses end here and compete with the finished ones, even when this
+    # step filled the k-th finished slot (as Hugging Face's and CTranslate2's searches rank them)
+    for slot in range(i * k, i * k + alive):
         prefix = tokens[source[slot], 1:].tolist() + [token_at[slot]]
         finished.append(
             Hypothesis(prefix, score_at[slot], score_at[slot] / length_penalty(len(prefix), alpha, penalty))
