@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from qkv.bench.provenance import write_result
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.cli.evaluate import target_language
 from qkv.data.batching import pad_sequences
 from qkv.data.sources import load_split
@@ -67,7 +68,7 @@ logger = logging.getLogger("decoding_engines")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="a translation run folder (read only)")
-    p.add_argument("--out", default=str(OUT), help="the result JSON")
+    add_result_options(p, OUT)
     p.add_argument("--exports", default=None, help="reuse (or write) the exports here instead of a new /tmp folder")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--batch-size", type=int, default=16, help="sentences per batch")
@@ -87,6 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engines", nargs="+", default=None, help="only these engines (names as in the docstring)")
     p.add_argument("--quick", action="store_true", help="24 sentences, 16 timed, 1 repeat, 1 thread: a smoke test")
     args = p.parse_args(argv)
+    args.out = check_result_file(p, args)
     if args.quick:
         args.sentences, args.timed_sentences, args.repeats, args.threads = 24, 16, 1, [1]
     return args

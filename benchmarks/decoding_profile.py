@@ -35,7 +35,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decoding_engines as engines  # noqa: E402  (a sibling script, not a package)
 
-from qkv.bench.provenance import write_result  # noqa: E402
+from qkv.bench.provenance import write_result
+from qkv.bench.results import add_result_options, check_result_file  # noqa: E402
 from qkv.data.sources import load_split  # noqa: E402
 from qkv.runs.folder import load_run  # noqa: E402
 from qkv.runtime.machine import environment  # noqa: E402
@@ -129,7 +130,7 @@ def profile_call(call: Callable[[], object], step_op: str, repeats: int) -> dict
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True)
-    p.add_argument("--out", default=str(OUT))
+    add_result_options(p, OUT)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--batches", type=int, default=4, help="batches profiled, spread from short to long")
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--before", default=None, metavar="GIT_REF", help="also profile qkv's decoding at this commit")
     args = p.parse_args(argv)
+    args.out = check_result_file(p, args)
     torch.set_num_threads(args.threads)
     model, tok, config = load_run(args.run, "model", task="translation")
     model.eval()

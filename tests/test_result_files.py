@@ -72,6 +72,8 @@ REFUSALS = [
     ("compare_runs", ["--run", "a={dir}/a.jsonl", "--run", "b={dir}/b.jsonl", "--out", "{out}"], None),
     ("crash_consistency", ["--out", "{out}"], None),
     ("deploy_agreement", ["--run", "{dir}/run", "--out", "{out}"], None),
+    ("decoding_engines", ["--run", "{dir}/run", "--out", "{out}"], None),
+    ("decoding_profile", ["--run", "{dir}/run", "--out", "{out}"], None),
 ]
 
 
