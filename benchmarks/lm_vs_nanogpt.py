@@ -1,0 +1,316 @@
+"""qkv's language-model recipe against nanoGPT at equal minutes on the same machine (issue 55).
+
+For each budget (``--minutes 5 10 30``), one after the other and with nothing else running:
+
+1. nanoGPT, its own code from the checkout ``--nanogpt PATH`` (copied into ``--work-dir``; never
+   part of this repository), with its README's CPU settings (``config/train_shakespeare_char.py
+   --device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12
+   --n_layer=4 --n_head=4 --n_embd=128 --dropout=0.0``) and ``max_iters = lr_decay_iters`` set so its
+   schedule ends at the budget: the iterations that fit, from a short timing run first (the median
+   iteration, and the extra seconds of its step-0 evaluation for each of its evaluations every 250
+   iterations). Its data is its own ``data/shakespeare_char/prepare.py`` over the same tiny
+   Shakespeare text (``$QKV_DATA``; copied in first, so nothing is downloaded).
+2. qkv's default recipe: ``qkv train --data tinyshakespeare --minutes M`` (validation included in
+   the minutes), in a subprocess like nanoGPT.
+3. Both models scored the same way on the same text: nanoGPT's ``ckpt.pt`` (the weights it saved,
+   at its best validation estimate) loaded into qkv's ``CausalLM`` (:mod:`qkv.pretrained.nanogpt`;
+   its logits equal nanoGPT's, tests/test_nanogpt_loader.py) and qkv's ``model.safetensors`` (what
+   ``qkv evaluate`` reads: the best validation's weights under the recipe), each reading the text
+   through its own character vocabulary. Scored: EVERY character of qkv's whole validation split
+   and of its test split (the last 10% of the text cut 5%/5%; both lie inside nanoGPT's validation
+   region, the last 10%, which nanoGPT never trains on), in nats per character, as non-overlapping
+   windows of the SAME context (nanoGPT's 64, the shorter of the two; every character predicted
+   from at most 64 before it within its window) plus one last window for the characters the
+   others leave out. qkv's model is also scored at its own context (128), as extra information.
+
+Recorded per budget and model: steps, training tokens/s, parameters, wall seconds, the validation
+curve each tool logs itself (nanoGPT's printed val-loss estimates, 20 batches of its last 10%,
+against seconds since its start; qkv's metrics.jsonl validation records, its first 200 windows of
+its validation split, against minutes), and the two scores. The JSON is rewritten after each budget.
+
+    QKV_DATA=/work/shared/data python benchmarks/lm_vs_nanogpt.py --nanogpt /path/to/nanoGPT \\
+        --minutes 5 --out benchmarks/results/language-model/lm_vs_nanogpt_5min_MACHINE.json
+
+Smoke test (a minute; results into /tmp): ``--minutes 0.2 --timing-iters 12 --eval-interval 1 --out /tmp/lmvn.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qkv.bench.provenance import write_result
+from qkv.bench.results import add_result_options, check_result_file
+from qkv.bench.timing import environment
+from qkv.data.text import read_text_splits, resolve_tinyshakespeare
+from qkv.models.causal_lm import IGNORE, CausalLM
+from qkv.pretrained.nanogpt import load_nanogpt
+from qkv.runs.curves import read_metrics
+from qkv.runs.folder import load_run
+
+NANOGPT_README_CPU = [
+    "config/train_shakespeare_char.py",
+    "--device=cpu",
+    "--compile=False",
+    "--eval_iters=20",
+    "--log_interval=1",
+    "--block_size=64",
+    "--batch_size=12",
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_embd=128",
+    "--dropout=0.0",
+]
+NANOGPT_TOKENS_PER_ITER = 12 * 64
+NANOGPT_EVAL_INTERVAL = 250  # config/train_shakespeare_char.py
+ITER_LINE = re.compile(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms")
+TRAINED_LINE = re.compile(r"trained (\d+) steps \(([\d.]+) min, ([\d.]+) target tokens/s\)")
+STEP_LINE = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
+
+
+def run_logged(cmd: list[str], cwd: Path, log: Path) -> tuple[list[tuple[float, str]], float]:
+    """Run ``cmd``; every output line with its seconds since the start (also into ``log``), and the wall seconds."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    lines: list[tuple[float, str]] = []
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            t = time.perf_counter() - start
+            lines.append((t, line.rstrip("\n")))
+            out.write(f"{t:9.2f} {line}")
+        code = proc.wait()
+    if code != 0:
+        sys.exit(f"{' '.join(cmd)} failed with status {code}; its output is in {log}")
+    return lines, time.perf_counter() - start
+
+
+def prepare_nanogpt(source: Path, work: Path, text_path: Path) -> Path:
+    """A copy of the nanoGPT checkout in ``work`` with tiny Shakespeare prepared by its own script."""
+    if not (source / "train.py").is_file() or not (source / "model.py").is_file():
+        sys.exit(f"--nanogpt {source}: not a nanoGPT checkout (no train.py / model.py)")
+    copy = work / "nanoGPT"
+    if copy.exists():
+        shutil.rmtree(copy)
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns(".git", "out*", "*.bin", "*.pkl", "input.txt"))
+    data = copy / "data" / "shakespeare_char"
+    shutil.copyfile(text_path, data / "input.txt")  # prepare.py downloads only when this is missing
+    run_logged([sys.executable, "data/shakespeare_char/prepare.py"], copy, work / "nanogpt_prepare.log")
+    return copy
+
+
+def nanogpt_cmd(iters: int, out_dir: Path, eval_interval: int = NANOGPT_EVAL_INTERVAL) -> list[str]:
+    """nanoGPT's command; ``eval_interval`` other than its config's 250 only for smoke tests."""
+    extra = [] if eval_interval == NANOGPT_EVAL_INTERVAL else [f"--eval_interval={eval_interval}"]
+    return [sys.executable, "train.py", *NANOGPT_README_CPU, *extra, f"--max_iters={iters}",
+            f"--lr_decay_iters={iters}", f"--out_dir={out_dir}"]  # fmt: skip
+
+
+def time_nanogpt(copy: Path, work: Path, iters: int) -> dict:
+    """Seconds per iteration (median after the first 5) and the extra seconds of one evaluation
+    (iteration 0's time holds the step-0 evaluation) from a run of ``iters`` iterations."""
+    lines, wall = run_logged(nanogpt_cmd(iters, work / "out-timing"), copy, work / "nanogpt_timing.log")
+    times = {int(m[1]): float(m[3]) / 1000 for _, line in lines if (m := ITER_LINE.match(line))}
+    per_iter = statistics.median([t for i, t in times.items() if i >= 5] or [t for i, t in times.items() if i > 0])
+    return {"iters": iters, "seconds_per_iter": per_iter, "eval_seconds": max(times[0] - per_iter, 0.0), "wall": wall}
+
+
+def iters_for(seconds: float, timing: dict, eval_interval: int) -> int:
+    """Iterations whose time plus one evaluation every ``eval_interval`` of them (and at 0) fits ``seconds``."""
+    per, ev = timing["seconds_per_iter"], timing["eval_seconds"]
+    return max(1, int((seconds - ev) / (per + ev / eval_interval)))
+
+
+def train_nanogpt(copy: Path, work: Path, minutes: float, timing: dict, eval_interval: int) -> dict:
+    iters = iters_for(minutes * 60, timing, eval_interval)
+    out_dir = work / f"nanogpt-{minutes:g}min"
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    cmd = nanogpt_cmd(iters, out_dir, eval_interval)
+    lines, wall = run_logged(cmd, copy, work / f"nanogpt-{minutes:g}min.log")
+    starts = [t for t, line in lines if line.startswith(("using fused AdamW", "number of parameters"))]
+    loop_start = starts[-1] if starts else 0.0
+    iter_times = [(t, int(m[1]), float(m[3])) for t, line in lines if (m := ITER_LINE.match(line))]
+    loop_seconds = iter_times[-1][0] - loop_start
+    steps = iter_times[-1][1] + 1
+    curve = [
+        {"seconds": round(t, 1), "iter": int(m[1]), "train_loss": float(m[2]), "val_loss": float(m[3])}
+        for t, line in lines
+        if (m := STEP_LINE.match(line))
+    ]
+    settled = (
+        [ms for _, i, ms in iter_times if i >= 5] or [ms for _, i, ms in iter_times if i > 0] or [iter_times[-1][2]]
+    )
+    median_ms = statistics.median(settled)
+    if not (out_dir / "ckpt.pt").is_file():
+        sys.exit(f"nanoGPT saved no checkpoint in {out_dir} ({iters} iterations, fewer than one evaluation interval)")
+    return {
+        "command": " ".join(cmd[1:]),
+        "max_iters": iters,
+        "steps": steps,
+        "tokens_per_step": NANOGPT_TOKENS_PER_ITER,
+        "training_loop_seconds": round(loop_seconds, 1),
+        "loop_started_at_seconds": round(loop_start, 1),
+        "process_wall_seconds": round(wall, 1),
+        "tokens_per_s_median_iteration": round(NANOGPT_TOKENS_PER_ITER / (median_ms / 1000), 1),
+        "tokens_per_s_overall": round(steps * NANOGPT_TOKENS_PER_ITER / loop_seconds, 1),
+        "val_curve": curve,
+        "out_dir": str(out_dir),
+    }
+
+
+def train_qkv(work: Path, minutes: float) -> dict:
+    run_dir = work / f"qkv-{minutes:g}min"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    cmd = [sys.executable, "-m", "qkv", "train", "--data", "tinyshakespeare", "--minutes", f"{minutes:g}",
+           "--run-dir", str(run_dir)]  # fmt: skip
+    lines, wall = run_logged(cmd, Path.cwd(), work / f"qkv-{minutes:g}min.log")
+    done = [m for _, line in lines if (m := TRAINED_LINE.search(line))]  # qkv train's last line
+    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+    train = [r for r in records if r.get("event") == "train"]
+    valid = [r for r in records if r.get("event") == "valid"]
+    last = max(records, key=lambda r: r.get("step", 0)) if records else {}
+    max_tokens = int(read_config(run_dir)["train"]["max_tokens"])
+    steps, run_minutes = int(last.get("step", 0)), float(last.get("minutes", 0.0))
+    if done:  # the final step count; the minutes of the last record are finer than the line's one decimal
+        steps, run_minutes = int(done[-1][1]), run_minutes or float(done[-1][2])
+    return {
+        "command": "qkv " + " ".join(cmd[3:]),
+        "steps": steps,
+        "tokens_per_step": max_tokens,
+        "run_minutes_at_last_record": run_minutes,
+        "tokens_per_s_reported": float(done[-1][3]) if done else None,
+        "process_wall_seconds": round(wall, 1),
+        "tokens_per_s_median_log_window": statistics.median(r["tokens_per_s"] for r in train) if train else None,
+        "tokens_per_s_overall": round(steps * max_tokens / (run_minutes * 60), 1) if run_minutes else None,
+        "val_curve": [
+            {"seconds": round(r["minutes"] * 60, 1), "step": r["step"], "val_loss": r["val_loss"]} for r in valid
+        ],
+        "run_dir": str(run_dir),
+    }
+
+
+def read_config(run_dir: Path) -> dict:
+    from qkv.runtime.fileio import read_json
+
+    return read_json(run_dir / "config.json")
+
+
+@torch.no_grad()
+def score(model: CausalLM, ids: list[int], context: int, batch: int = 32) -> dict:
+    """Mean next-character loss (nats) over EVERY character of ``ids`` after the first: windows of
+    ``context`` end to end, then one window ending at the last character scoring only what the
+    others left out."""
+    model.eval()
+    tokens = np.asarray(ids, dtype=np.int64)
+    n = len(tokens)
+    full = (n - 1) // context
+    total, count = 0.0, 0
+    for i in range(0, full, batch):
+        rows = np.stack([tokens[s * context : s * context + context + 1] for s in range(i, min(i + batch, full))])
+        block = torch.from_numpy(rows)
+        total += float(model.loss(block[:, :-1], block[:, 1:]))
+        count += block[:, 1:].numel()
+    covered = full * context
+    if covered < n - 1:
+        start = n - 1 - context
+        block = torch.from_numpy(tokens[start:][None].copy())
+        targets = block[:, 1:].clone()
+        targets[:, : covered - start] = IGNORE
+        total += float(model.loss(block[:, :-1], targets))
+        count += int((targets != IGNORE).sum())
+    if count != n - 1:
+        raise AssertionError(f"scored {count} of {n - 1} characters")
+    return {"nats_per_char": round(total / count, 4), "chars_scored": count, "context": context}
+
+
+def score_both(nanogpt: dict, qkv: dict, splits: dict[str, str], chars: list[str]) -> None:
+    """Add ``scores`` (validation and test splits, the same windows) and ``parameters`` to both records."""
+    nano_model, info = load_nanogpt(Path(nanogpt["out_dir"]) / "ckpt.pt")
+    qkv_model, tokenizer, _ = load_run(qkv["run_dir"], "model", task="lm")
+    assert isinstance(qkv_model, CausalLM)
+    if nano_model.config.vocab_size != len(chars):
+        sys.exit(f"nanoGPT's vocabulary has {nano_model.config.vocab_size} characters, the text {len(chars)}")
+    stoi = {c: i for i, c in enumerate(chars)}  # nanoGPT's prepare.py: sorted(set(text))
+    context = min(nano_model.config.context, qkv_model.config.context)
+    nanogpt.update(parameters=info["parameters"], checkpoint_iter=info["iter_num"], scores={})
+    qkv["parameters"] = sum(p.numel() for p in qkv_model.parameters())
+    qkv["scores"], qkv["scores_own_context"] = {}, {}
+    for name, text in splits.items():
+        nano_ids, qkv_ids = [stoi[c] for c in text], tokenizer.encode(text)
+        if len(qkv_ids) != len(text):
+            sys.exit("qkv's run is not character-level; this benchmark compares character models")
+        nanogpt["scores"][name] = score(nano_model, nano_ids, context)
+        qkv["scores"][name] = score(qkv_model, qkv_ids, context)
+        qkv["scores_own_context"][name] = score(qkv_model, qkv_ids, qkv_model.config.context)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nanogpt", required=True, type=Path, help="a nanoGPT checkout (read, never written)")
+    parser.add_argument("--minutes", type=float, nargs="+", default=[5.0], help="the budgets (default 5)")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/lm_vs_nanogpt"), help="runs and logs")
+    parser.add_argument("--timing-iters", type=int, default=60, help="nanoGPT's timing run (iterations)")
+    parser.add_argument(
+        "--eval-interval", type=int, default=NANOGPT_EVAL_INTERVAL, help="nanoGPT's (250; smaller for smoke tests)"
+    )
+    add_result_options(parser, required=True)
+    args = parser.parse_args(argv)
+    out = check_result_file(parser, args)
+    if any(not (m > 0 and math.isfinite(m)) for m in args.minutes):
+        parser.error("--minutes must be positive")
+    text_path = resolve_tinyshakespeare(download=False)
+    texts = read_text_splits({"source": "tinyshakespeare", "folder": None})
+    assert texts.test is not None
+    whole = text_path.read_text(encoding="utf-8")
+    chars = sorted(set(whole))
+    nano_val_start = int(len(whole) * 0.9)  # nanoGPT's prepare.py: the last 10% validates
+    inside = all(texts.chars[name][0] >= nano_val_start for name in ("val", "test"))
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    copy = prepare_nanogpt(args.nanogpt.resolve(), args.work_dir, text_path)
+    timing = time_nanogpt(copy, args.work_dir, args.timing_iters)
+    report: dict = {
+        "what": "qkv's default language-model recipe vs nanoGPT (its own code, README CPU settings) at equal "
+        "minutes, trained one after the other; both scored on qkv's whole validation and test splits",
+        "machine": {**environment(), "threads": torch.get_num_threads()},
+        "text": {
+            "path": str(text_path),
+            "chars": len(whole),
+            "vocabulary": len(chars),
+            "splits_chars": {k: list(v) for k, v in texts.chars.items() if v},
+            "nanogpt_val_starts_at": nano_val_start,
+            "scored_splits_inside_nanogpt_val": inside,
+        },  # fmt: skip
+        "scoring": "nats/char over every character of each split, non-overlapping windows of the shorter "
+        "context (64) plus one last window; nanoGPT's ckpt.pt loaded into qkv's CausalLM",
+        "nanogpt_timing_run": timing,
+        "budgets": [],
+    }
+    splits = {"val": texts.val, "test": texts.test}
+    for minutes in args.minutes:
+        nanogpt = train_nanogpt(copy, args.work_dir, minutes, timing, args.eval_interval)
+        qkv = train_qkv(args.work_dir, minutes)
+        score_both(nanogpt, qkv, splits, chars)
+        report["budgets"].append({"minutes": minutes, "nanogpt": nanogpt, "qkv": qkv})
+        write_result(out, report, argv)
+        for name in splits:
+            print(f"{minutes:g} min, {name}: nanoGPT {nanogpt['scores'][name]['nats_per_char']:.4f}, "
+                  f"qkv {qkv['scores'][name]['nats_per_char']:.4f} nats/char")  # fmt: skip
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
