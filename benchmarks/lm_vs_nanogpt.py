@@ -31,7 +31,7 @@ its validation split, against minutes), and the two scores. The JSON is rewritte
     QKV_DATA=/work/shared/data python benchmarks/lm_vs_nanogpt.py --nanogpt /path/to/nanoGPT \\
         --minutes 5 --out benchmarks/results/language-model/lm_vs_nanogpt_5min_MACHINE.json
 
-Smoke test (a minute; results into /tmp): ``--minutes 0.2 --timing-iters 12 --eval-interval 1 --out /tmp/lmvn.json``.
+Smoke test (a minute; results into /tmp): ``--minutes 0.2 --timing-iters 101 --eval-interval 1 --out /tmp/lmvn.json``.
 """
 
 from __future__ import annotations
@@ -263,7 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nanogpt", required=True, type=Path, help="a nanoGPT checkout (read, never written)")
     parser.add_argument("--minutes", type=float, nargs="+", default=[5.0], help="the budgets (default 5)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/lm_vs_nanogpt"), help="runs and logs")
-    parser.add_argument("--timing-iters", type=int, default=60, help="nanoGPT's timing run (iterations)")
+    parser.add_argument(
+        "--timing-iters", type=int, default=120, help="nanoGPT's timing run (iterations; more than its 100 warmup ones)"
+    )
     parser.add_argument(
         "--eval-interval", type=int, default=NANOGPT_EVAL_INTERVAL, help="nanoGPT's (250; smaller for smoke tests)"
     )
@@ -272,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     out = check_result_file(parser, args)
     if any(not (m > 0 and math.isfinite(m)) for m in args.minutes):
         parser.error("--minutes must be positive")
+    if args.timing_iters <= 100:  # nanoGPT's schedule divides by lr_decay_iters - warmup_iters (100)
+        parser.error("--timing-iters must be more than nanoGPT's 100 warmup iterations")
     text_path = resolve_tinyshakespeare(download=False)
     texts = read_text_splits({"source": "tinyshakespeare", "folder": None})
     assert texts.test is not None
