@@ -134,6 +134,8 @@ def test_the_built_site_serves_the_rendered_reference(tmp_path, reference):
     for name in COMMANDS:
         assert f'id="qkv-{name}"' in served
         for action in command_parser(name)._actions:
+            if action.help is argparse.SUPPRESS:  # hidden on purpose (e.g. serve's ignored 1.0 limits)
+                continue
             for option in action.option_strings:
                 assert f"<code>{option}" in served, f"qkv {name} {option} is not in the built page"
 

@@ -25,7 +25,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from qkv import __version__
 from qkv.decoding.translate import translate_texts
 from qkv.serve.batching import DecodeKey, ModelWorker, TranslationBatcher
-from qkv.serve.errors import ApiError, BoundedBodies, install_error_handlers, parse_json
+from qkv.serve.errors import ApiError, BoundedBodies, Utf8JSONResponse, install_error_handlers, parse_json
 from qkv.serve.models import KIND_NAMES, Limits, ServedModel
 from qkv.serve.schemas import (
     EmbedRequest,
@@ -123,6 +123,7 @@ def create_app(models: dict[str, ServedModel], explorer: ExplorerApp, limits: Li
         version=__version__,
         description="Translation, generation and embeddings from qkv models, and the attention explorer.",
         lifespan=lifespan,
+        default_response_class=Utf8JSONResponse,
     )
     app.state.service = service
     install_error_handlers(app)
@@ -261,6 +262,6 @@ def add_explorer_routes(app: FastAPI, service: Service) -> None:
         a translation to teacher-force, or ``"compare"``: a second sentence)."""
         payload = parse_json(await request.body())
         try:
-            return JSONResponse(await service.worker.run(explorer.attend, payload))
+            return Utf8JSONResponse(await service.worker.run(explorer.attend, payload))
         except RequestError as err:
             raise ApiError(err.status, err.message) from None

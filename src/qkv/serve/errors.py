@@ -46,8 +46,14 @@ def one_line(message: object, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+class Utf8JSONResponse(JSONResponse):
+    """JSON that names its encoding (``charset=utf-8``), as the explorer's answers always have."""
+
+    media_type = "application/json; charset=utf-8"
+
+
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": one_line(message)}, status_code=status, headers=headers)
+    return Utf8JSONResponse({"error": one_line(message)}, status_code=status, headers=headers)
 
 
 def _validation_message(errors: list[Any]) -> tuple[int, str]:
