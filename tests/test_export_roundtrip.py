@@ -243,3 +243,23 @@ def test_bpe_language_model_folder_reads_back_with_qkvs_tokenizer(tmp_path):
     ids = torch.tensor([tokenizer.encode("Zwei Hunde spielen im Schnee.")])
     torch.testing.assert_close(loaded.generate(ids, 20, temperature=0), model.generate(ids, 20, temperature=0))
     assert loaded_tokenizer.decode([1, *ids[0].tolist(), 2]) == tokenizer.decode([1, *ids[0].tolist(), 2])
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"max_position_embeddings": 10**9}, "refusing to build it"),  # a positional table of 10^9 rows
+        ({"encoder_layers": 10**6}, "encoder_layers is 1000000"),
+        ({"decoder_layers": 10**6}, "decoder_layers is 1000000"),
+    ],
+)
+def test_a_marian_config_asking_for_more_than_its_weights_is_refused_before_building(dates, tmp_path, fields, named):
+    """A config.json from someone else cannot make qkv build (allocate) what the weights cannot fill:
+    the check runs on the meta device, so this fails fast instead of exhausting memory."""
+    _, folder, _ = dates
+    copy = tmp_path / "hf"
+    shutil.copytree(folder, copy)
+    _edit_config(copy, **fields)
+    with pytest.raises(ValueError, match=named) as refused:
+        load_marian(copy, device="cpu")
+    assert len(str(refused.value).splitlines()) == 1

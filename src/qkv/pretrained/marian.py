@@ -29,6 +29,7 @@ from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.pretrained.bert import check_key_sets
 from qkv.pretrained.gpt2 import GPT2_ACTIVATIONS
 from qkv.runtime.device import pick_device
+from qkv.runtime.safe_load import check_fits_weights, check_layer_counts
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,25 @@ def build_marian_transformer(
             logits bias (one line naming them).
     """
     _check_logits_bias(state, source)
+    # a hostile config.json must not make qkv build what the weights cannot fill: the layer counts first
+    # (the key map and the model grow with them), then the model's memory against the weights' on the
+    # meta device (a positional table sized by max_position_embeddings, say), as the GPT-2 loader does
+    check_layer_counts(
+        state,
+        {
+            "encoder_layers": ("model.encoder.layers.", config.num_encoder_layers),
+            "decoder_layers": ("model.decoder.layers.", config.num_decoder_layers),
+        },
+        config_path="config.json",
+        weights_path=source,
+        only_more=True,
+    )
+    with torch.device("meta"):
+        probe = PretrainedTransformer(config)
+    check_fits_weights(
+        probe, sum(t.numel() * 4 for t in state.values()), config_path="config.json", weights_path=source
+    )
+    del probe
     key_map = marian_key_map(config)
     ignored = {"final_logits_bias", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"}
     ignored |= {"lm_head.weight"} if config.tie_output else set()
