@@ -196,8 +196,17 @@ def test_every_recipe_resolves_to_the_values_of_the_dicts_it_replaced(name):
     assert (plain["vocab_size"], plain["model"], plain["train"]) == (old["vocab_size"], old["model"], old["train"])
 
 
-def test_the_recipes_are_the_six_files_and_each_data_source_has_one():
-    assert list_recipes() == ["dates", "multi30k", "multi30k-bf16", "paper-base", "paper-big", "tinyshakespeare"]
+def test_the_recipes_are_the_eight_files_and_each_data_source_has_one():
+    assert list_recipes() == [
+        "dates",
+        "multi30k",
+        "multi30k-bf16",
+        "multi30k-gpu",
+        "paper-base",
+        "paper-big",
+        "tinyshakespeare",
+        "tinyshakespeare-gpu",
+    ]
     defaults = {
         source: recipe_for_data(source).name
         for source in ("multi30k", "files", "prepared", "dates", "tinyshakespeare", "text")
@@ -355,7 +364,7 @@ def _cli(capsys, *argv) -> tuple[int, str, str]:
 def test_qkv_recipes_lists_them(capsys):
     code, out, _ = _cli(capsys, "recipes")
     assert code == 0
-    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[1:7]}
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[1 : 1 + len(list_recipes())]}
     assert rows == {name: load_recipe(name).task for name in list_recipes()}
     for name in list_recipes():
         assert load_recipe(name).description in out

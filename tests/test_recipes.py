@@ -88,7 +88,9 @@ def test_step_options_follow_the_processes_and_keep_what_is_given():
 
 
 def test_choose_recipe_refuses_unknown_names_and_the_other_task():
-    assert {"paper-base", "paper-big", "multi30k", "multi30k-bf16", "dates"} == set(translation_recipes())
+    assert {"paper-base", "paper-big", "multi30k", "multi30k-bf16", "multi30k-gpu", "dates"} == set(
+        translation_recipes()
+    )
     with pytest.raises(ValueError, match="unknown recipe 'paper-huge'; choose one of dates, multi30k"):
         choose_recipe("paper-huge", "files")
     with pytest.raises(ValueError, match="paper-base is a translation recipe, and tinyshakespeare data trains a"):

@@ -70,10 +70,12 @@ def list_lines() -> list[str]:
         for recipe in recipes
         if recipe.default_for
     ]
+    on_gpu = [f"{recipe.gpu_variant} in place of {recipe.name}" for recipe in recipes if recipe.gpu_variant]
     return [
         *lines,
         "",
         "Without --recipe, qkv train uses the data's: " + "; ".join(defaults) + ".",
+        *([f"On a CUDA device it trains with {', '.join(on_gpu)} (and says so)."] if on_gpu else []),
         "qkv recipes show NAME prints one as it would run here; qkv train --recipe NAME|FILE.toml trains with it.",
     ]
 
@@ -101,6 +103,8 @@ def show_lines(recipe: Recipe) -> list[str]:
     ]
     if recipe.bf16_variant and train.bf16 and fast:
         lines.append(f"# bf16 is fast here: --recipe {recipe.bf16_variant} is this recipe tuned for it")
+    if recipe.gpu_variant and device.type == "cuda":
+        lines.append(f"# CUDA here: qkv train without --recipe trains with {recipe.gpu_variant} in place of this one")
     lines += [f"description = {_toml(recipe.description)}", f"task = {_toml(recipe.task)}"]
     lines.append(f"vocab_size = {recipe.vocab_size}")
     if recipe.task == "translation":

@@ -108,8 +108,9 @@ def start_run(
         decode: a translation run's ``beam_size`` and ``alpha`` for evaluation (default: the
             recipe's ``decode``, else :data:`qkv.runs.recipes.DEFAULT_DECODE`), kept in config.json.
         recipe: the recipe the options go over: a name (``qkv recipes`` lists them), a ``.toml`` file
-            or a :class:`~qkv.runs.recipes.Recipe` (default: the data's, e.g. ``multi30k``; the same on
-            every machine). Its ``tokens_per_step``, if any, is split over ``dist``'s processes.
+            or a :class:`~qkv.runs.recipes.Recipe` (default: the data's, e.g. ``multi30k``, and on a
+            CUDA device its ``gpu_variant``, e.g. ``multi30k-gpu``: :func:`~qkv.runs.recipes.choice.choose_recipe`).
+            Its ``tokens_per_step``, if any, is split over ``dist``'s processes.
 
     Raises:
         ValueError / FileNotFoundError: a bad option or input, before anything is written.
@@ -129,7 +130,9 @@ def start_run(
         )
     else:
         start = partial(start_translation_run, decode=decode)
-    choice = choose_recipe(recipe, data.source)
+    choice = choose_recipe(
+        recipe, data.source, dist.device if dist is not None and dist.enabled else pick_device(device)
+    )
     given = train_options or {}
     world = dist.world_size if dist is not None and dist.enabled else 1
     steps = choice.recipe.step_options(world, max_tokens=given.get("max_tokens"), accum_steps=given.get("accum_steps"))

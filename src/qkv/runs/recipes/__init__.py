@@ -1,13 +1,16 @@
 """Recipes: the settings a run starts from, one TOML file each beside this module (``multi30k.toml``,
-``multi30k-bf16.toml``, ``dates.toml``, ``tinyshakespeare.toml``, ``paper-base.toml``, ``paper-big.toml``).
+``multi30k-bf16.toml``, ``multi30k-gpu.toml``, ``dates.toml``, ``tinyshakespeare.toml``,
+``tinyshakespeare-gpu.toml``, ``paper-base.toml``, ``paper-big.toml``).
 
 A data source trains with the recipe whose ``default_for`` names it (``qkv train --data multi30k``:
 ``multi30k``) unless another is named (``qkv train --recipe NAME`` or ``--recipe FILE.toml``);
 options given explicitly go over the recipe. A named recipe gives the same run on every machine; the
 machine decides only the precision (``bf16 = true``: bf16 autocast where it is fast, float32
 elsewhere). Where bf16 is fast, a recipe's ``bf16_variant`` is suggested when the run starts, never
-switched to. :func:`load_recipe` reads and checks a file and returns a :class:`Recipe`; ``qkv recipes``
-lists and shows them (docs/recipes.md). Why each value is what it is: docs/history/multi30k-recipe-log.md.
+switched to. On a CUDA device, a data source's default recipe gives way to its ``gpu_variant``
+(``multi30k-gpu``, ``tinyshakespeare-gpu``), and the run says so; a recipe named is never replaced
+(:mod:`qkv.runs.recipes.choice`). :func:`load_recipe` reads and checks a file and returns a
+:class:`Recipe`; ``qkv recipes`` lists and shows them (docs/recipes.md). Why each value is what it is: docs/history/multi30k-recipe-log.md.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ KEYS: dict[str, type] = {
     "task": str,
     "default_for": list,
     "bf16_variant": str,
+    "gpu_variant": str,
     "vocab_size": int,
     "split_digits": bool,
     "tokens_per_step": int,
@@ -88,6 +92,7 @@ class Recipe:
     lm: dict[str, Any] = field(default_factory=dict)
     default_for: tuple[str, ...] = ()
     bf16_variant: str | None = None
+    gpu_variant: str | None = None
 
     @property
     def file(self) -> str:
@@ -219,6 +224,7 @@ def _recipe_from(raw: dict[str, Any], path: Path) -> Recipe:
         lm=_lm_settings(path, raw.get("lm", {})) if task == "lm" else {},
         default_for=_default_for(path, raw.get("default_for", []), task),
         bf16_variant=raw.get("bf16_variant"),
+        gpu_variant=raw.get("gpu_variant"),
     )
 
 

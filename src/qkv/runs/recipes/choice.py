@@ -1,14 +1,20 @@
 """Which recipe a run starts from, and what it says about it: the recipe named (``qkv train --recipe``),
-else the data's default; never another one because of the machine. Where bf16 is fast, a recipe's
-``bf16_variant`` is suggested in one line when the run starts, and nothing changes."""
+else the data's default. The one thing the machine changes: on a CUDA device the data's default
+gives way to its ``gpu_variant`` (``multi30k`` -> ``multi30k-gpu``, ``tinyshakespeare`` ->
+``tinyshakespeare-gpu``), and the start line and config.json's ``"recipe"`` say so; a recipe named
+is never replaced, and on a CPU nothing changes. Where bf16 is fast, a recipe's ``bf16_variant`` is
+suggested in one line when the run starts, and nothing changes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qkv.runs.recipes import Recipe, load_recipe, recipe_for_data
+
+if TYPE_CHECKING:
+    import torch
 
 TASK_WORDS = {"lm": "language-model", "translation": "translation"}
 
@@ -49,9 +55,17 @@ class RecipeChoice:
         return lines
 
 
-def choose_recipe(named: str | Path | Recipe | None, source: str) -> RecipeChoice:
+def choose_recipe(
+    named: str | Path | Recipe | None, source: str, device: str | torch.device | None = None
+) -> RecipeChoice:
     """The recipe a run on data ``source`` trains with: ``named`` (a name, a file or a
-    :class:`~qkv.runs.recipes.Recipe`), else the data's default (:func:`~qkv.runs.recipes.recipe_for_data`).
+    :class:`~qkv.runs.recipes.Recipe`), else the data's default (:func:`~qkv.runs.recipes.recipe_for_data`),
+    or, where ``device`` is a CUDA device, that default's ``gpu_variant`` (:func:`on_cuda`).
+
+    Args:
+        named: the recipe asked for (``qkv train --recipe``), or None for the data's.
+        source: the data source (``multi30k``, ``files``, ``tinyshakespeare``, ...).
+        device: where the run trains (None: as on a CPU, the data's default as it is).
 
     Raises:
         ValueError: a recipe of another task than the data's (a translation recipe for a text), an
@@ -62,6 +76,12 @@ def choose_recipe(named: str | Path | Recipe | None, source: str) -> RecipeChoic
 
     if named is None:
         recipe, why = recipe_for_data(source), f"the default recipe for {source} data"
+        if recipe.gpu_variant and on_cuda(device):
+            cpu_recipe, recipe = recipe, load_recipe(recipe.gpu_variant)
+            why += (
+                f" on a CUDA device ({device}): {recipe.name}, in place of the CPU recipe {cpu_recipe.name} "
+                f"(--recipe {cpu_recipe.name} keeps that one)"
+            )
     else:
         recipe = named if isinstance(named, Recipe) else load_recipe(named)
         why = f"named (--recipe {recipe.name if isinstance(named, Recipe) else named})"
@@ -72,6 +92,12 @@ def choose_recipe(named: str | Path | Recipe | None, source: str) -> RecipeChoic
             f"{TASK_WORDS[task]} model: name a {TASK_WORDS[task]} recipe (qkv recipes lists them) or leave --recipe out"
         )
     return RecipeChoice(recipe=recipe, why=why, named=named is not None)
+
+
+def on_cuda(device: str | torch.device | None) -> bool:
+    """Whether ``device`` (a torch device or its name, e.g. ``cuda:0``) is a CUDA device: where a data
+    source's default recipe gives way to its ``gpu_variant``. None (not known) counts as not."""
+    return device is not None and str(device).split(":")[0] == "cuda"
 
 
 def differences(recipe: Recipe, other: Recipe) -> dict[str, Any]:
