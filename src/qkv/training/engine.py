@@ -41,6 +41,7 @@ from qkv.training.distributed import Distributed, full_state, gradient_sync, pla
 from qkv.training.methods import LateDropout, check_methods, drop_reversed_pairs_when_due
 from qkv.training.objectives import step_objective
 from qkv.training.signals import signals_held
+from qkv.training.throughput import Throughput
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class Trainer(Checkpointing):
         self._batches_epoch: int | None = None
         self._batches_cache: Sequence[list[int]] = []
         self.metrics_path = self.run_dir / "metrics.jsonl" if self.run_dir is not None else None
+        self.throughput = Throughput(model, self.device, config.bf16, self.dist.world_size)  # FLOPs, MFU, padding
 
     # ----------------------------------------------------------------- the step
     def step(self, batches: list[Batch]) -> StepStats:
@@ -135,14 +137,14 @@ class Trainer(Checkpointing):
         backward (so every process joins the same collectives) but changes nothing."""
         c, s = self.config, self.state
         local_tokens = sum(b.num_tgt_tokens for b in batches)
-        (tokens,) = self.dist.all_reduce_sum([local_tokens])
+        # the research methods of the step (qkv.training.methods); progress: rank 0's, the same everywhere
+        objective = step_objective(c, self.progress)  # --rdrop from --rdrop-start on
+        (tokens, *work) = self.dist.all_reduce_sum([local_tokens, *self.throughput.work(batches, objective.copies)])
         if tokens <= 0:
             raise ValueError("a training step needs at least one target token")
         # DDP and FSDP average gradients over processes: divide by the tokens per process instead
         per_process = tokens / self.dist.world_size
         self.optimizer.zero_grad(set_to_none=True)
-        # the research methods of the step (qkv.training.methods); progress: rank 0's, the same everywhere
-        objective = step_objective(c, self.progress)  # --rdrop from --rdrop-start on
         loss_sum = 0.0
         with self.late_dropout.step(self.model, self.progress, s.step + 1, log=self.dist.is_main):
             for i, batch in enumerate(batches):
@@ -168,6 +170,7 @@ class Trainer(Checkpointing):
             if self.ema is not None:
                 self.ema.update_parameters(self.model)
             s.step, s.tokens = s.step + 1, s.tokens + int(tokens)
+        self.throughput.add(work)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
         return StepStats(loss=loss_sum, tokens=int(tokens), lr=lr, grad_norm=float(grad_norm))
 
@@ -245,7 +248,8 @@ class Trainer(Checkpointing):
                 trimmer.step(s.step)
                 bar.update(1)
                 if s.step % c.log_every_steps == 0:
-                    tps = window_tokens / max(time.perf_counter() - window_start, 1e-9)
+                    elapsed = max(time.perf_counter() - window_start, 1e-9)
+                    tps = window_tokens / elapsed
                     epoch = s.epoch + s.batch_in_epoch / len(self._epoch_batches(s.epoch))
                     record = {
                         "event": "train",
@@ -255,12 +259,15 @@ class Trainer(Checkpointing):
                         "loss": round(window_loss / window_tokens, 4),
                         "lr": stats.lr,
                         "tokens_per_s": round(tps, 1),
+                        **self.throughput.window(elapsed),  # tflops_per_s, mfu, padding
                     }
                     rss = resident_memory_bytes()
                     if rss is not None:
                         record["rss_mb"] = round(rss / 2**20, 1)
                     self.log(record)
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:.0f}", eta=self._eta())
+                    bar.set_postfix(
+                        loss=f"{record['loss']:.3f}", tok_s=f"{tps:.0f}", **Throughput.postfix(record), eta=self._eta()
+                    )
                     window_tokens, window_loss, window_start = 0, 0.0, time.perf_counter()
                 paused = time.perf_counter()
                 self._maybe_evaluate_and_keep()
