@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from qkv.data.parallel import default_cache_dir
 from qkv.data.spec import DataSpec
 from qkv.data.text import (
     TOKENIZER_KINDS,
@@ -36,6 +37,7 @@ from qkv.data.text import (
 from qkv.models.causal_lm import CausalLM, CausalLMConfig
 from qkv.runs import folder as run_folder
 from qkv.runs.recipes import Recipe
+from qkv.runs.recipes.budget import choose_size, measured_speeds, model_values
 from qkv.runs.recipes.choice import RecipeChoice
 from qkv.runtime import precision
 from qkv.runtime.device import pick_device
@@ -139,6 +141,12 @@ def start_lm_run(
 
     text = open_text_training_data(data, tokenizer_kind=lm["tokenizer"], vocab_size=vocab_size)
     tokenizer, ids = text.tokenizer, text.ids
+    device = torch.device(device)
+    asked_bf16 = "bf16" in (train_options or {})
+    bf16 = precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16)
+    model_options, train_config, sizing = _sized_by_budget(
+        recipe, model_options, train_options, train_config, tokenizer, ids, lm["windows"], device, bf16
+    )
     model_config = lm_model_config(recipe, model_options, tokenizer.vocab_size)
     valid_split = text.splits["val"]
     assert valid_split is not None  # every language model has a validation split
@@ -153,10 +161,11 @@ def start_lm_run(
     )
     _check_test_window(ids, model_config.context)
     # the precision once the data is known to be usable: a refused text's error is all the user reads
-    asked_bf16 = "bf16" in (train_options or {})
-    train_config = replace(train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
+    train_config = replace(train_config, bf16=bf16)
     for line in choice.start_notes(bf16=train_config.bf16, bf16_fast=precision.bf16_is_fast(device)):
         logger.info(line)
+    if sizing is not None:
+        logger.info("model size: %s", sizing["why"])
     test_tokens = len(ids["test"]) if "test" in ids else "no"
     logger.info(
         "data: %s; %d training, %d validation and %s test tokens (%s tokenizer, %d ids)",
@@ -168,8 +177,13 @@ def start_lm_run(
         tokenizer.vocab_size,
     )
     trainer = Trainer(CausalLM(model_config).to(device), task, train_config, run_dir)
-    config = {"task": "lm", "model": asdict(model_config), "train": asdict(train_config), "data": data.to_json()}
-    config["recipe"] = choice.record()
+    config: dict[str, Any] = {
+        "task": "lm",
+        "model": asdict(model_config),
+        "train": asdict(train_config),
+        "data": data.to_json(),
+        "recipe": {**choice.record(), **({"sizing": sizing} if sizing is not None else {})},
+    }
 
     def write_initial(folder: Path) -> None:
         for name, array in ids.items():
@@ -183,6 +197,60 @@ def start_lm_run(
     parameters = sum(p.numel() for p in trainer.model.parameters())
     logger.info("model: %.2fM parameters; run folder %s", parameters / 1e6, run_dir)
     return trainer
+
+
+def _sized_by_budget(
+    recipe: Recipe,
+    model_options: dict | None,
+    train_options: dict | None,
+    train_config: TrainConfig,
+    tokenizer: Any,
+    ids: dict[str, np.ndarray],
+    windows: str,
+    device: torch.device,
+    bf16: bool,
+) -> tuple[dict | None, TrainConfig, dict | None]:
+    """The model options and training settings of a recipe with a ``[budget]`` rule
+    (:mod:`qkv.runs.recipes.budget`): the size the budget affords, unless a size option
+    (``--d-model``, ``--layers``, ``--context``, ``--max-tokens`` ...) is given, which turns the rule off.
+    Returns the options, the training settings and config.json's record of the choice (or None)."""
+    rule = recipe.budget
+    if rule is None:
+        return model_options, train_config, None
+    size_keys = {key for size in rule.sizes for key in size}
+    given = sorted(size_keys & ({**(model_options or {}), **(train_options or {})}).keys())
+    if given:
+        logger.info("model size: as given (%s), not chosen by the budget", ", ".join(given))
+        return model_options, train_config, None
+
+    def task_for(context: int) -> LanguageModelTask:
+        return LanguageModelTask(tokenizer, ids["train"], None, context=context, windows=windows)
+
+    speed = measured_speeds(
+        rule,
+        recipe.model,
+        task_for,
+        vocab_size=tokenizer.vocab_size,
+        device=device,
+        bf16=bf16,
+        cache_dir=default_cache_dir(),
+    )
+    c = train_config
+    chosen = choose_size(
+        rule,
+        recipe.model,
+        tokenizer.vocab_size,
+        minutes=c.max_minutes,
+        max_steps=c.max_steps,
+        epochs=c.max_epochs,
+        train_tokens=len(ids["train"]),
+        speed=speed,
+    )
+    size = rule.sizes[chosen.index]
+    if "max_tokens" in size:
+        train_config = replace(train_config, max_tokens=size["max_tokens"])
+    record = {"size": dict(size), "tokens": round(chosen.tokens), "parameters": chosen.parameters, "why": chosen.why}
+    return {**(model_options or {}), **model_values(size)}, train_config, record
 
 
 def _lm_settings(recipe: Recipe, lm_options: dict | None) -> dict[str, Any]:

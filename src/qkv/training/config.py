@@ -95,8 +95,9 @@ class TrainConfig:
         "learning-rate schedule: inverse_sqrt = the paper's (section 5.3); "
         "budget = the paper's, brought down linearly to zero over the last "
         "--decay-fraction of the run's budget (--minutes, --max-steps or "
-        "--epochs, whichever ends first)",
-        choices=("inverse_sqrt", "budget"),
+        "--epochs, whichever ends first); cosine = the paper's warmup to its peak, then half a cosine "
+        "down to zero at the budget's end",
+        choices=("inverse_sqrt", "budget", "cosine"),
         group="advanced",
     )
     decay_fraction: float = _option(
@@ -358,7 +359,15 @@ def learning_rate(config: TrainConfig, step: int, d_model: int, progress: float 
     ``budget``: the same, times a ramp that is 1 until ``1 - decay_fraction`` of the budget is spent
     (``progress``, see :func:`budget_progress`) and then falls linearly to 0 at its end, so a run
     with a fixed budget ends on a small rate (budget-aware decay, Li et al. 2020) instead of wherever
-    the inverse square root has reached."""
+    the inverse square root has reached. ``cosine``: the paper's linear warmup to its peak
+    (``lr_factor * d_model^-0.5 * warmup_steps^-0.5``), then ``peak * (1 + cos(pi * progress)) / 2``,
+    zero at the budget's end (as nanoGPT's, which stops at a tenth of the peak)."""
+    if config.schedule == "cosine":
+        warmup = config.warmup_steps
+        peak = inverse_sqrt_lr(warmup, d_model, warmup, config.lr_factor)
+        if step < warmup:
+            return peak * max(step, 1) / warmup
+        return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, max(0.0, progress))))
     lr = inverse_sqrt_lr(step, d_model, config.warmup_steps, config.lr_factor)
     if config.schedule == "budget":
         lr *= min(1.0, max(0.0, (1.0 - progress) / config.decay_fraction))

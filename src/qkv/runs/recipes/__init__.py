@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from qkv.runs.recipes.budget import BudgetRule, read_budget_rule
 from qkv.runs.recipes.steps import (
     DEFAULT_DECODE,
     MAX_SAVED_BEAM,
@@ -52,9 +53,10 @@ KEYS: dict[str, type] = {
     "train": dict,
     "decode": dict,
     "lm": dict,
+    "budget": dict,
 }
 REQUIRED = ("description", "task", "vocab_size", "model", "train")
-ONLY_FOR = {"split_digits": "translation", "tokens_per_step": "translation", "decode": "translation", "lm": "lm"}
+ONLY_FOR = {"split_digits": "translation", "tokens_per_step": "translation", "decode": "translation", "lm": "lm", "budget": "lm"}
 LM_DEFAULTS = {"tokenizer": "char", "windows": "random"}  # a language-model recipe's [lm], where it says nothing
 TYPE_NAMES = {
     bool: "true or false",
@@ -90,6 +92,7 @@ class Recipe:
     tokens_per_step: int | None = None
     decode: dict[str, Any] = field(default_factory=dict)
     lm: dict[str, Any] = field(default_factory=dict)
+    budget: BudgetRule | None = None  # a language model's size chosen by its budget (qkv.runs.recipes.budget)
     default_for: tuple[str, ...] = ()
     bf16_variant: str | None = None
     gpu_variant: str | None = None
@@ -122,6 +125,8 @@ class Recipe:
                 plain["tokens_per_step"] = self.tokens_per_step
         else:
             plain["lm"] = dict(self.lm)
+            if self.budget is not None:
+                plain["budget"] = self.budget.to_json()
         return {**plain, "model": dict(self.model), "train": dict(self.train)}
 
 
@@ -222,6 +227,7 @@ def _recipe_from(raw: dict[str, Any], path: Path) -> Recipe:
         tokens_per_step=per_step,
         decode=check_decode(raw.get("decode"), str(path)) if task == "translation" else {},
         lm=_lm_settings(path, raw.get("lm", {})) if task == "lm" else {},
+        budget=read_budget_rule(path, raw["budget"], model) if "budget" in raw else None,
         default_for=_default_for(path, raw.get("default_for", []), task),
         bf16_variant=raw.get("bf16_variant"),
         gpu_variant=raw.get("gpu_variant"),
