@@ -56,7 +56,13 @@ KEYS: dict[str, type] = {
     "budget": dict,
 }
 REQUIRED = ("description", "task", "vocab_size", "model", "train")
-ONLY_FOR = {"split_digits": "translation", "tokens_per_step": "translation", "decode": "translation", "lm": "lm", "budget": "lm"}
+ONLY_FOR = {
+    "split_digits": "translation",
+    "tokens_per_step": "translation",
+    "decode": "translation",
+    "lm": "lm",
+    "budget": "lm",
+}
 LM_DEFAULTS = {"tokenizer": "char", "windows": "random"}  # a language-model recipe's [lm], where it says nothing
 TYPE_NAMES = {
     bool: "true or false",
