@@ -16,11 +16,12 @@ from qkv.training import TrainConfig
 from qkv.training.config import learning_rate
 
 MODEL = {"num_heads": 2, "num_layers": 1, "d_ff": 64, "context": 16, "dropout": 0.0}
-SIZES = [
-    {"d_model": 16, "max_tokens": 64},
-    {"d_model": 32, "max_tokens": 64},
-    {"d_model": 64, "max_tokens": 128},
-]
+NAMED = {
+    "s": {"d_model": 16, "max_tokens": 64},
+    "m": {"d_model": 32, "max_tokens": 64},
+    "l": {"d_model": 64, "max_tokens": 128},
+}
+SIZES = list(NAMED.values())
 TEXT = "".join(f"{'To be, or not to be' if i % 3 else 'that is the question'}: line {i}.\n" for i in range(300))
 
 
@@ -43,7 +44,7 @@ def test_cosine_schedule_follows_pytorchs_cosine_annealing_after_the_warmup():
 
 
 def _rule(ratio=4.0):
-    return read_budget_rule(Path("r.toml"), {"tokens_per_parameter": ratio, "sizes": SIZES}, MODEL)
+    return read_budget_rule(Path("r.toml"), {"tokens_per_parameter": ratio, "sizes": NAMED}, MODEL)
 
 
 def test_the_largest_size_the_budgets_tokens_cover_is_chosen():
@@ -73,13 +74,13 @@ def test_the_largest_size_the_budgets_tokens_cover_is_chosen():
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"tokens_per_parameter": 4, "sizes": SIZES, "extra": 1}, "budget.extra: unknown key"),
-        ({"tokens_per_parameter": 0, "sizes": SIZES}, "budget.tokens_per_parameter: must be a number > 0"),
-        ({"tokens_per_parameter": 4, "sizes": []}, "budget.sizes: must be a list of tables"),
-        ({"tokens_per_parameter": 4, "sizes": [{"width": 3}]}, "budget.sizes[0].width: not a language model's"),
-        ({"tokens_per_parameter": 4, "sizes": [{"d_model": 15}]}, "budget.sizes[0]:"),
-        ({"tokens_per_parameter": 4, "sizes": [{"max_tokens": 0}]}, "budget.sizes[0].max_tokens"),
-        ({"tokens_per_parameter": 4, "sizes": SIZES[::-1]}, "smallest first"),
+        ({"tokens_per_parameter": 4, "sizes": NAMED, "extra": 1}, "budget.extra: unknown key"),
+        ({"tokens_per_parameter": 0, "sizes": NAMED}, "budget.tokens_per_parameter: must be a number > 0"),
+        ({"tokens_per_parameter": 4, "sizes": []}, "budget.sizes: must be a table of named sizes"),
+        ({"tokens_per_parameter": 4, "sizes": {"a": {"width": 3}}}, "budget.sizes[a].width: not a language model's"),
+        ({"tokens_per_parameter": 4, "sizes": {"a": {"d_model": 15}}}, "budget.sizes[a]:"),
+        ({"tokens_per_parameter": 4, "sizes": {"a": {"max_tokens": 0}}}, "budget.sizes[a].max_tokens"),
+        ({"tokens_per_parameter": 4, "sizes": dict(reversed(NAMED.items()))}, "smallest first"),
     ],
 )
 def test_a_bad_budget_table_is_refused_in_one_line(values, message):
@@ -92,7 +93,7 @@ def test_the_default_language_model_recipe_has_a_valid_budget_rule():
     recipe = load_recipe("tinyshakespeare")
     assert isinstance(recipe.budget, BudgetRule)
     assert recipe.train["schedule"] in ("budget", "cosine")
-    assert recipe.as_dict()["budget"]["sizes"] == [dict(s) for s in recipe.budget.sizes]
+    assert list(recipe.as_dict()["budget"]["sizes"].values()) == [dict(s) for s in recipe.budget.sizes]
 
 
 class _Task:

@@ -9,10 +9,10 @@ machine (a few real training steps of each size, timed once per machine and kept
 
     [budget]
     tokens_per_parameter = 4.0
-    sizes = [
-      {d_model = 128, num_layers = 4, num_heads = 4, d_ff = 512, context = 64, max_tokens = 2048},
-      {d_model = 256, num_layers = 4, num_heads = 4, d_ff = 1024, context = 128, max_tokens = 4096},
-    ]
+
+    [budget.sizes]  # smallest first
+    small = {d_model = 128, num_layers = 4, num_heads = 4, d_ff = 512, context = 64, max_tokens = 2048}
+    large = {d_model = 256, num_layers = 4, num_heads = 4, d_ff = 1024, context = 128, max_tokens = 4096}
 
 Each size is a set of :class:`~qkv.models.causal_lm.CausalLMConfig` fields, plus the tokens a
 training step takes (``max_tokens``); what a size leaves out is the recipe's ``[model]``. The rule
@@ -41,14 +41,16 @@ TIMED_STEPS, WARMUP_STEPS, MAX_TIMED_SECONDS = 6, 2, 3.0
 
 @dataclass(frozen=True)
 class BudgetRule:
-    """A recipe's ``[budget]``: ``sizes`` (model and ``max_tokens`` values, smallest first) and the
-    tokens per parameter the chosen size must be trained on at least."""
+    """A recipe's ``[budget]``: ``sizes`` (model and ``max_tokens`` values, smallest first, by name in
+    ``names``) and the tokens per parameter the chosen size must be trained on at least."""
 
     tokens_per_parameter: float
     sizes: tuple[dict[str, Any], ...]
+    names: tuple[str, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"tokens_per_parameter": self.tokens_per_parameter, "sizes": [dict(s) for s in self.sizes]}
+        sizes = {name: dict(size) for name, size in zip(self.names, self.sizes, strict=True)}
+        return {"tokens_per_parameter": self.tokens_per_parameter, "sizes": sizes}
 
 
 def read_budget_rule(path: Path, values: dict[str, Any], model: dict[str, Any]) -> BudgetRule:
@@ -66,11 +68,11 @@ def read_budget_rule(path: Path, values: dict[str, Any], model: dict[str, Any]) 
     ratio, sizes = values.get("tokens_per_parameter"), values.get("sizes")
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio <= 0:
         raise ValueError(f"{path}: budget.tokens_per_parameter: must be a number > 0, got {ratio!r}")
-    if not isinstance(sizes, list) or not sizes or not all(isinstance(s, dict) for s in sizes):
-        raise ValueError(f"{path}: budget.sizes: must be a list of tables (one per model size), got {sizes!r}")
+    if not isinstance(sizes, dict) or not sizes or not all(isinstance(s, dict) for s in sizes.values()):
+        raise ValueError(f"{path}: budget.sizes: must be a table of named sizes (each a table), got {sizes!r}")
     known = {f.name for f in fields(CausalLMConfig)} - {"vocab_size"}
     counts = []
-    for i, size in enumerate(sizes):
+    for i, size in sizes.items():
         bad = sorted(set(size) - known - set(SIZE_KEYS_TRAIN))
         if bad:
             raise ValueError(f"{path}: budget.sizes[{i}].{bad[0]}: not a language model's field or max_tokens")
@@ -84,7 +86,7 @@ def read_budget_rule(path: Path, values: dict[str, Any], model: dict[str, Any]) 
         counts.append(parameters(config))
     if counts != sorted(counts):
         raise ValueError(f"{path}: budget.sizes: list the sizes smallest first (parameters {counts})")
-    return BudgetRule(float(ratio), tuple(dict(s) for s in sizes))
+    return BudgetRule(float(ratio), tuple(dict(s) for s in sizes.values()), tuple(sizes))
 
 
 def model_values(size: dict[str, Any]) -> dict[str, Any]:
@@ -150,8 +152,8 @@ def choose_size(
     size = rule.sizes[chosen.index]
     described = ", ".join(f"{k} {v}" for k, v in size.items())
     why = (
-        f"the budget affords {chosen.tokens / 1e6:.2f}M training tokens to {described} "
-        f"({chosen.parameters / 1e6:.2f}M parameters, {chosen.tokens / chosen.parameters:.1f} tokens each): "
+        f"the budget affords {chosen.tokens / 1e6:.2f}M training tokens to size {rule.names[chosen.index]} ({described}; "
+        f"{chosen.parameters / 1e6:.2f}M parameters, {chosen.tokens / chosen.parameters:.1f} tokens each): "
         + (
             f"the largest of {len(rule.sizes)} sizes with >= {rule.tokens_per_parameter:g} tokens per parameter"
             if chosen.tokens >= rule.tokens_per_parameter * chosen.parameters
