@@ -1,0 +1,107 @@
+"""A wall-clock budget for a benchmark that must end in time, whatever it is doing.
+
+:class:`Clock` holds the deadline of a whole run. The benchmark asks it between measurements
+(:meth:`Clock.check`) and, as a backstop, an interval timer (``SIGALRM``) interrupts whatever runs
+when the deadline passes: a compilation that takes minutes, a step that hangs. :meth:`Clock.limit`
+sets a tighter deadline for one part (a ``torch.compile`` warm-up), after which the run goes on.
+
+Both raise :class:`TimeUp`, a ``BaseException`` so that library code catching ``Exception`` (a
+compiler's error handling) lets it through. The timer works in the main thread of a POSIX process;
+elsewhere only the checks between measurements stop the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from types import FrameType
+
+
+class TimeUp(BaseException):  # noqa: N818  (a signal of time, like KeyboardInterrupt, not an error)
+    """The budget (``whole=True``) or one part's limit ran out while ``what`` was running."""
+
+    def __init__(self, what: str, *, whole: bool) -> None:
+        super().__init__(what)
+        self.what = what
+        self.whole = whole
+
+
+class Clock:
+    """The deadline of a run that started at ``started`` (``time.monotonic()``) and may last
+    ``seconds``.
+
+    Args:
+        seconds: the whole budget.
+        started: when the run began (default: now); a script passes the time it was started at,
+            so that imports count.
+        alarm: interrupt running work at the deadline (``SIGALRM``), where the platform allows it.
+    """
+
+    def __init__(self, seconds: float, *, started: float | None = None, alarm: bool = True) -> None:
+        if seconds <= 0:
+            raise ValueError(f"the time budget must be positive, got {seconds} s")
+        self.started = time.monotonic() if started is None else started
+        self.deadline = self.started + seconds
+        self.doing = "starting"  # what runs now, named in TimeUp
+        self._part: float | None = None  # a part's own deadline, when tighter than the whole's
+        self._alarm = alarm and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+        self._previous: object = None
+        self._installed = False  # the handler is in place (inside ``with clock:``)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def left(self) -> float:
+        """Seconds until the whole deadline (negative once past)."""
+        return self.deadline - time.monotonic()
+
+    def check(self, doing: str) -> None:
+        """Note that ``doing`` starts now; raise :class:`TimeUp` when the budget is spent."""
+        self.doing = doing
+        if self.left() <= 0:
+            raise TimeUp(doing, whole=True)
+
+    def _fire(self, signum: int, frame: FrameType | None) -> None:
+        whole = self._part is None or self.left() <= 0.05
+        raise TimeUp(self.doing, whole=whole)
+
+    def _arm(self) -> None:
+        if not (self._alarm and self._installed):
+            return
+        until = self.deadline if self._part is None else min(self._part, self.deadline)
+        signal.setitimer(signal.ITIMER_REAL, max(until - time.monotonic(), 1e-3))
+
+    def __enter__(self) -> Clock:
+        if self._alarm:
+            self._previous = signal.signal(signal.SIGALRM, self._fire)
+            self._installed = True
+            self._arm()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Disarm the timer (the run is writing its last result); safe to call twice."""
+        if self._installed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._previous)  # type: ignore[arg-type]
+            self._installed = False
+
+    @contextlib.contextmanager
+    def limit(self, seconds: float, doing: str) -> Iterator[None]:
+        """Run the block with at most ``seconds`` of its own (and never past the whole deadline).
+        Its overrun raises :class:`TimeUp` with ``whole=False``; the whole budget's, ``whole=True``."""
+        self.check(doing)
+        self._part = time.monotonic() + max(seconds, 0.0)
+        self._arm()
+        try:
+            if time.monotonic() >= self._part:
+                raise TimeUp(doing, whole=False)
+            yield
+        finally:
+            self._part = None
+            self._arm()
