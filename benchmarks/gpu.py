@@ -37,6 +37,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Nam
     p.add_argument("--profile", default="paper-base", help="sections whose steps are profiled ('' for none)")
     p.add_argument("--prepared", help="a `qkv prepare` folder to draw translation batches from (default: generated)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", help="the git commit to record when the folder it runs in has no git history")
     p.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's own; --dry-run: 1)")
     p.add_argument(
         "--dry-run", action="store_true", help="CPU, tiny sizes, 2 batches, 2 rounds of 1 step, no compile: a check"
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             profile=tuple(s for s in args.profile.split(",") if s),
             prepared=args.prepared,
             seed=args.seed,
+            commit=args.commit,
         )
         # a few seconds kept for the last write and the interpreter's exit
         clock = Clock(args.seconds - min(15.0, 0.1 * args.seconds), started=STARTED)

@@ -26,7 +26,7 @@ import copy
 import gc
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,7 @@ class Settings:
     profile: tuple[str, ...] = ("paper-base",)
     prepared: str | None = None
     seed: int = 0
-    notes: dict[str, Any] = field(default_factory=dict)
+    commit: str | None = None  # the commit to record where the copy that runs is not a git checkout
 
     def __post_init__(self) -> None:
         unknown = [s for s in (*self.sections, *self.profile) if s not in SECTIONS]
@@ -88,6 +88,8 @@ class Report:
         self.out, self.clock = out, clock
         device = torch.device(settings.device)
         found = provenance(argv)
+        if found["commit"] == "unknown" and settings.commit:
+            found.update(commit=settings.commit, commit_source="--commit (the copy that ran had no git history)")
         found["machine"].update(_device_details(device))
         peak = peak_flops(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
         self.data: dict[str, Any] = {
@@ -233,10 +235,11 @@ def _build_runners(
     bf16 = device.type == "cuda"
     qkv_name, compiled_name, hf_name = section.contenders
     report.clock.check(f"{section.name}: building models")
-    torch.manual_seed(settings.seed)
-    qkv_model = build_model(section, "qkv").to(device)
-    torch.manual_seed(settings.seed)
-    hf_model = build_model(section, hf_name).to(device)
+    with device:  # initialised where they train: seconds on a GPU, not a CPU's minute for paper-big
+        torch.manual_seed(settings.seed)
+        qkv_model = build_model(section, "qkv")
+        torch.manual_seed(settings.seed)
+        hf_model = build_model(section, hf_name)
     models = {qkv_name: qkv_model, hf_name: hf_model}
     if settings.compile:
         models[compiled_name] = copy.deepcopy(qkv_model)
@@ -250,6 +253,8 @@ def _build_runners(
         trainer = build_trainer(section, family, model, bf16=bf16, compile_model=name == compiled_name)
         runners[name] = Runner(name, trainer, batches, flops, device)
         entry["contenders"][name] = {"parameters": counts[name], "compiled": name == compiled_name}
+    hf_config: Any = getattr(hf_model, "model", hf_model).config  # MarianMT is wrapped, GPT-2 is not
+    entry["contenders"][hf_name]["attention"] = hf_config._attn_implementation
     if not settings.compile:
         entry["contenders"][compiled_name] = {"skipped": "--no-compile"}
     return runners

@@ -43,6 +43,7 @@ PAD, BOS, EOS = 0, 1, 2  # the generated data's ids (qkv's tokenizer: 0-3 are pa
 SECTIONS = ("paper-base", "paper-big", "lm")
 SIZES = ("paper", "tiny")
 HF_NAMES = {"translation": "marian", "lm": "gpt2"}
+POOL = 16  # generated pairs: this many times those the batches need
 
 
 @dataclass(frozen=True)
@@ -138,12 +139,14 @@ def _framed(ids: np.ndarray, lengths: np.ndarray, *, before: int | None, after: 
 
 def generated_batches(section: Section, count: int, seed: int = 0) -> list[Batch]:
     """``count`` batches of generated WMT-like pairs of ~``section.tokens_per_step`` target tokens
-    each, in a shuffled order (short-sentence batches and long-sentence ones alike)."""
+    each, their lengths spread over the distribution's, in a shuffled order."""
     config = section.config
     assert isinstance(config, TransformerConfig)
     rng = np.random.default_rng(seed)
     mean_target = 1.05 * 24.0 * np.exp(0.55**2 / 2) + 1
-    pairs = int(count * section.tokens_per_step / mean_target * 1.1) + 64
+    # a pool POOL times larger than needed, cut into batches of narrow length ranges (little padding,
+    # as in a corpus of millions of pairs), of which ``count`` evenly spread over the lengths are kept
+    pairs = int(POOL * count * section.tokens_per_step / mean_target) + 64
     src_lens, tgt_lens = wmt_like_lengths(rng, pairs, config.max_len - 2)
     groups = cut_by_target_tokens(src_lens, tgt_lens, section.tokens_per_step)
     chosen = [groups[i] for i in np.linspace(0, len(groups) - 1, min(count, len(groups))).astype(int)]
