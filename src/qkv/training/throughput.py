@@ -71,7 +71,7 @@ class Throughput:
             found = peak_flops(device, torch.bfloat16 if bf16 else torch.float32)
             if found is not None:
                 self.peak = found[0] * world_size
-                logger.info("MFU against %.4g TFLOP/s a process (%s) x %d", found[0] / 1e12, found[1], world_size)
+                logger.info("MFU is against a peak of %.4g TFLOP/s a process (%s)", found[0] / 1e12, found[1])
         self.flops, self.real, self.positions = 0.0, 0.0, 0.0
         self.flops_known = self.counted
 
