@@ -238,3 +238,36 @@ def test_gpu_recipes_chooses_on_validation_and_scores_test_once(gpu_recipes, tin
     assert set(tried) == {str(a) for a in gpu_recipes.ALPHAS} and mt["alpha"]["recipe"] == 2.2
     assert tried[str(mt["alpha"]["chosen"])] == max(tried.values())
     assert f"--alpha {mt['alpha']['chosen']}" in mt["test"]["command"]
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    from qkv.cli import main
+
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def test_qkv_recipes_lists_the_gpu_recipes_and_names_the_swap(capsys):
+    code, out = _cli(capsys, "recipes")
+    assert code == 0
+    listed = {line.split()[0] for line in out.splitlines()[1:] if line.strip()}
+    assert {"multi30k-gpu", "tinyshakespeare-gpu"} <= listed
+    assert (
+        "On a CUDA device it trains with multi30k-gpu in place of multi30k, tinyshakespeare-gpu in place of "
+        "tinyshakespeare (and says so)." in out
+    )
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_qkv_recipes_show_says_what_cuda_trains_with(capsys, monkeypatch, device):
+    import qkv.runtime.device
+    import qkv.runtime.precision
+
+    monkeypatch.setattr(qkv.runtime.device, "pick_device", lambda requested=None: torch.device(device))
+    monkeypatch.setattr(qkv.runtime.precision, "bf16_is_fast", lambda where="cpu": device == "cuda")
+    monkeypatch.setattr(qkv.runtime.precision, "slow_bf16_reason", lambda where="cpu": "emulated (test)")
+    code, out = _cli(capsys, "recipes", "show", "multi30k")
+    assert code == 0
+    note = "# CUDA here: qkv train without --recipe trains with multi30k-gpu in place of this one"
+    assert (note in out) is (device == "cuda")
+    assert "CUDA here" not in _cli(capsys, "recipes", "show", "multi30k-gpu")[1]
