@@ -141,7 +141,7 @@ def test_budget_progress_is_the_largest_share_spent():
     assert learning_rate(config, 2000, 64, 0.75) == pytest.approx(inverse_sqrt_lr(2000, 64, 800) * 0.5)
     assert learning_rate(config, 2000, 64, 0.4) == pytest.approx(inverse_sqrt_lr(2000, 64, 800))
     with pytest.raises(ValueError, match="schedule"):
-        TrainConfig(schedule="cosine")
+        TrainConfig(schedule="linear")
 
 
 # --------------------------------------------------------------------------- learning
@@ -712,7 +712,7 @@ def test_options_with_choices_are_choices_on_the_command_line():
     )
     assert (args.strategy, args.schedule, args.decay_fraction) == ("fsdp", "budget", 0.3)
     with pytest.raises(SystemExit):
-        parser.parse_args(["train", "--run-dir", "r", "--schedule", "cosine"])
+        parser.parse_args(["train", "--run-dir", "r", "--schedule", "linear"])
 
 
 def _fake_clock(monkeypatch, module, timings: list[float]) -> None:

@@ -166,16 +166,7 @@ def start_lm_run(
         logger.info(line)
     if sizing is not None:
         logger.info("model size: %s", sizing["why"])
-    test_tokens = len(ids["test"]) if "test" in ids else "no"
-    logger.info(
-        "data: %s; %d training, %d validation and %s test tokens (%s tokenizer, %d ids)",
-        text.where,
-        len(ids["train"]),
-        len(ids["val"]),
-        test_tokens,
-        lm["tokenizer"],
-        tokenizer.vocab_size,
-    )
+    _log_data(text.where, ids, lm["tokenizer"], tokenizer.vocab_size)
     trainer = Trainer(CausalLM(model_config).to(device), task, train_config, run_dir)
     config: dict[str, Any] = {
         "task": "lm",
@@ -197,6 +188,19 @@ def start_lm_run(
     parameters = sum(p.numel() for p in trainer.model.parameters())
     logger.info("model: %.2fM parameters; run folder %s", parameters / 1e6, run_dir)
     return trainer
+
+
+def _log_data(where: str, ids: dict[str, np.ndarray], tokenizer_kind: str, vocab_size: int) -> None:
+    test_tokens = len(ids["test"]) if "test" in ids else "no"
+    logger.info(
+        "data: %s; %d training, %d validation and %s test tokens (%s tokenizer, %d ids)",
+        where,
+        len(ids["train"]),
+        len(ids["val"]),
+        test_tokens,
+        tokenizer_kind,
+        vocab_size,
+    )
 
 
 def _sized_by_budget(
