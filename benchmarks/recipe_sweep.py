@@ -108,6 +108,7 @@ def run_candidate(name: str, args: argparse.Namespace, data: DataSpec, device: s
         vocab_size=vocab,
         overwrite=True,
         device=device,
+        recipe="multi30k",  # named: on a GPU the data's default would be multi30k-gpu
     )
     start = time.perf_counter()
     run_training(trainer)

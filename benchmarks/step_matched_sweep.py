@@ -149,8 +149,14 @@ def train_one(name: str, args: argparse.Namespace, steps: int, device: str) -> d
         "seed": seed,
     }
     data = DataSpec(source="multi30k", folder=str(Path(args.data).resolve()), src_lang=args.src, tgt_lang=args.tgt)
-    trainer = start_run(
-        run_dir, data=data, model_options=model_options, train_options=train_options, overwrite=True, device=device
+    trainer = start_run(  # the CPU's recipe, named: on a GPU the data's default would be multi30k-gpu
+        run_dir,
+        data=data,
+        model_options=model_options,
+        train_options=train_options,
+        overwrite=True,
+        device=device,
+        recipe="multi30k",
     )
     t0 = time.perf_counter()
     run_training(trainer)

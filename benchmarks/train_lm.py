@@ -452,6 +452,7 @@ def fixed_time_run(args: argparse.Namespace, out_dir: Path) -> dict:
         train_options=train_options_,
         overwrite=True,
         device=device,
+        recipe="tinyshakespeare",  # named: on a GPU the data's default would be tinyshakespeare-gpu
     )
     prep_seconds = time.perf_counter() - t0
     train_start = time.perf_counter()
