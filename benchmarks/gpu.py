@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     from qkv.bench.deadline import Clock
     from qkv.bench.gpu import Settings, run_benchmark
 
+    if args.prepared:
+        from qkv.data.prepared_format import is_prepared_folder
+
+        if not is_prepared_folder(args.prepared):
+            parser.error(f"--prepared {args.prepared}: not a folder written by `qkv prepare`")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -6,6 +6,7 @@ is refused before any work. The GPU figures themselves need a GPU (docs/gpu.md).
 from __future__ import annotations
 
 import math
+import random
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from bench_loader import load_benchmark
 
 from qkv.bench.deadline import Clock, TimeUp
 from qkv.bench.gpu import Settings, run_benchmark
-from qkv.bench.gpu_models import BOS, EOS, PAD, generated_batches, sections
+from qkv.bench.gpu_models import BOS, EOS, PAD, generated_batches, prepared_batches, sections
 from qkv.bench.provenance import missing_fields
 from qkv.bench.step_profile import CATEGORIES, category
 from qkv.data.batching import make_batch
@@ -182,4 +183,57 @@ def test_without_cuda_the_default_run_says_so_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         gpu.main(["--out", str(tmp_path / "gpu.json")])
     assert stop.value.code == 2 and "no CUDA device here" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "gpu.json").exists()
+
+
+def test_batches_from_a_prepared_folder_hold_its_pairs(tmp_path):
+    from qkv.data.prepared import PreparedCorpus
+    from qkv.data.preparing import prepare_corpus
+
+    rng = random.Random(0)
+    words = ["haus", "katze", "the", "cat", "sat", "on", "mat", "und", "ein", "hund"]
+    for side in ("src", "tgt"):
+        lines = [" ".join(rng.choices(words, k=rng.randint(2, 9))) for _ in range(300)]
+        (tmp_path / f"train.{side}").write_text("\n".join(lines) + "\n")
+    folder = tmp_path / "prepared"
+    prepare_corpus(tmp_path / "train.src", tmp_path / "train.tgt", folder, vocab_size=300, max_len=64, progress=False)
+    corpus = PreparedCorpus(folder)
+    split, tokenizer = corpus.split("train"), corpus.tokenizer()
+    pairs = {(tuple(s), tuple(t)) for s, t in zip(*split.read(range(len(split))))}
+    settings = tiny(sections=("paper-base",), prepared=str(folder), max_rounds=1)
+    report = run_benchmark(settings, tmp_path / "prepared.json", clock=Clock(600))
+    base = report["sections"]["paper-base"]
+    assert report["status"] == "complete" and base["data"]["source"] == f"prepared folder {folder}"
+    assert base["model"]["src_vocab_size"] == tokenizer.vocab_size and base["contenders"]["marian"]["tokens_per_s"]
+    section = sections("tiny", vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)["paper-base"]
+    for batch in prepared_batches(folder, section, 2):
+        for src, tgt in zip(batch.src, batch.tgt_out):
+            pad = tokenizer.pad_id
+            pair = (tuple(src[src != pad].tolist()[:-1]), tuple(tgt[tgt != pad].tolist()[:-1]))
+            assert pair in pairs  # every row is one of the folder's training pairs, EOS-framed
+
+
+def test_a_failing_section_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
+    import qkv.bench.gpu as gpu_module
+
+    real = gpu_module.build_model
+
+    def failing(section, family):
+        if family == "marian":
+            raise RuntimeError("CUDA out of memory. Tried to allocate 3.70 GiB\nmore detail")
+        return real(section, family)
+
+    monkeypatch.setattr(gpu_module, "build_model", failing)
+    report = run_benchmark(tiny(sections=("paper-base", "lm")), tmp_path / "fail.json", clock=Clock(600))
+    assert report["status"] == "complete"
+    assert report["sections"]["paper-base"]["error"] == "RuntimeError: CUDA out of memory. Tried to allocate 3.70 GiB"
+    assert report["sections"]["lm"]["contenders"]["gpt2"]["tokens_per_s"] > 0
+
+
+def test_a_folder_that_is_not_prepared_is_refused_in_one_line(tmp_path, capsys):
+    gpu = load_benchmark("gpu")
+    with pytest.raises(SystemExit) as stop:
+        gpu.main(["--dry-run", "--prepared", str(tmp_path), "--out", str(tmp_path / "gpu.json")])
+    assert stop.value.code == 2
+    assert "not a folder written by `qkv prepare`" in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "gpu.json").exists()

@@ -25,7 +25,9 @@ from __future__ import annotations
 import copy
 import gc
 import statistics
+import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -149,7 +151,12 @@ def run_benchmark(settings: Settings, out: str | Path, *, clock: Clock, argv: li
                 for index, name in enumerate(settings.sections):
                     later = sum(WEIGHTS[s] for s in settings.sections[index:])
                     until = time.monotonic() + clock.left() * WEIGHTS[name] / later
-                    run_section(_section(settings, name), settings, report, until)
+                    try:
+                        run_section(_section(settings, name), settings, report, until)
+                    except Exception as err:  # one section's failure (out of memory, a library's bug) ends it only
+                        traceback.print_exc()
+                        report.data["sections"].setdefault(name, {})["error"] = describe_error(err)
+                        _release(torch.device(settings.device))
                 report.data["status"] = "complete"
             except TimeUp as up:
                 cut = up
@@ -191,6 +198,7 @@ def run_section(section: Section, settings: Settings, report: Report, until: flo
         "contenders": {},
         "rounds": [],
     }
+    entry["started_at_s"], entry["budget_s"] = round(clock.elapsed(), 2), round(until - time.monotonic(), 2)
     report.data["sections"][section.name] = entry
     flops = [batch_flops(section, b) for b in batches]
     runners = _build_runners(section, settings, batches, flops, entry, report)
@@ -200,10 +208,20 @@ def run_section(section: Section, settings: Settings, report: Report, until: flo
     if section.name in settings.profile:
         for runner in runners.values():
             clock.check(f"{section.name}: profiling {runner.name}")
-            entry["contenders"][runner.name]["profile"] = profile_step(runner.one_step, device)
+            try:
+                entry["contenders"][runner.name]["profile"] = profile_step(runner.one_step, device)
+            except Exception as err:  # the profiler is a diagnosis: the timing goes on without it
+                entry["contenders"][runner.name]["profile"] = {"error": describe_error(err)}
             report.write()
     _rounds(runners, section, settings, entry, report, until)
     del runners
+    _release(device)
+
+
+def _release(device: torch.device) -> None:
+    """Free the finished section's models, compiled graphs and cached device memory."""
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()  # compiled graphs hold on to the weights they were traced with
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -282,7 +300,7 @@ def _warm_up(runner: Runner, section: Section, settings: Settings, entry: dict, 
         record["skipped"] = f"torch.compile and its warm-up took more than the {limit:.0f} s allowed"
         runner.ready = False
         torch._dynamo.reset()
-    except (RuntimeError, MemoryError, ValueError) as err:
+    except Exception as err:  # out of memory, a compiler's error: this contender is left out
         record["error"] = describe_error(err)
         runner.ready = False
     report.write()
@@ -308,7 +326,7 @@ def _rounds(
             report.clock.check(f"{section.name}: round {index + 1}, {name}")
             try:
                 seconds = runner.timed(settings.steps_per_round)
-            except (RuntimeError, MemoryError) as err:
+            except Exception as err:  # out of memory: this contender is left out of later rounds
                 entry["contenders"][name]["error"] = describe_error(err)
                 runner.ready = False
                 continue
