@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from qkv.runtime.fileio import atomic_path
+from qkv.runtime.fileio import atomic_path, default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -104,14 +104,6 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
             f"({shorter} ends at line {n}; line {n + 1} has no partner)"
         )
     return ParallelText(src, tgt, str(src_path), str(tgt_path))
-
-
-def default_cache_dir() -> Path:
-    """``$QKV_CACHE`` or ``$XDG_CACHE_HOME/qkv`` or ``~/.cache/qkv``."""
-    if os.environ.get("QKV_CACHE"):
-        return Path(os.environ["QKV_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "qkv"
 
 
 def _has_multi30k(folder: Path) -> bool:

@@ -38,10 +38,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from qkv.data.parallel import default_cache_dir
 from qkv.data.spec import DataSpec, as_spec
 from qkv.data.tokenizer import Tokenizer
-from qkv.runtime.fileio import atomic_path, write_json
+from qkv.runtime.fileio import atomic_path, default_cache_dir, write_json
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from qkv.data.parallel import default_cache_dir
 from qkv.data.spec import DataSpec
 from qkv.data.text import (
     TOKENIZER_KINDS,
@@ -41,6 +40,7 @@ from qkv.runs.recipes.budget import choose_size, measured_speeds, model_values
 from qkv.runs.recipes.choice import RecipeChoice
 from qkv.runtime import precision
 from qkv.runtime.device import pick_device
+from qkv.runtime.fileio import default_cache_dir
 from qkv.training import LanguageModelTask, TrainConfig, Trainer
 
 logger = logging.getLogger(__name__)

@@ -154,3 +154,12 @@ def atomic_folder(out: str | Path, *, tag: str = "new") -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def default_cache_dir() -> Path:
+    """qkv's cache folder: ``$QKV_CACHE`` or ``$XDG_CACHE_HOME/qkv`` or ``~/.cache/qkv`` (downloads,
+    and what qkv measures once per machine)."""
+    if os.environ.get("QKV_CACHE"):
+        return Path(os.environ["QKV_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "qkv"

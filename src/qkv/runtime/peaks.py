@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from qkv.runtime.fileio import write_json
+from qkv.runtime.fileio import default_cache_dir, write_json
 from qkv.runtime.machine import cpuinfo_fields
 from qkv.runtime.precision import bf16_is_fast, cpu_bf16_probe
 
@@ -88,12 +88,8 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype) -> tuple[float, s
 
 # ----------------------------------------------------------------- the CPU's measured ceiling
 def cache_path() -> Path:
-    """``$QKV_CACHE`` or ``$XDG_CACHE_HOME/qkv`` or ``~/.cache/qkv`` (qkv's cache folder, as
-    :func:`qkv.data.parallel.default_cache_dir`), then this module's file."""
-    if os.environ.get("QKV_CACHE"):
-        return Path(os.environ["QKV_CACHE"]) / CACHE_NAME
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "qkv" / CACHE_NAME
+    """This module's file in qkv's cache folder (:func:`qkv.runtime.fileio.default_cache_dir`)."""
+    return default_cache_dir() / CACHE_NAME
 
 
 def machine_key(dtype: torch.dtype, threads: int) -> str:
