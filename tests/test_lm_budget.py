@@ -189,3 +189,40 @@ def test_a_run_takes_the_size_its_budget_affords_and_says_why(tmp_path):
     )
     config = json.loads((tmp_path / "given" / "config.json").read_text())
     assert "sizing" not in config["recipe"] and config["model"]["d_model"] == 16
+
+
+def test_the_budgets_end_is_validated_and_can_be_the_runs_best(tmp_path):
+    """eval every 4 steps over a 6-step budget: validations at steps 4 and 6 (the end), the last one's
+    loss is that of the final weights (computed here with F.cross_entropy), and the run's model is the
+    better of the two."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+
+    from qkv.data.spec import DataSpec
+    from qkv.runs.folder import load_run
+    from qkv.runs.translation import run_training, start_run
+
+    (tmp_path / "train.txt").write_text(TEXT, encoding="utf-8")
+    train = {"max_steps": 6, "max_minutes": 0.0, "max_tokens": 128, "warmup_steps": 2, "progress": False,
+             "eval_every_steps": 4, "eval_every_minutes": 0.0, "eval_sentences": 8, "checkpoint_every_minutes": 0.0,
+             "final_weights": "best", "bf16": False, "average_last": 1}  # fmt: skip
+    data = DataSpec(source="text", train_text=str(tmp_path / "train.txt"))
+    run = tmp_path / "run"
+    trainer = start_run(run, data=data, model_options={**MODEL, "d_model": 16}, train_options=train, device="cpu")
+    run_training(trainer)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    valid = [r for r in records if r["event"] == "valid"]
+    assert [r["step"] for r in valid] == [4, 6]
+    last, _, _ = load_run(run, "last", task="lm")
+    task = trainer.task
+    starts = list(range(0, len(task.valid_tokens) - task.context, task.context))[:8]
+    rows = torch.stack([torch.as_tensor(task.valid_tokens[s : s + task.context + 1], dtype=torch.long) for s in starts])
+    with torch.no_grad():
+        logits = last(rows[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+    assert valid[-1]["val_loss"] == pytest.approx(float(loss), abs=1e-4)
+    best = min(valid, key=lambda r: r["val_loss"])
+    expected = "last.safetensors" if best["step"] == 6 else "best.safetensors"
+    assert load_file(run / "model.safetensors").keys() == load_file(run / expected).keys()
+    model, saved = load_file(run / "model.safetensors"), load_file(run / "best.safetensors")
+    assert all(torch.equal(model[k], saved[k]) for k in model)

@@ -385,6 +385,7 @@ class TrainState:
     seconds: float = 0.0  # wall time spent in the training loop (over all sessions)
     best_score: float = -math.inf  # the task's best validation score so far (BLEU; minus the loss for a language model)
     last_eval_seconds: float = 0.0
+    last_eval_step: int = -1  # the step of the last validation (the budget's end is validated once)
     last_checkpoint_seconds: float = 0.0
     kept_checkpoints: list | None = None
     stopped_early: bool = False  # a stop_at_exact_match target was reached

@@ -279,6 +279,8 @@ class Trainer(Checkpointing):
                 raise
             raise TrainingCrashed(s.step, err) from err
         bar.close()
+        if (c.eval_every_steps or c.eval_every_minutes) and s.last_eval_step != s.step:
+            self._maybe_evaluate_and_keep(final=True)  # the budget's end is validated too
         self.save()
         return s
 
@@ -292,10 +294,11 @@ class Trainer(Checkpointing):
         secs = max(0, int(min(remaining)))
         return f"{secs // 60}:{secs % 60:02d}"
 
-    def _maybe_evaluate_and_keep(self) -> None:
+    def _maybe_evaluate_and_keep(self, *, final: bool = False) -> None:
         c, s = self.config, self.state
         evaluate = bool(
-            (c.eval_every_steps and s.step % c.eval_every_steps == 0)
+            final
+            or (c.eval_every_steps and s.step % c.eval_every_steps == 0)
             or (c.eval_every_minutes and s.seconds - s.last_eval_seconds >= c.eval_every_minutes * 60)
         )
         keep = bool(
@@ -304,7 +307,7 @@ class Trainer(Checkpointing):
         )
         evaluate, keep = self.dist.broadcast((evaluate, keep))
         if evaluate:
-            s.last_eval_seconds = s.seconds
+            s.last_eval_seconds, s.last_eval_step = s.seconds, s.step
             self.evaluate()
             trim_heap()  # decoding made tensors of many new shapes
         if keep:
