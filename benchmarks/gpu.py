@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     print(f"{report['status']} after {report['elapsed_s']:.0f} s: {out}")
     for name, section in report["sections"].items():
+        if section.get("error"):
+            print(f"  {name:10s} {section['error']}")
         for contender, figures in section["contenders"].items():
             if figures.get("tokens_per_s"):
                 mfu = figures.get("mfu")
@@ -98,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {name:10s} {contender:12s} {figures['tokens_per_s']:12.0f} tokens/s "
                     f"{figures['tflops_per_s']:8.2f} TFLOP/s  MFU {'-' if mfu is None else f'{mfu:.1%}'}"
                 )
-            elif figures.get("skipped") or figures.get("error"):
+            if "summary" in figures.get("profile", {}):
+                print(f"  {'':10s} {'':12s} profile: {figures['profile']['summary']}")
+            if figures.get("skipped") or figures.get("error"):
                 print(f"  {name:10s} {contender:12s} {figures.get('skipped') or figures.get('error')}")
     return 0
 

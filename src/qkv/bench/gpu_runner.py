@@ -139,4 +139,6 @@ def targets(sections: dict[str, Any], gpu: str | None) -> dict[str, Any]:
             "by": best,
             "met": None if measured is None else measured >= target,
         }
+        if out[key]["met"] is False and best is not None:  # where it falls short: the step's profile says why
+            out[key]["limits"] = base[best].get("profile", {}).get("summary")
     return out

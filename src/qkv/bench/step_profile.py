@@ -77,12 +77,21 @@ def profile_step(step: Callable[[], object], device: torch.device, *, top: int =
     for name, (seconds, _) in times.items():
         shares[category(name)] += seconds
     ranked = sorted(times.items(), key=lambda item: -item[1][0])[:top]
+    fractions = {k: (v / busy if busy > 0 else 0.0) for k, v in shares.items()}
+    outside = [name for name, _ in ranked if category(name) not in ("matmul", "attention")][:3]
+    summary = (
+        f"{fractions['matmul']:.0%} of the {'kernel' if device.type == 'cuda' else 'operator'} time in matrix "
+        f"products, {fractions['attention']:.0%} in attention, {fractions['optimizer']:.0%} in the optimizer, "
+        f"{fractions['memory'] + fractions['other']:.0%} elsewhere (largest: {'; '.join(n[:60] for n in outside)}); "
+        f"busy {busy / wall if wall > 0 else 0:.0%} of the step's {wall * 1e3:.1f} ms"
+    )
     return {
+        "summary": summary,
         "counted": "CUDA kernel time" if device.type == "cuda" else "CPU operator self time",
         "wall_s": wall,
         "busy_s": busy,
         "busy_share": busy / wall if wall > 0 else None,
-        "shares": {k: (v / busy if busy > 0 else 0.0) for k, v in shares.items()},
+        "shares": fractions,
         "outside_matmul_share": 1.0 - shares["matmul"] / busy if busy > 0 else None,
         "top": [
             {
