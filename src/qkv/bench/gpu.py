@@ -253,11 +253,12 @@ def _build_runners(
     bf16 = device.type == "cuda"
     qkv_name, compiled_name, hf_name = section.contenders
     report.clock.check(f"{section.name}: building models")
-    with device:  # initialised where they train: seconds on a GPU, not a CPU's minute for paper-big
-        torch.manual_seed(settings.seed)
-        qkv_model = build_model(section, "qkv")
-        torch.manual_seed(settings.seed)
-        hf_model = build_model(section, hf_name)
+    torch.manual_seed(settings.seed)
+    with device:  # qkv's model initialised where it trains: a GPU's seconds, not a CPU's minute for paper-big
+        qkv_model = build_model(section, "qkv").to(device)
+    # Hugging Face's on the CPU, then moved: MarianMT's positional table is built from CPU tensors
+    torch.manual_seed(settings.seed)
+    hf_model = build_model(section, hf_name).to(device)
     models = {qkv_name: qkv_model, hf_name: hf_model}
     if settings.compile:
         models[compiled_name] = copy.deepcopy(qkv_model)
