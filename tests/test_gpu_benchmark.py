@@ -57,6 +57,7 @@ def test_dry_run_writes_every_contender_with_consistent_figures(tmp_path, capsys
     assert gpu.main(["--dry-run", "--out", str(out)]) == 0
     report = read_json(out)
     assert report["status"] == "complete" and missing_fields(report) == []
+    assert report["command"] == f"python benchmarks/gpu.py --dry-run --out {out}"
     assert report["machine"]["torch"] == torch.__version__ and report["settings"]["dtype"] == "float32"
     peak = report["peak_flops"]["flops_per_s"] if report["peak_flops"] else None
     for name, hf in HF.items():
