@@ -4,7 +4,8 @@ Both run the encoder once and, with ``use_cache=True`` (the default), feed the d
 token a step: self-attention keys/values are appended to a :class:`~qkv.KVCache` and the
 cross-attention keys/values of the encoder output are projected once, on the first step, and
 reused. ``use_cache=False`` recomputes the whole prefix every step (the slow reference the tests
-compare against).
+compare against). The steps themselves are :mod:`qkv.decoding.steps`'s: on CPU in float32 a plain
+Transformer's run with oneDNN-packed weights and less Python around them (:class:`~qkv.decoding.steps.FastSteps`).
 
 A sentence that is done (EOS, or its length limit; in beam search ``k`` finished hypotheses) leaves
 the batch: later steps decode only the rows still searching, as CTranslate2 does. Rows are
@@ -25,9 +26,9 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from qkv.attention.multihead import KVCache
 from qkv.decoding.ensemble import Ensemble
-from qkv.models.transformer import DecoderOutput, EncoderOutput, Transformer
+from qkv.decoding.steps import decoder_steps
+from qkv.models.transformer import EncoderOutput, Transformer
 
 
 @dataclass
@@ -65,33 +66,10 @@ def _source_mask(memory: EncoderOutput) -> Tensor:
     return memory.key_padding_mask
 
 
-def _logits(out: DecoderOutput) -> Tensor:
-    """``(b, t, V)``: :meth:`Transformer.decode` projects unless told not to."""
-    assert out.logits is not None
-    return out.logits
-
-
 def _max_lengths(memory: EncoderOutput, extra_len: int, limit: int) -> Tensor:
     """Per-sentence decoding limit: source length + ``extra_len``, capped by the positional table."""
     src_len = _source_mask(memory).sum(dim=1)  # (b,)
     return (src_len + extra_len).clamp(max=limit)
-
-
-def _select_rows(memory: EncoderOutput, index: Tensor) -> EncoderOutput:
-    """The encoder output of the batch rows ``index`` (in that order)."""
-    return EncoderOutput(memory.hidden.index_select(0, index), None, _source_mask(memory).index_select(0, index))
-
-
-def _select_cache(
-    cache: list[tuple[KVCache, KVCache]], index: Tensor, cross_index: Tensor | None = None
-) -> list[tuple[KVCache, KVCache]]:
-    """Every layer's caches for the batch rows ``index``: the self-attention caches follow ``index``;
-    the cross-attention caches (the memory's keys and values, which do not depend on the decoded
-    prefix) follow ``cross_index``, and are left as they are when it is None."""
-    return [
-        (self_cache.index_select(index), cross_cache if cross_index is None else cross_cache.index_select(cross_index))
-        for self_cache, cross_cache in cache
-    ]
 
 
 @torch.inference_mode()
@@ -123,11 +101,9 @@ def greedy_decode(
     tokens = torch.full((b, 1), bos_id, dtype=torch.long, device=src.device)  # (b', t)
     sentence = torch.arange(b, device=src.device)  # (b',) the sentence each row decodes
     results: list[list[int]] = [[] for _ in range(b)]
-    cache = None
+    steps = decoder_steps(model, memory, use_cache)
     for step in range(int(max_len.max()) if b else 0):
-        out = model.decode(tokens[:, -1:] if use_cache else tokens, memory, cache=cache)
-        cache = out.cache if use_cache else None
-        next_token = _logits(out)[:, -1].argmax(dim=-1)  # (b',)
+        next_token = steps(tokens).argmax(dim=-1)  # (b',)
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
         at_eos = next_token == eos_id
         ended = at_eos | (step + 1 >= max_len)
@@ -141,8 +117,7 @@ def greedy_decode(
         if keep.numel() == 0:
             break
         tokens, sentence, max_len = tokens[keep], sentence[keep], max_len[keep]
-        memory = _select_rows(memory, keep)
-        cache = _select_cache(cache, keep, keep) if cache is not None else None
+        steps.select(keep, keep)
     return results
 
 
@@ -262,17 +237,16 @@ def _search(
     logits, caches and memory are then repeated ``k`` times."""
     b, device, pad_id = len(max_len), memory.hidden.device, model.config.pad_id
     tokens = torch.full((b, 1), bos_id, dtype=torch.long, device=device)  # (b, 1) then (b'*k, t)
-    out = model.decode(tokens, memory)
+    steps = decoder_steps(model, memory, use_cache)
     beams = torch.arange(b, device=device).repeat_interleave(k)  # (b*k,) the row each beam starts from
-    logits = _logits(out)[:, -1].index_select(0, beams)  # (b*k, V)
-    memory, tokens = _select_rows(memory, beams), tokens.index_select(0, beams)
-    cache = _select_cache(out.cache, beams, beams) if use_cache and out.cache is not None else None
+    logits = steps(tokens).index_select(0, beams)  # (b*k, V)
+    tokens = tokens.index_select(0, beams)
+    steps.select(beams, beams)
     scores = _first_scores(b, k, device)  # (b*k,)
     active = list(range(b))
     for step in range(max(max_len)):
         if step:
-            out = model.decode(tokens[:, -1:] if use_cache else tokens, memory, cache=cache)
-            logits, cache = _logits(out)[:, -1], out.cache if use_cache else None
+            logits = steps(tokens)
         candidates = _best_candidates(scores, logits, len(active), k)
         # the next step's rows: which old row each continues, its new token and its score
         rows = len(active) * k
@@ -302,10 +276,7 @@ def _search(
         scores = torch.tensor(score_at, device=device)
         # the memory and its keys/values are the same for every beam of a sentence: they only change
         # when a sentence leaves
-        staying = torch.tensor(slots, device=device) if len(kept) < len(active) else None
-        if staying is not None:
-            memory = _select_rows(memory, staying)
-        cache = _select_cache(cache, index, staying) if cache is not None else None
+        steps.select(index, torch.tensor(slots, device=device) if len(kept) < len(active) else None)
         active = [active[p] for p in kept]
 
 

@@ -1,0 +1,95 @@
+"""Linear layers for CPU decoding in float32, with their weights packed once for oneDNN.
+
+A decoding step multiplies a few rows (the sentences, times the beam) by every weight matrix. On the
+CPUs qkv is measured on, PyTorch's float32 ``F.linear`` (MKL) is slow at that shape: a 16 x 256 input
+times the 256 x 8,000 vocabulary projection took 3-4 ms on the AVX2 EPYC, against 2.3 ms for oneDNN
+with the weight reordered ("packed") into its blocked layout once, instead of on every call
+(benchmarks/results/deploy/decoding_profile.json has the step's profile). :class:`PackedLinear` packs a
+weight when it is built (once per :func:`qkv.decoding.search.greedy_decode` / ``beam_search`` call)
+and multiplies through oneDNN; it computes ``F.linear(x, weight, bias)`` up to float32 rounding (the
+sums are taken in another order), which tests/test_decoding_speedpath.py holds to 1e-5.
+
+Only large weights (:data:`MIN_WEIGHT` elements and more: the vocabulary projection) are packed: on
+16-80 rows the packed product took 0.55-0.65x of ``F.linear``'s time for the 256 x 8,000 projection
+but 0.9-1.4x for the 256 x 256-1,024 ones (1 thread, the 2-core EPYC under load from other jobs).
+
+oneDNN's packed product is a private PyTorch operator (``torch.ops.mkldnn``): where it is missing,
+refuses the weight, or disagrees with ``F.linear`` on a probe, :class:`PackedLinear` falls back to
+``F.linear`` for good.
+
+Shape legend: ``n`` rows, ``i`` input features, ``o`` output features.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+PACK = True  # False: every PackedLinear runs F.linear (to measure what packing buys)
+MIN_WEIGHT = 1 << 20  # smaller weights (i * o elements) stay with F.linear (see the module docstring)
+_PROBE_TOLERANCE = 1e-4  # relative to the largest output on the probe
+
+
+def _pack(weight: Tensor) -> Tensor | None:
+    """``weight (o, i)`` reordered for oneDNN's float32 product, or None where that is not available."""
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    if mkldnn is None or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return mkldnn._reorder_linear_weight(weight, None)
+    except (RuntimeError, AttributeError) as error:  # a build without the operator, or a refused weight
+        logger.debug("oneDNN weight packing unavailable: %s", error)
+        return None
+
+
+def _packed_product(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackedLinear:
+    """``F.linear(x, weight, bias)`` for 2-D float32 CPU inputs ``x (n, i)``, inference only (no
+    autograd through the packed weight), oneDNN-packed where that is available and pays."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        self.weight = weight.detach()  # (o, i)
+        self.bias = None if bias is None else bias.detach()  # (o,)
+        self.packed: Tensor | None = None
+        if PACK and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= MIN_WEIGHT:
+            self.packed = _pack(self.weight)
+            if self.packed is not None and not self._probe():
+                self.packed = None
+
+    def _probe(self) -> bool:
+        """Whether the packed product runs and agrees with ``F.linear`` on a small random input."""
+        x = torch.randn(3, self.weight.size(1), generator=torch.Generator().manual_seed(0))
+        try:
+            got = _packed_product(x, self.packed, self.bias)  # type: ignore[arg-type]
+        except RuntimeError as error:
+            logger.debug("oneDNN packed product failed, using F.linear: %s", error)
+            return False
+        want = F.linear(x, self.weight, self.bias)
+        ok = got.shape == want.shape and bool((got - want).abs().max() <= _PROBE_TOLERANCE * want.abs().max())
+        if not ok:
+            logger.warning("oneDNN packed product disagrees with F.linear; decoding uses F.linear")
+        return ok
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """``x (n, i)`` -> ``(n, o)``."""
+        if self.packed is not None and x.dtype == torch.float32:
+            return _packed_product(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def fuse(*pairs: tuple[Tensor, Tensor | None]) -> PackedLinear:
+    """One :class:`PackedLinear` computing several same-input products at once (their outputs side by
+    side): ``pairs`` of ``(weight (o_j, i), bias (o_j,) or None)``; a missing bias counts as zeros."""
+    weight = torch.cat([w.detach() for w, _ in pairs])
+    if all(b is None for _, b in pairs):
+        return PackedLinear(weight)
+    bias = torch.cat([w.new_zeros(w.size(0)) if b is None else b.detach() for w, b in pairs])
+    return PackedLinear(weight, bias)
