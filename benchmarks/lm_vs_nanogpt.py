@@ -183,7 +183,8 @@ def train_qkv(work: Path, minutes: float) -> dict:
     train = [r for r in records if r.get("event") == "train"]
     valid = [r for r in records if r.get("event") == "valid"]
     last = max(records, key=lambda r: r.get("step", 0)) if records else {}
-    max_tokens = int(read_config(run_dir)["train"]["max_tokens"])
+    config = read_config(run_dir)
+    max_tokens = int(config["train"]["max_tokens"])
     steps, run_minutes = int(last.get("step", 0)), float(last.get("minutes", 0.0))
     if done:  # the final step count; the minutes of the last record are finer than the line's one decimal
         steps, run_minutes = int(done[-1][1]), run_minutes or float(done[-1][2])
@@ -200,6 +201,9 @@ def train_qkv(work: Path, minutes: float) -> dict:
             {"seconds": round(r["minutes"] * 60, 1), "step": r["step"], "val_loss": r["val_loss"]} for r in valid
         ],
         "run_dir": str(run_dir),
+        "model": {k: config["model"][k] for k in ("d_model", "num_layers", "num_heads", "d_ff", "context", "dropout")},
+        "schedule": {k: config["train"][k] for k in ("schedule", "decay_fraction", "lr_factor", "warmup_steps")},
+        "sizing": config.get("recipe", {}).get("sizing"),  # the size the budget chose, and why
     }
 
 
