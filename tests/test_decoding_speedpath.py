@@ -35,6 +35,16 @@ def test_packed_linear_equals_f_linear(pack_everything, rows, inputs, outputs, b
         torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
+def test_a_weight_is_packed_again_once_it_changes(pack_everything):
+    w, x = torch.randn(40, 24), torch.randn(6, 24)
+    PackedLinear(w)
+    with torch.no_grad():
+        w.mul_(-2.0)  # in place, as an optimizer step or load_state_dict changes a weight
+    torch.testing.assert_close(PackedLinear(w)(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    w.data = torch.randn(40, 24)
+    torch.testing.assert_close(PackedLinear(w)(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
 def test_fused_products_equal_separate_ones(pack_everything):
     pairs = [(torch.randn(24, 16), torch.randn(24)), (torch.randn(8, 16), None), (torch.randn(24, 16), torch.randn(24))]
     x = torch.randn(7, 16)

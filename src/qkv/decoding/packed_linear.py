@@ -5,8 +5,8 @@ CPUs qkv is measured on, PyTorch's float32 ``F.linear`` (MKL) is slow at that sh
 times the 256 x 8,000 vocabulary projection took 3-4 ms on the AVX2 EPYC, against 2.3 ms for oneDNN
 with the weight reordered ("packed") into its blocked layout once, instead of on every call
 (benchmarks/results/deploy/decoding_profile.json has the step's profile). :class:`PackedLinear` packs a
-weight when it is built (once per :func:`qkv.decoding.search.greedy_decode` / ``beam_search`` call)
-and multiplies through oneDNN; it computes ``F.linear(x, weight, bias)`` up to float32 rounding (the
+weight the first time it is built for it (again after the weight changed in place) and multiplies
+through oneDNN; it computes ``F.linear(x, weight, bias)`` up to float32 rounding (the
 sums are taken in another order), which tests/test_decoding_speedpath.py holds to 1e-5.
 
 Only large weights (:data:`MIN_WEIGHT` elements and more: the vocabulary projection) are packed: on
@@ -27,12 +27,16 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
 
 logger = logging.getLogger(__name__)
 
 PACK = True  # False: every PackedLinear runs F.linear (to measure what packing buys)
 MIN_WEIGHT = 1 << 20  # smaller weights (i * o elements) stay with F.linear (see the module docstring)
 _PROBE_TOLERANCE = 1e-4  # relative to the largest output on the probe
+# weight -> ((its version, its data's address) when packed, its packed form or None): a model's weights are packed once, not on
+# every decoding call, and again once they change in place (an optimizer step bumps the version)
+_PACKED_WEIGHTS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 
 def _pack(weight: Tensor) -> Tensor | None:
@@ -60,15 +64,27 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach()  # (o,)
         self.packed: Tensor | None = None
         if PACK and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= MIN_WEIGHT:
-            self.packed = _pack(self.weight)
-            if self.packed is not None and not self._probe():
-                self.packed = None
+            self.packed = self._packed(weight)
 
-    def _probe(self) -> bool:
+    def _packed(self, weight: Tensor) -> Tensor | None:
+        """``weight`` packed, from :data:`_PACKED_WEIGHTS` when it has not changed since (a tensor made under
+        ``torch.inference_mode``, which keeps no version, is packed every time)."""
+        state = None if weight.is_inference() else (weight._version, weight.data_ptr())
+        known, packed = _PACKED_WEIGHTS.get(weight, (None, None)) if state is not None else (None, None)
+        if state is not None and known == state:
+            return packed
+        packed = _pack(self.weight)
+        if packed is not None and not self._probe(packed):
+            packed = None
+        if state is not None:
+            _PACKED_WEIGHTS[weight] = (state, packed)
+        return packed
+
+    def _probe(self, packed: Tensor) -> bool:
         """Whether the packed product runs and agrees with ``F.linear`` on a small random input."""
         x = torch.randn(3, self.weight.size(1), generator=torch.Generator().manual_seed(0))
         try:
-            got = _packed_product(x, self.packed, self.bias)  # type: ignore[arg-type]
+            got = _packed_product(x, packed, self.bias)
         except RuntimeError as error:
             logger.debug("oneDNN packed product failed, using F.linear: %s", error)
             return False
