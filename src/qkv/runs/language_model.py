@@ -143,7 +143,8 @@ def start_lm_run(
     tokenizer, ids = text.tokenizer, text.ids
     device = torch.device(device)
     asked_bf16 = "bf16" in (train_options or {})
-    bf16 = precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16)
+    # the size is measured in the precision the run will train in (decided, and said, further down)
+    bf16 = train_config.bf16 and (asked_bf16 or precision.bf16_is_fast(device))
     model_options, train_config, sizing = _sized_by_budget(
         recipe, model_options, train_options, train_config, tokenizer, ids, lm["windows"], device, bf16
     )
@@ -161,7 +162,7 @@ def start_lm_run(
     )
     _check_test_window(ids, model_config.context)
     # the precision once the data is known to be usable: a refused text's error is all the user reads
-    train_config = replace(train_config, bf16=bf16)
+    train_config = replace(train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
     for line in choice.start_notes(bf16=train_config.bf16, bf16_fast=precision.bf16_is_fast(device)):
         logger.info(line)
     if sizing is not None:
