@@ -95,11 +95,13 @@ OLD_TINYSHAKESPEARE = {
     "task": "lm",
     "lm": {"tokenizer": "char", "windows": "random"},
     "vocab_size": 2000,
-    "model": dict(d_model=256, num_heads=4, num_layers=4, d_ff=1024, context=128, dropout=0.0),
+    # 1.2.0: the medium size and the cosine schedule (the size now follows the budget: tests/test_lm_budget.py)
+    "model": dict(d_model=128, num_heads=4, num_layers=4, d_ff=512, context=64, dropout=0.0),
     "train": dict(
-        max_tokens=4096,
+        max_tokens=2048,
         warmup_steps=100,
         lr_factor=0.35,
+        schedule="cosine",
         label_smoothing=0.0,
         max_minutes=30.0,
         eval_every_minutes=2.0,
