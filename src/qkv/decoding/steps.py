@@ -5,8 +5,8 @@
 * :class:`PlainSteps` calls :meth:`Transformer.decode` (or an :class:`Ensemble`'s) with its KV cache,
   or without one (``use_cache=False``: the whole prefix again every step, the slow reference).
 * :class:`FastSteps`, for a plain float32 :class:`Transformer` on CPU outside autocast, computes the
-  same layers for the one new position with less around them: every decoder product's weight packed
-  once for oneDNN (:mod:`qkv.decoding.packed_linear`), the self-attention's three projections and the
+  same layers for the one new position with less around them: the large products' weights (the
+  vocabulary projection) packed once for oneDNN (:mod:`qkv.decoding.packed_linear`), the self-attention's three projections and the
   cross-attention's key/value projections each one product, the memory's padding mask built once, and
   no module calls, shape checks or output records per step. It is inference only and knows only
   qkv's own layers: a model with anything else in its decoder (a subclass, a hook that records a
