@@ -226,3 +226,13 @@ def test_the_budgets_end_is_validated_and_can_be_the_runs_best(tmp_path):
     assert load_file(run / "model.safetensors").keys() == load_file(run / expected).keys()
     model, saved = load_file(run / "model.safetensors"), load_file(run / "best.safetensors")
     assert all(torch.equal(model[k], saved[k]) for k in model)
+
+
+def test_qkv_recipes_show_keeps_the_budget_rule(tmp_path):
+    """``qkv recipes show`` prints a resolved recipe that is itself a recipe file: its [budget] loads back whole."""
+    from qkv.cli.recipes import show_lines
+
+    shipped = load_recipe("tinyshakespeare")
+    path = tmp_path / "resolved.toml"
+    path.write_text("\n".join(show_lines(shipped)) + "\n", encoding="utf-8")
+    assert load_recipe(path).budget == shipped.budget

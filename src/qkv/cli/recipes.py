@@ -124,6 +124,12 @@ def show_lines(recipe: Recipe) -> list[str]:
         lines.append(f"# max_tokens x accum_steps: the recipe's {recipe.tokens_per_step} tokens a step on 1 process")
     if recipe.task == "translation":
         lines += ["", "[decode]", *(f"{key} = {_toml(value)}" for key, value in recipe.decode.items())]
+    if recipe.budget is not None:  # [model] above is where a size option given starts; else the budget picks
+        rule = recipe.budget
+        lines += ["", "[budget]  # the size a run's budget affords replaces [model]'s sizes and max_tokens"]
+        lines += [f"tokens_per_parameter = {rule.tokens_per_parameter!r}", "", "[budget.sizes]"]
+        for name, size in zip(rule.names, rule.sizes, strict=True):
+            lines.append(f"{name} = {{{', '.join(f'{k} = {_toml(v)}' for k, v in size.items())}}}")
     return lines
 
 
