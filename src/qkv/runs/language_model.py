@@ -167,6 +167,8 @@ def start_lm_run(
         logger.info(line)
     if sizing is not None:
         logger.info("model size: %s", sizing["why"])
+        if "size" not in sizing:  # a size option given: nothing chosen to record
+            sizing = None
     _log_data(text.where, ids, lm["tokenizer"], tokenizer.vocab_size)
     trainer = Trainer(CausalLM(model_config).to(device), task, train_config, run_dir)
     config: dict[str, Any] = {
@@ -224,9 +226,8 @@ def _sized_by_budget(
         return model_options, train_config, None
     size_keys = {key for size in rule.sizes for key in size}
     given = sorted(size_keys & ({**(model_options or {}), **(train_options or {})}).keys())
-    if given:
-        logger.info("model size: as given (%s), not chosen by the budget", ", ".join(given))
-        return model_options, train_config, None
+    if given:  # said once the data has passed its checks
+        return model_options, train_config, {"why": f"as given ({', '.join(given)}), not chosen by the budget"}
 
     def task_for(context: int) -> LanguageModelTask:
         return LanguageModelTask(tokenizer, ids["train"], None, context=context, windows=windows)
