@@ -34,7 +34,7 @@ translations stayed the same.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import logging
 import statistics
 import subprocess
@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--before",
         default=None,
         metavar="GIT_REF",
-        help="also time qkv's decoding as it was at this commit (src/qkv/decoding/search.py from git): "
+        help="also time qkv's decoding as it was at this commit (src/qkv/decoding/ from git): "
         "qkv_greedy_before, qkv_beam_before",
     )
     p.add_argument("--engines", nargs="+", default=None, help="only these engines (names as in the docstring)")
@@ -139,22 +139,31 @@ def timed_subset(batches: list[list[int]], sentences: int) -> list[list[int]]:
 
 
 def search_at(ref: str) -> ModuleType:
-    """``qkv.decoding.search`` as it was at git commit ``ref`` (to time the decoding before a change)."""
+    """``qkv.decoding.search`` as it was at git commit ``ref``, with the rest of ``qkv.decoding`` as it was
+    then too (the steps and the packed products: a change to any of them is timed), loaded as a separate
+    package beside today's; the model and the layers below are today's."""
     root = Path(__file__).resolve().parent.parent
-    text = subprocess.run(
-        ["git", "-C", str(root), "show", f"{ref}:src/qkv/decoding/search.py"],
+    package = "qkv_decoding_before"
+    folder = Path(tempfile.mkdtemp(prefix="qkv-decoding-")) / package
+    folder.mkdir()
+    names = subprocess.run(
+        ["git", "-C", str(root), "ls-tree", "--name-only", ref, "src/qkv/decoding/"],
         capture_output=True,
         text=True,
         check=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp(prefix="qkv-search-")) / "search_before.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("search_before", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)
-    return module
+    ).stdout.split()
+    for name in names:
+        if not name.endswith(".py"):
+            continue
+        text = subprocess.run(
+            ["git", "-C", str(root), "show", f"{ref}:{name}"], capture_output=True, text=True, check=True
+        ).stdout
+        (folder / Path(name).name).write_text(text.replace("qkv.decoding.", f"{package}."))
+    (folder / "__init__.py").write_text("")  # not the package's own: it would import today's names
+    sys.path.insert(0, str(folder.parent))
+    for name in [n for n in sys.modules if n == package or n.startswith(package + ".")]:
+        del sys.modules[name]  # another --before in the same process
+    return importlib.import_module(f"{package}.search")
 
 
 def qkv_engines(

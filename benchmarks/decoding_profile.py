@@ -3,8 +3,9 @@
 Decodes --batches batches of --batch-size test sentences (length-sorted batches of the run's test set,
 spread from short to long) with greedy decoding and beam search (beam 5, the power penalty), under
 torch.profiler, and sorts every operator's own CPU time into what it does: the linear layers'
-products (q/k/v/out projections and the feed-forward network, ``aten::addmm``), the output
-projection onto the vocabulary (``aten::mm``: tied weights, no bias), attention (the fused kernel),
+products (q/k/v/out projections and the feed-forward network) and the output projection onto the
+vocabulary (the products by a weight, ``addmm``, ``mm`` or oneDNN's packed ``_linear_pointwise``, told
+apart by their output features; the projections count the decoder steps), attention (the fused kernel),
 log-softmax and top-k over the vocabulary, argmax, the KV cache's growth and reordering (``cat``,
 ``index_select``), layer norms, activations, element-wise arithmetic, and the rest. What the
 operators do not account for of the call's wall time is Python: the decoding loop, the modules'
@@ -42,9 +43,7 @@ from qkv.runs.folder import load_run  # noqa: E402
 from qkv.runtime.machine import environment  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "deploy" / "decoding_profile.json"
-CATEGORIES: dict[str, tuple[str, ...]] = {
-    "linear layers (q/k/v/out projections, feed-forward; addmm)": ("aten::addmm",),
-    "output projection onto the vocabulary (mm)": ("aten::mm",),
+CATEGORIES: dict[str, tuple[str, ...]] = {  # besides the products by a weight (LINEAR_OPS, told apart by shape)
     "attention (fused scaled dot-product kernel)": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
     "log-softmax over the vocabulary": ("aten::_log_softmax",),
     "top-k over beams x vocabulary": ("aten::topk",),
@@ -72,25 +71,47 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
 }
 
 
-def categorize(prof: Any) -> tuple[dict[str, float], float]:
-    """Seconds of own CPU time per category (the rest under "other operators"), and their total."""
-    out = dict.fromkeys([*CATEGORIES, "other operators (views, copies, allocation, ...)"], 0.0)
+LINEAR_OPS = ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise")  # products by a weight matrix
+OUTPUT_PROJECTION = "output projection onto the vocabulary"
+LINEAR_LAYERS = "linear layers (q/k/v/out projections, feed-forward)"
+OTHER = "other operators (views, copies, allocation, ...)"
+
+
+def _out_features(event: Any) -> int | None:
+    """The output features of a product's profiled call, from its input shapes (None: not known)."""
+    shapes = event.input_shapes or []
+    try:
+        if event.key == "aten::addmm":  # (bias, x, weight.T)
+            return int(shapes[2][1])
+        if event.key == "aten::mm":  # (x, weight.T)
+            return int(shapes[1][1])
+        return int(shapes[1][0])  # mkldnn::_linear_pointwise: (x, packed weight (o, i), ...)
+    except (IndexError, TypeError):
+        return None
+
+
+def categorize(prof: Any, vocab: int) -> tuple[dict[str, float], float, int]:
+    """Seconds of own CPU time per category (the rest under :data:`OTHER`), their total, and the decoder
+    steps (the products onto the ``vocab``-token vocabulary, one a step). Products are told apart by
+    their shapes: a product with ``vocab`` output features is the output projection, any other a linear layer."""
+    out = dict.fromkeys([LINEAR_LAYERS, OUTPUT_PROJECTION, *CATEGORIES, OTHER], 0.0)
     lookup = {op: name for name, ops in CATEGORIES.items() for op in ops}
-    total = 0.0
-    for event in prof.key_averages():
+    total, steps = 0.0, 0
+    for event in prof.key_averages(group_by_input_shape=True):
         seconds = event.self_cpu_time_total / 1e6
-        if not event.key.startswith("aten::"):
+        if not event.key.startswith(("aten::", "mkldnn::")):
             continue  # profiler ranges, wrappers with no own work
         total += seconds
-        out[lookup.get(event.key, "other operators (views, copies, allocation, ...)")] += seconds
-    return out, total
+        if event.key in LINEAR_OPS:
+            projection = _out_features(event) == vocab
+            steps += event.count if projection else 0
+            out[OUTPUT_PROJECTION if projection else LINEAR_LAYERS] += seconds
+        else:
+            out[lookup.get(event.key, OTHER)] += seconds
+    return out, total, steps
 
 
-def steps_of(prof: Any, op: str) -> int:
-    return sum(e.count for e in prof.key_averages() if e.key == op)
-
-
-def profile_call(call: Callable[[], object], step_op: str, repeats: int) -> dict[str, Any]:
+def profile_call(call: Callable[[], object], vocab: int, repeats: int) -> dict[str, Any]:
     """``call``'s wall time (median of ``repeats``, no profiler), then one profiled call sorted by
     category: seconds, share of the operators' time, milliseconds per decoder step."""
     call()  # warm-up
@@ -99,12 +120,11 @@ def profile_call(call: Callable[[], object], step_op: str, repeats: int) -> dict
         start = time.perf_counter()
         call()
         walls.append(time.perf_counter() - start)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         start = time.perf_counter()
         call()
         profiled_wall = time.perf_counter() - start
-    categories, total = categorize(prof)
-    steps = steps_of(prof, step_op)
+    categories, total, steps = categorize(prof, vocab)
     python = max(0.0, profiled_wall - total)
     rows = {
         name: dict(seconds=round(s, 4), share_of_profiled_wall=round(s / profiled_wall, 4))
@@ -163,12 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     for version, search in versions.items():
         decoders = engines.qkv_engines(model, tok, args.beam, alpha, False, search)
-        for name, step_op in (("qkv_greedy", "aten::argmax"), ("qkv_beam", "aten::topk")):
+        for name in ("qkv_greedy", "qkv_beam"):
 
             def call(decode: engines.Decoder = decoders[name]) -> object:
                 return engines.decode_all(decode, ids, chosen)
 
-            report["profiles"][f"{name} ({version})"] = profile_call(call, step_op, args.repeats)
+            report["profiles"][f"{name} ({version})"] = profile_call(call, model.config.tgt_vocab_size, args.repeats)
             print(version, name, report["profiles"][f"{name} ({version})"]["ms_per_step"], "ms/step")
     today = {name: report["profiles"][f"{name} (today)"]["categories"] for name in ("qkv_greedy", "qkv_beam")}
     report["headline"] = {  # the shares benchmarks/results/INDEX.md lists

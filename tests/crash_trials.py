@@ -2,7 +2,7 @@
 random moments; after each kill the run must load in ``qkv translate``, and ``--resume`` must
 finish it with final weights equal, bit for bit, to an uninterrupted run's.
 
-Used by tests/test_crash_consistency.py (10 kills in the default suite, 100 in the slow one) and
+Used by tests/test_crash_consistency.py (5 kills in the default suite, 100 in the slow one) and
 benchmarks/crash_consistency.py (the README's figures). A *chain* is one run killed again and
 again: every kill is followed by a check on a copy (translate loads it; resuming the copy to the
 end gives the uninterrupted weights), then the chain goes on by resuming the killed folder itself

@@ -5,6 +5,8 @@ greedy/beam outputs = the plain path's, and the plain path wherever the fast one
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import qkv.decoding.packed_linear as packed_linear
 import qkv.decoding.steps as steps
@@ -12,9 +14,10 @@ from qkv.attention.backends import use_backend
 from qkv.data.batching import pad_sequences
 from qkv.decoding.ensemble import Ensemble
 from qkv.decoding.packed_linear import PackedLinear, fuse
-from qkv.decoding.search import beam_search, greedy_decode
+from qkv.decoding.search import argmax_rows, beam_search, greedy_decode
 from qkv.decoding.steps import FastSteps, PlainSteps, decoder_steps
 from qkv.models.transformer import Transformer, TransformerConfig
+from qkv.nn.layers import ACTIVATIONS
 
 BOS, EOS = 1, 2
 packs = torch.backends.mkldnn.is_available() and packed_linear._pack(torch.randn(4, 4)) is not None
@@ -33,6 +36,21 @@ def test_packed_linear_equals_f_linear(pack_everything, rows, inputs, outputs, b
     assert (layer.packed is not None) == packs  # where oneDNN is there, the packed product is what runs
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("pack", [True, False])
+def test_packed_linear_with_its_activation_equals_the_layers_activation(pack_everything, monkeypatch, activation, pack):
+    """The activation oneDNN computes in the product's pass (packed) or after it (not): the feed-forward
+    network's own, ``ACTIVATIONS[name](F.linear(x, w, b))``."""
+    monkeypatch.setattr(packed_linear, "PACK", pack)
+    w, b, x = torch.randn(1024, 256) * 0.05, torch.randn(1024), torch.randn(16, 256)
+    layer = PackedLinear(w, b, activation=activation)
+    assert (layer.packed is not None) == (pack and packs)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), ACTIVATIONS[activation](F.linear(x, w, b)), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="unknown activation 'swish'"):
+        PackedLinear(w, b, activation="swish")
 
 
 def test_a_weight_is_packed_again_once_it_changes(pack_everything):
@@ -66,7 +84,9 @@ def test_packed_linear_falls_back_to_f_linear(pack_everything, monkeypatch):
     layer = PackedLinear(w, b)
     assert layer.packed is None
     torch.testing.assert_close(layer(x), F.linear(x, w, b))
-    monkeypatch.setattr(packed_linear, "_packed_product", lambda x, packed, bias: F.linear(x, packed, bias) + 1)
+    monkeypatch.setattr(
+        packed_linear, "_packed_product", lambda x, packed, bias, act=None: F.linear(x, packed, bias) + 1
+    )
     assert PackedLinear(w, b).packed is None  # a product that disagrees on the probe is not used
 
 
@@ -148,3 +168,19 @@ def test_plain_steps_wherever_the_fast_ones_do_not_apply():
         model.eval()
         double = _model(6).double()
         assert type(decoder_steps(double, double.encode(src))) is PlainSteps
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 20),
+    vocab=st.sampled_from([128, 256, 8000, 100, 33, 1]),
+    levels=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_argmax_rows_equals_torch_argmax_ties_included(rows, vocab, levels, seed):
+    """A few distinct values per row (so that ties are common): the same index as ``argmax``, the first."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, vocab), generator=g).float() - 2.5
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    x[0, vocab // 2] = float("nan")  # argmax's rule: a NaN counts as the maximum
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from qkv.nn.layers import ACTIVATIONS
+
 logger = logging.getLogger(__name__)
 
 PACK = True  # False: every PackedLinear runs F.linear (to measure what packing buys)
@@ -51,17 +53,32 @@ def _pack(weight: Tensor) -> Tensor | None:
         return None
 
 
-def _packed_product(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+# an activation of qkv.nn.layers.ACTIVATIONS -> oneDNN's post-op computing it in the product's own pass
+# (its name, scalars, algorithm: "none" is GELU's exact erf form, "tanh" its tanh approximation)
+_POST_OPS: dict[str | None, tuple[str, list, str]] = {
+    None: ("none", [], ""),
+    "relu": ("relu", [], ""),
+    "gelu": ("gelu", [], "none"),
+    "gelu_tanh": ("gelu", [], "tanh"),
+}
+
+
+def _packed_product(x: Tensor, packed: Tensor, bias: Tensor | None, activation: str | None = None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, *_POST_OPS[activation])
 
 
 class PackedLinear:
     """``F.linear(x, weight, bias)`` for 2-D float32 CPU inputs ``x (n, i)``, inference only (no
-    autograd through the packed weight), oneDNN-packed where that is available and pays."""
+    autograd through the packed weight), oneDNN-packed where that is available and pays; with
+    ``activation`` (a name of :data:`qkv.nn.layers.ACTIVATIONS`) that activation of it, computed by
+    oneDNN in the product's pass where the weight is packed (a feed-forward network's first layer)."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, activation: str | None = None) -> None:
+        if activation is not None and activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; choose one of {sorted(ACTIVATIONS)}")
         self.weight = weight.detach()  # (o, i)
         self.bias = None if bias is None else bias.detach()  # (o,)
+        self.activation = activation
         self.packed: Tensor | None = None
         if PACK and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= MIN_WEIGHT:
             self.packed = self._packed(weight)
@@ -84,11 +101,11 @@ class PackedLinear:
         """Whether the packed product runs and agrees with ``F.linear`` on a small random input."""
         x = torch.randn(3, self.weight.size(1), generator=torch.Generator().manual_seed(0))
         try:
-            got = _packed_product(x, packed, self.bias)
+            got = _packed_product(x, packed, self.bias, self.activation)
         except RuntimeError as error:
             logger.debug("oneDNN packed product failed, using F.linear: %s", error)
             return False
-        want = F.linear(x, self.weight, self.bias)
+        want = self._unpacked(x)
         ok = got.shape == want.shape and bool((got - want).abs().max() <= _PROBE_TOLERANCE * want.abs().max())
         if not ok:
             logger.warning("oneDNN packed product disagrees with F.linear; decoding uses F.linear")
@@ -97,8 +114,12 @@ class PackedLinear:
     def __call__(self, x: Tensor) -> Tensor:
         """``x (n, i)`` -> ``(n, o)``."""
         if self.packed is not None and x.dtype == torch.float32:
-            return _packed_product(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return _packed_product(x, self.packed, self.bias, self.activation)
+        return self._unpacked(x)
+
+    def _unpacked(self, x: Tensor) -> Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.activation is None else ACTIVATIONS[self.activation](y)
 
 
 def fuse(*pairs: tuple[Tensor, Tensor | None]) -> PackedLinear:

@@ -72,6 +72,31 @@ def _max_lengths(memory: EncoderOutput, extra_len: int, limit: int) -> Tensor:
     return (src_len + extra_len).clamp(max=limit)
 
 
+ARGMAX_BLOCK = 32  # argmax_rows's block: the vocabulary is searched in blocks of this many ids
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+    """``x (b, V)`` -> ``(b,)``: each row's index of its first largest value, what ``x.argmax(-1)`` gives.
+
+    PyTorch's argmax over a long last dimension is a scalar loop on the CPU (about 0.14 ms for 16 rows of
+    an 8,000-token vocabulary on the 2-core AVX2 EPYC, ten times ``amax``'s time), and greedy decoding
+    takes one every step. Here a row is cut into blocks of :data:`ARGMAX_BLOCK` ids: the block maxima
+    (``amax``, vectorised), the first block holding the row's maximum (argmax over ``V / 32`` values), and
+    the first maximum inside that block. The result is the same index, ties included (the first block
+    with the maximum holds its first occurrence); a vocabulary the block does not divide, another dtype
+    or a NaN row takes ``x.argmax(-1)``."""
+    b, v = x.shape
+    if v % ARGMAX_BLOCK or v < 4 * ARGMAX_BLOCK or x.dtype != torch.float32:
+        return x.argmax(dim=-1)
+    blocks = x.view(b, v // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    block_max = blocks.amax(dim=-1)  # (b, V/32)
+    if bool(block_max.isnan().any()):  # argmax's NaN rule (a NaN is the maximum) is kept by argmax itself
+        return x.argmax(dim=-1)
+    best = block_max.argmax(dim=-1)  # (b,) the first block holding the row's maximum
+    inside = blocks[torch.arange(b, device=x.device), best].argmax(dim=-1)  # (b,)
+    return best * ARGMAX_BLOCK + inside
+
+
 @torch.inference_mode()
 def greedy_decode(
     model: Transformer | Ensemble,
@@ -103,7 +128,7 @@ def greedy_decode(
     results: list[list[int]] = [[] for _ in range(b)]
     steps = decoder_steps(model, memory, use_cache)
     for step in range(int(max_len.max()) if b else 0):
-        next_token = steps(tokens).argmax(dim=-1)  # (b',)
+        next_token = argmax_rows(steps(tokens))  # (b',)
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
         at_eos = next_token == eos_id
         ended = at_eos | (step + 1 >= max_len)

@@ -7,7 +7,8 @@
 * :class:`FastSteps`, for a plain float32 :class:`Transformer` on CPU outside autocast, computes the
   same layers for the one new position with less around them: the large products' weights (the
   vocabulary projection) packed once for oneDNN (:mod:`qkv.decoding.packed_linear`), the self-attention's three projections and the
-  cross-attention's key/value projections each one product, the memory's padding mask built once, and
+  cross-attention's key/value projections each one product, the memory's padding mask built once (as the
+  scores' addend), and
   no module calls, shape checks or output records per step. It is inference only and knows only
   qkv's own layers: a model with anything else in its decoder (a subclass, a hook that records a
   layer, an attention backend forced by :func:`qkv.attention.backends.use_backend`) gets
@@ -31,7 +32,7 @@ from qkv.attention.multihead import KVCache, MultiHeadAttention
 from qkv.decoding.ensemble import Ensemble
 from qkv.decoding.packed_linear import PackedLinear, fuse
 from qkv.models.transformer import EncoderOutput, Transformer
-from qkv.nn.layers import ACTIVATIONS, DecoderLayer, FeedForward
+from qkv.nn.layers import DecoderLayer, FeedForward
 from qkv.runtime.padded_linear import Linear
 
 FAST = True  # False: always PlainSteps (to compare the two)
@@ -131,13 +132,12 @@ class _FastLayer:
         self.self_out = PackedLinear(sa.out_proj.weight, sa.out_proj.bias)
         self.cross_q = PackedLinear(ca.q_proj.weight, ca.q_proj.bias)
         self.cross_out = PackedLinear(ca.out_proj.weight, ca.out_proj.bias)
-        self.ff1 = PackedLinear(ff.linear1.weight, ff.linear1.bias)
+        self.ff1 = PackedLinear(ff.linear1.weight, ff.linear1.bias, activation=ff.activation)  # act(x W_1 + b_1)
         self.ff2 = PackedLinear(ff.linear2.weight, ff.linear2.bias)
-        self.activation = ACTIVATIONS[ff.activation]
         b, s, d = memory.shape
         kv = fuse((ca.k_proj.weight, ca.k_proj.bias), (ca.v_proj.weight, ca.v_proj.bias))(memory.reshape(b * s, d))
         self.cross_key, self.cross_value = kv.view(b, s, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        self.mask = mask  # (b, 1, 1, s_src) True = a real source token
+        self.mask = mask  # (b, 1, 1, s_src) added to the scores: 0 at a real source token, -inf at padding
         self.key: Tensor | None = None  # (b, h, t, d_h) this layer's own keys so far
         self.value: Tensor | None = None
 
@@ -146,10 +146,10 @@ class _FastLayer:
         if self.norm_first:
             x = x + self._self_attend(norm1(x))
             x = x + self._cross_attend(norm2(x))
-            return x + self.ff2(self.activation(self.ff1(norm3(x))))
+            return x + self.ff2(self.ff1(norm3(x)))
         x = norm1(x + self._self_attend(x))
         x = norm2(x + self._cross_attend(x))
-        return norm3(x + self.ff2(self.activation(self.ff1(x))))
+        return norm3(x + self.ff2(self.ff1(x)))
 
     def _self_attend(self, x: Tensor) -> Tensor:
         b = x.size(0)
@@ -181,7 +181,10 @@ class FastSteps:
 
     def __init__(self, model: Transformer, memory: EncoderOutput) -> None:
         assert memory.key_padding_mask is not None  # fast_steps_apply checked it
-        mask = memory.key_padding_mask[:, None, None, :]  # (b, 1, 1, s_src)
+        # the memory's padding as the scores' addend, built once: given a boolean mask, attention would
+        # build this on every call
+        real = memory.key_padding_mask[:, None, None, :]  # (b, 1, 1, s_src) True = a real source token
+        mask = torch.zeros(real.shape, dtype=memory.hidden.dtype).masked_fill_(~real, float("-inf"))
         self.layers = [_FastLayer(layer, memory.hidden, mask) for layer in model.decoder.layers]  # type: ignore[arg-type]
         self.embed, self.final_norm = model.tgt_embed, model.decoder.norm
         self.project = PackedLinear(model.output_proj.weight, model.output_proj.bias)
