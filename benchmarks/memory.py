@@ -128,7 +128,9 @@ def child(args: argparse.Namespace) -> int:
         log_every_steps=50,
     )
     with tempfile.TemporaryDirectory(prefix="qkv-memory-") as tmp:
-        trainer = start_run(Path(tmp) / "run", data=data, train_options=train_options, overwrite=True)
+        trainer = start_run(  # the CPU recipe on the CPU, also where CUDA is present (this measures host memory)
+            Path(tmp) / "run", data=data, train_options=train_options, overwrite=True, recipe="multi30k", device="cpu"
+        )
         if trainer.config.bf16 != (args.precision == "bf16"):
             raise SystemExit(f"asked for {args.precision}, the trainer runs bf16={trainer.config.bf16}")
         trimmer = HeapTrimmer(args.trim_every if "trim" in measures else 0)

@@ -272,3 +272,24 @@ def test_qkv_recipes_show_says_what_cuda_trains_with(capsys, monkeypatch, device
     note = "# CUDA here: qkv train without --recipe trains with multi30k-gpu in place of this one"
     assert (note in out) is (device == "cuda")
     assert "CUDA here" not in _cli(capsys, "recipes", "show", "multi30k-gpu")[1]
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_qkv_train_help_says_what_cuda_trains_with(capsys, monkeypatch, device):
+    """The help shows the CPU recipe's defaults; on a CUDA device it says which recipe trains in its place,
+    unless --recipe names one (never replaced)."""
+    import qkv.runtime.device
+
+    monkeypatch.setattr(qkv.runtime.device, "pick_device", lambda requested=None: torch.device(device))
+    line = "On this machine's CUDA device, qkv train trains with {} in its place (its defaults: qkv train --recipe {} --help)."
+
+    def help_text(*given: str) -> str:
+        with pytest.raises(SystemExit) as done:
+            _cli(capsys, "train", *given, "--help")
+        assert done.value.code == 0
+        return " ".join(capsys.readouterr().out.split())
+
+    for given, gpu in [((), "multi30k-gpu"), (("--data", "tinyshakespeare"), "tinyshakespeare-gpu")]:
+        out = help_text(*given)
+        assert (line.format(gpu, gpu) in out) is (device == "cuda"), out[:600]
+    assert "CUDA device" not in help_text("--recipe", "multi30k")

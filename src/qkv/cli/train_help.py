@@ -44,6 +44,7 @@ class RecipeDefaults:
     tokens_per_step: int | None = None  # the step's size, split among processes and batches
     steps: Mapping[str, int] = field(default_factory=dict)  # that split: max_tokens and accum_steps
     bf16_variant: str | None = None  # the recipe suggested where bf16 is fast
+    gpu_variant: str | None = None  # the recipe trained in its place on a CUDA device, unless --recipe names one
 
 
 def recipe_defaults(*, data: str | None = None, recipe: str | None = None) -> RecipeDefaults:
@@ -68,6 +69,7 @@ def recipe_defaults(*, data: str | None = None, recipe: str | None = None) -> Re
         tokens_per_step=found.tokens_per_step,
         steps=found.step_options(int(os.environ.get("WORLD_SIZE", "1"))),
         bf16_variant=found.bf16_variant,
+        gpu_variant=found.gpu_variant,
     )
 
 
@@ -198,6 +200,11 @@ def says(view: InView) -> str:
     """The line that says whose defaults the help shows."""
     recipe = view.recipe
     variant = f" Where bf16 is fast, the run suggests --recipe {recipe.bf16_variant}." if recipe.bf16_variant else ""
+    if recipe.gpu_variant and not (view.chosen_by or "").startswith("--recipe") and _cuda_here():
+        variant += (
+            f" On this machine's CUDA device, qkv train trains with {recipe.gpu_variant} in its place "
+            f"(its defaults: qkv train --recipe {recipe.gpu_variant} --help)."
+        )
     if view.unreadable:
         variant += f" (Not shown: {view.unreadable}.)"
     if view.chosen_by is None:
@@ -207,6 +214,13 @@ def says(view: InView) -> str:
             f"NAME --help (or --recipe NAME, --prepared DIR, --train-text FILE).{variant}"
         )
     return f"Defaults shown: the {recipe.name} recipe's ({view.chosen_by}).{variant}"
+
+
+def _cuda_here() -> bool:
+    """Whether ``qkv train`` would train on a CUDA device here (where the data's recipe gives way to its GPU one)."""
+    from qkv.runtime.device import pick_device
+
+    return pick_device().type == "cuda"
 
 
 def render_help(parser: argparse.ArgumentParser, view: InView, *, every: bool) -> str:
