@@ -496,7 +496,8 @@ def test_bf16_autocast_training(tmp_path):
 def test_compiled_training_follows_the_eager_run(tmp_path, monkeypatch):
     """``TrainConfig(compile=True)`` trains through ``torch.compile(model.loss)``: without dropout
     the same losses and weights as the eager run from the same start (aot_eager backend here, which
-    traces forward and backward like inductor; inductor's code generation is a slow test elsewhere)."""
+    traces forward and backward like inductor; inductor's code generation is a slow test elsewhere),
+    compiled once for batches of every shape."""
     compiled_fns, torch_compile = [], torch.compile
 
     def compile_with_aot_eager(fn, **kwargs):
@@ -516,7 +517,8 @@ def test_compiled_training_follows_the_eager_run(tmp_path, monkeypatch):
             average_last=1,
             log_every_steps=1,
         )
-        with monkeypatch.context() as patch:
+        # batches of varied shapes, some above padded_linear.ROW_MULTIPLE rows: one graph serves them all
+        with monkeypatch.context() as patch, torch._dynamo.config.patch(error_on_recompile=True):
             patch.setattr(torch, "compile", compile_with_aot_eager)
             trainer = tiny_run(tmp_path, pairs, train, name=f"compile-{compile_loss}", dropout=0.0)
             trainer.train()

@@ -47,10 +47,11 @@ def label_smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: floa
 # torch.compiler.disable, made at the first call: the decorator itself imports torch._dynamo, which took 2.6 of
 # the 6.5 s that every qkv command (--help included) spent starting on the 2-core EPYC. PyTorch's own lazy
 # form, where this build has it (private; tests/test_fast_paths.py checks a compiled loss still breaks here).
-_compile_disabled: Any = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+# The fused losses' decorator (R-Drop's too, qkv.training.rdrop).
+compile_disabled: Any = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
 
 
-@_compile_disabled  # its own fused loop; traced, the row selection's shape would recompile per batch
+@compile_disabled  # its own fused loop; traced, the row selection's shape would recompile per batch
 def fused_linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,

@@ -35,7 +35,9 @@ def padded_rows(rows: int) -> int:
 def pads_rows(x: Tensor, rows: int) -> bool:
     """Whether a product with ``rows`` rows of ``x`` runs as a bf16 oneDNN product on CPU (autocast
     to bf16, or bf16 itself) and is big enough to pad."""
-    if not PAD_ROWS or x.device.type != "cpu" or rows < ROW_MULTIPLE or torch.compiler.is_compiling():
+    # is_compiling first: a compiled graph never pads, and asking about ``rows`` (symbolic there) would
+    # guard the graph on it, a recompile when a batch crosses ROW_MULTIPLE rows
+    if torch.compiler.is_compiling() or not PAD_ROWS or x.device.type != "cpu" or rows < ROW_MULTIPLE:
         return False
     if torch.is_autocast_enabled("cpu"):
         return torch.get_autocast_dtype("cpu") == torch.bfloat16

@@ -31,6 +31,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from qkv.runtime.meta import meta_device
+
 if TYPE_CHECKING:  # torch.distributed is imported only where a sharded checkpoint is read
     from torch.distributed.checkpoint.metadata import Metadata
     from torch.distributed.checkpoint.planner import ReadItem
@@ -236,7 +238,7 @@ def build_within_weights(
     layers takes minutes even on the meta device.
     """
     try:
-        with torch.device("meta"):
+        with meta_device():
             probe = build()
     except (TypeError, ValueError, RuntimeError) as err:
         raise ValueError(f"{config_path}: bad model section ({_first_line(err)})") from None

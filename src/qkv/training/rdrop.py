@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv.nn.loss import FUSED_CHUNK_ROWS, padded_chunks
+from qkv.nn.loss import FUSED_CHUNK_ROWS, compile_disabled, padded_chunks
 
 
 def rdrop_cross_entropy(
@@ -49,7 +49,7 @@ def rdrop_cross_entropy(
     return 0.5 * cross_entropy + 0.25 * alpha * kl
 
 
-@torch.compiler.disable
+@compile_disabled  # as the fused loss: traced, its row selection would recompile per batch
 def fused_linear_rdrop_cross_entropy(
     hidden_a: Tensor,
     hidden_b: Tensor,

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from qkv.runtime.meta import meta_device
+
 logger = logging.getLogger(__name__)
 
 SIZE_KEYS_TRAIN = ("max_tokens",)  # a size's keys that are TrainConfig fields, not the model's
@@ -98,7 +100,7 @@ def parameters(config: Any) -> int:
     """The parameters of a :class:`~qkv.models.causal_lm.CausalLM` of ``config``, built on the meta device."""
     from qkv.models.causal_lm import CausalLM
 
-    with torch.device("meta"):
+    with meta_device():
         return sum(p.numel() for p in CausalLM(config).parameters())
 
 
