@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-_NORMAL_FILLS = {torch.Tensor.normal_, torch.nn.init.normal_}
+_NORMAL_FILLS: set[Any] = {torch.Tensor.normal_, torch.nn.init.normal_}
 
 
 class _SkipMetaFills(TorchFunctionMode):
