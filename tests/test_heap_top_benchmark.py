@@ -1,10 +1,12 @@
 import json
 
+import pytest
 from bench_loader import load_benchmark
 
 from qkv.runtime.heap import HEAP_TRIM_THRESHOLD, _libc
 
 
+@pytest.mark.slow  # two training processes on Multi30k: about 35 s (qkv.runtime.heap's own tests stay in the default suite)
 def test_heap_top_benchmark_alternates_processes_and_reports_each(multi30k_dir, tmp_path):
     heap_top = load_benchmark("heap_top")
     out = tmp_path / "heap_top.json"

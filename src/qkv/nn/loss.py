@@ -47,7 +47,7 @@ def label_smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: floa
 # torch.compiler.disable, made at the first call: the decorator itself imports torch._dynamo, which took 2.6 of
 # the 6.5 s that every qkv command (--help included) spent starting on the 2-core EPYC. PyTorch's own lazy
 # form, where this build has it (private; tests/test_fast_paths.py checks a compiled loss still breaks here).
-# The fused losses' decorator (R-Drop's too, qkv.training.rdrop).
+# The fused losses' decorator (the training layer's too).
 compile_disabled: Any = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
 
 
