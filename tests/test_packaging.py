@@ -25,7 +25,7 @@ except ImportError:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "qkv"
-VERSION = "1.2.1"
+VERSION = "1.2.2"
 
 
 def _pyproject() -> dict:

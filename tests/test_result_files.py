@@ -75,6 +75,7 @@ REFUSALS = [
     ("decoding_engines", ["--run", "{dir}/run", "--out", "{out}"], None),
     ("decoding_profile", ["--run", "{dir}/run", "--out", "{out}"], None),
     ("decoding_products", ["--out", "{out}"], None),
+    ("lm_score", ["--run", "{dir}/run", "--out", "{out}"], None),
     ("lm_vs_nanogpt", ["--nanogpt", "{dir}/nanogpt", "--minutes", "5", "--out", "{out}"], "{dir}/nanogpt/out"),
     ("gpu", ["--dry-run", "--out", "{out}"], None),
     ("lm_samples", ["--run", "{dir}/run", "--nanogpt-ckpt", "{dir}/ckpt", "--out", "{out}"], None),

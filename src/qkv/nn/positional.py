@@ -20,6 +20,8 @@ def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
     """
     if d_model % 2 != 0:
         raise ValueError(f"the sinusoidal encoding needs an even d_model, got {d_model}")
+    if torch.empty(0).is_meta:  # built on the meta device (shapes only): no values to compute, and PyTorch
+        return torch.empty(max_len, d_model)  # computes these operators there through its compiler's references
     position = torch.arange(max_len, dtype=torch.float64)[:, None]  # (max_len, 1)
     inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
     table = torch.zeros(max_len, d_model, dtype=torch.float64)

@@ -5,10 +5,11 @@ for real (:mod:`qkv.runtime.safe_load`) and to count a size's parameters (the la
 rule, :mod:`qkv.runs.recipes.budget`). There, PyTorch computes a tensor's ``normal_`` (every
 ``nn.Embedding``'s initialisation, and qkv's own) through its Python reference, which imports
 ``torch._dynamo``: 2.5 s on the 2-core EPYC, which ``qkv train`` paid before parsing its options (the
-language model's budget rule counts its sizes' parameters). A meta tensor holds no values to fill, so
-:func:`meta_device` skips that fill; every other call is PyTorch's. (Other operators take the same
-path on the meta device: the sinusoidal table's ``arange``, ``exp``, ``sin`` and ``cos``, so a
-translation run, built on the meta device before it is loaded, still imports the compiler.)
+language model's budget rule counts its sizes' parameters), and every command that loads a run. A
+meta tensor holds no values to fill, so :func:`meta_device` skips that fill; every other call is
+PyTorch's. Other operators take the same path on the meta device (``arange``, ``exp``, ``sin``,
+``cos``): the sinusoidal positions' table (:func:`qkv.nn.positional.sinusoidal_table`) computes
+nothing there, so loading a translation run does not import the compiler either.
 """
 
 from __future__ import annotations

@@ -1,0 +1,65 @@
+"""benchmarks/lm_score.py, the scorer behind the language-model figures (lm_vs_nanogpt.py's ``score``):
+every character of a split predicted once, checked against a reference written another way (the model's
+logits and log-softmax, window by window); and runs grouped by recipe, seeds together."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from bench_loader import load_benchmark
+
+from qkv.cli import main as qkv_main
+from qkv.models.causal_lm import CausalLM, CausalLMConfig
+
+
+def reference_nats_per_char(model: CausalLM, ids: list[int], context: int) -> float:
+    """Character j (from 1) is predicted inside window ``(j - 1) // context`` while full windows cover
+    it, else inside the last window, which ends at the last character."""
+    n, total = len(ids), 0.0
+    full = (n - 1) // context
+    with torch.no_grad():
+        for j in range(1, n):
+            w = (j - 1) // context
+            start = w * context if w < full else n - 1 - context
+            window = torch.tensor(ids[start : start + context])[None]
+            log_probs = F.log_softmax(model(window).logits[0].double(), dim=-1)  # (context, V)
+            total -= float(log_probs[j - 1 - start, ids[j]])
+    return total / (n - 1)
+
+
+@pytest.mark.parametrize("n", [65, 70, 33])  # windows that end exactly, a leftover, a leftover of one window
+def test_the_scorer_predicts_every_character_once_as_the_reference_does(n):
+    bench = load_benchmark("lm_vs_nanogpt")
+    torch.manual_seed(0)
+    model = CausalLM(CausalLMConfig(vocab_size=11, d_model=16, num_heads=2, num_layers=1, d_ff=32, context=16)).eval()
+    ids = torch.randint(0, 11, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    got = bench.score(model, ids, 16, batch=3)
+    assert got["chars_scored"] == n - 1 and got["context"] == 16
+    assert got["nats_per_char"] == pytest.approx(reference_nats_per_char(model, ids, 16), abs=1e-4)
+
+
+def test_runs_are_grouped_by_recipe_seeds_together(tinyshakespeare_dir, tmp_path):
+    tiny = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32", "--context", "16"]
+    tiny += ["--max-tokens", "256", "--max-steps", "2", "--no-progress", "--threads", "1"]
+    runs = {"seed0": ["--seed", "0"], "seed1": ["--seed", "1"], "dropout": ["--seed", "0", "--dropout", "0.1"]}
+    for name, extra in runs.items():
+        argv = ["train", "--data", "tinyshakespeare", "--run-dir", str(tmp_path / name), *tiny, *extra]
+        assert qkv_main(argv) == 0
+    out = tmp_path / "scores.json"
+    bench = load_benchmark("lm_score")
+    assert bench.main([a for name in runs for a in ("--run", str(tmp_path / name))] + ["--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for field in ("machine", "command", "date", "commit"):
+        assert report[field]
+    assert [r["seed"] for r in report["runs"]] == [0, 1, 0]
+    first, second = report["summary"]
+    assert first["seeds"] == [0, 1] and first["differs_from_first_group"] == {}
+    assert second["seeds"] == [0] and second["differs_from_first_group"] == {"model.dropout": [0.0, 0.1]}
+    for split in ("val", "test"):
+        values = [r["scores"][split]["nats_per_char"] for r in report["runs"][:2]]
+        assert first[split]["mean"] == pytest.approx(sum(values) / 2, abs=1e-4)
+        assert first[split]["sample_std"] == pytest.approx(abs(values[0] - values[1]) / math.sqrt(2), abs=1e-4)
+        assert second[split]["sample_std"] is None and second[split]["runs"] == 1
+        assert all(0 < r["scores"][split]["nats_per_char"] < 10 for r in report["runs"])
