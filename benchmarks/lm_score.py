@@ -38,9 +38,9 @@ from qkv.runtime.fileio import read_json  # noqa: E402
 PER_RUN = ("seed",)  # train values that may differ within a group
 
 
-def describe(run_dir: Path) -> dict:
-    """What the run trained: its seed, steps, minutes, size (and the rule's reason), best validation."""
-    config = read_json(run_dir / "config.json")
+def describe(run_dir: Path, config: dict) -> dict:
+    """What the run trained (``config``: its config.json): its seed, steps, minutes, size (and the
+    rule's reason), best validation."""
     records = read_metrics(run_dir / "metrics.jsonl")
     valid = [r for r in records if r.get("event") == "valid"]
     best = min(valid, key=lambda r: r["val_loss"]) if valid else None
@@ -99,15 +99,20 @@ def main(argv: list[str] | None = None) -> int:
     texts = read_text_splits({"source": "tinyshakespeare", "folder": None})
     splits = {"val": texts.val, "test": texts.test}
     runs = []
-    for run_dir in args.run:
-        model, tokenizer, _ = load_run(run_dir, "model", task="lm")
+    for run_dir, config in zip(args.run, configs):
+        try:
+            model, tokenizer, _ = load_run(run_dir, "model", task="lm")
+        except ValueError as err:
+            p.error(str(err))  # names the run folder
         if not isinstance(model, CausalLM):
             p.error(f"{run_dir}: not a language-model run")
-        record = describe(run_dir)
+        record = describe(run_dir, config)
         record["scores"] = {}
         for name, text in splits.items():
             assert text is not None
             ids = tokenizer.encode(text)
+            if len(ids) != len(text):  # the figures are nats per character
+                p.error(f"{run_dir}: not a character-level run; this script scores character models")
             record["scores"][name] = lm_vs_nanogpt.score(model, ids, min(args.context, model.config.context))
         runs.append(record)
         print(f"{run_dir} (seed {record['seed']}): " + ", ".join(
