@@ -144,6 +144,30 @@ def test_clock_limits_a_part_and_then_the_whole():
     assert up.value.whole and up.value.what == "working"
 
 
+def test_a_part_whose_timeup_was_converted_or_swallowed_still_ends_in_timeup():
+    # PyTorch's C argument parsing turns an exception raised by a signal handler into a TypeError,
+    # which the compiler may swallow; the part's limit must hold either way (a CI run met this).
+    with Clock(60) as clock:
+        with pytest.raises(TimeUp) as up, clock.limit(0.05, "converted"):
+            try:
+                while True:
+                    time.sleep(0.01)
+            except TimeUp as err:
+                raise TypeError(f"failed to unpack: {err}") from None
+        assert up.value.what == "converted" and not up.value.whole
+        with pytest.raises(TimeUp) as up, clock.limit(0.05, "swallowed"):
+            try:
+                while True:
+                    time.sleep(0.01)
+            except BaseException:  # noqa: BLE001  (what a fallback path does)
+                pass
+        assert up.value.what == "swallowed" and not up.value.whole
+        with pytest.raises(ValueError), clock.limit(5, "an error of its own"):
+            raise ValueError("not the timer's")
+        with clock.limit(5, "in time"):
+            pass
+
+
 def test_generated_batches_are_framed_as_make_batch_frames_them():
     section = sections("tiny")["paper-base"]
     batches = generated_batches(section, 3, seed=1)

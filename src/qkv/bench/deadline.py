@@ -6,7 +6,9 @@ when the deadline passes: a compilation that takes minutes, a step that hangs. :
 sets a tighter deadline for one part (a ``torch.compile`` warm-up), after which the run goes on.
 
 Both raise :class:`TimeUp`, a ``BaseException`` so that library code catching ``Exception`` (a
-compiler's error handling) lets it through. The timer works in the main thread of a POSIX process;
+compiler's error handling) lets it through. Where the timer fires inside C code that turns the
+exception into another (PyTorch's argument parsing makes it a ``TypeError``, which the compiler may
+then swallow and fall back on), :meth:`Clock.limit` still raises ``TimeUp`` when its block ends. The timer works in the main thread of a POSIX process;
 elsewhere only the checks between measurements stop the run.
 """
 
@@ -48,6 +50,7 @@ class Clock:
         self.doing = "starting"  # what runs now, named in TimeUp
         self._part: float | None = None  # a part's own deadline, when tighter than the whole's
         self._alarm = alarm and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+        self._fired: TimeUp | None = None  # what the timer raised inside the current part
         self._previous: object = None
         self._installed = False  # the handler is in place (inside ``with clock:``)
 
@@ -66,7 +69,8 @@ class Clock:
 
     def _fire(self, signum: int, frame: FrameType | None) -> None:
         whole = self._part is None or self.left() <= 0.05
-        raise TimeUp(self.doing, whole=whole)
+        self._fired = TimeUp(self.doing, whole=whole)
+        raise self._fired
 
     def _arm(self) -> None:
         if not (self._alarm and self._installed):
@@ -97,11 +101,22 @@ class Clock:
         Its overrun raises :class:`TimeUp` with ``whole=False``; the whole budget's, ``whole=True``."""
         self.check(doing)
         self._part = time.monotonic() + max(seconds, 0.0)
+        self._fired = None
         self._arm()
         try:
             if time.monotonic() >= self._part:
                 raise TimeUp(doing, whole=False)
             yield
+        except TimeUp:
+            raise
+        except BaseException as err:  # the timer's TimeUp, turned into another exception on its way up
+            if self._fired is not None:
+                raise self._fired from err
+            raise
+        else:
+            if self._fired is not None:  # fired, and swallowed by the code it interrupted
+                raise self._fired
         finally:
+            self._fired = None
             self._part = None
             self._arm()
