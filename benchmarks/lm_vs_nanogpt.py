@@ -9,7 +9,12 @@ For each budget (``--minutes 5 10 30``), one after the other and with nothing el
    schedule ends at the budget: the iterations that fit, from a short timing run first (the median
    iteration, and the extra seconds of its step-0 evaluation for each of its evaluations every 250
    iterations). Its data is its own ``data/shakespeare_char/prepare.py`` over the same tiny
-   Shakespeare text (``$QKV_DATA``; copied in first, so nothing is downloaded).
+   Shakespeare text (``$QKV_DATA``; copied in first, so nothing is downloaded). The estimate can
+   miss (the machine's speed drifts: one 30-minute schedule took 43 minutes), so the checkpoint
+   nanoGPT holds when its loop passes the budget is copied aside (``ckpt_at_budget.pt``, taken
+   between two iterations, never while it saves) and scored too: nanoGPT **at equal minutes**, beside
+   nanoGPT **at its schedule's end**. ``--cut-at-budget`` stops it there (the second is then not
+   measured).
 2. qkv's default recipe: ``qkv train --data tinyshakespeare --minutes M`` (validation included in
    the minutes), in a subprocess like nanoGPT.
 3. Both models scored the same way on the same text: nanoGPT's ``ckpt.pt`` (the weights it saved,
@@ -45,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -77,13 +83,19 @@ NANOGPT_EVAL_INTERVAL = 250  # config/train_shakespeare_char.py
 ITER_LINE = re.compile(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms")
 TRAINED_LINE = re.compile(r"trained (\d+) steps \(([\d.]+) min, ([\d.]+) target tokens/s\)")
 STEP_LINE = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
+LOOP_START_LINES = ("using fused AdamW", "number of parameters")  # nanoGPT's last lines before its loop
 
 
-def run_logged(cmd: list[str], cwd: Path, log: Path) -> tuple[list[tuple[float, str]], float]:
-    """Run ``cmd``; every output line with its seconds since the start (also into ``log``), and the wall seconds."""
+def run_logged(
+    cmd: list[str], cwd: Path, log: Path, watch: Callable[[float, str], bool] | None = None
+) -> tuple[list[tuple[float, str]], float]:
+    """Run ``cmd``; every output line with its seconds since the start (also into ``log``), and the
+    wall seconds. ``watch(t, line)`` sees each line as it comes; when it returns True the process is
+    stopped there (not a failure)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
     lines: list[tuple[float, str]] = []
+    stopped = False
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         assert proc.stdout is not None
@@ -91,10 +103,45 @@ def run_logged(cmd: list[str], cwd: Path, log: Path) -> tuple[list[tuple[float, 
             t = time.perf_counter() - start
             lines.append((t, line.rstrip("\n")))
             out.write(f"{t:9.2f} {line}")
+            if watch is not None and watch(t, line.rstrip("\n")) and not stopped:
+                stopped = True
+                proc.terminate()
         code = proc.wait()
-    if code != 0:
+    if code != 0 and not stopped:
         sys.exit(f"{' '.join(cmd)} failed with status {code}; its output is in {log}")
     return lines, time.perf_counter() - start
+
+
+class CheckpointAtBudget:
+    """Watches nanoGPT's output and copies its ``ckpt.pt`` (the weights of its best validation estimate
+    so far) to ``ckpt_at_budget.pt`` at the first iteration line once its loop has run ``seconds``.
+    An iteration line is printed after any save of that iteration, so the copy never meets a
+    half-written file. ``cut``: stop nanoGPT there."""
+
+    def __init__(self, out_dir: Path, seconds: float, cut: bool = False) -> None:
+        self.out_dir, self.seconds, self.cut = out_dir, seconds, cut
+        self.loop_start: float | None = None
+        self.iter: int | None = None  # the iteration at which the budget passed
+        self.loop_seconds: float | None = None
+        self.copied = False
+
+    @property
+    def path(self) -> Path:
+        return self.out_dir / "ckpt_at_budget.pt"
+
+    def __call__(self, t: float, line: str) -> bool:
+        if line.startswith(LOOP_START_LINES):
+            self.loop_start = t
+            return False
+        if self.loop_start is None or self.iter is not None or t - self.loop_start < self.seconds:
+            return False
+        if m := ITER_LINE.match(line):
+            self.iter, self.loop_seconds = int(m[1]), t - self.loop_start
+            if (self.out_dir / "ckpt.pt").is_file():
+                shutil.copyfile(self.out_dir / "ckpt.pt", self.path)
+                self.copied = True
+            return self.cut
+        return False
 
 
 def prepare_nanogpt(source: Path, work: Path, text_path: Path) -> Path:
@@ -133,14 +180,17 @@ def iters_for(seconds: float, timing: dict, eval_interval: int) -> int:
     return max(1, int((seconds - ev) / (per + ev / eval_interval)))
 
 
-def train_nanogpt(copy: Path, work: Path, minutes: float, timing: dict, eval_interval: int) -> dict:
+def train_nanogpt(
+    copy: Path, work: Path, minutes: float, timing: dict, eval_interval: int, cut_at_budget: bool = False
+) -> dict:
     iters = iters_for(minutes * 60, timing, eval_interval)
     out_dir = work / f"nanogpt-{minutes:g}min"
     if out_dir.exists():
         shutil.rmtree(out_dir)
     cmd = nanogpt_cmd(iters, out_dir, eval_interval)
-    lines, wall = run_logged(cmd, copy, work / f"nanogpt-{minutes:g}min.log")
-    starts = [t for t, line in lines if line.startswith(("using fused AdamW", "number of parameters"))]
+    at_budget = CheckpointAtBudget(out_dir, minutes * 60, cut=cut_at_budget)
+    lines, wall = run_logged(cmd, copy, work / f"nanogpt-{minutes:g}min.log", watch=at_budget)
+    starts = [t for t, line in lines if line.startswith(LOOP_START_LINES)]
     loop_start = starts[-1] if starts else 0.0
     iter_times = [(t, int(m[1]), float(m[3])) for t, line in lines if (m := ITER_LINE.match(line))]
     loop_seconds = iter_times[-1][0] - loop_start
@@ -156,9 +206,20 @@ def train_nanogpt(copy: Path, work: Path, minutes: float, timing: dict, eval_int
     median_ms = statistics.median(settled)
     if not (out_dir / "ckpt.pt").is_file():
         sys.exit(f"nanoGPT saved no checkpoint in {out_dir} ({iters} iterations, fewer than one evaluation interval)")
+    if at_budget.iter is None:  # its schedule ended within the budget: the end is its state at the budget
+        budget = {"iter": steps - 1, "loop_seconds": round(loop_seconds, 1), "checkpoint": str(out_dir / "ckpt.pt")}
+    else:
+        assert at_budget.loop_seconds is not None
+        budget = {
+            "iter": at_budget.iter,
+            "loop_seconds": round(at_budget.loop_seconds, 1),
+            "checkpoint": str(at_budget.path) if at_budget.copied else None,  # None: nothing saved yet
+        }
     return {
         "command": " ".join(cmd[1:]),
         "max_iters": iters,
+        "cut_at_budget": cut_at_budget and at_budget.iter is not None,
+        "at_budget": budget,
         "steps": steps,
         "tokens_per_step": NANOGPT_TOKENS_PER_ITER,
         "training_loop_seconds": round(loop_seconds, 1),
@@ -251,6 +312,13 @@ def score_both(nanogpt: dict, qkv: dict, splits: dict[str, str], chars: list[str
     stoi = {c: i for i, c in enumerate(chars)}  # nanoGPT's prepare.py: sorted(set(text))
     context = min(nano_model.config.context, qkv_model.config.context)
     nanogpt.update(parameters=info["parameters"], checkpoint_iter=info["iter_num"], scores={})
+    budget = nanogpt["at_budget"]
+    budget_model = None
+    if budget["checkpoint"] is not None and Path(budget["checkpoint"]) != Path(nanogpt["out_dir"]) / "ckpt.pt":
+        budget_model, budget_info = load_nanogpt(Path(budget["checkpoint"]))
+        budget.update(checkpoint_iter=budget_info["iter_num"], scores={})
+    elif budget["checkpoint"] is not None:  # the same weights as at its schedule's end
+        budget.update(checkpoint_iter=info["iter_num"], scores=nanogpt["scores"])
     qkv["parameters"] = sum(p.numel() for p in qkv_model.parameters())
     qkv["scores"], qkv["scores_own_context"] = {}, {}
     for name, text in splits.items():
@@ -258,6 +326,8 @@ def score_both(nanogpt: dict, qkv: dict, splits: dict[str, str], chars: list[str
         if len(qkv_ids) != len(text):
             sys.exit("qkv's run is not character-level; this benchmark compares character models")
         nanogpt["scores"][name] = score(nano_model, nano_ids, context)
+        if budget_model is not None:
+            budget["scores"][name] = score(budget_model, nano_ids, context)
         qkv["scores"][name] = score(qkv_model, qkv_ids, context)
         qkv["scores_own_context"][name] = score(qkv_model, qkv_ids, qkv_model.config.context)
 
@@ -272,6 +342,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--eval-interval", type=int, default=NANOGPT_EVAL_INTERVAL, help="nanoGPT's (250; smaller for smoke tests)"
+    )
+    parser.add_argument(
+        "--cut-at-budget",
+        action="store_true",
+        help="stop nanoGPT when its loop passes the budget (default: let its schedule end, and score both)",
     )
     add_result_options(parser, required=True)
     args = parser.parse_args(argv)
@@ -309,13 +384,15 @@ def main(argv: list[str] | None = None) -> None:
     }
     splits = {"val": texts.val, "test": texts.test}
     for minutes in args.minutes:
-        nanogpt = train_nanogpt(copy, args.work_dir, minutes, timing, args.eval_interval)
+        nanogpt = train_nanogpt(copy, args.work_dir, minutes, timing, args.eval_interval, args.cut_at_budget)
         qkv = train_qkv(args.work_dir, minutes)
         score_both(nanogpt, qkv, splits, chars)
         report["budgets"].append({"minutes": minutes, "nanogpt": nanogpt, "qkv": qkv})
         write_result(out, report, argv)
         for name in splits:
-            print(f"{minutes:g} min, {name}: nanoGPT {nanogpt['scores'][name]['nats_per_char']:.4f}, "
+            at = nanogpt["at_budget"].get("scores", {}).get(name)
+            print(f"{minutes:g} min, {name}: nanoGPT {nanogpt['scores'][name]['nats_per_char']:.4f} at its "
+                  f"schedule's end, {at['nats_per_char'] if at else float('nan'):.4f} at the budget; "
                   f"qkv {qkv['scores'][name]['nats_per_char']:.4f} nats/char")  # fmt: skip
     print(f"wrote {out}")
 

@@ -63,3 +63,29 @@ def test_runs_are_grouped_by_recipe_seeds_together(tinyshakespeare_dir, tmp_path
         assert first[split]["sample_std"] == pytest.approx(abs(values[0] - values[1]) / math.sqrt(2), abs=1e-4)
         assert second[split]["sample_std"] is None and second[split]["runs"] == 1
         assert all(0 < r["scores"][split]["nats_per_char"] < 10 for r in report["runs"])
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_nanogpts_checkpoint_is_copied_at_the_first_iteration_past_the_budget(tmp_path, cut):
+    # lm_vs_nanogpt.py scores nanoGPT at equal minutes from this copy; its schedule may end later
+    bench = load_benchmark("lm_vs_nanogpt")
+    watch = bench.CheckpointAtBudget(tmp_path, 10.0, cut=cut)
+    (tmp_path / "ckpt.pt").write_bytes(b"iteration 0")
+    assert not watch(3.0, "iter 0: loss 4.2, time 90.00ms, mfu -100.00%")  # before the loop: not counted
+    assert not watch(5.0, "number of parameters: 0.80M")  # the loop starts at 5 s
+    assert not watch(14.0, "iter 1: loss 4.1, time 80.00ms, mfu -100.00%")
+    (tmp_path / "ckpt.pt").write_bytes(b"iteration 250")
+    assert not watch(15.5, "saving checkpoint to out")  # past the budget, but not between two iterations
+    assert watch(15.6, "iter 251: loss 2.0, time 80.00ms, mfu 0.10%") is cut
+    (tmp_path / "ckpt.pt").write_bytes(b"iteration 500")
+    assert not watch(20.0, "iter 501: loss 1.9, time 80.00ms, mfu 0.10%")  # copied once
+    assert watch.iter == 251 and watch.loop_seconds == pytest.approx(10.6) and watch.copied
+    assert watch.path.read_bytes() == b"iteration 250"
+
+
+def test_nothing_is_copied_when_nanogpt_saved_nothing_by_the_budget(tmp_path):
+    bench = load_benchmark("lm_vs_nanogpt")
+    watch = bench.CheckpointAtBudget(tmp_path, 1.0)
+    watch(0.0, "using fused AdamW: False")
+    watch(2.0, "iter 7: loss 3.0, time 80.00ms, mfu 0.10%")
+    assert watch.iter == 7 and not watch.copied and not watch.path.exists()
