@@ -138,10 +138,15 @@ def timed_subset(batches: list[list[int]], sentences: int) -> list[list[int]]:
     return [batches[int(i * step)] for i in range(want)]
 
 
+_SEARCH_AT: dict[str, ModuleType] = {}  # ref -> its search module, loaded once a process
+
+
 def search_at(ref: str) -> ModuleType:
     """``qkv.decoding.search`` as it was at git commit ``ref``, with the rest of ``qkv.decoding`` as it was
     then too (the steps and the packed products: a change to any of them is timed), loaded as a separate
     package beside today's; the model and the layers below are today's."""
+    if ref in _SEARCH_AT:
+        return _SEARCH_AT[ref]
     root = Path(__file__).resolve().parent.parent
     package = "qkv_decoding_before"
     folder = Path(tempfile.mkdtemp(prefix="qkv-decoding-")) / package
@@ -160,10 +165,13 @@ def search_at(ref: str) -> ModuleType:
         ).stdout
         (folder / Path(name).name).write_text(text.replace("qkv.decoding.", f"{package}."))
     (folder / "__init__.py").write_text("")  # not the package's own: it would import today's names
+    for entry in [e for e in sys.path if Path(e).name.startswith("qkv-decoding-")]:
+        sys.path.remove(entry)  # another ref's folder: one on the path at a time
     sys.path.insert(0, str(folder.parent))
     for name in [n for n in sys.modules if n == package or n.startswith(package + ".")]:
-        del sys.modules[name]  # another --before in the same process
-    return importlib.import_module(f"{package}.search")
+        del sys.modules[name]  # another ref's modules (those already loaded keep working)
+    _SEARCH_AT[ref] = importlib.import_module(f"{package}.search")
+    return _SEARCH_AT[ref]
 
 
 def qkv_engines(

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
+from qkv.cli.options import positive_int
 from qkv.runtime.machine import environment
 
 OUT = Path(__file__).resolve().parent / "results" / "deploy" / "decoding_products.json"
@@ -147,13 +148,15 @@ def measure(shapes: dict[str, tuple[int, int]], layers: int, rows: int, threads:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--d-model", type=int, default=256, help="model width (default: the Multi30k recipe's 256)")
-    p.add_argument("--d-ff", type=int, default=1024, help="feed-forward width (default 1024)")
-    p.add_argument("--vocab", type=int, default=8000, help="target vocabulary (default 8000)")
-    p.add_argument("--layers", type=int, default=3, help="decoder layers, for the in-step times (default 3)")
-    p.add_argument("--rows", type=int, nargs="+", default=[16, 80], help="rows: sentences x beam (default 16 80)")
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts (default 1 2)")
-    p.add_argument("--rounds", type=int, default=7, help="timing rounds, the median is kept (default 7)")
+    p.add_argument("--d-model", type=positive_int, default=256, help="model width (default: the Multi30k recipe's 256)")
+    p.add_argument("--d-ff", type=positive_int, default=1024, help="feed-forward width (default 1024)")
+    p.add_argument("--vocab", type=positive_int, default=8000, help="target vocabulary (default 8000)")
+    p.add_argument("--layers", type=positive_int, default=3, help="decoder layers, for the in-step times (default 3)")
+    p.add_argument(
+        "--rows", type=positive_int, nargs="+", default=[16, 80], help="rows: sentences x beam (default 16 80)"
+    )
+    p.add_argument("--threads", type=positive_int, nargs="+", default=[1, 2], help="thread counts (default 1 2)")
+    p.add_argument("--rounds", type=positive_int, default=7, help="timing rounds, the median is kept (default 7)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, 16 rows, 1 thread, 1 round: checks the plumbing")
     add_result_options(p, OUT)
     args = p.parse_args(argv)
