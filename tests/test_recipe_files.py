@@ -102,6 +102,7 @@ OLD_TINYSHAKESPEARE = {
         warmup_steps=100,
         lr_factor=0.35,
         schedule="cosine",
+        weight_decay=0.1,  # 1.3.0, chosen on validation (lm_weight_decay_epyc_avx2.json)
         label_smoothing=0.0,
         max_minutes=30.0,
         eval_every_minutes=2.0,
