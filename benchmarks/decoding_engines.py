@@ -12,12 +12,21 @@ folder under /tmp, then decodes the run's test set (Multi30k: test 2016) with
 at every --threads count (torch.set_num_threads, CTranslate2's intra_threads, onnxruntime's
 intra_op_num_threads). Every engine gets the same batches: the sentences sorted by length and cut
 into batches of --batch-size sentences (16), and the same length limit per batch (the longest source
-+ 50 tokens, capped by the positional table). Timing is interleaved: in each repeat the engines take
-turns batch by batch (the order rotated every batch), so that load from other processes hits them
-alike; an engine's time is the median over repeats of its summed batches. To keep the run short only
-about --timed-sentences sentences (240: 15 of the batches, spread evenly from the shortest to the
-longest) are timed; BLEU (sacreBLEU, qkv.metrics) is scored on all --sentences sentences, decoded once
-at the last --threads count.
++ 50 tokens, capped by the positional table). To keep the run short only about --timed-sentences
+sentences (240: 15 of the batches, spread evenly from the shortest to the longest) are timed; BLEU
+(sacreBLEU, qkv.metrics) is scored on all --sentences sentences, decoded once at the last --threads count.
+
+Each engine is timed in a process of its own, alone. PyTorch and CTranslate2 each bring their own
+OpenMP runtime (two copies of libgomp): once PyTorch has run one 2-thread operation in a process,
+CTranslate2 at intra_threads=2 in that process ran about 4 times slower (1.17 s alone, 4.8 s after one
+torch operation), and onnxruntime's threads spin after their work by default. So, at each thread
+count, every engine gets a worker process (spawned, not forked) that builds it at that count; a
+CTranslate2 or onnxruntime worker runs no torch operation (the parent tokenizes and sends plain lists
+of ids). In each repeat the engines take turns engine by engine, the order rotated each repeat: one
+worker decodes all the timed batches, timing each batch's decoding itself (perf_counter, summed),
+while every other worker waits blocked on its pipe, and 0.2 s pass between two engines so that the
+last one's idle threads have stopped spinning. An engine's time is the median over repeats. Two
+batches are decoded untimed first (warm-up); the BLEU pass runs in the workers too.
 
 Writes benchmarks/results/deploy/decoding_engines.json: per thread count and engine sentences/s,
 target tokens/s (the tokens the engine itself produced, EOS excluded) and its time over CTranslate2
@@ -34,17 +43,24 @@ translations stayed the same.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import multiprocessing
+import multiprocessing.connection
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from types import MappingProxyType, ModuleType
+from typing import Any, NamedTuple
 
 import torch
 
@@ -61,7 +77,13 @@ from qkv.runtime.machine import environment
 
 OUT = Path(__file__).resolve().parent / "results" / "deploy" / "decoding_engines.json"
 EXTRA_LEN = 50  # qkv's length limit: source length + 50 (the exports' too)
+PAUSE_S = 0.2  # between two engines' passes: the last one's idle threads stop spinning
+TIMING = (
+    "each engine in a process of its own (spawned, built at the thread count), timed alone: "
+    f"engines in turn, order rotated each repeat, {PAUSE_S} s apart; the worker sums its batches' decoding times"
+)
 Decoder = Callable[[list[list[int]]], list[list[int]]]  # one batch of source ids -> ids per sentence
+Batches = list[list[list[int]]]  # batches of sentences' source ids, as the workers get them
 logger = logging.getLogger("decoding_engines")
 
 
@@ -282,37 +304,281 @@ def decode_all(decode: Decoder, ids: list[list[int]], batches: list[list[int]]) 
     return out
 
 
-def time_engines(
-    engines: dict[str, Decoder], ids: list[list[int]], batches: list[list[int]], repeats: int
-) -> dict[str, dict[str, Any]]:
-    """Each engine over ``batches``: one untimed pass over two batches (warm-up), then ``repeats`` timed
-    passes. Within a pass the engines take turns batch by batch (the order rotated every batch), so
-    that a burst of load from other processes, which lasts seconds, falls on every engine alike; an
-    engine's time for the pass is the sum over its batches. Returns per engine its times, median,
-    sentences/s and tokens/s."""
-    names = list(engines)
-    outputs = {name: decode_all(engines[name], ids, batches[:2]) for name in names}  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in names}
-    turn = 0
-    for r in range(repeats):
-        total = dict.fromkeys(names, 0.0)
-        for batch in batches:
-            turn += 1
-            for name in names[turn % len(names) :] + names[: turn % len(names)]:
+# --------------------------------------------------------------------------- engines in worker processes
+
+
+class EngineFailed(RuntimeError):
+    """An engine's worker raised (building or decoding) or died; the message names the engine, on one line."""
+
+
+class EngineSpec(NamedTuple):
+    """How a worker process builds the engine ``name``: ``build(threads, **kwargs)`` returns engines by name
+    (as :func:`qkv_engines` etc. do), ``name`` among them. ``build`` must be a module-level function of a
+    module the worker can import by name (this one, or one on ``sys.path``: a spawned process imports it
+    anew), and ``kwargs`` plain values (paths, numbers, strings, lists)."""
+
+    name: str
+    build: Callable[..., dict[str, Decoder]]
+    kwargs: Mapping[str, Any] = MappingProxyType({})
+
+
+HOME = "decoding_engines"  # this module's name where a worker imports it
+
+
+def _home() -> ModuleType:
+    """This module as a spawned worker imports it (by name, from the benchmarks folder): the parent hands
+    the workers functions of that module, since a copy loaded from the file under another name, or run as
+    ``__main__``, cannot be pickled by reference."""
+    folder = str(Path(__file__).resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # a spawned process starts with the parent's sys.path
+    return importlib.import_module(HOME)
+
+
+def _reference(build: Callable[..., Any]) -> str:
+    """``module:function`` for a module-level function, the module named as a worker imports it."""
+    qualname = getattr(build, "__qualname__", "")
+    if not qualname or "<" in qualname or "." in qualname:
+        raise ValueError(f"{build!r}: an engine builder must be a module-level function (a worker imports it)")
+    module = HOME if build.__module__ in (__name__, "__main__", HOME) else build.__module__
+    return f"{module}:{qualname}"
+
+
+def _one_line(err: BaseException) -> str:
+    """``Type: message (file:line in function)``, on one line: where in the worker it was raised."""
+    text = str(err).strip().splitlines()
+    where = traceback.extract_tb(err.__traceback__)[-1:] if err.__traceback__ else []
+    at = f" ({Path(where[0].filename).name}:{where[0].lineno} in {where[0].name})" if where else ""
+    return f"{type(err).__name__}: {text[0] if text else ''}{at}"
+
+
+def _worker(conn: Connection, name: str, build: str, kwargs: dict[str, Any], threads: int) -> None:
+    """A worker process: builds engine ``name`` at ``threads`` threads, says ("ready", pid), then decodes
+    the batches of each ("run", batches) it gets, timing each batch's decoding (perf_counter) and answering
+    ("done", {seconds, outputs, pid, start, end}) (start, end: wall clock, time.time()), until ("stop", None)
+    or the parent is gone. An error is answered ("error", one line) and ends the worker. Between two
+    commands the worker is blocked reading its pipe: idle."""
+    try:
+        module, function = build.split(":")
+        engines = getattr(importlib.import_module(module), function)(threads, **kwargs)
+        if name not in engines:
+            raise LookupError(f"{build} made no engine {name!r} (it made {', '.join(engines) or 'none'})")
+        decode = engines[name]
+        conn.send(("ready", os.getpid()))
+        while True:
+            try:
+                command, batches = conn.recv()
+            except EOFError:
+                return  # the parent is gone
+            if command == "stop":
+                return
+            outputs, seconds = [], 0.0
+            start_wall = time.time()
+            for batch in batches:
                 start = time.perf_counter()
-                outputs[name] |= decode_all(engines[name], ids, [batch])
-                total[name] += time.perf_counter() - start
-        for name in names:
-            times[name].append(total[name])
-        logger.info("repeat %d/%d: %s", r + 1, repeats, {n: round(t[-1], 2) for n, t in times.items()})
-    sentences = sum(len(b) for b in batches)
-    results = {}
+                out = decode(batch)
+                seconds += time.perf_counter() - start
+                outputs.append(out)
+            end_wall = time.time()
+            outputs = [[[int(t) for t in sentence] for sentence in out] for out in outputs]
+            conn.send(("done", dict(seconds=seconds, outputs=outputs, pid=os.getpid(), start=start_wall, end=end_wall)))
+    except KeyboardInterrupt:
+        return  # Ctrl-C reaches the workers too: the parent reports it
+    except Exception as err:  # sent back: the parent fails naming the engine
+        with contextlib.suppress(OSError):
+            conn.send(("error", _one_line(err)))
+    finally:
+        conn.close()
+
+
+class EngineWorkers:
+    """One spawned worker process per engine of ``specs``, each building its engine at ``threads`` threads.
+    A context manager: on entry every worker is started and has built its engine; on exit (or a failure)
+    every worker is stopped, terminated if it does not stop. :meth:`run` has one engine decode while the
+    other workers wait."""
+
+    def __init__(self, specs: Sequence[EngineSpec], threads: int) -> None:
+        names = [spec.name for spec in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine names repeat: {names}")
+        self.specs, self.threads = list(specs), threads
+        self.processes: dict[str, BaseProcess] = {}
+        self.pids: dict[str, int] = {}
+        self._conns: dict[str, Connection] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return [spec.name for spec in self.specs]
+
+    def __enter__(self) -> EngineWorkers:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Starts every worker, then waits until each has built its engine."""
+        context = multiprocessing.get_context("spawn")
+        target = _home()._worker
+        for spec in self.specs:
+            ours, theirs = context.Pipe()
+            args = (theirs, spec.name, _reference(spec.build), dict(spec.kwargs), self.threads)
+            process = context.Process(target=target, args=args, name=f"engine {spec.name}", daemon=True)
+            self._conns[spec.name] = ours
+            self.processes[spec.name] = process
+            process.start()
+            theirs.close()  # the worker's end: closed here, so that its death reads as the end of the pipe
+        for name in self.names:
+            self.pids[name] = self._receive(name, "building")
+
+    def run(self, name: str, batches: Batches) -> dict[str, Any]:
+        """Engine ``name`` decodes ``batches`` (each a list of sentences' ids): its summed decoding time
+        ``seconds``, ``outputs`` (per batch the ids per sentence), its ``pid`` and the wall-clock ``start``
+        and ``end`` of the pass."""
+        with contextlib.suppress(OSError):  # the worker is gone: _receive says how
+            self._conns[name].send(("run", batches))
+        return self._receive(name, "decoding")
+
+    def _receive(self, name: str, doing: str) -> Any:
+        conn, process = self._conns[name], self.processes[name]
+        message = None
+        if conn in multiprocessing.connection.wait([conn, process.sentinel]):
+            with contextlib.suppress(EOFError):  # the worker is gone
+                message = conn.recv()
+        if message is None:
+            process.join(5)
+            raise EngineFailed(f"engine {name}: its worker ended while {doing} (exit code {process.exitcode})")
+        kind, payload = message
+        if kind == "error":
+            raise EngineFailed(f"engine {name} failed in its worker while {doing}: {payload}")
+        return payload
+
+    def close(self) -> None:
+        """Stops every worker: asks, then terminates, then kills those still running."""
+        for conn in self._conns.values():
+            with contextlib.suppress(OSError):
+                conn.send(("stop", None))
+        deadline = time.monotonic() + 10
+        for process in self.processes.values():
+            if process.pid is None:
+                continue  # never started
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for conn in self._conns.values():
+            conn.close()
+
+
+def _qkv_at(threads: int, run: str, beam: int, alpha: float, with_gnmt: bool, before: str | None) -> dict[str, Decoder]:
+    """A worker's qkv engines: the run loaded here, torch at ``threads`` threads; ``before``: qkv's decoding
+    as it was at that git ref (the engines named ``..._before``)."""
+    model, tok, _ = load_run(run, "model", task="translation")
+    model.eval()
+    torch.set_num_threads(threads)
+    search = search_at(before) if before else None
+    return qkv_engines(model, tok, beam, alpha, with_gnmt, search, "_before" if before else "")
+
+
+def _hf_at(threads: int, folder: Path, beam: int, alpha: float, pad: int, eos: int, max_len: int) -> dict[str, Decoder]:
+    """A worker's Hugging Face engines, torch at ``threads`` threads."""
+    torch.set_num_threads(threads)
+    return hf_engines(folder, beam, alpha, pad, eos, max_len)
+
+
+def _ct2_at(threads: int, kind: str, folder: Path, beam: int, alpha: float) -> dict[str, Decoder]:
+    """A worker's CTranslate2 engines of one compute type (no torch operation runs in this process)."""
+    return ct2_engines({f"ct2_{kind}": folder}, threads, beam, alpha)
+
+
+def _ort_at(threads: int, folder: Path) -> dict[str, Decoder]:
+    """A worker's onnxruntime engine (no torch operation runs in this process)."""
+    return ort_engines({"onnx": folder}, threads)
+
+
+def engine_specs(
+    args: argparse.Namespace, exports: dict[str, Path | str], alpha: float, pad: int, eos: int, max_len: int
+) -> list[EngineSpec]:
+    """Every engine (those of --engines only, where given), each to be built in a worker of its own."""
+    specs: list[EngineSpec] = []
+    searches = ["greedy", "beam"] + (["beam_gnmt"] if args.with_gnmt else [])
+    qkv = dict(run=str(args.run), beam=args.beam, alpha=alpha, with_gnmt=args.with_gnmt)
+    for before, suffix in [(None, "")] + ([(args.before, "_before")] if args.before else []):
+        specs += [EngineSpec(f"qkv_{s}{suffix}", _qkv_at, dict(qkv, before=before)) for s in searches]
+    hf = exports.get("hf")
+    if isinstance(hf, Path):
+        kw = dict(folder=hf, beam=args.beam, alpha=alpha, pad=pad, eos=eos, max_len=max_len)
+        specs += [EngineSpec(f"hf_{s}", _hf_at, kw) for s in ("greedy", "beam")]
+    for kind in ("float32", "int8"):
+        folder = exports.get(f"ct2_{kind}")
+        if isinstance(folder, Path):
+            kw = dict(kind=kind, folder=folder, beam=args.beam, alpha=alpha)
+            specs += [EngineSpec(f"ct2_{kind}_{s}", _ct2_at, kw) for s in ("greedy", "beam")]
+    onnx = exports.get("onnx")
+    if isinstance(onnx, Path):
+        specs.append(EngineSpec("onnxruntime_greedy", _ort_at, dict(folder=onnx)))
+    if args.engines:
+        specs = [s for s in specs if s.name in args.engines]
+    return specs
+
+
+def batch_ids(ids: list[list[int]], batches: list[list[int]]) -> Batches:
+    """``batches`` of indices into ``ids`` as the sentences' ids themselves (what a worker gets)."""
+    return [[ids[i] for i in batch] for batch in batches]
+
+
+def by_sentence(batches: list[list[int]], outputs: Batches) -> dict[int, list[int]]:
+    """A worker's ``outputs`` (per batch, per sentence) by sentence index."""
+    return {i: out for batch, outs in zip(batches, outputs, strict=True) for i, out in zip(batch, outs, strict=True)}
+
+
+def timed_passes(
+    workers: EngineWorkers, batches: Batches, repeats: int, pause: float = PAUSE_S
+) -> dict[str, list[dict[str, Any]]]:
+    """Every engine over ``batches``: one untimed pass over two batches (warm-up), then ``repeats`` timed
+    passes. The engines take turns engine by engine (the order rotated every repeat), ``pause`` seconds
+    apart: one decodes while the others wait blocked. Per engine its passes (:meth:`EngineWorkers.run`)."""
+    names = workers.names
+    if not names:
+        return {}
     for name in names:
-        median = statistics.median(times[name])
+        time.sleep(pause)
+        workers.run(name, batches[:2])
+    passes: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for r in range(repeats):
+        turn = r % len(names)
+        for name in names[turn:] + names[:turn]:
+            time.sleep(pause)
+            passes[name].append(workers.run(name, batches))
+        logger.info("repeat %d/%d: %s", r + 1, repeats, {n: round(p[-1]["seconds"], 2) for n, p in passes.items()})
+    return passes
+
+
+def time_engines(
+    workers: EngineWorkers, ids: list[list[int]], batches: list[list[int]], repeats: int, pause: float = PAUSE_S
+) -> dict[str, dict[str, Any]]:
+    """Every engine of ``workers`` over ``batches`` (indices into ``ids``), each alone in its process
+    (:func:`timed_passes`). Returns per engine its times, median, sentences/s and tokens/s, its time over
+    CTranslate2 float32's with the same search and, beside an engine ``..._before``, the speed-up over it."""
+    passes = timed_passes(workers, batch_ids(ids, batches), repeats, pause)
+    sentences = sum(len(b) for b in batches)
+    results, outputs = {}, {}
+    for name, runs in passes.items():
+        times = [p["seconds"] for p in runs]
+        outputs[name] = by_sentence(batches, runs[-1]["outputs"])
+        median = statistics.median(times)
         tokens = sum(len(o) for o in outputs[name].values())
         results[name] = dict(
             median_s=round(median, 4),
-            times_s=[round(t, 4) for t in times[name]],
+            times_s=[round(t, 4) for t in times],
             sentences=sentences,
             target_tokens=tokens,
             sentences_per_s=round(sentences / median, 2),
@@ -326,24 +592,6 @@ def time_engines(
             r["speedup_over_before"] = round(before["median_s"] / r["median_s"], 3)
             r["same_output_as_before"] = outputs[name] == outputs[f"{name}_before"]
     return results
-
-
-def engines_at(
-    threads: int, args: argparse.Namespace, model: Any, tok: Any, exports: dict[str, Path | str], alpha: float
-) -> dict[str, Decoder]:
-    """Every engine, set to ``threads`` threads (torch's for qkv and Hugging Face)."""
-    torch.set_num_threads(threads)
-    engines = qkv_engines(model, tok, args.beam, alpha, args.with_gnmt)
-    if args.before:
-        engines |= qkv_engines(model, tok, args.beam, alpha, args.with_gnmt, search_at(args.before), "_before")
-    hf = exports.get("hf")
-    if isinstance(hf, Path):
-        engines |= hf_engines(hf, args.beam, alpha, model.config.pad_id, tok.eos_id, model.config.max_len)
-    engines |= ct2_engines(exports, threads, args.beam, alpha)
-    engines |= ort_engines(exports, threads)
-    if args.engines:
-        engines = {n: e for n, e in engines.items() if n in args.engines}
-    return engines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -370,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
             beam=args.beam,
             alpha=alpha,
             qkv_beam_penalty="power (len ** alpha, as Hugging Face and CTranslate2)",
+            timing=TIMING,
             repeats=args.repeats,
             sentences_bleu=len(ids),
             sentences_timed=sum(len(b) for b in timed),
@@ -381,11 +630,17 @@ def main(argv: list[str] | None = None) -> int:
         ),
         threads={},
     )
-    for threads in args.threads:
-        engines = engines_at(threads, args, model, tok, exports, alpha)
-        logger.info("%d thread(s): timing %s", threads, ", ".join(engines))
-        report["threads"][str(threads)] = time_engines(engines, ids, timed, args.repeats)
-    report["engines"] = quality(engines, ids, batches, src, refs, tok, config)
+    specs = engine_specs(args, exports, alpha, model.config.pad_id, tok.eos_id, model.config.max_len)
+    try:
+        for threads in args.threads:
+            logger.info("%d thread(s): starting a worker per engine: %s", threads, ", ".join(s.name for s in specs))
+            with EngineWorkers(specs, threads) as workers:
+                report["threads"][str(threads)] = time_engines(workers, ids, timed, args.repeats)
+                if threads == args.threads[-1]:
+                    report["engines"] = quality(workers, ids, batches, src, refs, tok, config)
+    except EngineFailed as err:
+        print(f"decoding_engines: {err}", file=sys.stderr)
+        return 1
     report["headline"] = headline(report)
     report["machine"] = environment()
     write_result(args.out, report, ["benchmarks/decoding_engines.py", *(sys.argv[1:] if argv is None else argv)])
@@ -394,26 +649,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def quality(
-    engines: dict[str, Decoder],
+    workers: EngineWorkers,
     ids: list[list[int]],
     batches: list[list[int]],
     src: list[str],
     refs: list[str],
     tok: Any,
     config: dict,
+    pause: float = PAUSE_S,
 ) -> dict[str, dict[str, Any]]:
-    """Every engine over all sentences (at the last thread count): BLEU, and the share of translations
-    equal to qkv's with the same search."""
+    """Every engine over all sentences, each in its worker (at the workers' thread count, engines in
+    turn): BLEU, and the share of translations equal to qkv's with the same search."""
     lang = target_language(config.get("data") or {}, None)
     texts: dict[str, list[str]] = {}
     out: dict[str, dict[str, Any]] = {}
-    for name, decode in engines.items():
+    sentences = batch_ids(ids, batches)
+    for name in workers.names:
         if name.endswith("_before"):  # the same translations as today's (time_engines compares them)
             continue
-        start = time.perf_counter()
-        result = decode_all(decode, ids, batches)
-        seconds = time.perf_counter() - start
-        texts[name] = [tok.decode(result[i]) for i in range(len(ids))]
+        time.sleep(pause)
+        result = workers.run(name, sentences)
+        decoded, seconds = by_sentence(batches, result["outputs"]), result["seconds"]
+        texts[name] = [tok.decode(decoded[i]) for i in range(len(ids))]
         scores = score_translations(texts[name], refs, target_lang=lang)
         out[name] = dict(bleu=round(scores["bleu"], 2), chrf=round(scores["chrf"], 2), full_pass_s=round(seconds, 2))
         logger.info("%s: BLEU %.2f (%.1f s)", name, scores["bleu"], seconds)

@@ -1,6 +1,7 @@
-"""The fast decoding path (qkv.decoding.steps.FastSteps, qkv.decoding.packed_linear) against the plain one:
-PackedLinear = F.linear, FastSteps' logits = Transformer.decode's step by step (row selection included),
-greedy/beam outputs = the plain path's, and the plain path wherever the fast one does not apply."""
+"""The fast decoding path (qkv.decoding.steps.FastSteps and encode, qkv.decoding.packed_linear) against the
+plain one: PackedLinear = F.linear, FastSteps' logits = Transformer.decode's step by step (row selection
+included), encode's memory = Transformer.encode's, greedy/beam outputs = the plain path's, and the plain
+path wherever the fast one does not apply."""
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from qkv.data.batching import pad_sequences
 from qkv.decoding.ensemble import Ensemble
 from qkv.decoding.packed_linear import PackedLinear, fuse
 from qkv.decoding.search import argmax_rows, beam_search, greedy_decode
-from qkv.decoding.steps import FastSteps, PlainSteps, decoder_steps
+from qkv.decoding.steps import FastSteps, PlainSteps, decoder_steps, encode
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.nn.layers import ACTIVATIONS
 
@@ -68,6 +69,27 @@ def test_fused_products_equal_separate_ones(pack_everything):
     x = torch.randn(7, 16)
     want = torch.cat([F.linear(x, w, b) for w, b in pairs], dim=1)
     torch.testing.assert_close(fuse(*pairs)(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_products_are_built_once_and_again_after_a_change(pack_everything):
+    """A decoding call fuses the model's q/k/v weights: the same unchanged weights give the same product
+    (concatenated and packed once); a weight changed in place gives a new one, with the new values."""
+    pairs = [(torch.randn(24, 16), torch.randn(24)), (torch.randn(8, 16), None)]
+    x = torch.randn(5, 16)
+    first = fuse(*pairs)
+    assert fuse(*pairs) is first
+    with torch.no_grad():
+        pairs[1][0].mul_(3.0)
+    again = fuse(*pairs)
+    assert again is not first
+    torch.testing.assert_close(again(x), torch.cat([F.linear(x, w, b) for w, b in pairs], dim=1), atol=1e-5, rtol=1e-5)
+    assert fuse(pairs[0]) is not again  # other weights fused with the same first one: another product
+
+
+@pytest.mark.parametrize("capability,packs_all", [("AVX512", True), ("AMX", True), ("AVX2", False), ("DEFAULT", False)])
+def test_every_weight_is_packed_where_the_cpu_has_avx512(monkeypatch, capability, packs_all):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert packed_linear._wide_vectors() == packs_all
 
 
 def test_packed_linear_falls_back_to_f_linear(pack_everything, monkeypatch):
@@ -132,6 +154,68 @@ def test_fast_steps_equal_plain_steps_with_row_selection(pack_everything, option
                 fast.select(index, index)
                 plain.select(index, index)
                 tokens = tokens[index]
+
+
+@pytest.mark.parametrize("options", MODELS)
+def test_fast_encoder_equals_transformer_encode(pack_everything, options):
+    model, src = _model(3, **options), _sources(4)
+    with torch.inference_mode():
+        got, want = encode(model, src), model.encode(src)
+    assert torch.equal(got.key_padding_mask, want.key_padding_mask) and got.attentions is None
+    torch.testing.assert_close(got.hidden, want.hidden, atol=1e-5, rtol=1e-5)  # padded positions too
+
+
+def test_the_encoder_runs_as_a_module_wherever_the_fast_path_does_not_apply():
+    """A hook on an encoder layer sees it run; so does every case FastSteps leaves to the plain path."""
+    model, src = _model(9), _sources(10)
+    calls: list[str] = []
+    with torch.inference_mode():
+        assert steps.fast_encoder_applies(model)
+        handle = model.encoder.layers[0].register_forward_hook(lambda *args: calls.append("hook"))
+        torch.testing.assert_close(encode(model, src).hidden, model.encode(src).hidden)
+        handle.remove()
+        assert calls == ["hook", "hook"]  # encode's call and model.encode's
+        with use_backend("reference"):
+            assert not steps.fast_encoder_applies(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not steps.fast_encoder_applies(model)
+        model.train()
+        assert not steps.fast_encoder_applies(model)
+        model.eval()
+        assert not steps.fast_encoder_applies(_model(9).double())
+        ensemble = Ensemble([model, _model(8)])
+        torch.testing.assert_close(encode(ensemble, src).hidden, ensemble.encode(src).hidden)
+
+
+@pytest.mark.parametrize("options", MODELS)
+def test_fast_steps_equal_plain_steps_with_beams_sharing_a_memory_row(pack_everything, options):
+    """Beam search's selections: each sentence's row repeated k times (the memory too), beams reordered
+    within their sentence, a sentence leaving. FastSteps keeps the memory once per sentence and
+    attends with the k beams as k queries; the logits stay the plain path's."""
+    model, src = _model(11, **options), _sources(12)
+    k, b = 3, src.size(0)
+    with torch.inference_mode():
+        memory = model.encode(src)
+        fast, plain = decoder_steps(model, memory), PlainSteps(model, memory)
+        tokens = torch.full((b, 1), BOS)
+        beams = torch.arange(b).repeat_interleave(k)
+        selections = [
+            (beams, beams),  # every sentence's row k times
+            (torch.tensor([2, 0, 0, 3, 4, 5, 8, 8, 7, 9, 10, 11, 14, 13, 12]), None),  # beams within a sentence
+            (torch.tensor([0, 1, 2, 6, 7, 8, 12, 13, 14]), torch.tensor([0, 1, 2, 6, 7, 8, 12, 13, 14])),  # 1, 3 leave
+            (torch.tensor([1, 1, 1, 3, 4, 5, 6, 7, 8]), None),
+            (torch.tensor([4, 7]), torch.tensor([4, 7])),  # a row of two sentences each: a memory row a row
+        ]
+        for index, memory_index in selections:
+            got, want = fast(tokens), plain(tokens)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            tokens = torch.cat([tokens, want.argmax(-1, keepdim=True)], dim=1)[index]
+            fast.select(index, memory_index)
+            plain.select(index, memory_index)
+            if memory_index is beams:
+                assert fast.layers[0].cross_key.size(0) == b  # once per sentence, not k times
+        assert fast.layers[0].cross_key.size(0) == 2
+        torch.testing.assert_close(fast(tokens), plain(tokens), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("options", MODELS)

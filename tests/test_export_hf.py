@@ -103,7 +103,9 @@ def test_marian_logits_equal_qkv_logits_teacher_forced(dates_export):
         ours = model(src, tgt)
         theirs = hf(input_ids=src, attention_mask=src != 0, decoder_input_ids=tgt).logits
     real = tgt != 0  # padded target positions compute garbage on both sides
-    torch.testing.assert_close(theirs[real], ours[real], atol=1e-5, rtol=0)
+    # 1e-5, plus 1e-5 of the logit's size: Marian's residual dimensions are qkv's permuted, so every product
+    # sums in another order; on an AVX512 EPYC one logit of 1.5 differed by 1.4e-5 (9.5e-6 of it)
+    torch.testing.assert_close(theirs[real], ours[real], atol=1e-5, rtol=1e-5)
 
 
 def test_marian_greedy_generate_equals_qkv_greedy_decode(dates_export):

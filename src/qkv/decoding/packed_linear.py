@@ -9,9 +9,13 @@ weight the first time it is built for it (again after the weight changed in plac
 through oneDNN; it computes ``F.linear(x, weight, bias)`` up to float32 rounding (the
 sums are taken in another order), which tests/test_decoding_speedpath.py holds to 1e-5.
 
-Only large weights (:data:`MIN_WEIGHT` elements and more: the vocabulary projection) are packed: on
-16-80 rows the packed product took 0.55-0.65x of ``F.linear``'s time for the 256 x 8,000 projection
-but 0.9-1.4x for the 256 x 256-1,024 ones (1 thread, the 2-core EPYC under load from other jobs).
+Which weights are packed depends on the CPU's vector width (:data:`MIN_WEIGHT`). With AVX2 only, large
+weights alone (the vocabulary projection): on 16-80 rows the packed product took 0.55-0.65x of
+``F.linear``'s time for the 256 x 8,000 projection but 0.9-1.4x for the 256 x 256-1,024 ones (1 thread,
+the 2-core AVX2 EPYC). With AVX512, every weight: oneDNN computes with AVX512 there, while the MKL in
+PyTorch's wheels does not on AMD CPUs, and packing every weight of the decoder (and the encoder) took
+Multi30k's greedy decoding from 1.56x CTranslate2 float32's time to 1.31x, beam search from 1.58x to
+1.22x (1 thread, a 2-core AVX512 EPYC; docs/deploy.md).
 
 oneDNN's packed product is a private PyTorch operator (``torch.ops.mkldnn``): where it is missing,
 refuses the weight, or disagrees with ``F.linear`` on a probe, :class:`PackedLinear` falls back to
@@ -33,8 +37,17 @@ from qkv.nn.layers import ACTIVATIONS
 
 logger = logging.getLogger(__name__)
 
+
+def _wide_vectors() -> bool:
+    """Whether PyTorch's kernels run with AVX512 (or wider) on this CPU."""
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    return capability.startswith("AVX512") or capability.startswith("AMX")
+
+
 PACK = True  # False: every PackedLinear runs F.linear (to measure what packing buys)
-MIN_WEIGHT = 1 << 20  # smaller weights (i * o elements) stay with F.linear (see the module docstring)
+# smaller weights (i * o elements) stay with F.linear: with AVX2 all but the vocabulary projection, with
+# AVX512 none (see the module docstring)
+MIN_WEIGHT = 0 if _wide_vectors() else 1 << 20
 _PROBE_TOLERANCE = 1e-4  # relative to the largest output on the probe
 # weight -> ((its version, its data's address) when packed, its packed form or None): a model's weights are packed once, not on
 # every decoding call, and again once they change in place (an optimizer step bumps the version)
@@ -122,11 +135,28 @@ class PackedLinear:
         return y if self.activation is None else ACTIVATIONS[self.activation](y)
 
 
+# a model's first weight of a fused product -> (the state of every weight and bias fused, the product):
+# the concatenated weight is built (and packed) once, not on every decoding call
+_FUSED: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
 def fuse(*pairs: tuple[Tensor, Tensor | None]) -> PackedLinear:
     """One :class:`PackedLinear` computing several same-input products at once (their outputs side by
-    side): ``pairs`` of ``(weight (o_j, i), bias (o_j,) or None)``; a missing bias counts as zeros."""
+    side): ``pairs`` of ``(weight (o_j, i), bias (o_j,) or None)``; a missing bias counts as zeros. The
+    same weights (unchanged since) give the same product again, built and packed once."""
+    parts = [t for pair in pairs for t in pair if t is not None]
+    state = None if any(t.is_inference() for t in parts) else tuple((t._version, t.data_ptr()) for t in parts)
+    first = pairs[0][0]
+    known, product = _FUSED.get(first, (None, None)) if state is not None else (None, None)
+    if state is not None and known == (state, len(pairs)) and product is not None:
+        return product
     weight = torch.cat([w.detach() for w, _ in pairs])
     if all(b is None for _, b in pairs):
-        return PackedLinear(weight)
-    bias = torch.cat([w.new_zeros(w.size(0)) if b is None else b.detach() for w, b in pairs])
-    return PackedLinear(weight, bias)
+        product = PackedLinear(weight)
+    else:
+        product = PackedLinear(
+            weight, torch.cat([w.new_zeros(w.size(0)) if b is None else b.detach() for w, b in pairs])
+        )
+    if state is not None:
+        _FUSED[first] = ((state, len(pairs)), product)
+    return product

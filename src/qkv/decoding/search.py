@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from qkv.decoding.ensemble import Ensemble
-from qkv.decoding.steps import decoder_steps
+from qkv.decoding.steps import decoder_steps, encode
 from qkv.models.transformer import EncoderOutput, Transformer
 
 
@@ -120,7 +120,7 @@ def greedy_decode(
     Returns:
         one list of token ids per sentence, without BOS and EOS.
     """
-    memory = model.encode(src)
+    memory = encode(model, src)
     b = src.size(0)
     max_len = _max_lengths(memory, extra_len, model.config.max_len - 1)  # (b,)
     tokens = torch.full((b, 1), bos_id, dtype=torch.long, device=src.device)  # (b', t)
@@ -218,7 +218,7 @@ def beam_search(
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
     length_penalty(1, alpha, penalty)  # an unknown form fails here, before any work
-    memory = model.encode(src)
+    memory = encode(model, src)
     max_len = _max_lengths(memory, extra_len, model.config.max_len - 1).tolist()
     finished: list[list[Hypothesis]] = [[] for _ in max_len]
     if max_len:
