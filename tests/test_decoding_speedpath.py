@@ -268,3 +268,46 @@ def test_argmax_rows_equals_torch_argmax_ties_included(rows, vocab, levels, seed
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     x[0, vocab // 2] = float("nan")  # argmax's rule: a NaN counts as the maximum
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_the_fast_path_decodes_with_the_weights_of_now_after_training_steps(pack_everything, tmp_path):
+    """Decoding between training steps (validation) packs the weights; the Trainer's fused AdamW then
+    changes them in place, which PyTorch does not count in their version counters. The next decoding
+    must use the new weights: the fast path's output equals the plain path's after more steps."""
+    from qkv.data.dates import generate_dates
+    from qkv.data.tokenizer import Tokenizer
+    from qkv.training import TrainConfig, Trainer, TranslationTask
+
+    torch.manual_seed(0)
+    pairs = generate_dates(200, seed=3)
+    tokenizer = Tokenizer.train(pairs.src + pairs.tgt, vocab_size=300, split_digits=True)
+    config = TransformerConfig(
+        src_vocab_size=tokenizer.vocab_size,
+        tgt_vocab_size=tokenizer.vocab_size,
+        d_model=32,
+        num_heads=4,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        d_ff=48,
+        dropout=0.0,
+        max_len=48,
+    )
+    task = TranslationTask(tokenizer, pairs, None, max_len=config.max_len, pad_id=config.pad_id)
+    train = TrainConfig(max_tokens=800, warmup_steps=5, max_steps=1, progress=False)
+    trainer = Trainer(Transformer(config), task, train, tmp_path)
+    assert trainer.optimizer.defaults.get("fused")  # the case: weights changed without a version bump
+    src = pad_sequences([tokenizer.encode(s, add_eos=True) for s in pairs.src[:6]], 0)
+    batches = task.batches(0, train.max_tokens, 0)
+    for n in range(3):
+        trainer.step([task.make_batch(batches[n])])
+        model = trainer.model.eval()
+        with torch.inference_mode():
+            fast = encode(model, src)
+            steps_fast = decoder_steps(model, fast)
+            assert isinstance(steps_fast, FastSteps)
+            tokens = torch.full((src.size(0), 1), tokenizer.bos_id)
+            torch.testing.assert_close(fast.hidden, model.encode(src).hidden, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                steps_fast(tokens), PlainSteps(model, model.encode(src))(tokens), atol=1e-4, rtol=1e-4
+            )
+        trainer.model.train()

@@ -132,6 +132,56 @@ def test_speeds_are_measured_once_and_a_foreign_cache_is_measured_again(tmp_path
     assert speeds()(2) == 1234.5 and measured == [32, 16, 64]  # another size is
 
 
+def test_speeds_are_measured_with_the_runs_weight_decay_and_kept_apart(tmp_path, monkeypatch):
+    """A recipe with weight decay trains with AdamW (two parameter groups): its speed is measured with
+    it, and kept under its own key; without weight decay the key is the one Adam runs always had."""
+    seen = []
+    monkeypatch.setattr(budget, "_measure", lambda size, model, task_for, **kw: seen.append(kw["weight_decay"]) or 1.0)
+
+    def speeds(**kw):
+        return measured_speeds(
+            _rule(),
+            MODEL,
+            lambda c: _Task(c).task,
+            vocab_size=65,
+            device=torch.device("cpu"),
+            bf16=False,
+            cache_dir=tmp_path,
+            **kw,
+        )
+
+    speeds()(0)
+    speeds(weight_decay=0.1)(0)
+    speeds(weight_decay=0.1)(0)  # cached
+    assert seen == [0.0, 0.1]
+    plain = budget._speed_key(SIZES[0], MODEL, 65, torch.device("cpu"), False, 0.0)
+    assert plain != budget._speed_key(SIZES[0], MODEL, 65, torch.device("cpu"), False, 0.1)
+
+
+def test_measuring_a_speed_uses_adamw_with_the_weight_decay(monkeypatch):
+    import qkv.training as training
+
+    configs = []
+    original = training.Trainer
+
+    def recording(model, task, config, *args, **kwargs):
+        configs.append(config)
+        return original(model, task, config, *args, **kwargs)
+
+    monkeypatch.setattr(training, "Trainer", recording)
+    task = _Task(16).task
+    budget._measure(
+        SIZES[0],
+        MODEL,
+        lambda c: task,
+        vocab_size=task.tokenizer.vocab_size,
+        device=torch.device("cpu"),
+        bf16=False,
+        weight_decay=0.1,
+    )
+    assert [c.weight_decay for c in configs] == [0.1]
+
+
 def test_measuring_a_speed_leaves_the_random_state_as_it_was():
     task = _Task(16).task
     before = torch.random.get_rng_state()

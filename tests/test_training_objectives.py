@@ -60,19 +60,31 @@ def test_the_fixture_covers_every_scenario_and_the_scenarios_differ():
 def test_each_training_option_takes_the_same_step_as_before_the_objectives(name):
     """One step of each scenario with today's code against the step the code before the move took:
     loss, gradient norm, and per parameter the sum and norm of its clipped gradient and the sum of its
-    updated values, to float32 rounding (the same operations run: they agree to the last bit here)."""
+    updated values, to float32 rounding (the same operations run; on the CPU the fixture was made on
+    they agree to the last bit). Two allowances let it hold on other CPUs (an AVX512 one sums in
+    another order): an attention key bias's gradient is zero in exact arithmetic (it adds the same
+    amount to every score of a query, which softmax ignores), so its recorded gradient is that CPU's
+    rounding and is only checked to be negligible; and Adam's first step moves an element whose
+    gradient is near Adam's epsilon by a rounding-dependent part of the learning rate, so a value sum
+    may move by a tenth of it. bf16 scenarios round in bf16, natively on CPUs with AVX512-BF16 or AMX
+    and emulated elsewhere: their gradients are held to 1% of their norm and their values to 8 steps."""
     before, now = BEFORE["scenarios"][name], STEPS.run_scenario(name)
     assert now["tokens"] == before["tokens"] and now["batch_shapes"] == before["batch_shapes"]
     assert now["lr"] == before["lr"]
     assert now["loss"] == pytest.approx(before["loss"], rel=1e-6)
-    assert now["grad_norm"] == pytest.approx(before["grad_norm"], rel=1e-6)
+    bf16 = "bf16" in name
+    grad_rel, value_abs = (1e-2, 8 * now["lr"]) if bf16 else (1e-6, 1e-6 + 0.1 * now["lr"])
+    assert now["grad_norm"] == pytest.approx(before["grad_norm"], rel=grad_rel)
     assert set(now["params"]) == set(before["params"])
     for key, (grad_sum, grad_norm, value_sum) in before["params"].items():
         got_sum, got_norm, got_value = now["params"][key]
+        if key.endswith("k_proj.bias"):
+            assert got_norm <= 1e-3 * now["grad_norm"], key  # zero but for rounding
+            continue
         # a sum of gradients can be ~0 by cancellation: its tolerance is relative to the gradient's norm
-        assert got_sum == pytest.approx(grad_sum, rel=1e-6, abs=1e-6 * grad_norm + 1e-12), key
-        assert got_norm == pytest.approx(grad_norm, rel=1e-6, abs=1e-12), key
-        assert got_value == pytest.approx(value_sum, rel=1e-6, abs=1e-6), key
+        assert got_sum == pytest.approx(grad_sum, rel=grad_rel, abs=grad_rel * grad_norm + 1e-12), key
+        assert got_norm == pytest.approx(grad_norm, rel=grad_rel, abs=1e-12), key
+        assert got_value == pytest.approx(value_sum, rel=1e-6, abs=value_abs), key
 
 
 # --------------------------------------------------------------------------- objectives by name

@@ -12,10 +12,17 @@ sums are taken in another order), which tests/test_decoding_speedpath.py holds t
 Which weights are packed depends on the CPU's vector width (:data:`MIN_WEIGHT`). With AVX2 only, large
 weights alone (the vocabulary projection): on 16-80 rows the packed product took 0.55-0.65x of
 ``F.linear``'s time for the 256 x 8,000 projection but 0.9-1.4x for the 256 x 256-1,024 ones (1 thread,
-the 2-core AVX2 EPYC). With AVX512, every weight: oneDNN computes with AVX512 there, while the MKL in
-PyTorch's wheels does not on AMD CPUs, and packing every weight of the decoder (and the encoder) took
-Multi30k's greedy decoding from 1.56x CTranslate2 float32's time to 1.31x, beam search from 1.58x to
-1.22x (1 thread, a 2-core AVX512 EPYC; docs/deploy.md).
+the 2-core AVX2 EPYC; packing every weight made the whole decoding slower there). With AVX512, every
+weight: oneDNN computes with AVX512 there, while the MKL in PyTorch's wheels does not on AMD CPUs; with
+it and the rest of qkv 1.4.0's changes, Multi30k's decoding went from 1.57x CTranslate2 float32's time
+to 1.10x (greedy) and from 1.59x to 1.15x (beam 5) at 1 thread on a 2-core AVX512 EPYC
+(benchmarks/results/deploy/decoding_engines_zen5_avx512.json, docs/deploy.md).
+
+A packed weight is known by its tensor, its data's address and its version counter, which PyTorch bumps
+on every in-place change, except that its fused optimizers (``fused=True``) change weights without
+bumping it: qkv's :class:`~qkv.training.Trainer` bumps them itself after such a step. Code of your own
+that changes weights that way (or through ``.data``) between decoding calls should do the same
+(``torch.autograd.graph.increment_version``), or decoding computes with the weights it packed before.
 
 oneDNN's packed product is a private PyTorch operator (``torch.ops.mkldnn``): where it is missing,
 refuses the weight, or disagrees with ``F.linear`` on a probe, :class:`PackedLinear` falls back to

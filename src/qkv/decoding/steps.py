@@ -5,14 +5,18 @@
 * :class:`PlainSteps` calls :meth:`Transformer.decode` (or an :class:`Ensemble`'s) with its KV cache,
   or without one (``use_cache=False``: the whole prefix again every step, the slow reference).
 * :class:`FastSteps`, for a plain float32 :class:`Transformer` on CPU outside autocast, computes the
-  same layers for the one new position with less around them: the large products' weights (the
-  vocabulary projection) packed once for oneDNN (:mod:`qkv.decoding.packed_linear`), the
+  same layers for the one new position with less around them: the weights packed once for oneDNN
+  (:mod:`qkv.decoding.packed_linear`: every one with AVX512, the vocabulary projection's with AVX2), the
   self-attention's three projections and the cross-attention's key/value projections each one
-  product, the memory's padding mask built once (as the scores' addend), and no module calls, shape
-  checks or output records per step. It is inference only and knows only qkv's own layers: a model
-  with anything else in its decoder (a subclass, a hook that records a layer, an attention backend
-  forced by :func:`qkv.attention.backends.use_backend`) gets :class:`PlainSteps`.
+  product, the memory's padding mask built once (as the scores' addend), the memory kept once for a
+  sentence's beams (they attend to it as that many queries), and no module calls, shape checks or
+  output records per step. It is inference only and knows only qkv's own layers: a model with
+  anything else in its decoder (a subclass, a hook that records a layer, an attention backend forced
+  by :func:`qkv.attention.backends.use_backend`) gets :class:`PlainSteps`.
   tests/test_decoding_speedpath.py holds the two to the same logits.
+
+:func:`encode` is the encoder's pass the same way: ``model.encode``'s memory, through packed products
+where FastSteps would apply.
 
 Shape legend: ``b`` rows (sentences, times the beam), ``t`` decoded length, ``d`` d_model, ``h``
 heads, ``d_h`` head size, ``s_src`` source length, ``V`` target vocabulary.

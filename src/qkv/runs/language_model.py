@@ -240,6 +240,7 @@ def _sized_by_budget(
         device=device,
         bf16=bf16,
         cache_dir=default_cache_dir(),
+        weight_decay=train_config.weight_decay,
     )
     c = train_config
     chosen = choose_size(

@@ -167,6 +167,8 @@ class Trainer(Checkpointing):
             group["lr"] = lr
         with signals_held():  # Ctrl-C or SIGTERM here would leave half-updated weights for the checkpoint
             self.optimizer.step()
+            if self.optimizer.defaults.get("fused"):  # its steps leave the version counters, which decoding's
+                torch.autograd.graph.increment_version(params)  # packed weights go by (decoding.packed_linear)
             if self.ema is not None:
                 self.ema.update_parameters(self.model)
             s.step, s.tokens = s.step + 1, s.tokens + int(tokens)

@@ -174,20 +174,30 @@ def measured_speeds(
     device: torch.device,
     bf16: bool,
     cache_dir: Path | None,
+    weight_decay: float = 0.0,
 ) -> Callable[[int], float]:
     """``speed(i)``: size ``i``'s training tokens per second on this machine, measured on first
     use (``WARMUP_STEPS`` untimed and ``TIMED_STEPS`` timed real steps of a fresh model on
-    ``task_for(context)``'s batches) and kept in ``cache_dir/lm_speeds.json`` under a key of the
-    machine, threads, torch, device, precision and size. The cache holds numbers only: anything
+    ``task_for(context)``'s batches, with the run's optimizer: AdamW where ``weight_decay`` is not 0)
+    and kept in ``cache_dir/lm_speeds.json`` under a key of the machine, threads, torch, device,
+    precision, optimizer and size. The cache holds numbers only: anything
     else in it is ignored and measured again."""
     found: dict[int, float] = {}
 
     def speed(i: int) -> float:
         if i not in found:
-            key = _speed_key(rule.sizes[i], model, vocab_size, device, bf16)
+            key = _speed_key(rule.sizes[i], model, vocab_size, device, bf16, weight_decay)
             cached = _read_cache(cache_dir).get(key)
             if cached is None:
-                cached = _measure(rule.sizes[i], model, task_for, vocab_size=vocab_size, device=device, bf16=bf16)
+                cached = _measure(
+                    rule.sizes[i],
+                    model,
+                    task_for,
+                    vocab_size=vocab_size,
+                    device=device,
+                    bf16=bf16,
+                    weight_decay=weight_decay,
+                )
                 _write_cache(cache_dir, key, cached)
             found[i] = cached
         return found[i]
@@ -195,7 +205,7 @@ def measured_speeds(
     return speed
 
 
-def _speed_key(size: dict, model: dict, vocab_size: int, device: torch.device, bf16: bool) -> str:
+def _speed_key(size: dict, model: dict, vocab_size: int, device: torch.device, bf16: bool, weight_decay: float) -> str:
     from qkv.runtime.machine import cpuinfo_fields
 
     cpu = cpuinfo_fields("model name", "cpu family", "model", "flags")
@@ -207,6 +217,8 @@ def _speed_key(size: dict, model: dict, vocab_size: int, device: torch.device, b
         "bf16": bf16,
         "model": {**model, **size, "vocab_size": vocab_size},
     }
+    if weight_decay:  # AdamW's two parameter groups make a step slower than Adam's (keys of Adam runs unchanged)
+        what["optimizer"] = {"weight_decay": weight_decay}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -239,15 +251,25 @@ def _write_cache(cache_dir: Path | None, key: str, value: float) -> None:
 
 
 def _measure(
-    size: dict, model: dict, task_for: Callable[[int], Any], *, vocab_size: int, device: torch.device, bf16: bool
+    size: dict,
+    model: dict,
+    task_for: Callable[[int], Any],
+    *,
+    vocab_size: int,
+    device: torch.device,
+    bf16: bool,
+    weight_decay: float = 0.0,
 ) -> float:
-    """Training tokens per second of a fresh model of ``size``: real steps (forward, backward, Adam)."""
+    """Training tokens per second of a fresh model of ``size``: real steps (forward, backward, the
+    optimizer: Adam, or AdamW with ``weight_decay``)."""
     from qkv.models.causal_lm import CausalLM, CausalLMConfig
     from qkv.training import TrainConfig, Trainer
 
     config = CausalLMConfig(**{**model, **model_values(size), "vocab_size": vocab_size})
     task = task_for(config.context)
-    train = TrainConfig(max_tokens=size.get("max_tokens", 4096), max_steps=1, bf16=bf16, progress=False)
+    train = TrainConfig(
+        max_tokens=size.get("max_tokens", 4096), max_steps=1, bf16=bf16, progress=False, weight_decay=weight_decay
+    )
     # measuring leaves the random state (the run's seeded weights, its dropout) as it found it
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         trainer = Trainer(CausalLM(config).to(device), task, train, None)
