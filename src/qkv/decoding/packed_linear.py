@@ -57,7 +57,8 @@ PACK = True  # False: every PackedLinear runs F.linear (to measure what packing 
 MIN_WEIGHT = 0 if _wide_vectors() else 1 << 20
 _PROBE_TOLERANCE = 1e-4  # relative to the largest output on the probe
 # weight -> ((its version, its data's address) when packed, its packed form or None): a model's weights are packed once, not on
-# every decoding call, and again once they change in place (an optimizer step bumps the version)
+# every decoding call, and again once they change in place (an optimizer step bumps the version; qkv's
+# Trainer bumps it after a fused one, which does not)
 _PACKED_WEIGHTS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 

@@ -148,7 +148,7 @@ def encode(model: Transformer | Ensemble, src: Tensor) -> EncoderOutput:
     if not (FAST and isinstance(model, Transformer) and fast_encoder_applies(model)):
         return model.encode(src)
     real = src != model.config.pad_id  # (b, s_src) True = a real source token
-    addend = torch.zeros(real.shape, dtype=torch.float32).masked_fill_(~real, float("-inf"))[:, None, None, :]
+    addend = _scores_addend(real)
     x = model.src_embed(src)  # (b, s_src, d)
     b, s, d = x.shape
     flat = x.reshape(b * s, d)
@@ -179,6 +179,13 @@ def _encoder_layer(layer: EncoderLayer, x: Tensor, b: int, s: int, addend: Tenso
         return x + ff2(ff1(norm2(x)))
     x = norm1(x + attend(x))
     return norm2(x + ff2(ff1(x)))
+
+
+def _scores_addend(real: Tensor) -> Tensor:
+    """``real (b, s_src)``, True at a real source token -> ``(b, 1, 1, s_src)`` float32 added to the
+    attention scores: 0 at a real token, -inf at padding (attention would build this from a boolean mask
+    on every call)."""
+    return torch.zeros(real.shape, dtype=torch.float32).masked_fill_(~real, float("-inf"))[:, None, None, :]
 
 
 def _layer_norm(norm: nn.LayerNorm) -> Callable[[Tensor], Tensor]:
@@ -256,8 +263,7 @@ class FastSteps:
         assert memory.key_padding_mask is not None  # fast_steps_apply checked it
         # the memory's padding as the scores' addend, built once: given a boolean mask, attention would
         # build this on every call
-        real = memory.key_padding_mask[:, None, None, :]  # (b, 1, 1, s_src) True = a real source token
-        mask = torch.zeros(real.shape, dtype=memory.hidden.dtype).masked_fill_(~real, float("-inf"))
+        mask = _scores_addend(memory.key_padding_mask)
         self.layers = [_FastLayer(layer, memory.hidden, mask) for layer in model.decoder.layers]  # type: ignore[arg-type]
         self.embed, self.final_norm = model.tgt_embed, model.decoder.norm
         self.project = PackedLinear(model.output_proj.weight, model.output_proj.bias)
