@@ -341,3 +341,138 @@ def test_a_folder_that_cannot_be_written_keeps_no_hashes(folder, hashed, monkeyp
     PreparedCorpus(folder).verify()
     PreparedCorpus(folder).verify()
     assert sorted(hashed) == sorted(2 * all_files(folder))
+
+
+# ----------------------------------------------------------------- a forged hash cache
+def flip_a_byte(path):
+    """Change the first byte of ``path`` in place (its lowest bit: an id stays an id of the same
+    vocabulary, so only the hash can tell), as a user with a hex editor would."""
+    with open(path, "r+b") as handle:
+        first = handle.read(1)[0]
+        handle.seek(0)
+        handle.write(bytes([first ^ 1]))
+
+
+def forge_cache(folder, file):
+    """Write ``file``'s size, inode, mtime and ctime as they are now into ``verified.json``, with
+    the manifest's hash: the cache claims the changed file was verified. Returns the entry."""
+    manifest = PreparedCorpus(folder).manifest
+    stat = (folder / file).stat()
+    entry = {
+        "size": stat.st_size,
+        "ino": stat.st_ino,
+        "mtime_ns": stat.st_mtime_ns,
+        "ctime_ns": stat.st_ctime_ns,
+        "sha256": manifest["splits"][file.split(".")[0]]["sha256"][file],
+    }
+    cache = json.loads((folder / CACHE_FILE).read_text(encoding="utf-8"))
+    cache["files"][file] = entry
+    (folder / CACHE_FILE).write_text(json.dumps(cache), encoding="utf-8")
+    return entry
+
+
+def resume(capsys, run):
+    capsys.readouterr()
+    return main(["train", "--run-dir", str(run), "--resume", "--max-steps", "2", "--no-progress"])
+
+
+def test_a_forged_hash_cache_does_not_pass_a_changed_array_on_resume(folder, tmp_path, capsys, hashed):
+    """The run starts on the clean folder (its hashes kept); then one byte of an array changes and
+    verified.json is given the changed file's new size, inode, mtime and ctime beside the
+    manifest's hash. A start trusts the cache, so the forgery is real; the resume hashes the
+    contents and refuses in one line naming the array, writing nothing into the run."""
+    age(folder)
+    run = tmp_path / "run"
+    assert train(capsys, folder, run) == 0
+    original = (folder / "train.tgt.bin").read_bytes()
+    flip_a_byte(folder / "train.tgt.bin")
+    assert (folder / "train.tgt.bin").read_bytes() != original
+    forge_cache(folder, "train.tgt.bin")
+    hashed.clear()
+    PreparedCorpus(folder).verify()  # the premise: the forged entry is one a trusting check accepts
+    assert "train.tgt.bin" not in hashed
+    before = snapshot(run)
+    line = refused(
+        capsys,
+        resume(capsys, run),
+        folder / "train.tgt.bin",
+        "changed since it was prepared",
+        "resuming would not continue",
+    )
+    assert line.count(str(folder / "train.tgt.bin")) == 1
+    assert snapshot(run) == before
+    # the resume dropped the forged entry: a new run on the folder now hashes the file and refuses it
+    assert "train.tgt.bin" not in json.loads((folder / CACHE_FILE).read_text(encoding="utf-8"))["files"]
+    refused(capsys, train(capsys, folder, tmp_path / "another"), folder / "train.tgt.bin", "changed since")
+
+
+def test_a_run_started_on_a_forged_cache_is_refused_at_its_first_resume(folder, tmp_path, capsys):
+    """A first start trusts verified.json (by design: it spares hashing gigabytes at every start),
+    so a forged entry lets a changed array train; but the run records the manifest's fingerprint,
+    that of the data as prepared, so its first resume hashes the array and refuses it."""
+    age(folder)
+    PreparedCorpus(folder).verify()  # the hashes kept, as any earlier run would leave them
+    flip_a_byte(folder / "train.src.bin")
+    forge_cache(folder, "train.src.bin")
+    run = tmp_path / "run"
+    assert train(capsys, folder, run) == 0  # trusted: what verified.json vouches for is not hashed
+    config = json.loads((run / "config.json").read_text(encoding="utf-8"))
+    assert config["prepared"]["fingerprint"] == PreparedCorpus(folder).manifest["fingerprint"]
+    refused(capsys, resume(capsys, run), folder / "train.src.bin", "changed since it was prepared")
+
+
+def test_an_unchanged_folder_resumes_hashing_every_file(folder, tmp_path, capsys, hashed):
+    """A resume hashes every file from its contents even while verified.json vouches for them all,
+    and leaves verified.json as it was (the hashes found are those kept): the next start hashes
+    nothing."""
+    age(folder)
+    run = tmp_path / "run"
+    assert train(capsys, folder, run) == 0
+    hashed.clear()
+    PreparedCorpus(folder).verify()
+    assert hashed == []  # the premise: every file's hash is kept and counts
+    kept = (folder / CACHE_FILE).stat()
+    assert resume(capsys, run) == 0
+    assert sorted(hashed) == all_files(folder)
+    now = (folder / CACHE_FILE).stat()
+    assert (now.st_ino, now.st_mtime_ns) == (kept.st_ino, kept.st_mtime_ns)
+    hashed.clear()
+    PreparedCorpus(folder).verify()
+    assert hashed == []
+
+
+def test_a_forged_cache_in_the_runs_own_copy_is_never_read(tmp_path, capsys):
+    """A run on text keeps its pairs in run/data and no hash cache there: a verified.json put there,
+    vouching for a changed array, is not read by the resume, which refuses the array."""
+    src, tgt = tmp_path / "train.src", tmp_path / "train.tgt"
+    pairs = generate_dates(80, seed=6)
+    src.write_text("\n".join(pairs.src) + "\n", encoding="utf-8")
+    tgt.write_text("\n".join(pairs.tgt) + "\n", encoding="utf-8")
+    run = tmp_path / "run"
+    capsys.readouterr()
+    start = ["train", "--train-src", str(src), "--train-tgt", str(tgt), "--run-dir", str(run), "--vocab-size", "300"]
+    assert main([*start, "--max-steps", "1", *MODEL]) == 0
+    data = run / "data"
+    flip_a_byte(data / "train.tgt.bin")
+    (data / CACHE_FILE).write_text(json.dumps({"format": 1, "files": {}}), encoding="utf-8")
+    forge_cache(data, "train.tgt.bin")
+    refused(capsys, resume(capsys, run), data / "train.tgt.bin", "changed since it was prepared")
+
+
+def test_check_hashes_without_trust_hashes_a_file_the_cache_vouches_for(folder, hashed):
+    """The function the resume uses: with trust_cache=False a valid entry spares nothing, and a
+    forged one neither passes the file nor stays in verified.json."""
+    age(folder)
+    PreparedCorpus(folder).verify()
+    hashed.clear()
+    PreparedCorpus(folder).verify(trust_cache=False)
+    assert sorted(hashed) == all_files(folder)
+    flip_a_byte(folder / "valid.lines")
+    stat = (folder / "valid.lines").stat()
+    os.utime(folder / "valid.lines", ns=(stat.st_atime_ns, stat.st_mtime_ns - HOUR_NS))  # not racy
+    entry = forge_cache(folder, "valid.lines")
+    PreparedCorpus(folder).verify()  # trusted
+    with pytest.raises(ValueError, match=r"valid\.lines: changed since it was prepared"):
+        PreparedCorpus(folder).verify(trust_cache=False)
+    kept = json.loads((folder / CACHE_FILE).read_text(encoding="utf-8"))["files"]["valid.lines"]
+    assert kept["sha256"] == prepared_module.sha256_file(folder / "valid.lines") != entry["sha256"]

@@ -1,7 +1,8 @@
 """Checking that a prepared folder (:mod:`qkv.data.prepared`) holds what its manifest says: each
 split's arrays fit together and the vocabulary (:func:`check_split_arrays`, a window at a time),
 and every file has the manifest's SHA-256 (:func:`check_hashes`), the hashes kept in
-``verified.json`` while the files are unchanged (:class:`HashCache`)."""
+``verified.json`` while the files are unchanged (:class:`HashCache`: trusted when a run starts,
+never when it resumes)."""
 
 from __future__ import annotations
 
@@ -45,18 +46,24 @@ class HashCache:
     folder, so that a folder of gigabytes is hashed once rather than at every run start.
 
     An entry counts while its file's size, inode, mtime and ctime are those recorded; any change
-    means hashing again. A file changed less than two seconds before it was hashed gets no entry:
-    on a filesystem with coarse timestamps, a second change in the same tick would leave the times
-    as they were (git's "racily clean" files). The cache only saves time: a missing, damaged or
-    unwritable ``verified.json`` (a read-only folder) means hashing again, never an error.
+    means hashing again. That is all an entry is trusted for, and anyone who can write the folder
+    can write ``verified.json`` too (the changed file's new size and times beside the manifest's
+    hash): so a run's start (or any check but a resume) trusts it, while a resume hashes every file
+    from its contents (``trust=False``), a forged entry then counting for nothing. A file changed
+    less than two seconds before it was hashed gets no entry: on a filesystem with coarse
+    timestamps, a second change in the same tick would leave the times as they were (git's "racily
+    clean" files). The cache only saves time: a missing, damaged or unwritable ``verified.json`` (a
+    read-only folder) means hashing again, never an error.
 
     Args:
         folder: the prepared folder.
         keep: read and write ``verified.json`` (False: hash every time, write nothing).
+        trust: use a kept hash instead of hashing its unchanged file (False: hash every file, and
+            keep the hashes just computed).
     """
 
-    def __init__(self, folder: Path, *, keep: bool = True) -> None:
-        self.path, self.keep, self.changed = Path(folder) / CACHE_FILE, keep, False
+    def __init__(self, folder: Path, *, keep: bool = True, trust: bool = True) -> None:
+        self.path, self.keep, self.trust, self.changed = Path(folder) / CACHE_FILE, keep, trust, False
         self.entries: dict = self._load() if keep else {}
 
     def _load(self) -> dict:
@@ -70,12 +77,14 @@ class HashCache:
     def sha256(self, name: str, expected: str | None = None) -> str:
         """The SHA-256 of the folder's file ``name``: the kept one while the file is unchanged, else
         computed (and kept unless the file changed just now). With ``expected``, a kept hash is
-        used only if it is that one: a kept hash can spare a hash, never condemn a file."""
+        used only if it is that one: a kept hash can spare a hash, never condemn a file. Without
+        ``trust``, always computed."""
         path = self.path.parent / name
         before = _identity(path)
         entry = self.entries.get(name)
         if (
-            isinstance(entry, dict)
+            self.trust
+            and isinstance(entry, dict)
             and isinstance(entry.get("sha256"), str)
             and expected in (None, entry["sha256"])
             and all(entry.get(key) == value for key, value in before.items())
@@ -84,8 +93,10 @@ class HashCache:
         started = time.time_ns()
         digest = sha256_file(path)
         if self.keep and _identity(path) == before and before["mtime_ns"] < started - RACY_NS:
-            self.entries[name] = {**before, "sha256": digest}
-            self.changed = True
+            fresh = {**before, "sha256": digest}
+            # a resume hashes files whose entry is already this: verified.json is then left as it is
+            self.changed = self.changed or entry != fresh
+            self.entries[name] = fresh
         elif self.entries.pop(name, None) is not None:
             self.changed = True
         return digest
@@ -181,15 +192,30 @@ def _check_ids(ids: Path, index: Path, dtype: np.dtype, count: int, pairs: int, 
             )
 
 
-def check_hashes(folder: Path, expected: dict[str, str], *, cache: bool = True, remedy: str = PREPARE_AGAIN) -> None:
+def check_hashes(
+    folder: Path,
+    expected: dict[str, str],
+    *,
+    cache: bool = True,
+    trust_cache: bool = True,
+    remedy: str = PREPARE_AGAIN,
+) -> None:
     """Check that every file named in ``expected`` has its SHA-256 there, hashing it or using the
-    hash kept in ``verified.json`` while the file is unchanged (``cache``; see :class:`HashCache`).
+    hash kept in ``verified.json`` while the file is unchanged (see :class:`HashCache`).
+
+    Args:
+        folder: the prepared folder.
+        expected: file name -> the SHA-256 it must have.
+        cache: read and write ``verified.json``.
+        trust_cache: use a kept hash for an unchanged file (False: hash every file from its
+            contents, as a resume does, and keep the hashes found).
+        remedy: what the error message tells the user to do.
 
     Raises:
         FileNotFoundError: a file missing.
         ValueError: one line naming the file that changed, and ending with ``remedy``.
     """
-    hashes = HashCache(folder, keep=cache)
+    hashes = HashCache(folder, keep=cache, trust=trust_cache)
     try:
         for file, want in expected.items():
             if not (folder / file).is_file():

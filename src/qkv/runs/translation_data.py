@@ -64,9 +64,11 @@ def open_translation_task(
                 f"{corpus.fingerprint[:12]}, the run's {prepared['fingerprint'][:12]}): resuming would not "
                 "continue the same run; restore it or start a new --run-dir"
             )
-        # the run's own copy keeps no hash cache: nothing is written into a run folder by opening it
+        # every file hashed from its contents: a kept hash (verified.json) is no proof that the
+        # bytes are those the run started on. The run's own copy keeps no hash cache: nothing is
+        # written into a run folder by opening it
         vocab = min(model_config.src_vocab_size, model_config.tgt_vocab_size)
-        corpus.verify(vocab, cache=spec.source == "prepared", remedy=RESUME_REMEDY)
+        corpus.verify(vocab, cache=spec.source == "prepared", trust_cache=False, remedy=RESUME_REMEDY)
         train: ParallelText | PreparedSplit = corpus.split("train")
         valid = corpus.text("valid", tokenizer) if corpus.has("valid") else None
     else:
