@@ -14,10 +14,29 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from qkv.models.options import MAX_VOCAB_SIZE
 from qkv.runtime.fileio import atomic_path
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]
+MIN_VOCAB_SIZE = 256 + len(SPECIALS)  # every byte and the specials
+
+
+def check_vocab_size(vocab_size: object) -> None:
+    """A BPE vocabulary size in ``[MIN_VOCAB_SIZE, MAX_VOCAB_SIZE]`` (``ValueError`` naming it).
+
+    Args:
+        vocab_size: the size asked for.
+    """
+    if (
+        isinstance(vocab_size, bool)
+        or not isinstance(vocab_size, int)
+        or not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE
+    ):
+        raise ValueError(
+            f"vocab_size (--vocab-size) must be an integer from {MIN_VOCAB_SIZE} (256 bytes + 4 specials) "
+            f"to {MAX_VOCAB_SIZE:,}, got {vocab_size!r}"
+        )
 
 
 class Tokenizer:
@@ -55,8 +74,7 @@ class Tokenizer:
             split_digits: keep every digit a token of its own (numbers are then copied digit by
                 digit; the date task uses it).
         """
-        if vocab_size < 260:
-            raise ValueError(f"vocab_size must be >= 260 (256 bytes + 4 specials), got {vocab_size}")
+        check_vocab_size(vocab_size)  # the tokenizers library aborts the process on one it cannot allocate
         backend = _HFTokenizer(models.BPE(unk_token=UNK))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if split_digits:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache
-from qkv.models.options import check_model_options
+from qkv.models.options import check_fits_weights, check_model_options
 from qkv.nn.layers import EncoderLayer
 from qkv.nn.loss import fused_linear_cross_entropy
 from qkv.nn.positional import build_positional_encoding
@@ -53,6 +53,19 @@ class CausalLMConfig:
 
     def __post_init__(self) -> None:
         check_model_options(self, ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "context"))
+
+    def matrix_parameters(self) -> int:
+        """The values of the model's weight matrices, embedding and positional table, counted from
+        the sizes without building anything (biases and layer norms left out: a lower bound of its
+        size, which :func:`~qkv.models.options.check_fits` compares with the memory).
+
+        Returns:
+            The count.
+        """
+        d = self.d_model
+        table = 0 if self.positional == "none" else self.context * d
+        output = 0 if self.tie_output else self.vocab_size * d
+        return self.vocab_size * d + output + table + self.num_layers * (4 * d * d + 2 * d * self.d_ff)
 
     def layer_kwargs(self) -> dict:
         return dict(
@@ -124,6 +137,7 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: CausalLMConfig) -> None:
         super().__init__()
+        check_fits_weights(config.matrix_parameters())
         self.config = config
         d = config.d_model
         self.token_embedding = nn.Embedding(config.vocab_size, d)
@@ -256,16 +270,32 @@ class CausalLM(nn.Module):
         return out
 
 
+# The sampling options' ranges, shared by ``qkv generate`` and ``qkv serve``'s request bodies. A
+# temperature below MIN_TEMPERATURE (other than 0, greedy) or a top-p below MIN_TOP_P rounds to 0 in
+# float32 (1e-300 does) and turns the softmax into NaN; a temperature above MAX_TEMPERATURE flattens
+# any vocabulary qkv holds to uniform noise, and Infinity divides every logit to 0 or NaN.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 100.0
+MIN_TOP_P = 1e-6
+
+
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
     """The sampling options' ranges (``ValueError`` naming the option)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens (--max-new-tokens) must be an integer >= 1, got {max_new_tokens!r}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature (--temperature) must be a finite number >= 0, got {temperature!r}")
+    if not (
+        isinstance(temperature, (int, float))
+        and not isinstance(temperature, bool)
+        and (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)
+    ):
+        raise ValueError(
+            f"temperature (--temperature) must be 0 (greedy) or between {MIN_TEMPERATURE:g} and "
+            f"{MAX_TEMPERATURE:g}, got {temperature!r}"
+        )
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k (--top-k) must be an integer >= 1, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p (--top-p) must be in (0, 1], got {top_p!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and MIN_TOP_P <= top_p <= 1):
+        raise ValueError(f"top_p (--top-p) must be between {MIN_TOP_P:g} and 1, got {top_p!r}")
 
 
 def sample_next(

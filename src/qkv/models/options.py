@@ -3,21 +3,54 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 from typing import Any
+
+import torch
 
 from qkv.nn.layers import ACTIVATIONS
 from qkv.nn.positional import POSITIONAL_KINDS
 
+# The largest sizes a model config takes, declared once: the configs check them (so the Python API,
+# recipes and run folders are bounded too) and qkv train's flags parse with them. Each is far above
+# what is in use, yet refuses a typo's size before any memory is asked for.
+#: vocabulary sizes: the largest vocabularies in use hold about 256k tokens; 2**21 is 8x that
+MAX_VOCAB_SIZE = 2**21
+#: layers of a stack: the deepest Transformers trained hold about 1,000 (DeepNet)
+MAX_LAYERS = 1024
+#: d_model (and so heads, which divide it): the widest published models are about 20k wide
+MAX_WIDTH = 2**16
+#: d_ff: four times MAX_WIDTH, the usual ratio of the feed-forward width to d_model
+MAX_FF_WIDTH = 2**18
+#: max_len / context, the positional table's length: a million tokens, beyond any context trained
+MAX_LENGTH = 2**20
+#: the largest value of each sized field (the fields of both model configs)
+MAX_SIZES = {
+    "src_vocab_size": MAX_VOCAB_SIZE,
+    "tgt_vocab_size": MAX_VOCAB_SIZE,
+    "vocab_size": MAX_VOCAB_SIZE,
+    "num_encoder_layers": MAX_LAYERS,
+    "num_decoder_layers": MAX_LAYERS,
+    "num_layers": MAX_LAYERS,
+    "d_model": MAX_WIDTH,
+    "num_heads": MAX_WIDTH,
+    "d_ff": MAX_FF_WIDTH,
+    "max_len": MAX_LENGTH,
+    "context": MAX_LENGTH,
+}
+
 
 def check_model_options(config: Any, positive: tuple[str, ...]) -> None:
     """The checks every model config shares (``ValueError`` naming the field): the ``positive``
-    integer fields, heads dividing ``d_model``, dropouts in [0, 1), ``layer_norm_eps``, the
-    activation and the positional encoding."""
+    integer fields (each at most its :data:`MAX_SIZES` bound), heads dividing ``d_model``, dropouts
+    in [0, 1), ``layer_norm_eps``, the activation and the positional encoding."""
     for name in positive:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if name in MAX_SIZES and value > MAX_SIZES[name]:
+            raise ValueError(f"{name} must be at most {MAX_SIZES[name]:,}, got {value:,}")
     if config.d_model % config.num_heads != 0:
         raise ValueError(f"d_model ({config.d_model}) must be divisible by num_heads ({config.num_heads})")
     for item in fields(config):  # types as declared: a bool is not a number, "false" not a bool
@@ -42,3 +75,79 @@ def check_model_options(config: Any, positive: tuple[str, ...]) -> None:
         raise ValueError(f"unknown positional encoding {config.positional!r}; choose one of {POSITIONAL_KINDS}")
     if config.positional == "sinusoidal" and config.d_model % 2:
         raise ValueError(f"the sinusoidal encoding needs an even d_model, got {config.d_model}")
+
+
+def memory_bytes(device: torch.device | str | None = None) -> int | None:
+    """The memory of ``device`` in bytes: a CUDA device's total memory, else the machine's physical
+    memory (None where it cannot be read, or for the meta device, which holds nothing).
+
+    Args:
+        device: where the tensors go (None: the CPU).
+
+    Returns:
+        The total memory in bytes, or None.
+    """
+    where = torch.device("cpu" if device is None else device)
+    if where.type == "meta":
+        return None
+    if where.type == "cuda":
+        return int(torch.cuda.get_device_properties(where).total_memory)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # a system without these names (Windows)
+        return None
+
+
+def check_fits(parameters: int, bytes_per_parameter: int, what: str, device: torch.device | str | None) -> None:
+    """Refuse, before anything is allocated, a model whose ``parameters`` need more memory than
+    ``device`` has (``ValueError`` saying how much).
+
+    Args:
+        parameters: the model's parameter count (and its positional table's values).
+        bytes_per_parameter: bytes each needs: 4 for float32 weights; 16 for training with Adam
+            (weights, gradients and the two moments).
+        what: what the memory is for, e.g. "its float32 weights".
+        device: where it would be held (None: the CPU).
+    """
+    where = torch.device("cpu" if device is None else device)
+    if where.type == "meta":  # holds nothing
+        return
+    needed, available = parameters * bytes_per_parameter, memory_bytes(where)
+    if available is not None and needed > available:
+        raise ValueError(
+            f"a model of {parameters:,} parameters needs {needed / 2**30:,.1f} GiB for {what}, more than the "
+            f"{available / 2**30:,.1f} GiB the {where.type} device "
+            "has: choose smaller sizes (d_model, d_ff, layers, vocabulary, max_len/context)"
+        )
+
+
+def check_fits_weights(parameters: int) -> None:
+    """:func:`check_fits` for a model about to be built with torch's default dtype and device (a
+    model built on the meta device holds nothing and passes).
+
+    Args:
+        parameters: the model's :meth:`matrix_parameters`-style count.
+    """
+    dtype = torch.get_default_dtype()
+    check_fits(
+        parameters, dtype.itemsize, f"its {str(dtype).removeprefix('torch.')} weights", torch.get_default_device()
+    )
+
+
+#: bytes each parameter holds in training: float32 weights, their gradients and Adam's two moments
+TRAINING_BYTES = 16
+
+
+def check_trainable(parameters: int, device: torch.device | str | None, strategy: str = "ddp") -> None:
+    """:func:`check_fits` for training a model of ``parameters`` on ``device``, called before the
+    model is built or its run folder written (activations come on top: this refuses only what
+    cannot fit at all).
+
+    Args:
+        parameters: the model's ``matrix_parameters()``.
+        device: where it trains.
+        strategy: TrainConfig's ``strategy``; fsdp shards the state over the processes, so each
+            holds a share and the whole is not checked.
+    """
+    if strategy != "fsdp":
+        check_fits(parameters, TRAINING_BYTES, "training (float32 weights, gradients and Adam's two moments)", device)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache
-from qkv.models.options import check_model_options
+from qkv.models.options import check_fits_weights, check_model_options
 from qkv.nn.dropout import Dropout
 from qkv.nn.layers import DecoderLayer, EncoderLayer
 from qkv.nn.loss import fused_linear_cross_entropy
@@ -67,6 +67,28 @@ class TransformerConfig:
                 "share_embeddings needs one vocabulary, got "
                 f"src_vocab_size={self.src_vocab_size}, tgt_vocab_size={self.tgt_vocab_size}"
             )
+
+    def matrix_parameters(self, *, encoder_only: bool = False) -> int:
+        """The values of the model's weight matrices, embeddings and positional table, counted from
+        the sizes without building anything (biases and layer norms left out: a lower bound of its
+        size, which :func:`~qkv.models.options.check_fits` compares with the memory).
+
+        Args:
+            encoder_only: count :class:`EncoderModel` (embedding and encoder) instead of the
+                encoder-decoder :class:`Transformer`.
+
+        Returns:
+            The count.
+        """
+        d, ff = self.d_model, self.d_ff
+        table = 0 if self.positional == "none" else self.max_len * d
+        encoder = self.num_encoder_layers * (4 * d * d + 2 * d * ff)
+        if encoder_only:
+            return self.src_vocab_size * d + table + encoder
+        embeddings = self.src_vocab_size * d + (0 if self.share_embeddings else self.tgt_vocab_size * d)
+        output = 0 if self.tie_output else self.tgt_vocab_size * d
+        tables = 2 * table if self.positional == "learned" else table  # a learned table per side
+        return embeddings + output + tables + encoder + self.num_decoder_layers * (8 * d * d + 2 * d * ff)
 
     def layer_kwargs(self) -> dict:
         """The arguments every EncoderLayer/DecoderLayer of this model is built with."""
@@ -222,6 +244,7 @@ class Transformer(nn.Module):
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
+        check_fits_weights(config.matrix_parameters())
         self.config = config
         d = config.d_model
         src_embedding = nn.Embedding(config.src_vocab_size, d)
@@ -347,6 +370,7 @@ class EncoderModel(nn.Module):
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
+        check_fits_weights(config.matrix_parameters(encoder_only=True))
         self.config = config
         positional = build_positional_encoding(config.positional, config.d_model, config.max_len)
         self.embed = TokenEmbedding(

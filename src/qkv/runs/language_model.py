@@ -34,6 +34,7 @@ from qkv.data.text import (
     write_tokens,
 )
 from qkv.models.causal_lm import CausalLM, CausalLMConfig
+from qkv.models.options import check_trainable
 from qkv.runs import folder as run_folder
 from qkv.runs.recipes import Recipe
 from qkv.runs.recipes.budget import choose_size, measured_speeds, model_values
@@ -149,6 +150,7 @@ def start_lm_run(
         recipe, model_options, train_options, train_config, tokenizer, ids, lm["windows"], device, bf16
     )
     model_config = lm_model_config(recipe, model_options, tokenizer.vocab_size)
+    check_trainable(model_config.matrix_parameters(), device, train_config.strategy)  # before building it
     valid_split = text.splits["val"]
     assert valid_split is not None  # every language model has a validation split
     lm.update(chars_per_token=valid_split["chars_per_token"], splits=text.splits)

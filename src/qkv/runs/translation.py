@@ -12,7 +12,8 @@ recorded too). The first session trains from the pairs it has just tokenised; re
 process of a multi-process run, reads the prepared folder a batch at a time, so a process holds
 O(batch) token data. A prepared folder is verified against its manifest (its arrays' SHA-256, their
 offsets, lengths and ids: :meth:`~qkv.data.prepared.PreparedCorpus.verify`) when a run starts on it
-and whenever a run resumes from one, so a fingerprint equal to the run's means the same bytes.
+and whenever a run resumes from one (every file hashed again then, whatever the folder's hash cache
+says), so a fingerprint equal to the run's means the same bytes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from qkv.data.sources import (
 from qkv.data.spec import DataSpec
 from qkv.data.text import TEXT_SOURCES
 from qkv.data.tokenizer import Tokenizer
+from qkv.models.options import check_trainable
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.runs import folder as run_folder
 from qkv.runs.curves import plot_metrics
@@ -192,6 +194,7 @@ def start_translation_run(
     model_config, train_config = _model_and_train_configs(
         choice, model_options, train_options, train_config, device, tokenizer
     )
+    check_trainable(model_config.matrix_parameters(), device, train_config.strategy)  # before building it
     # leaves out over-long pairs
     task = TranslationTask(
         tokenizer,

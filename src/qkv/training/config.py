@@ -15,6 +15,23 @@ from typing import Any
 #: set); ``--help-all`` adds advanced (rarely needed) and research (methods tried that did not help)
 OPTION_GROUPS = ("data", "model", "training", "run", "advanced", "research")
 
+# The largest counts a run takes, declared once (each field's ``maximum``, which qkv train's flags
+# and recipes are checked against like the rest of its range), so a typo is refused in one line
+# before anything is allocated rather than ending in an out-of-memory kill after the run folder exists.
+#: tokens of one batch: the paper's step held 25k over 8 GPUs, the largest per-device batches in use
+#: about a million; 2**24 is 16x that
+MAX_BATCH_TOKENS = 2**24
+#: batches summed into one step (a step of 2**16 of MAX_BATCH_TOKENS batches is 10**12 tokens)
+MAX_ACCUM_STEPS = 2**16
+#: step counts (budget, warmup, intervals): about 10**12, years of steps at any speed, and far from
+#: where a float schedule overflows
+MAX_STEPS = 2**40
+#: validation sentences or windows, and kept checkpoints averaged (each is a model-sized file)
+MAX_EVAL_SENTENCES = 2**24
+MAX_AVERAGED = 1024
+#: seeds: what every random number generator qkv seeds accepts (numpy's legacy one takes 32 bits)
+MAX_SEED = 2**32 - 1
+
 
 def _option(
     default: Any,
@@ -71,10 +88,15 @@ class TrainConfig:
         "padded tokens per batch (sentences x longest source or target; a language "
         "model: max_tokens // context windows)",
         minimum=1,
+        maximum=MAX_BATCH_TOKENS,
         group="training",
     )
     accum_steps: int = _option(
-        1, "batches whose gradients are summed into one optimizer step", minimum=1, group="advanced"
+        1,
+        "batches whose gradients are summed into one optimizer step",
+        minimum=1,
+        maximum=MAX_ACCUM_STEPS,
+        group="advanced",
     )
     lr_factor: float = _option(
         1.0,
@@ -88,6 +110,7 @@ class TrainConfig:
         "linear warmup steps of the inverse-sqrt schedule (the paper: 4000)",
         flag="--warmup",
         minimum=1,
+        maximum=MAX_STEPS,
         group="training",
     )
     schedule: str = _option(
@@ -183,7 +206,9 @@ class TrainConfig:
         "2-core CPU it made the step slower, see the README",
         group="advanced",
     )
-    max_steps: int = _option(0, "stop after this many optimizer steps (0 = no limit)", minimum=0, group="run")
+    max_steps: int = _option(
+        0, "stop after this many optimizer steps (0 = no limit)", minimum=0, maximum=MAX_STEPS, group="run"
+    )
     max_epochs: float = _option(
         0.0,
         "stop after this many passes over the data (0 = no limit)",
@@ -200,7 +225,9 @@ class TrainConfig:
         below=math.inf,
         group="run",
     )
-    eval_every_steps: int = _option(0, "validate every N steps (0 = off)", minimum=0, group="advanced")
+    eval_every_steps: int = _option(
+        0, "validate every N steps (0 = off)", minimum=0, maximum=MAX_STEPS, group="advanced"
+    )
     eval_every_minutes: float = _option(
         0.0, "validate every N minutes (0 = off)", minimum=0, below=math.inf, group="advanced"
     )
@@ -208,6 +235,7 @@ class TrainConfig:
         300,
         "validation sentences decoded greedily for BLEU (a language model: validation windows)",
         minimum=1,
+        maximum=MAX_EVAL_SENTENCES,
         group="advanced",
     )
     stop_at_exact_match: float = _option(
@@ -219,13 +247,17 @@ class TrainConfig:
         group="advanced",
     )
     checkpoint_every_steps: int = _option(
-        0, "keep a checkpoint for averaging every N steps (0 = off)", minimum=0, group="advanced"
+        0, "keep a checkpoint for averaging every N steps (0 = off)", minimum=0, maximum=MAX_STEPS, group="advanced"
     )
     checkpoint_every_minutes: float = _option(
         0.0, "... or every N minutes (0 = off)", minimum=0, below=math.inf, group="advanced"
     )
     average_last: int = _option(
-        5, "average this many kept checkpoints at the end (<= 1: no averaging)", minimum=0, group="advanced"
+        5,
+        "average this many kept checkpoints at the end (<= 1: no averaging)",
+        minimum=0,
+        maximum=MAX_AVERAGED,
+        group="advanced",
     )
     ema_decay: float = _option(
         0.0,
@@ -246,9 +278,11 @@ class TrainConfig:
         group="advanced",
     )
     log_every_steps: int = _option(
-        20, "write a training-loss line to metrics.jsonl every N steps", minimum=1, group="advanced"
+        20, "write a training-loss line to metrics.jsonl every N steps", minimum=1, maximum=MAX_STEPS, group="advanced"
     )
-    seed: int = _option(0, "drives the initial weights and the batch order", minimum=0, group="training")
+    seed: int = _option(
+        0, "drives the initial weights and the batch order", minimum=0, maximum=MAX_SEED, group="training"
+    )
     progress: bool = _option(True, "tqdm progress bar", cli=False, group="advanced")
     strategy: str = _option(
         "ddp",
@@ -261,46 +295,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value, meta = getattr(self, f.name), f.metadata
-            name = f"{f.name} ({meta['flag'] or '--' + f.name.replace('_', '-')})" if meta.get("cli") else f.name
-            if meta.get("choices"):
-                if value not in meta["choices"]:
-                    raise ValueError(f"{name} must be one of {', '.join(meta['choices'])}, got {value!r}")
-                continue
-            if f.type == "bool":
-                if not isinstance(value, bool):
-                    raise ValueError(f"{name} must be true or false, got {value!r}")
-                continue
-            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-            if f.type == "float":
-                if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
-                    raise ValueError(f"{name} must be a number, got {value!r}")
-                setattr(self, f.name, float(value))
-                value = float(value)
-            if f.type.startswith("tuple"):
-                if not (
-                    isinstance(value, (tuple, list))
-                    and len(value) == 2
-                    and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in value)
-                ):
-                    raise ValueError(f"{name} must be two numbers in [0, 1), got {value!r}")
-                setattr(self, f.name, tuple(float(b) for b in value))
-                continue
-            low, below, high = meta.get("minimum"), meta.get("below"), meta.get("maximum")
-            if (
-                (low is not None and value < low)
-                or (below is not None and value >= below)
-                or (high is not None and value > high)
-            ):
-                allowed = f">= {low}" if low is not None else ""
-                if below is not None and below != math.inf:
-                    allowed += f" and < {below}"
-                elif below == math.inf:
-                    allowed += " and finite"
-                if high is not None:
-                    allowed += f" and <= {high}"
-                raise ValueError(f"{name} must be {allowed.strip()}, got {value!r}")
+            setattr(self, f.name, self.check_option(f.name, getattr(self, f.name)))
 
         if self.rdrop_start and not self.rdrop:
             raise ValueError("rdrop_start (--rdrop-start) says when R-Drop starts: set rdrop (--rdrop) too, e.g. 3")
@@ -313,6 +308,60 @@ class TrainConfig:
             raise ValueError(
                 "final_weights (--final-weights) ema needs a moving average: set ema_decay (--ema-decay), e.g. 0.999"
             )
+
+    @classmethod
+    def check_option(cls, field_name: str, value: Any) -> Any:
+        """One option's type and range, as its field declares them (``ValueError`` naming the option
+        and its flag); ``qkv train`` checks the options given with it before anything else.
+
+        Args:
+            field_name: a TrainConfig field.
+            value: its value.
+
+        Returns:
+            The value as the field holds it (a float field's integer as a float, a tuple field's list
+            as a tuple).
+        """
+        f = next(f for f in fields(cls) if f.name == field_name)
+        meta = f.metadata
+        name = f"{f.name} ({meta['flag'] or '--' + f.name.replace('_', '-')})" if meta.get("cli") else f.name
+        if meta.get("choices"):
+            if value not in meta["choices"]:
+                raise ValueError(f"{name} must be one of {', '.join(meta['choices'])}, got {value!r}")
+            return value
+        if f.type == "bool":
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
+            return value
+        if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if f.type == "float":
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            value = float(value)
+        if f.type.startswith("tuple"):
+            if not (
+                isinstance(value, (tuple, list))
+                and len(value) == 2
+                and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in value)
+            ):
+                raise ValueError(f"{name} must be two numbers in [0, 1), got {value!r}")
+            return tuple(float(b) for b in value)
+        low, below, high = meta.get("minimum"), meta.get("below"), meta.get("maximum")
+        if (
+            (low is not None and value < low)
+            or (below is not None and value >= below)
+            or (high is not None and value > high)
+        ):
+            allowed = f">= {low}" if low is not None else ""
+            if below is not None and below != math.inf:
+                allowed += f" and < {below}"
+            elif below == math.inf:
+                allowed += " and finite"
+            if high is not None:
+                allowed += f" and <= {high:,}"
+            raise ValueError(f"{name} must be {allowed.strip()}, got {value!r}")
+        return value
 
     def check_stops(self) -> None:
         """A run needs a stop condition; raises ``ValueError`` naming the options otherwise."""

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from qkv.data.tokenizer import MIN_VOCAB_SIZE
+from qkv.models.options import MAX_VOCAB_SIZE
 from qkv.runs.recipes.budget import BudgetRule, read_budget_rule
 from qkv.runs.recipes.steps import (
     DEFAULT_DECODE,
@@ -31,6 +33,7 @@ from qkv.runs.recipes.steps import (
     decode_settings,
     step_batches,
 )
+from qkv.training.config import MAX_ACCUM_STEPS, MAX_BATCH_TOKENS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -38,6 +41,8 @@ else:  # Python 3.10: the same parser, from PyPI (tomli)
     import tomli as tomllib
 
 RECIPE_DIR = Path(__file__).resolve().parent
+# a step's tokens: the most batches of the most tokens a step takes (TrainConfig's bounds)
+MAX_STEP_TOKENS = MAX_BATCH_TOKENS * MAX_ACCUM_STEPS
 TASKS = ("translation", "lm")
 # a recipe file's top-level keys and their TOML types; any other key is refused
 KEYS: dict[str, type] = {
@@ -181,6 +186,8 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path}: not a TOML file ({err})") from None
+    except RecursionError:  # tomllib parses nested tables and arrays recursively
+        raise ValueError(f"{path}: not a recipe: its tables or arrays are nested too deep to read") from None
     return _recipe_from(raw, path)
 
 
@@ -210,10 +217,13 @@ def _recipe_from(raw: dict[str, Any], path: Path) -> Recipe:
         if key in raw and only != task:
             raise ValueError(f"{path}: {key}: a key of {only} recipes only (this one's task is {task})")
     vocab_size, per_step = raw["vocab_size"], raw.get("tokens_per_step")
-    if vocab_size < 260:
-        raise ValueError(f"{path}: vocab_size: must be >= 260 (256 bytes + 4 specials), got {vocab_size!r}")
-    if per_step is not None and per_step < 1:
-        raise ValueError(f"{path}: tokens_per_step: must be >= 1, got {per_step!r}")
+    if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
+        raise ValueError(
+            f"{path}: vocab_size: must be >= {MIN_VOCAB_SIZE} (256 bytes + 4 specials) and <= {MAX_VOCAB_SIZE:,}, "
+            f"got {vocab_size!r}"
+        )
+    if per_step is not None and not 1 <= per_step <= MAX_STEP_TOKENS:
+        raise ValueError(f"{path}: tokens_per_step: must be >= 1 and <= {MAX_STEP_TOKENS:,}, got {per_step!r}")
     if "\n" in raw["description"]:
         raise ValueError(f"{path}: description: must be one line")
     model, train = _model_fields(raw, path), _config_fields(path, "train", raw["train"], _train_class(), ())

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from qkv.runtime.meta import meta_device
+from qkv.training.config import MAX_BATCH_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +70,8 @@ def read_budget_rule(path: Path, values: dict[str, Any], model: dict[str, Any]) 
     if unknown:
         raise ValueError(f"{path}: budget.{unknown[0]}: unknown key; [budget] has tokens_per_parameter and sizes")
     ratio, sizes = values.get("tokens_per_parameter"), values.get("sizes")
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio <= 0:
-        raise ValueError(f"{path}: budget.tokens_per_parameter: must be a number > 0, got {ratio!r}")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < math.inf:
+        raise ValueError(f"{path}: budget.tokens_per_parameter: must be a number > 0 and finite, got {ratio!r}")
     if not isinstance(sizes, dict) or not sizes or not all(isinstance(s, dict) for s in sizes.values()):
         raise ValueError(f"{path}: budget.sizes: must be a table of named sizes (each a table), got {sizes!r}")
     known = {f.name for f in fields(CausalLMConfig)} - {"vocab_size"}
@@ -79,8 +81,11 @@ def read_budget_rule(path: Path, values: dict[str, Any], model: dict[str, Any]) 
         if bad:
             raise ValueError(f"{path}: budget.sizes[{i}].{bad[0]}: not a language model's field or max_tokens")
         tokens = size.get("max_tokens", 1)
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-            raise ValueError(f"{path}: budget.sizes[{i}].max_tokens: must be an integer >= 1, got {tokens!r}")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_BATCH_TOKENS:
+            raise ValueError(
+                f"{path}: budget.sizes[{i}].max_tokens: must be an integer >= 1 and <= {MAX_BATCH_TOKENS:,}, "
+                f"got {tokens!r}"
+            )
         try:
             config = CausalLMConfig(**{**model, **model_values(size), "vocab_size": 256})
         except (TypeError, ValueError) as err:
