@@ -193,8 +193,9 @@ def test_refusals(dates_export, tmp_path, capsys):
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
     for overwrite in (False, True):  # --overwrite replaces an earlier export, never other files
-        with pytest.raises(ValueError, match="not empty; choose a new folder"):
+        with pytest.raises(ValueError, match="not empty, and it has no .qkv-export.json") as refused:
             export_ctranslate2(dates_export[0], busy, overwrite=overwrite)
+        assert "pass --overwrite" not in str(refused.value)
     assert [p.name for p in busy.iterdir()] == ["notes.txt"]
     with pytest.raises(ValueError, match="pass --overwrite"):
         export_ctranslate2(dates_export[0], dates_export[1])

@@ -68,6 +68,21 @@ def dates_export(tmp_path_factory):
     return model, tokenizer, generate_dates(20, seed=3, split="test"), root / "hf"
 
 
+def test_export_is_marked_and_readable_by_all(dates_export):
+    """Every file of the folder is 0644 (model.safetensors too, which safetensors creates 0600) and
+    ``.qkv-export.json`` lists exactly the others: what a later ``--overwrite`` may delete."""
+    import stat
+
+    folder = dates_export[3]
+    marker = json.loads((folder / ".qkv-export.json").read_text())
+    assert marker["qkv_export"] == "hf"
+    assert sorted(p.name for p in folder.iterdir() if p.name != ".qkv-export.json") == marker["files"]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(marker["files"])
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == dict.fromkeys(
+        [*marker["files"], ".qkv-export.json"], 0o644
+    )
+
+
 @pytest.fixture(scope="module")
 def translation_export(tmp_path_factory):
     """The 0.1.0 translation fixture (post-LN, GELU, shared embeddings) exported through the CLI."""

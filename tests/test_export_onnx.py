@@ -99,6 +99,7 @@ def test_export_folder(dates_export):
         "decoder_step.onnx",
         "manifest.json",
         "tokenizer.json",
+        ".qkv-export.json",  # the marker --overwrite recognises qkv's own export by (tests/test_overwrite.py)
     }
     assert (folder / "tokenizer.json").read_bytes() == (run_dir / "tokenizer.json").read_bytes()
     manifest = json.loads((folder / "manifest.json").read_text())
@@ -157,10 +158,11 @@ def test_refusals(tmp_path, fixture_export):
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
     for overwrite in (False, True):  # --overwrite replaces an earlier export, never other files
-        with pytest.raises(ValueError, match="busy: not empty; choose a new folder"):
+        with pytest.raises(ValueError, match="busy: not empty, and it has no .qkv-export.json") as refused:
             export_onnx(fixture_export[0], busy, overwrite=overwrite)
+        assert "pass --overwrite" not in str(refused.value)
     assert [p.name for p in busy.iterdir()] == ["notes.txt"]
-    with pytest.raises(ValueError, match="pass --overwrite to replace an earlier export"):
+    with pytest.raises(ValueError, match="holds an earlier ONNX export; pass --overwrite to replace it"):
         check_output_folder(fixture_export[1], overwrite=False)
     check_output_folder(fixture_export[1], overwrite=True)
     check_output_folder(tmp_path / "new", overwrite=False)

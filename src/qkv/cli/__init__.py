@@ -32,7 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "translate": ("qkv.cli.translate", "translate lines from stdin or a file with a trained run"),
     "generate": ("qkv.cli.generate", "continue a prompt with a trained language model (or GPT-2)"),
-    "export": ("qkv.cli.export", "write a run as a Hugging Face folder (--to hf) or ONNX (--to onnx)"),
+    "export": (
+        "qkv.cli.export",
+        "write a run as a Hugging Face folder (--to hf), ONNX (--to onnx) or CTranslate2 (--to ctranslate2)",
+    ),
     "evaluate": (
         "qkv.cli.evaluate",
         "score a translation run (sacreBLEU, chrF, the papers' BLEU) or a language model (loss, perplexity, bits/char)",

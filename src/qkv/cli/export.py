@@ -6,7 +6,8 @@ qkv export runs/multi30k --to onnx model.onnx    # ONNX (qkv.export.onnx)
 qkv export runs/multi30k --to ctranslate2 ct2/ --quantization int8   # CTranslate2 (qkv.export.ctranslate2)
 
 A model with no exact counterpart in the chosen format is refused with a one-line reason naming
-the configuration field (exit code 2), never written as a different model.
+the configuration field (exit code 2), never written as a different model. ``--overwrite`` replaces
+only an earlier export of the same format (:mod:`qkv.export.output`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("model", "best", "last", "ema"),
         help="which of the run's weights (default: model, the averaged/final ones)",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export at OUT")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier qkv export of the same format at OUT (one holding only the files its "
+        ".qkv-export.json lists); never a run, a prepared folder or a folder qkv did not make",
+    )
     parser.add_argument(
         "--quantization",
         default="float32",

@@ -55,7 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers", type=positive_int, default=None, help="processes that tokenize (default: one per CPU core)"
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace --out if it is a prepared folder")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace --out if it is a prepared folder holding only the files its manifest lists",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 

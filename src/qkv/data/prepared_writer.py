@@ -25,8 +25,10 @@ from qkv.data.prepared_format import (
     split_files,
     token_dtype,
 )
+from qkv.data.prepared_integrity import CACHE_FILE
 from qkv.data.tokenizer import Tokenizer
-from qkv.runtime.fileio import atomic_folder, write_json
+from qkv.runtime.fileio import atomic_folder, read_json, write_json
+from qkv.runtime.overwrite import check_output_folder as check_replaceable
 
 
 class SplitWriter:
@@ -104,29 +106,69 @@ def building_folder(out: str | Path, *, overwrite: bool = False) -> Iterator[Pat
     one is whole.
 
     Raises:
-        ValueError: ``out`` exists (without ``overwrite``, or not a prepared folder).
+        ValueError: ``out`` exists (without ``overwrite``, or not a prepared folder holding only its files).
+        PermissionError: ``out`` or where it would be made is not writable.
     """
-    out = Path(out)
-    check_output_folder(out, overwrite=overwrite)
-    with atomic_folder(out, tag="partial") as tmp:
+    target = check_output_folder(Path(out), overwrite=overwrite)
+    with atomic_folder(target, tag="partial") as tmp:
         yield tmp
         if not is_prepared_folder(tmp):
             raise RuntimeError(f"{tmp}: no manifest written; the folder is not complete")
 
 
-def check_output_folder(out: Path, *, overwrite: bool) -> None:
-    """Refuse an ``out`` that exists, unless ``overwrite`` and it is a prepared folder (or empty)."""
-    if not out.exists():
-        return
-    if not out.is_dir() or out.is_symlink():
-        raise ValueError(f"{out}: exists and is not a folder")
-    if not overwrite:
-        raise ValueError(f"{out}: exists; pass --overwrite to replace it, or choose another --out")
-    if not (is_prepared_folder(out) or not any(out.iterdir())):
-        raise ValueError(
-            f"{out}: not a prepared folder (no manifest.json) and not empty; --overwrite only replaces "
-            "a prepared folder"
-        )
+def prepared_files(folder: Path) -> set[str] | str:
+    """The files the prepared folder at ``folder`` holds by its manifest: the manifest, the tokenizer,
+    every split's arrays and the hash cache qkv keeps beside them; or why ``folder`` is not a prepared
+    folder (a clause for a message).
+
+    Args:
+        folder: an existing folder.
+
+    Returns:
+        relative file names, or the reason.
+    """
+    path = folder / "manifest.json"
+    if not path.is_file():
+        return "it has no manifest.json: not a prepared folder"
+    if not is_prepared_folder(folder):
+        return f"its manifest.json is not a prepared folder's (no '{MARKER}': {FORMAT})"
+    try:
+        manifest = read_json(path)
+        names = {"manifest.json", str(manifest.get("tokenizer") or "tokenizer.json"), CACHE_FILE}
+        for info in manifest["splits"].values():
+            names.update(str(name) for name in info["sha256"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "its manifest.json does not list its files"
+    return names
+
+
+def _inside_a_run_or_model(folder: Path) -> str | None:
+    """Why ``qkv prepare`` must not build in or inside ``folder``: it holds ``config.json`` and
+    ``tokenizer.json``, as a qkv run does (whose ``data/`` is a prepared folder of its own, which
+    only the run may write) and a model folder does; None otherwise. This layer cannot import the
+    run folder's own test (:func:`qkv.runs.folder.is_run_folder`), and this one refuses more."""
+    if (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file():
+        return "a run or model folder (config.json, tokenizer.json)"
+    return None
+
+
+def check_output_folder(out: Path, *, overwrite: bool) -> Path:
+    """Check, before any work, that a prepared folder may be built at ``out``: it does not exist, or
+    (with ``overwrite``) is empty or an earlier prepared folder holding only the files its manifest
+    lists; never inside a run or model folder. Returns the path to build at.
+
+    Raises:
+        ValueError: ``out`` may not be written (one line saying why and what to do).
+        PermissionError: ``out`` or where it would be made is not writable.
+    """
+    return check_replaceable(
+        out,
+        overwrite=overwrite,
+        what="prepared folder",
+        own_files=prepared_files,
+        refuse=_inside_a_run_or_model,
+        empty_needs_overwrite=True,
+    )
 
 
 def write_manifest(folder: Path, tokenizer: Tokenizer, splits: dict[str, dict], **info: Any) -> dict:

@@ -30,9 +30,10 @@ import torch
 from torch import Tensor
 
 from qkv.data.tokenizer import SPECIALS, Tokenizer
+from qkv.export.output import building_export
 from qkv.export.output import check_output_folder as check_export_folder
 from qkv.models.transformer import Transformer, TransformerConfig
-from qkv.runtime.fileio import atomic_folder, read_json, write_json
+from qkv.runtime.fileio import read_json, write_json
 
 MANIFEST = "qkv_ct2.json"
 MANIFEST_FORMAT = 1
@@ -220,9 +221,10 @@ def check_model(model: Transformer, tokenizer: Tokenizer, folder: Path, *, quant
         Ct2Translator(folder).translate(["1"], beam_size=1)
 
 
-def check_output_folder(out: Path, *, overwrite: bool) -> None:
-    """``out`` must not exist, be empty, or (with ``overwrite``) hold an earlier CTranslate2 export."""
-    check_export_folder(out, overwrite=overwrite, kind="a CTranslate2", marks=(MANIFEST, "model.bin"))
+def check_output_folder(out: str | Path, *, overwrite: bool, run_dir: str | Path | None = None) -> Path:
+    """``out`` must not exist, be empty, or (with ``overwrite``) hold an earlier CTranslate2 export and
+    nothing else (:func:`qkv.export.output.check_output_folder`). Returns the path to build at."""
+    return check_export_folder(out, overwrite=overwrite, kind="ctranslate2", run_dir=run_dir)
 
 
 def export_ctranslate2(
@@ -248,6 +250,7 @@ def export_ctranslate2(
 
     Raises:
         ValueError: a language-model run, a configuration without a counterpart, or ``out`` is taken.
+        PermissionError: ``out`` cannot be written (checked before any work).
         FileNotFoundError: ``run_dir`` is not a run folder, or lacks the weights.
     """
     from qkv.runs.folder import load_run
@@ -256,10 +259,10 @@ def export_ctranslate2(
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
     out = Path(out)
-    check_output_folder(out, overwrite=overwrite)
+    target = check_output_folder(out, overwrite=overwrite, run_dir=run_dir)
     model, tokenizer, config = load_run(run_dir, weights, task="translation")
     assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # task="translation" says so
-    with atomic_folder(out, tag="ct2") as tmp:
+    with building_export(target, kind="ctranslate2", tag="ct2") as tmp:
         write_model(model.float().eval(), tokenizer, tmp, decode=decode_settings(config), quantization=quantization)
         shutil.copyfile(Path(run_dir) / "tokenizer.json", tmp / "tokenizer.json")
         check_model(model, tokenizer, tmp, quantization=quantization)

@@ -16,9 +16,9 @@ from torch import Tensor
 from qkv.data.text import CharTokenizer
 from qkv.data.tokenizer import Tokenizer
 from qkv.export.hf_common import HF_ACTIVATIONS, check_same_logits, probe_ids
+from qkv.export.output import building_export
 from qkv.models.causal_lm import CausalLM, CausalLMConfig
 from qkv.pretrained.gpt2 import gpt2_key_map
-from qkv.runtime.fileio import atomic_folder
 
 
 def gpt2_refusal(config: CausalLMConfig) -> str | None:
@@ -111,7 +111,7 @@ def export_language_model(model: CausalLM, tokenizer: Tokenizer | CharTokenizer,
     from qkv.export.hf_tokenizer import save_bpe_tokenizer, save_char_tokenizer
 
     hf_model = build_gpt2_model(model, tokenizer)
-    with atomic_folder(out, tag="export") as tmp:
+    with building_export(out, kind="hf", tag="export") as tmp:
         hf_model.save_pretrained(str(tmp), safe_serialization=True)
         if isinstance(tokenizer, CharTokenizer):
             save_char_tokenizer(tokenizer, tmp, max_len=model.config.context)

@@ -31,12 +31,12 @@ from torch import Tensor
 from qkv.data.tokenizer import Tokenizer
 from qkv.export.hf_common import HF_ACTIVATIONS, check_same_logits, probe_ids
 from qkv.export.hf_gpt2 import export_language_model
+from qkv.export.output import building_export
 from qkv.export.output import check_output_folder as check_export_folder
 from qkv.models.causal_lm import CausalLM
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.nn.positional import sinusoidal_table
 from qkv.pretrained.marian import marian_key_map, residual_permutation, to_marian
-from qkv.runtime.fileio import atomic_folder
 
 MARIAN_LAYER_NORM_EPS = 1e-5  # Marian's nn.LayerNorm has no eps option
 
@@ -184,15 +184,16 @@ def export_translation(model: Transformer, tokenizer: Tokenizer, config: dict, o
 
     hf_model = build_marian(model, tokenizer)
     hf_model.generation_config = GenerationConfig(**generation_settings(config, tokenizer, model.config.max_len))
-    with atomic_folder(out, tag="export") as tmp:
+    with building_export(out, kind="hf", tag="export") as tmp:
         hf_model.save_pretrained(str(tmp), safe_serialization=True)
         save_bpe_tokenizer(tokenizer, tmp, max_len=model.config.max_len, append_eos=True)
         _check_marian_folder(model, tmp)
 
 
-def check_output_folder(out: Path, *, overwrite: bool) -> None:
-    """``out`` must not exist, be empty, or (with ``overwrite``) hold an earlier Hugging Face export."""
-    check_export_folder(out, overwrite=overwrite, kind="a Hugging Face", marks=("config.json",))
+def check_output_folder(out: str | Path, *, overwrite: bool, run_dir: str | Path | None = None) -> Path:
+    """``out`` must not exist, be empty, or (with ``overwrite``) hold an earlier Hugging Face export
+    and nothing else (:func:`qkv.export.output.check_output_folder`). Returns the path to build at."""
+    return check_export_folder(out, overwrite=overwrite, kind="hf", run_dir=run_dir)
 
 
 def export_hf(run_dir: str | Path, out: str | Path, *, weights: str = "model", overwrite: bool = False) -> Path:
@@ -202,23 +203,24 @@ def export_hf(run_dir: str | Path, out: str | Path, *, weights: str = "model", o
         run_dir: the run folder.
         out: the folder to write (must not exist or be empty, unless ``overwrite`` replaces an export).
         weights: which of the run's weights (see :func:`qkv.runs.folder.load_run`).
-        overwrite: replace an earlier export at ``out``.
+        overwrite: replace an earlier Hugging Face export at ``out`` (never anything else).
 
     Returns:
         ``out``.
 
     Raises:
         ValueError: the model has no exact counterpart (one line naming the field), or ``out`` is taken.
+        PermissionError: ``out`` cannot be written (checked before any work).
         FileNotFoundError: the run is missing a file.
     """
     from qkv.runs.folder import load_run
 
     out = Path(out)
-    check_output_folder(out, overwrite=overwrite)
+    target = check_output_folder(out, overwrite=overwrite, run_dir=run_dir)
     model, tokenizer, config = load_run(run_dir, weights)
     if isinstance(model, CausalLM):
-        export_language_model(model, tokenizer, out)
+        export_language_model(model, tokenizer, target)
     else:
         assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # a translation run's
-        export_translation(model, tokenizer, config, out)
+        export_translation(model, tokenizer, config, target)
     return out

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from qkv.attention.multihead import KVCache, MultiHeadAttention
 from qkv.data.tokenizer import Tokenizer
 from qkv.export.onnx_runtime import MANIFEST_FORMAT, OnnxTranslator
+from qkv.export.output import building_export
 from qkv.export.output import check_output_folder as check_export_folder
 from qkv.models.transformer import EncoderOutput, Transformer
 from qkv.runs.folder import load_run
@@ -206,9 +207,10 @@ def _check_graphs(model: Transformer, folder: Path) -> float:
     return worst
 
 
-def check_output_folder(out: Path, *, overwrite: bool) -> None:
-    """``out`` must not exist, be empty, or (with ``overwrite``) hold an earlier ONNX export."""
-    check_export_folder(out, overwrite=overwrite, kind="an ONNX", marks=("manifest.json", "decoder_step.onnx"))
+def check_output_folder(out: str | Path, *, overwrite: bool, run_dir: str | Path | None = None) -> Path:
+    """``out`` must not exist, be empty, or (with ``overwrite``) hold an earlier ONNX export and nothing
+    else (:func:`qkv.export.output.check_output_folder`). Returns the path to build at."""
+    return check_export_folder(out, overwrite=overwrite, kind="onnx", run_dir=run_dir)
 
 
 def export_onnx(run_dir: str | Path, out: str | Path, *, weights: str = "model", overwrite: bool = False) -> Path:
@@ -226,16 +228,17 @@ def export_onnx(run_dir: str | Path, out: str | Path, *, weights: str = "model",
 
     Raises:
         ValueError: ``run_dir`` is a language-model run, or ``out`` may not be written.
+        PermissionError: ``out`` cannot be written (checked before any work).
         FileNotFoundError: ``run_dir`` is not a run folder, or lacks the weights.
     """
-    from qkv.runtime.fileio import atomic_folder, write_json
+    from qkv.runtime.fileio import write_json
 
     out = Path(out)
-    check_output_folder(out, overwrite=overwrite)
+    target = check_output_folder(out, overwrite=overwrite, run_dir=run_dir)
     model, tokenizer, _ = load_run(run_dir, weights, task="translation")
     assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # task="translation" says so
     model = model.float().eval()
-    with atomic_folder(out, tag="onnx") as tmp:
+    with building_export(target, kind="onnx", tag="onnx") as tmp:
         names = _export_graphs(model, tmp)
         shutil.copyfile(Path(run_dir) / "tokenizer.json", tmp / "tokenizer.json")
         config = model.config
