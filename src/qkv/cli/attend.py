@@ -48,15 +48,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--corpus",
         metavar="FILE",
-        help="a UTF-8 text file, one sentence a line: also show each head's statistics averaged over its lines",
+        help="a UTF-8 text file (or FIFO, /dev/stdin), one sentence a line, at most 1 MiB a line: also show each "
+        "head's statistics averaged over its lines",
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    from qkv.runtime.fileio import check_output_file
     from qkv.viz import explorer_data, open_explorer, save_heatmaps, write_html, write_json
     from qkv.viz.compare import compare_field
     from qkv.viz.corpus import corpus_field, read_corpus
 
+    check_output_file(args.output, "-o/--output")  # before any work: a FIFO or device is written in place
+    if args.json:
+        check_output_file(args.json, "--json")
     texts = list(args.texts)
     if not texts and not args.corpus:
         raise ValueError("give at least one sentence (or --corpus FILE)")
@@ -89,13 +94,20 @@ def run(args: argparse.Namespace) -> int:
     if corpus is not None:
         data["corpus"] = corpus_field(explorer, corpus, file=str(args.corpus), progress=True)
     path = write_html(data, args.output)
-    print(f"wrote {path} ({len(examples)} sentences, {explorer.kind} model {explorer.name})", file=sys.stderr)
+    print(
+        f"wrote {path} ({len(examples)} sentence{'' if len(examples) == 1 else 's'}, "
+        f"{explorer.kind} model {explorer.name})",
+        file=sys.stderr,
+    )
     if args.compare:
         heads = data["compare"]["heads"][:3]
         top = ", ".join(f"layer {h['layer']} head {h['head']} ({h['difference']:.3f})" for h in heads)
         print(f"heads whose shared tokens attend most differently: {top}", file=sys.stderr)
     if corpus is not None:
-        print(f"head statistics averaged over {len(corpus)} sentences of {args.corpus}", file=sys.stderr)
+        print(
+            f"head statistics averaged over {len(corpus)} sentence{'' if len(corpus) == 1 else 's'} of {args.corpus}",
+            file=sys.stderr,
+        )
     if args.json:
         print(f"wrote {write_json(data, args.json)}", file=sys.stderr)
     if args.png:

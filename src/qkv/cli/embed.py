@@ -24,20 +24,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_texts(args: argparse.Namespace) -> list[str]:
-    from qkv.data.parallel import decode_lines
+    """The sentences to embed: the arguments, or the lines of --input or of stdin (each line at most
+    :data:`qkv.runtime.textinput.MAX_LINE_BYTES`, read a line at a time)."""
+    from qkv.runtime.textinput import read_input_lines
 
     if args.texts and args.input:
         raise ValueError("give sentences as arguments or with --input, not both")
     if args.texts:
         return list(args.texts)
     if args.input and args.input != "-":
-        path = Path(args.input)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: input file not found")
-        return decode_lines(path.read_bytes(), str(path))
+        return read_input_lines(args.input, "input file")
     if args.input is None and sys.stdin.isatty():
         raise ValueError("no sentences: pass them as arguments, with --input FILE, or on stdin")
-    return decode_lines(sys.stdin.buffer.read())
+    return read_input_lines(None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,11 +45,11 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from qkv.pretrained import BertEncoder, default_model_path, load_pretrained, sentence_embeddings
-    from qkv.runtime.fileio import check_output_file, write_bytes, write_text
+    from qkv.runtime.fileio import check_output_file, is_special_file, write_bytes, write_text
 
     out = Path(args.output) if args.output else None
     if out is not None:
-        if out.suffix not in (".json", ".npy"):
+        if out.suffix not in (".json", ".npy") and not is_special_file(out):
             raise ValueError(f"--output must end in .json or .npy, got {out.name!r}")
         check_output_file(out, "-o/--output")
     texts = read_texts(args)

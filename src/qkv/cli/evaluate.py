@@ -208,7 +208,7 @@ def _evaluate_translation(
     from qkv.data.sources import load_split
     from qkv.metrics.scores import exact_match, score_translations
     from qkv.runs.recipes import decode_settings
-    from qkv.runtime.fileio import write_text
+    from qkv.runtime.fileio import is_special_file, write_text
 
     if args.src:
         data, name = read_parallel(args.src, args.ref), f"{args.src} -> {args.ref}"
@@ -244,7 +244,8 @@ def _evaluate_translation(
             release()
         scores["against"] = compare(args, against, hyps, src, refs, device)
     if args.hyp_out:
-        write_text(Path(args.hyp_out).resolve(), "".join(h + "\n" for h in hyps))
+        hyp_out = Path(args.hyp_out)  # a symbolic link to a file is followed; a FIFO or device is named as given
+        write_text(hyp_out if is_special_file(hyp_out) else hyp_out.resolve(), "".join(h + "\n" for h in hyps))
     if args.json:
         print(json.dumps(scores))
     else:
@@ -258,7 +259,8 @@ def _print_scores(args: argparse.Namespace, scores: dict, config: dict) -> None:
     form = f" ({scores['length_penalty_form']} form)" if scores["beam"] > 1 else ""
     engine = f", CTranslate2 ({scores['compute_type']})" if args.engine == "ctranslate2" else ""
     print(
-        f"{scores['split']}: {scores['sentences']} sentences, beam {scores['beam']}, alpha {scores['alpha']}{form}, "
+        f"{scores['split']}: {scores['sentences']} sentence{'' if scores['sentences'] == 1 else 's'}, "
+        f"beam {scores['beam']}, alpha {scores['alpha']}{form}, "
         f"{args.weights} weights{members}{engine}"
     )
     print(f"BLEU {scores['bleu']:.2f}  ({scores['bleu_signature']})")

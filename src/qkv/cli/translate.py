@@ -33,8 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "run_dir", help="a run folder made by qkv train (with --engine ctranslate2 also a CTranslate2 export)"
     )
-    parser.add_argument("input", nargs="?", help="file with one sentence a line (.gz allowed; default: stdin)")
-    parser.add_argument("-o", "--output", help="write the translations here (default: stdout)")
+    parser.add_argument(
+        "input", nargs="?", help="file with one sentence a line (.gz allowed; '-' or none: stdin), at most 1 MiB a line"
+    )
+    parser.add_argument(
+        "-o", "--output", help="write the translations here ('-' or none: stdout; a FIFO or device is written in place)"
+    )
     parser.add_argument(
         "--beam",
         type=beam_size,
@@ -66,33 +70,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qkv.data.parallel import decode_lines, read_lines
+    from qkv.data.parallel import read_lines
     from qkv.decoding.translate import translate_texts
     from qkv.runs.folder import load_translator
     from qkv.runs.recipes import decode_settings
     from qkv.runtime.device import pick_device
-    from qkv.runtime.fileio import check_output_file, write_text
+    from qkv.runtime.fileio import check_output_file, is_special_file, write_text
+    from qkv.runtime.textinput import read_input_lines
 
-    if args.output:  # checked before translating: a bad path must not cost the work
-        check_output_file(args.output, "-o/--output")
+    output = None if args.output in (None, "-") else Path(args.output)
+    if output is not None:  # checked before translating: a bad path must not cost the work
+        check_output_file(output, "-o/--output")
+    # a file is read before the model loads (a bad file costs nothing); standard input once it has
+    # loaded, as before (a user typing sentences is told of a bad run folder first)
+    from_file = read_lines(args.input) if args.input and args.input != "-" else None
+
+    def read_input() -> list[str]:
+        return from_file if from_file is not None else read_input_lines(None)  # stdin, a line at a time
+
     penalty = check_engine(args)
     set_threads(args.threads)
     device = pick_device(args.device)
     if args.engine == "ctranslate2":
         with ct2_translator(args, device) as translator:
             decode = decode_settings({"decode": translator.manifest["decode"]}, beam_size=args.beam, alpha=args.alpha)
-            lines = read_lines(args.input) if args.input else decode_lines(sys.stdin.buffer.read())
+            lines = read_input()
             outputs = translator.translate(lines, **decode)
     else:
         model, tokenizer, config = load_translator([args.run_dir, *args.ensemble], args.weights)
         decode = decode_settings(config, beam_size=args.beam, alpha=args.alpha)
         model.to(device)
-        lines = read_lines(args.input) if args.input else decode_lines(sys.stdin.buffer.read())
+        lines = read_input()
         progress = len(lines) > 100 and sys.stderr.isatty()
         outputs = translate_texts(model, tokenizer, lines, **decode, penalty=penalty, bf16=args.bf16, progress=progress)
     text = "".join(line + "\n" for line in outputs)
-    if args.output:
-        write_text(Path(args.output).resolve(), text)
+    if output is not None:  # a symbolic link to a file is followed; a FIFO or device is named as given
+        write_text(output if is_special_file(output) else output.resolve(), text)
     else:
         sys.stdout.write(text)
         sys.stdout.flush()

@@ -6,7 +6,6 @@ line ``i`` of the target file. Errors name the file and the (1-based) line.
 
 from __future__ import annotations
 
-import gzip
 import logging
 import os
 import shutil
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qkv.runtime.fileio import atomic_path, default_cache_dir
+from qkv.runtime.textinput import empty_input, iter_lines, open_input
 
 logger = logging.getLogger(__name__)
 
@@ -49,43 +49,32 @@ class ParallelText:
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """Read a UTF-8 text file (``.gz`` is decompressed) into lines without their newline.
+    """Read a UTF-8 text file (``.gz`` is decompressed) into lines without their newline, a line at
+    a time (:mod:`qkv.runtime.textinput`: a FIFO or ``/dev/fd/N`` is read too, a line is at most
+    :data:`~qkv.runtime.textinput.MAX_LINE_BYTES`).
 
     Raises:
-        FileNotFoundError: the file does not exist.
-        ValueError: the file is empty, is not valid UTF-8 (names the line), or has an empty line
-            (names the line; an empty sentence cannot be translated or scored).
+        FileNotFoundError / IsADirectoryError / PermissionError: the file is missing, a directory,
+            or not readable (one line saying which).
+        ValueError: the file is empty, cannot be read (a truncated ``.gz``), is not valid UTF-8,
+            has a line over the length bound, or has an empty line (names the line; an empty
+            sentence cannot be translated or scored).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as handle:
-            raw = handle.read()
-    except (OSError, EOFError) as err:  # e.g. a truncated or fake .gz
-        raise ValueError(f"{path}: cannot read ({err})") from err
-    lines = raw.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()  # the final newline ends the last line, it does not start a new one
-    if not lines:
-        raise ValueError(f"{path}: file is empty")
     text = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            decoded = line.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{path}, line {number}: not valid UTF-8 ({err.reason} at byte {err.start})") from err
-        decoded = decoded.rstrip("\r")
-        if not decoded.strip():
-            raise ValueError(f"{path}, line {number}: empty line (every line must hold a sentence)")
-        text.append(decoded)
+    with open_input(path, decompress=True) as handle:
+        for number, line in iter_lines(handle, str(path)):
+            if not line.strip():
+                raise ValueError(f"{path}, line {number}: empty line (every line must hold a sentence)")
+            text.append(line)
+    if not text:
+        raise ValueError(f"{path}: {empty_input(path)}")
     return text
 
 
 def decode_lines(data: bytes, name: str = "<stdin>") -> list[str]:
-    """Split UTF-8 ``data`` (e.g. all of stdin) into lines; ``ValueError`` naming the line of the first
-    byte that is not UTF-8."""
+    """Split UTF-8 ``data`` already in memory into lines; ``ValueError`` naming the line of the first
+    byte that is not UTF-8. (A stream, such as standard input, is read with a bound on each line's
+    length by :func:`qkv.runtime.textinput.read_input_lines` instead.)"""
     try:
         return data.decode("utf-8").splitlines()
     except UnicodeDecodeError as err:

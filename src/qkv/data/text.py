@@ -41,6 +41,7 @@ import numpy as np
 from qkv.data.spec import DataSpec, as_spec
 from qkv.data.tokenizer import Tokenizer
 from qkv.runtime.fileio import atomic_path, default_cache_dir, write_json
+from qkv.runtime.textinput import open_input
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +53,13 @@ SPLIT_NAMES = ("train", "val", "test")
 
 
 def read_text(path: str | Path) -> str:
-    """The UTF-8 text of ``path``. Raises ``FileNotFoundError``, or ``ValueError`` for a file
-    that is empty or not UTF-8 (naming the line of the first bad byte)."""
+    """The UTF-8 text of ``path`` (a FIFO or ``/dev/fd/N`` too). Raises ``FileNotFoundError`` /
+    ``IsADirectoryError`` / ``PermissionError`` (a missing, folder or unreadable path, see
+    :func:`qkv.runtime.textinput.open_input`), or ``ValueError`` for a file that is empty or not
+    UTF-8 (naming the line of the first bad byte)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such text file")
-    data = path.read_bytes()
+    with open_input(path, "text file") as handle:
+        data = handle.read()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -209,7 +211,8 @@ class CharTokenizer:
             missing = sorted({c for c in text if c not in self._ids})
             shown = ", ".join(repr(c) for c in missing[:10]) + (" ..." if len(missing) > 10 else "")
             raise ValueError(
-                f"{len(missing)} character(s) not in the model's vocabulary of {self.vocab_size}: {shown}"
+                f"{len(missing)} character{'' if len(missing) == 1 else 's'} not in the model's vocabulary "
+                f"of {self.vocab_size}: {shown}"
             ) from None
 
     def decode(self, ids: Iterable[int]) -> str:

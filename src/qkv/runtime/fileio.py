@@ -5,6 +5,13 @@ sees the old file or the new one, never half of one.
 Temporary files are named ``.<name>.<random>.tmp``; :func:`remove_stale_temporaries` clears the
 ones a killed process left behind. A whole folder (a run folder, a prepared corpus) is built the
 same way by :func:`atomic_folder`.
+
+A target that is not a regular file cannot be replaced by a rename without destroying it: a
+named pipe (FIFO), a character device (``/dev/null``, a terminal) or a socket, also reached
+through a symbolic link (``/dev/stdout``, ``/dev/fd/N``), is opened and written in place
+(:func:`is_special_file`); opening a FIFO waits for its reader, as a shell's ``>`` does. A
+directory or a block device is refused. Writing such a target in place raises :class:`WriteFailed`
+naming it, in one line, when the write fails (``/dev/full``: no space left).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,18 +43,82 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+class WriteFailed(OSError, ValueError):
+    """Writing an output in place failed (``/dev/full``'s "no space left", a socket that cannot be
+    opened, a device's error): one line naming the target.
+
+    An ``OSError`` (its ``errno`` is the failure's), and a ``ValueError``, so that the CLI reports
+    it as a problem with the output the user named (exit 2), not as a fault of qkv.
+    """
+
+
+def _write_failed(path: Path, err: OSError) -> WriteFailed:
+    failed = WriteFailed(f"{path}: cannot write ({err.strerror or err})")
+    failed.errno = err.errno
+    return failed
+
+
+def _target_mode(path: Path) -> int | None:
+    """The ``st_mode`` of what ``path`` names, symbolic links followed; None when nothing is there."""
+    try:
+        return os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def is_special_file(path: str | Path) -> bool:
+    """Whether ``path`` (symbolic links followed) is a FIFO, a character device or a socket:
+    an output that qkv writes in place, never replaces.
+
+    Args:
+        path: the output's path, e.g. ``/dev/stdout``, ``/dev/null`` or a FIFO made by ``mkfifo``.
+
+    Returns:
+        True for a FIFO, character device or socket; False for a regular file, a directory, a block
+        device or nothing at all.
+    """
+    return _is_special(_target_mode(Path(path)))
+
+
+def _is_special(mode: int | None) -> bool:
+    return mode is not None and (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISSOCK(mode))
+
+
+def _refuse_unwritable(path: Path, mode: int | None, option: str) -> None:
+    if mode is None:
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(f"{path}: {option} names a directory, not a file")
+    if stat.S_ISBLK(mode):
+        raise ValueError(f"{path}: {option} names a block device; qkv writes files, pipes and character devices")
+
+
 @contextmanager
 def atomic_path(path: str | Path, *, mode: int = 0o644) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; when the block succeeds, flush it to disk and
     rename it onto ``path``. On an exception the temporary file is removed and ``path`` is left
     as it was.
 
+    A FIFO, character device or socket (:func:`is_special_file`) is not replaced: ``path`` itself
+    is yielded, to be opened and written in place.
+
     Raises:
         IsADirectoryError: ``path`` names an existing directory (checked before any work).
+        ValueError: ``path`` names a block device.
+        WriteFailed: writing a FIFO, device or socket in place failed (naming ``path``). (A regular
+            file's errors, e.g. a full disk, are raised as they come: a run's checkpointing reports them.)
     """
     path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(f"{path}: is a directory, not a file")
+    target = _target_mode(path)
+    _refuse_unwritable(path, target, "the output")
+    if _is_special(target):
+        try:
+            yield path
+        except OSError as err:
+            if type(err) is OSError:  # not a subclass that already says what is wrong (BrokenPipeError, ...)
+                raise _write_failed(path, err) from None
+            raise
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
     os.close(fd)
@@ -63,14 +135,17 @@ def atomic_path(path: str | Path, *, mode: int = 0o644) -> Iterator[Path]:
 
 
 def check_output_file(path: str | Path, option: str = "output", *, overwrite: bool = True) -> Path:
-    """Check, before any work, that ``path`` can be written as a file: not an existing directory,
-    and its parent is a directory (or can be made); with ``overwrite=False``, not an existing file
-    either (a benchmark's result JSON, which a rerun must not replace unasked). Raises
-    ``IsADirectoryError`` / ``NotADirectoryError`` / ``FileExistsError`` naming ``option``; writes
-    nothing."""
+    """Check, before any work, that ``path`` can be written as a file: not an existing directory
+    or block device, and its parent is a directory (or can be made); with ``overwrite=False``, not
+    an existing file either (a benchmark's result JSON, which a rerun must not replace unasked).
+    A FIFO, character device or socket (``/dev/stdout``, ``/dev/null``) passes: it is written in
+    place. Raises ``IsADirectoryError`` / ``NotADirectoryError`` / ``FileExistsError`` /
+    ``ValueError`` naming ``option``; writes nothing."""
     path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(f"{path}: {option} names a directory, not a file")
+    target = _target_mode(path)
+    _refuse_unwritable(path, target, option)
+    if _is_special(target):
+        return path
     if not overwrite and (path.exists() or path.is_symlink()):
         raise FileExistsError(f"{path}: exists; pass --overwrite to replace it, or choose another {option}")
     for parent in path.resolve().parents:
@@ -82,14 +157,16 @@ def check_output_file(path: str | Path, option: str = "output", *, overwrite: bo
 
 
 def write_text(path: str | Path, text: str) -> Path:
-    """Write UTF-8 ``text`` to ``path`` atomically. Returns ``path``."""
+    """Write UTF-8 ``text`` to ``path`` atomically (a FIFO or device in place, see :func:`atomic_path`).
+    Returns ``path``."""
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return Path(path)
 
 
 def write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically. Returns ``path``."""
+    """Write ``data`` to ``path`` atomically (a FIFO or device in place, see :func:`atomic_path`).
+    Returns ``path``."""
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
     return Path(path)

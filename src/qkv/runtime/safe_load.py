@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from qkv.runtime.meta import meta_device
+from qkv.runtime.textinput import check_input_file
 
 if TYPE_CHECKING:  # torch.distributed is imported only where a sharded checkpoint is read
     from torch.distributed.checkpoint.metadata import Metadata
@@ -80,12 +81,15 @@ def weights_header(path: str | Path) -> dict[str, TensorInfo]:
     """The names, shapes and dtypes in a safetensors file, read from its header alone.
 
     Raises:
-        FileNotFoundError: no such file.
+        FileNotFoundError / IsADirectoryError / PermissionError: no such file, a folder, or one
+            this user may not read.
         ValueError: not a readable safetensors file (one line naming it).
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: weights file not found")
+    try:
+        check_input_file(path, "weights file")  # a folder or an unreadable file: each said as it is
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: weights file not found") from None
     try:
         with safe_open(str(path), framework="pt") as handle:
             header = {}
@@ -130,7 +134,8 @@ def check_layer_counts(
         held = count_layers(names, prefix)
         if (count > held) if only_more else (held != count):
             raise ValueError(
-                f"{config_path}: {field} is {count} but {weights_path} holds {held} such layer(s); "
+                f"{config_path}: {field} is {count} but {weights_path} holds {held} such "
+                f"layer{'' if held == 1 else 's'}; "
                 "the config and the weights do not belong together"
             )
 

@@ -26,6 +26,7 @@ from qkv.runtime.safe_load import (
     refused_global,
     weights_header,
 )
+from qkv.runtime.textinput import check_input_file
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +114,10 @@ def load_checkpoint(run_dir: str | Path, *, clean: bool = True, trust: bool = Fa
     """
     run_dir = Path(run_dir)
     path = run_dir / CHECKPOINT_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no training state to resume from")
+    try:
+        check_input_file(path, "training state file")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no training state to resume from") from None
     if clean:
         for stale in remove_stale_temporaries(run_dir):
             logger.info("removed %s, left by an interrupted write", stale)

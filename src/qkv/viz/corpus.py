@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from qkv.runtime.textinput import iter_raw_lines, open_input
 from qkv.viz.analysis import delimiter_indices, entropy_ratio, head_labels, head_stats, rounded, stack_layers
 from qkv.viz.export import AttentionView
 
@@ -22,28 +23,35 @@ if TYPE_CHECKING:  # the explorers import the tokenizers library
 
 
 def read_corpus(path: str | Path, *, max_chars: int | None = None) -> list[tuple[int, str]]:
-    """The non-blank lines of a UTF-8 text file, stripped, with their line numbers (from 1).
+    """The non-blank lines of a UTF-8 text file, stripped, with their line numbers (from 1), read a
+    line at a time (a FIFO or ``/dev/fd/N`` too; see :mod:`qkv.runtime.textinput`).
 
     Raises:
-        FileNotFoundError / IsADirectoryError: no such file. ValueError: not UTF-8, no sentence,
-        or a line longer than ``max_chars``.
+        FileNotFoundError / IsADirectoryError / PermissionError: no such file, a folder, not
+        readable. ValueError: not UTF-8, no sentence, or a line longer than ``max_chars`` (or than
+        :data:`~qkv.runtime.textinput.MAX_LINE_BYTES`).
     """
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: corpus file not found")
-    if path.is_dir():
-        raise IsADirectoryError(f"{path}: is a folder; --corpus takes a text file, one sentence a line")
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text (byte {err.start})") from None
-    lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+        handle = open_input(path, "corpus file")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: corpus file not found") from None
+    except IsADirectoryError:
+        raise IsADirectoryError(f"{path}: is a folder; --corpus takes a text file, one sentence a line") from None
+    lines = []
+    with handle:
+        for n, raw in iter_raw_lines(handle, str(path)):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path} line {n}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+            if not line:
+                continue
+            if max_chars is not None and len(line) > max_chars:
+                raise ValueError(f"{path} line {n}: {len(line)} characters; the limit is {max_chars}")
+            lines.append((n, line))
     if not lines:
         raise ValueError(f"{path}: no sentences (the file is empty or blank)")
-    if max_chars is not None:
-        for n, line in lines:
-            if len(line) > max_chars:
-                raise ValueError(f"{path} line {n}: {len(line)} characters; the limit is {max_chars}")
     return lines
 
 
