@@ -248,9 +248,12 @@ def test_bpe_language_model_folder_reads_back_with_qkvs_tokenizer(tmp_path):
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"max_position_embeddings": 10**9}, "refusing to build it"),  # a positional table of 10^9 rows
-        ({"encoder_layers": 10**6}, "encoder_layers is 1000000"),
-        ({"decoder_layers": 10**6}, "decoder_layers is 1000000"),
+        # within qkv's size bounds (qkv.runtime.limits) but beyond what the weights hold
+        ({"encoder_layers": 1000}, "encoder_layers is 1000"),
+        ({"decoder_layers": 1000}, "decoder_layers is 1000"),
+        # beyond the bounds: refused by the config's own check, naming the file and the field
+        ({"max_position_embeddings": 10**9}, "config.json: max_len must be at most"),
+        ({"decoder_layers": 10**6}, "config.json: num_decoder_layers must be at most"),
     ],
 )
 def test_a_marian_config_asking_for_more_than_its_weights_is_refused_before_building(dates, tmp_path, fields, named):

@@ -13,7 +13,7 @@ from qkv.models.causal_lm import CausalLMConfig
 from qkv.runs.recipes import budget, load_recipe
 from qkv.runs.recipes.budget import BudgetRule, choose_size, measured_speeds, parameters, read_budget_rule
 from qkv.training import TrainConfig
-from qkv.training.config import learning_rate
+from qkv.training.schedule import learning_rate
 
 MODEL = {"num_heads": 2, "num_layers": 1, "d_ff": 64, "context": 16, "dropout": 0.0}
 NAMED = {

@@ -132,7 +132,7 @@ def test_budget_schedule_falls_to_zero_at_the_end_of_the_budget(tmp_path, decay)
 
 
 def test_budget_progress_is_the_largest_share_spent():
-    from qkv.training.config import budget_progress, learning_rate
+    from qkv.training.schedule import budget_progress, learning_rate
 
     config = TrainConfig(max_minutes=10, max_steps=1000, max_epochs=4, schedule="budget", decay_fraction=0.5)
     assert budget_progress(config, step=100, seconds=300, epochs=1) == pytest.approx(0.5)  # minutes lead

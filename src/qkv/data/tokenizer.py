@@ -14,7 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from qkv.models.options import MAX_VOCAB_SIZE
+from qkv.runtime.limits import MAX_VOCAB_SIZE
 from qkv.runtime.fileio import atomic_path
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"

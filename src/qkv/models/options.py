@@ -11,21 +11,10 @@ import torch
 
 from qkv.nn.layers import ACTIVATIONS
 from qkv.nn.positional import POSITIONAL_KINDS
+from qkv.runtime.limits import MAX_FF_WIDTH, MAX_LAYERS, MAX_LENGTH, MAX_VOCAB_SIZE, MAX_WIDTH
 
-# The largest sizes a model config takes, declared once: the configs check them (so the Python API,
-# recipes and run folders are bounded too) and qkv train's flags parse with them. Each is far above
-# what is in use, yet refuses a typo's size before any memory is asked for.
-#: vocabulary sizes: the largest vocabularies in use hold about 256k tokens; 2**21 is 8x that
-MAX_VOCAB_SIZE = 2**21
-#: layers of a stack: the deepest Transformers trained hold about 1,000 (DeepNet)
-MAX_LAYERS = 1024
-#: d_model (and so heads, which divide it): the widest published models are about 20k wide
-MAX_WIDTH = 2**16
-#: d_ff: four times MAX_WIDTH, the usual ratio of the feed-forward width to d_model
-MAX_FF_WIDTH = 2**18
-#: max_len / context, the positional table's length: a million tokens, beyond any context trained
-MAX_LENGTH = 2**20
-#: the largest value of each sized field (the fields of both model configs)
+# The largest sizes a model config takes live in qkv.runtime.limits (the data layer bounds its
+# vocabulary with them too); MAX_SIZES maps each sized field of both model configs to its bound.
 MAX_SIZES = {
     "src_vocab_size": MAX_VOCAB_SIZE,
     "tgt_vocab_size": MAX_VOCAB_SIZE,

@@ -16,7 +16,7 @@
 Run folders (creating, resuming, recipes) are in :mod:`qkv.runs.translation`.
 """
 
-from qkv.training.config import TrainConfig, TrainState, inverse_sqrt_lr
+from qkv.training.config import TrainConfig, TrainState
 from qkv.training.distributed import Distributed, init_distributed
 from qkv.training.engine import StepStats, Trainer, TrainingCrashed
 from qkv.training.objectives import (
@@ -28,6 +28,7 @@ from qkv.training.objectives import (
     make_objective,
     step_objective,
 )
+from qkv.training.schedule import inverse_sqrt_lr
 from qkv.training.tasks import LanguageModelTask, TranslationTask, encode_pairs
 
 __all__ = [

@@ -146,7 +146,7 @@ def step_objective(config: TrainConfig, progress: float) -> Objective:
     Args:
         config: the run's options: ``rdrop`` (R-Drop's alpha, 0: off), ``rdrop_start`` (the share of
             the budget before R-Drop starts) and ``label_smoothing``.
-        progress: the share of the budget spent (:func:`~qkv.training.config.budget_progress`).
+        progress: the share of the budget spent (:func:`~qkv.training.schedule.budget_progress`).
 
     Returns:
         R-Drop's objective from ``rdrop_start`` on when ``rdrop`` is set, else label-smoothed cross-entropy.

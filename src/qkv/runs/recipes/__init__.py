@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv.data.tokenizer import MIN_VOCAB_SIZE
-from qkv.models.options import MAX_VOCAB_SIZE
+from qkv.runtime.limits import MAX_VOCAB_SIZE
 from qkv.runs.recipes.budget import BudgetRule, read_budget_rule
 from qkv.runs.recipes.steps import (
     DEFAULT_DECODE,
