@@ -63,7 +63,8 @@ step "making a fresh venv"
 venv_python="$work/venv/bin/python"
 "$venv_python" -m pip install -q --upgrade pip
 step "installing torch==2.13.0"
-"$venv_python" -m pip install -q torch==2.13.0
+"$venv_python" -m pip install -q --retries 1 --timeout 10 --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+    || "$venv_python" -m pip install -q torch==2.13.0
 step "installing the wheel"
 "$venv_python" -m pip install -q "$wheel"
 qkv="$work/venv/bin/qkv"

@@ -24,6 +24,11 @@ def test_qkv_demo_runs_end_to_end(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] > 0 and summary["test_dates"] == 2000 and 0 <= summary["exact_match"] <= 1
     assert f"exact match on 2,000 held-out dates: {100 * summary['exact_match']:.2f}%" in result.stdout
+    # what stopped the training (a 0.15-minute budget or the target), and where to look next
+    assert "stopped by the time budget (max_minutes 0.15" in result.stdout or "stopped early" in result.stdout
+    assert result.stdout.rstrip().endswith(
+        f"open {out / 'attention.html'} in a browser: the attention of every head, offline"
+    )
     assert (out / "attention.html").stat().st_size > 0 and len(list((out / "heatmaps").glob("*.png"))) == 8
     # the reported exact match is the run's model's, recomputed here
     model, tokenizer, _ = load_run(out / "run")

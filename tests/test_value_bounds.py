@@ -70,6 +70,21 @@ def test_an_absurd_vocabulary_is_refused_before_anything(tmp_path, capsys, pairs
     assert not (tmp_path / "run").exists()
 
 
+def test_prepare_refuses_an_absurd_vocabulary_before_reading_the_corpus(tmp_path, capsys, monkeypatch, pairs):
+    """``qkv prepare --vocab-size`` is checked before the corpus is read (it was refused only inside
+    the tokenizer trainer, after reading and tokenising every line)."""
+    src, tgt = pairs
+
+    def read_corpus(*args, **kwargs):
+        raise AssertionError("the corpus was read")
+
+    monkeypatch.setattr("qkv.data.preparing.prepare_corpus", read_corpus)
+    argv = ["prepare", "--train-src", str(src), "--train-tgt", str(tgt), "--out", str(tmp_path / "p")]
+    code = main([*argv, "--vocab-size", "100000000"])
+    assert "vocab_size (--vocab-size) must be an integer from 260" in one_line_error(capsys, "prepare", code)
+    assert not (tmp_path / "p").exists()
+
+
 def test_the_bounds_leave_real_sizes_alone():
     """The paper's big model and GPT-2 XL's sizes (and more) pass the checks."""
     TransformerConfig(d_model=1024, num_heads=16, d_ff=4096, src_vocab_size=37000, tgt_vocab_size=37000)

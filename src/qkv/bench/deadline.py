@@ -10,6 +10,12 @@ compiler's error handling) lets it through. Where the timer fires inside C code 
 exception into another (PyTorch's argument parsing makes it a ``TypeError``, which the compiler may
 then swallow and fall back on), :meth:`Clock.limit` still raises ``TimeUp`` when its block ends. The timer works in the main thread of a POSIX process;
 elsewhere only the checks between measurements stop the run.
+
+Nothing of the timer outlives the clock: leaving ``with clock:`` (or :meth:`Clock.stop`) disarms it and
+puts back the previous handler even when the timer fires during the exit, a signal still on its way
+then is ignored, and a part that ends past the whole deadline raises at once instead of re-arming.
+Where the timer fires inside a finalizer (``__del__``, which cannot pass an exception on: Python
+would report it as unraisable and carry on), it fires again just after instead.
 """
 
 from __future__ import annotations
@@ -20,6 +26,18 @@ import threading
 import time
 from collections.abc import Iterator
 from types import FrameType
+
+FINALIZER_RETRY_S = 0.01  # the timer fired inside a finalizer: fire again this much later, outside it
+
+
+def _in_finalizer(frame: FrameType | None) -> bool:
+    """Whether ``frame`` (where a signal handler interrupted the program) runs inside a ``__del__``."""
+    depth = 0
+    while frame is not None and depth < 200:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame, depth = frame.f_back, depth + 1
+    return False
 
 
 class TimeUp(BaseException):  # noqa: N818  (a signal of time, like KeyboardInterrupt, not an error)
@@ -68,6 +86,11 @@ class Clock:
             raise TimeUp(doing, whole=True)
 
     def _fire(self, signum: int, frame: FrameType | None) -> None:
+        if not self._installed:  # a signal that was on its way while the clock stopped: nothing runs under it
+            return
+        if _in_finalizer(frame):  # an exception raised there is lost (Python reports it as unraisable)
+            signal.setitimer(signal.ITIMER_REAL, FINALIZER_RETRY_S)
+            return
         whole = self._part is None or self.left() <= 0.05
         self._fired = TimeUp(self.doing, whole=whole)
         raise self._fired
@@ -79,21 +102,27 @@ class Clock:
         signal.setitimer(signal.ITIMER_REAL, max(until - time.monotonic(), 1e-3))
 
     def __enter__(self) -> Clock:
-        if self._alarm:
+        if self._alarm and not self._installed:  # entered again: keep the handler found the first time
             self._previous = signal.signal(signal.SIGALRM, self._fire)
             self._installed = True
             self._arm()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:  # the timer fired as stop() began, before it changed anything: disarm now
+            self.stop()
 
     def stop(self) -> None:
-        """Disarm the timer (the run is writing its last result); safe to call twice."""
+        """Disarm the timer and put back the ``SIGALRM`` handler found on entry (the run is writing its
+        last result); safe to call twice. Once it has begun, a signal still on its way is ignored."""
         if self._installed:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self._previous)  # type: ignore[arg-type]
-            self._installed = False
+            self._installed = False  # first: _fire ignores a signal from here on
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            finally:
+                signal.signal(signal.SIGALRM, self._previous)  # type: ignore[arg-type]
 
     @contextlib.contextmanager
     def limit(self, seconds: float, doing: str) -> Iterator[None]:
@@ -119,4 +148,8 @@ class Clock:
         finally:
             self._fired = None
             self._part = None
-            self._arm()
+            if self.left() > 0:
+                self._arm()  # back to the whole deadline
+            elif self._alarm and self._installed:  # past it: the block's TimeUp, or the check below, ends the run
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        self.check(doing)  # the block ended in time, the whole budget with it

@@ -165,7 +165,8 @@ def summarize(report: dict[str, Any]) -> str:
     env = report["environment"]
     head = (
         f"**{suite}** on {env.get('cuda_device') or env.get('cpu_model') or env.get('machine')}, "
-        f"{env.get('torch_threads')} threads, torch {env.get('torch')}, load average "
+        f"{env.get('torch_threads')} thread{'' if env.get('torch_threads') == 1 else 's'}, "
+        f"torch {env.get('torch')}, load average "
         f"{', '.join(f'{x:.1f}' for x in env.get('load_average') or [])}"
     )
     lines = [head, ""]

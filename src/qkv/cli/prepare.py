@@ -67,9 +67,12 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from qkv.data.preparing import REASONS, prepare_corpus
+    from qkv.data.tokenizer import check_vocab_size
 
     if args.tokenizer and args.vocab_size is not None:
         raise ValueError("--vocab-size is for learning a tokenizer; --tokenizer brings its own vocabulary")
+    if args.vocab_size is not None:  # before the corpus is read, not after
+        check_vocab_size(args.vocab_size)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = args.workers or cores or 1
     start = time.perf_counter()

@@ -118,7 +118,9 @@ def show_lines(recipe: Recipe) -> list[str]:
     lines += ["", f"[model]  # {model_class.__name__}; the tokenizer sets {', '.join(tokenizer_fields)}"]
     lines += _table(model, recipe.model, skip=tokenizer_fields)
     lines += ["", "[train]  # TrainConfig"]
-    here = {"bf16": "off here: the recipe's true applies where bf16 is fast"} if train.bf16 != given.get("bf16") else {}
+    # only a recipe that asks for bf16 can differ from what runs here (a missing key is the library's false)
+    asked = bool(given.get("bf16"))
+    here = {"bf16": "off here: the recipe's true applies where bf16 is fast"} if asked and not train.bf16 else {}
     lines += _table(train, given, notes=here)
     if recipe.tokens_per_step is not None:
         lines.append(f"# max_tokens x accum_steps: the recipe's {recipe.tokens_per_step} tokens a step on 1 process")

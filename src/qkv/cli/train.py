@@ -43,6 +43,8 @@ from qkv.cli.train_options import (  # re-exported: the training benchmarks decl
 )
 from qkv.data.spec import DataSpec
 from qkv.data.text import TEXT_SOURCES
+from qkv.data.tokenizer import check_vocab_size
+from qkv.training.config import TrainConfig
 
 if TYPE_CHECKING:
     from qkv.training import Trainer
@@ -180,6 +182,10 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)  # under torchrun, OMP_NUM_THREADS (1 by default) sets each process's share
     train_options = train_options_from(args)
+    for name, value in train_options.items():  # each in its field's range before anything uses it (--seed)
+        TrainConfig.check_option(name, value)
+    if args.vocab_size is not None and not args.resume:  # (a resumed run refuses it below)
+        check_vocab_size(args.vocab_size)
     if args.no_progress or not sys.stderr.isatty():
         train_options["progress"] = False
     if args.resume:
@@ -256,7 +262,8 @@ def _with_recipe(args: argparse.Namespace, spec: DataSpec, train_options: dict) 
     train_options = {**steps, **train_options}
     max_tokens, accum = train_options["max_tokens"], train_options["accum_steps"]
     return train_options, (
-        f"recipe {recipe.name}: a step is {world} process(es) x {accum} batch(es) x {max_tokens} padded tokens = "
+        f"recipe {recipe.name}: a step is {world} process{'' if world == 1 else 'es'} x {accum} "
+        f"batch{'' if accum == 1 else 'es'} x {max_tokens} padded tokens = "
         f"{world * accum * max_tokens} (the recipe's {recipe.tokens_per_step})"
     )
 
@@ -340,8 +347,9 @@ def _train(trainer: Trainer, run_dir: str) -> int:
         s = trainer.state
         if trainer.dist.is_main:
             print(
-                f"trained {s.step} steps ({s.seconds / 60:.1f} min, {s.tokens / max(s.seconds, 1e-9):.0f} "
-                f"target tokens/s) on {trainer.dist.world_size} process(es); wrote {path}",
+                f"trained {s.step} step{'' if s.step == 1 else 's'} ({s.seconds / 60:.1f} min, "
+                f"{s.tokens / max(s.seconds, 1e-9):.0f} target tokens/s) on {trainer.dist.world_size} "
+                f"process{'' if trainer.dist.world_size == 1 else 'es'}, {trainer.stopped_by()}; wrote {path}",
                 file=sys.stderr,
             )
         return 0

@@ -173,8 +173,11 @@ def _train_notes(view: InView) -> dict[str, str]:
     if recipe.steps:  # computed, not read: say from what, for the processes of this launch
         world = os.environ.get("WORLD_SIZE", "1")
         tokens, accum = recipe.steps["max_tokens"], recipe.steps["accum_steps"]
-        split = f"the {recipe.name} recipe's {recipe.tokens_per_step} tokens a step over {world} process(es)"
-        notes["max_tokens"] = f" (default: {tokens}: {split} and {accum} batch(es) each)"
+        split = (
+            f"the {recipe.name} recipe's {recipe.tokens_per_step} tokens a step over {world} "
+            f"process{'' if world == '1' else 'es'}"
+        )
+        notes["max_tokens"] = f" (default: {tokens}: {split} and {accum} batch{'' if accum == 1 else 'es'} each)"
         notes["accum_steps"] = f" (default: {accum}: {split} in batches of up to {tokens} tokens)"
     return notes
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from qkv.runtime.limits import MAX_VOCAB_SIZE
 from qkv.runtime.fileio import atomic_path
+from qkv.runtime.limits import MAX_VOCAB_SIZE
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]

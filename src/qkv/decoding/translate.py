@@ -53,7 +53,13 @@ def translate_texts(
     too_long = sum(len(s) > limit for s in encoded)
     ids = [s[:limit] + [tokenizer.eos_id] for s in encoded]
     if too_long:
-        logger.warning("%d sentence(s) longer than %d tokens were cut to fit the model", too_long, limit)
+        logger.warning(
+            "%d %s longer than %d tokens %s cut to fit the model",
+            too_long,
+            "sentence" if too_long == 1 else "sentences",
+            limit,
+            "was" if too_long == 1 else "were",
+        )
     results: list[str] = [""] * len(ids)
     batches = length_batches(ids, max(1, max_tokens // max(1, beam_size)))
     device = next(model.parameters()).device

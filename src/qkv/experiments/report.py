@@ -91,7 +91,7 @@ def _section(path: Path, data: dict, root: Path) -> tuple[str, str, set[Path]]:
         f"seed {html.escape(str(data.get('seed')))}",
         f"{float(data.get('seconds', 0.0)):.1f} s",
         f"torch {html.escape(str(env.get('torch', '?')))}",
-        f"{html.escape(str(env.get('torch_threads', '?')))} threads",
+        f"{html.escape(str(env.get('torch_threads', '?')))} thread{'' if env.get('torch_threads') == 1 else 's'}",
     ]
     if env.get("cuda_device") or env.get("cuda"):  # "cuda" named the device in results written before 2026-11-26
         meta.append(html.escape(str(env.get("cuda_device") or env["cuda"])))

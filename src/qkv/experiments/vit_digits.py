@@ -317,7 +317,8 @@ def _summary(results: dict[str, Any], config: ViTDigitsConfig, device: torch.dev
         f"{results['train_images']} training / {results['test_images']} test images, {config.num_patches} patches of "
         f"{config.patch_size}x{config.patch_size} pixels + a class token, {results['parameters']:,} parameters",
         f"test accuracy {results['test_accuracy']:.4f} (train {results['train_accuracy']:.4f}) after "
-        f"{config.epochs} epochs in {results['train_seconds']:.1f} s on {device} with {results['threads']} threads "
+        f"{config.epochs} epochs in {results['train_seconds']:.1f} s on {device} with {results['threads']} "
+        f"thread{'' if results['threads'] == 1 else 's'} "
         f"({results['train_cpu_seconds']:.1f} s of CPU time)",
     ]
 

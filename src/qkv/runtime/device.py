@@ -28,7 +28,10 @@ def pick_device(requested: str | torch.device | None = None) -> torch.device:
         if not torch.cuda.is_available():
             raise ValueError(f"device {str(requested)!r} was asked for, but CUDA is not available on this machine")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {str(requested)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise ValueError(
+                f"device {str(requested)!r}: this machine has {torch.cuda.device_count()} CUDA "
+                f"device{'' if torch.cuda.device_count() == 1 else 's'}"
+            )
     elif device.type != "cpu":
         raise ValueError(f"unsupported device {str(requested)!r}; use cpu, cuda or cuda:N")
     return device

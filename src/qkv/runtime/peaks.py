@@ -11,6 +11,12 @@ timed once per machine (under 1 s) and kept as JSON in qkv's cache folder, keyed
 its flags, the ISA limits set in the environment, torch's version and the thread count. The cache
 file is read as JSON only and checked entry by entry; one that is corrupt or not ours is ignored
 (and rewritten with a fresh measurement).
+
+Other programs on the CPUs slow the product down, and a ceiling measured then would stay wrong for
+every later run: each entry records the load average it was measured under, a measurement taken
+while the machine was busy (:func:`machine_busy`: load above the core count) is used for this process
+only and never cached, and an entry from before loads were recorded is measured again, the better
+of the two kept.
 """
 
 from __future__ import annotations
@@ -112,7 +118,40 @@ def _valid_entry(entry: object) -> bool:
         and not isinstance(size, bool)
         and isinstance(source, str)
         and len(source) < 500
+        and (entry.get("load") is None or _is_load(entry["load"]))
     )
+
+
+def _is_load(value: object) -> bool:
+    return isinstance(value, float | int) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def machine_load() -> tuple[float | None, int]:
+    """The machine's 1-minute load average (None where the OS does not report one) and the number of
+    cores this process may run on.
+
+    Returns:
+        ``(load, cores)``.
+    """
+    try:
+        load: float | None = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return load, max(cores, 1)
+
+
+def machine_busy(load: float | None, cores: int) -> bool:
+    """Whether other work loads the CPUs: more runnable processes on average than there are cores.
+
+    Args:
+        load: a load average (None: unknown, taken as not busy).
+        cores: the cores this process may run on.
+
+    Returns:
+        True when ``load`` is above ``cores``.
+    """
+    return load is not None and load > cores
 
 
 def read_cache(path: Path) -> dict[str, dict]:
@@ -164,18 +203,40 @@ def measure_matmul(dtype: torch.dtype, *, budget_s: float = 0.4) -> tuple[float,
 @functools.cache
 def cpu_peak(dtype: torch.dtype, threads: int) -> tuple[float, str]:
     """This CPU's measured matrix-product ceiling in ``dtype`` on ``threads`` threads (cached on disk
-    per machine and in memory per process), and where it is from."""
+    per machine and in memory per process), and where it is from.
+
+    A cached entry that records its load is used as it is; one from before loads were recorded is
+    measured again and the better figure kept. A measurement taken while the machine is busy
+    (:func:`machine_busy`) is returned but not cached, so a later, quieter run measures again.
+    """
     path, key = cache_path(), machine_key(dtype, threads)
     entries = read_cache(path)
-    if key in entries:
-        entry = entries[key]
-        return entry["flops"], entry["source"] + f" (cached in {path})"
+    old = entries.get(key)
+    if old is not None and "load" in old:  # measured on a machine that was not busy
+        return old["flops"], old["source"] + f" (cached in {path})"
+    load, cores = machine_load()
     flops, size = measure_matmul(dtype)
+    flops = float(flops)
     name = str(dtype).removeprefix("torch.")
-    source = f"measured: {size}x{size} {name} torch.mm on {threads} threads"
-    entries[key] = {"flops": float(flops), "size": size, "source": source, "date": time.strftime("%Y-%m-%d")}
+    source = f"measured: {size}x{size} {name} torch.mm on {threads} thread{'' if threads == 1 else 's'}"
+    if machine_busy(load, cores):
+        where = f"load {load:.1f} on {cores} core{'' if cores == 1 else 's'}"
+        busy = f"{source} while the machine was busy ({where}; not cached)"
+        if old is not None and old["flops"] > flops:  # the older figure is the better ceiling
+            return old["flops"], old["source"] + f" (cached in {path})"
+        return flops, busy
+    if old is not None and old["flops"] > flops:  # keep the best: a figure only load can lower
+        flops, size, source = old["flops"], old["size"], old["source"]
+    entries[key] = {
+        "flops": flops,
+        "size": size,
+        "source": source,
+        "date": time.strftime("%Y-%m-%d"),
+        "load": None if load is None else round(load, 2),  # None: the OS reports none
+        "cores": cores,
+    }
     try:
         write_json(path, {"version": CACHE_VERSION, "peaks": entries})
     except OSError as err:  # a read-only home: measure again next time
         logger.info("could not cache the CPU's matmul peak in %s: %s", path, err)
-    return float(flops), source
+    return flops, source

@@ -157,9 +157,10 @@ class Checkpointing:
             torch.manual_seed(self.config.seed + 1_000_003 * self.dist.rank + saved["train_state"]["step"])
         if self.dist.is_main and len(per_process) != self.dist.world_size and saved["train_state"]["step"]:
             logger.info(
-                "the checkpoint holds the random state of %d process(es), resuming on %d: same weights, "
+                "the checkpoint holds the random state of %d %s, resuming on %d: same weights, "
                 "optimizer and data position; dropout masks differ from an uninterrupted run",
                 len(per_process),
+                "process" if len(per_process) == 1 else "processes",
                 self.dist.world_size,
             )
         if self.ema is not None and "ema" in saved:

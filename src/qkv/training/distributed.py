@@ -104,7 +104,8 @@ def init_distributed(device: str | torch.device | None = None, *, timeout_minute
     if use_cuda:
         if local_rank >= torch.cuda.device_count():
             raise ValueError(
-                f"local rank {local_rank} but only {torch.cuda.device_count()} CUDA device(s) here; "
+                f"local rank {local_rank} but only {torch.cuda.device_count()} CUDA "
+                f"device{'' if torch.cuda.device_count() == 1 else 's'} here; "
                 "start at most that many processes per machine (--nproc_per_node)"
             )
         torch.cuda.set_device(local_rank)

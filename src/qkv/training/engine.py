@@ -36,10 +36,12 @@ from qkv.runtime.heap import HeapTrimmer, resident_memory_bytes, trim_heap
 from qkv.runtime.precision import autocast_context
 from qkv.training import checkpoint_files as ckpt
 from qkv.training.checkpointing import Checkpointing
-from qkv.training.config import TrainConfig, TrainState, budget_progress, learning_rate
+from qkv.training.config import TrainConfig, TrainState
 from qkv.training.distributed import Distributed, full_state, gradient_sync, plain_copy, wrap
 from qkv.training.methods import LateDropout, check_methods, drop_reversed_pairs_when_due
 from qkv.training.objectives import step_objective
+from qkv.training.optimizer import make_optimizer
+from qkv.training.schedule import budget_progress, budget_spent, learning_rate, stop_reason, time_left
 from qkv.training.signals import signals_held
 from qkv.training.throughput import Throughput
 
@@ -63,22 +65,6 @@ class TrainingCrashed(RuntimeError):
         first_line = (str(cause).strip().splitlines() or [""])[0]
         super().__init__(f"training failed after step {step} ({type(cause).__name__}: {first_line[:300]})")
         self.step = step
-
-
-def make_optimizer(module: torch.nn.Module, config: TrainConfig, *, fused: bool | None) -> torch.optim.Optimizer:
-    """The run's optimizer: Adam (section 5.3), or with ``config.weight_decay`` AdamW whose decay falls
-    on the matrices (weights and embeddings, two dimensions or more) and not on biases or layer-norm
-    gains. ``fused``: PyTorch's fused kernel (one over all parameters; 3x faster than the default
-    per-tensor loop on a 2-core CPU), None for the default (FSDP2's sharded parameters)."""
-    options: dict[str, Any] = dict(lr=0.0, betas=config.adam_betas, eps=config.adam_eps, fused=fused)
-    if not config.weight_decay:  # one parameter group, as every run before the option (their checkpoints resume)
-        return torch.optim.Adam(module.parameters(), **options)
-    params = list(module.parameters())
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW([g for g in groups if g["params"]], **options)
 
 
 class Trainer(Checkpointing):
@@ -206,14 +192,8 @@ class Trainer(Checkpointing):
         return mine
 
     def _done(self) -> bool:
-        c, s = self.config, self.state
-        epochs = s.epoch + s.batch_in_epoch / max(1, len(self._epoch_batches(s.epoch)))
-        done = bool(
-            s.stopped_early
-            or (c.max_steps and s.step >= c.max_steps)
-            or (c.max_minutes and s.seconds >= c.max_minutes * 60)
-            or (c.max_epochs and epochs >= c.max_epochs)
-        )
+        c, s, epochs = self.config, self.state, self._epochs()
+        done = budget_spent(c, s, epochs)
         progress = budget_progress(c, step=s.step, seconds=s.seconds, epochs=epochs)
         # rank 0's clock decides for everyone: when to stop, and the budget schedule's rate (equal on every replica)
         done, self.progress = self.dist.broadcast((done, progress))
@@ -236,6 +216,8 @@ class Trainer(Checkpointing):
             disable=not (c.progress and self.dist.is_main),
         )
         step_start = None
+        if self.dist.is_main and (hint := self.throughput.hint(None)):  # a machine already busy with other work
+            logger.warning(hint)
         # every batch has another shape: give the heap's freed holes back to the OS now and then,
         # so resident memory stays flat over hours (qkv.runtime.heap; ~0.15 s every 50 steps)
         trimmer = HeapTrimmer(every_steps=50)
@@ -267,8 +249,13 @@ class Trainer(Checkpointing):
                     if rss is not None:
                         record["rss_mb"] = round(rss / 2**20, 1)
                     self.log(record)
+                    if self.dist.is_main and (hint := self.throughput.hint(record)):  # far below the measured peak
+                        logger.warning(hint)
                     bar.set_postfix(
-                        loss=f"{record['loss']:.3f}", tok_s=f"{tps:.0f}", **Throughput.postfix(record), eta=self._eta()
+                        loss=f"{record['loss']:.3f}",
+                        tok_s=f"{tps:.0f}",
+                        **Throughput.postfix(record),
+                        eta=time_left(self.config, self.state),
                     )
                     window_tokens, window_loss, window_start = 0, 0.0, time.perf_counter()
                 paused = time.perf_counter()
@@ -286,15 +273,14 @@ class Trainer(Checkpointing):
         self.save()
         return s
 
-    def _eta(self) -> str:
-        c, s = self.config, self.state
-        remaining = [c.max_minutes * 60 - s.seconds] if c.max_minutes else []
-        if c.max_steps and s.step:
-            remaining.append(s.seconds / s.step * (c.max_steps - s.step))
-        if not remaining:
-            return "?"
-        secs = max(0, int(min(remaining)))
-        return f"{secs // 60}:{secs % 60:02d}"
+    def stopped_by(self) -> str:
+        """What ended the last :meth:`train` that returned, in words for the run's final line (see
+        :func:`~qkv.training.schedule.stop_reason`)."""
+        return stop_reason(self.config, self.state, self._epochs())
+
+    def _epochs(self) -> float:
+        s = self.state
+        return s.epoch + s.batch_in_epoch / max(1, len(self._epoch_batches(s.epoch)))
 
     def _maybe_evaluate_and_keep(self, *, final: bool = False) -> None:
         c, s = self.config, self.state

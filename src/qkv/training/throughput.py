@@ -14,6 +14,10 @@ over the processes with the token counts, and at each log line reads the window'
 
 A model other than :class:`~qkv.models.transformer.Transformer` or :class:`~qkv.models.causal_lm.CausalLM`
 (or a batch of another kind) has no count: its figures are null, never an error.
+
+On a CPU, :meth:`Throughput.hint` names a machine that other programs load (a load average above the
+core count when training starts) or steps that reach under ``SLOW_MFU`` of the measured peak, once a
+run: threads that wait on each other's cores run many times slower than one thread would.
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ from qkv.data.batching import Batch
 from qkv.models.causal_lm import CausalLMConfig
 from qkv.models.flops import causal_lm_train_flops, transformer_train_flops
 from qkv.models.transformer import TransformerConfig
-from qkv.runtime.peaks import peak_flops
+from qkv.runtime.peaks import machine_busy, machine_load, peak_flops
 from qkv.training.language_model_task import WindowBatch
 
 logger = logging.getLogger(__name__)
+
+SLOW_MFU = 0.02  # a share of the CPU's measured peak far below what a Transformer's training steps reach
 
 
 def batch_work(config: object, batch: object) -> tuple[int | None, int, int] | None:
@@ -65,13 +71,23 @@ class Throughput:
 
     def __init__(self, model: torch.nn.Module, device: torch.device, bf16: bool, world_size: int = 1) -> None:
         self.config: Any = getattr(model, "config", None)
+        self.device = torch.device(device)
+        self.hinted = False  # the busy-machine hint is given once a run
+        self.windows = 0  # log windows seen (the first holds the warm-up)
         self.counted = isinstance(self.config, (TransformerConfig, CausalLMConfig))
         self.peak: float | None = None
         if self.counted:
             found = peak_flops(device, torch.bfloat16 if bf16 else torch.float32)
             if found is not None:
                 self.peak = found[0] * world_size
-                logger.info("MFU is against a peak of %.4g TFLOP/s a process (%s)", found[0] / 1e12, found[1])
+                kind = "this machine's measured" if found[1].startswith("measured") else "the device's datasheet"
+                logger.info(
+                    "MFU (model FLOPs utilisation: the share of %s matmul peak the training steps reach) is "
+                    "against %.4g TFLOP/s a process (%s)",
+                    kind,
+                    found[0] / 1e12,
+                    found[1],
+                )
         self.flops, self.real, self.positions = 0.0, 0.0, 0.0
         self.flops_known = self.counted
 
@@ -111,6 +127,39 @@ class Throughput:
         self.flops, self.real, self.positions = 0.0, 0.0, 0.0
         self.flops_known = self.counted
         return record
+
+    def hint(self, record: dict | None = None) -> str | None:
+        """A one-line hint when the CPUs look shared with other work, at most once a run: at the start
+        (``record`` None) when the load average is above the core count, later when a log ``record``'s
+        MFU is under ``SLOW_MFU`` (after the first window, which holds the warm-up).
+
+        Args:
+            record: a log record from :meth:`window`, or None at the start of training.
+
+        Returns:
+            The hint, or None.
+        """
+        if self.hinted or self.device.type != "cpu":
+            return None
+        load, cores = machine_load()
+        threads = torch.get_num_threads()
+        advice = "try --threads 1" if threads > 1 else "steps run slower than on an idle machine"
+        where = f"load {load:.1f} on {cores} core{'' if cores == 1 else 's'}" if load is not None else "load unknown"
+        if record is None:
+            if not machine_busy(load, cores):
+                return None
+            line = f"the machine is busy ({where}): {advice}"
+        else:
+            self.windows += 1
+            mfu = record.get("mfu")
+            if self.windows < 2 or mfu is None or mfu >= SLOW_MFU:
+                return None
+            line = (
+                f"the steps reach {100 * mfu:.1f}% of this machine's measured matmul peak on {threads} "
+                f"thread{'' if threads == 1 else 's'} ({where}): the CPUs may be shared with other work; {advice}"
+            )
+        self.hinted = True
+        return line
 
     @staticmethod
     def postfix(record: dict) -> dict[str, str]:

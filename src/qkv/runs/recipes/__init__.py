@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from qkv.data.tokenizer import MIN_VOCAB_SIZE
-from qkv.runtime.limits import MAX_VOCAB_SIZE
 from qkv.runs.recipes.budget import BudgetRule, read_budget_rule
 from qkv.runs.recipes.steps import (
     DEFAULT_DECODE,
@@ -33,6 +32,7 @@ from qkv.runs.recipes.steps import (
     decode_settings,
     step_batches,
 )
+from qkv.runtime.limits import MAX_VOCAB_SIZE
 from qkv.training.config import MAX_ACCUM_STEPS, MAX_BATCH_TOKENS
 
 if sys.version_info >= (3, 11):
