@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -153,7 +154,7 @@ def _source_spec(args: argparse.Namespace) -> DataSpec:
                 "--test-text needs --val-text (without --val-text, the last 5% of --train-text is the "
                 "test split and the 5% before it validates)"
             )
-        train_text, val_text, test_text = (str(Path(f).resolve()) if f else None for f in texts)
+        train_text, val_text, test_text = (_data_path(f) if f else None for f in texts)
         return DataSpec(source="text", train_text=train_text, val_text=val_text, test_text=test_text)
     if args.data == "multi30k":
         folder = _data_dir(args)
@@ -168,8 +169,17 @@ def _source_spec(args: argparse.Namespace) -> DataSpec:
             "no training data: pass --data multi30k/dates/tinyshakespeare, --prepared DIR, --train-src "
             "and --train-tgt, or --train-text"
         )
-    train_src, train_tgt, val_src, val_tgt = (str(Path(f).resolve()) if f else None for f in files)
+    train_src, train_tgt, val_src, val_tgt = (_data_path(f) if f else None for f in files)
     return DataSpec(source="files", train_src=train_src, train_tgt=train_tgt, val_src=val_src, val_tgt=val_tgt)
+
+
+def _data_path(name: str) -> str:
+    """A data file's absolute path as the run records it: links resolved for a file, while a pipe
+    (``<(zcat corpus.gz)``, a FIFO) keeps the name given, whose resolved ``/proc`` target cannot be
+    opened."""
+    from qkv.runtime.fileio import is_special_file
+
+    return os.path.abspath(name) if is_special_file(name) else str(Path(name).resolve())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -376,7 +376,9 @@ class Trainer(Checkpointing):
             if self.dist.is_main:
                 names = self._kept()[-c.average_last :]
                 ckpt.average_weight_files([folder / "checkpoints" / n for n in names], out)
-                logger.info("averaged %d checkpoints: %s", len(names), ", ".join(names))
+                logger.info(
+                    "averaged %d checkpoint%s: %s", len(names), "" if len(names) == 1 else "s", ", ".join(names)
+                )
         else:
             model = self.plain_model()
             if self.dist.is_main:
