@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import os
 import threading
 import tracemalloc
@@ -333,3 +334,24 @@ def test_permission_denied_for_real(tmp_path, run, capsys):
         weights_header(weights)
     code = main(["translate", str(run[0]), str(path), "--device", "cpu"])
     assert "secret.txt: permission denied" in one_line_error(capsys, "translate", code)
+
+
+def test_train_reads_its_pairs_from_pipes(tmp_path, capsys):
+    """``qkv train --train-src <(zcat a.gz) --train-tgt <(zcat b.gz)``: the pipes' names are kept (their
+    resolved ``/proc/.../pipe:[N]`` targets cannot be opened) and a run trains on what they carried."""
+    src, tgt = write_pairs(tmp_path / "data", n=40)
+    ends = []
+    try:
+        for path in (src, tgt):
+            read_end, write_end = os.pipe()
+            ends.append(read_end)
+            os.write(write_end, path.read_bytes())  # 40 short lines fit a pipe's buffer
+            os.close(write_end)
+        argv = train_args(f"/dev/fd/{ends[0]}", f"/dev/fd/{ends[1]}", tmp_path / "run")
+        assert main(argv) == 0, capsys.readouterr().err
+    finally:
+        for end in ends:
+            os.close(end)
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["data"]["train_src"] == f"/dev/fd/{ends[0]}"
+    assert (tmp_path / "run" / "model.safetensors").is_file()
