@@ -431,3 +431,15 @@ def test_every_json_reader_names_a_damaged_file_in_one_line(tmp_path, damage):
                 read(tmp_path)
             message = str(err.value)
             assert message.startswith(f"{tmp_path / name}: not valid JSON (") and "\n" not in message, message
+
+
+def test_overwrite_refuses_a_run_folder_holding_a_users_file(tmp_path, capsys, trained):
+    """A run folder with a file of the user's in it (notes beside the run) is not replaced whole:
+    ``--overwrite`` would delete the notes with the run."""
+    run = copy_run(trained[0], tmp_path)
+    (run / "notes.txt").write_text("what I tried", encoding="utf-8")
+    src, tgt = trained[1]
+    before = snapshot(tmp_path)
+    code = main(train_args(src, tgt, run, "--overwrite"))
+    assert "holds notes.txt, which no qkv run writes" in one_line_error(capsys, "train", code)
+    assert snapshot(tmp_path) == before

@@ -38,7 +38,7 @@ from qkv.data.tokenizer import Tokenizer
 from qkv.decoding.ensemble import Ensemble, same_tokenizer
 from qkv.models.causal_lm import CausalLM, CausalLMConfig
 from qkv.models.transformer import Transformer, TransformerConfig
-from qkv.runtime.fileio import atomic_folder, read_json, write_json
+from qkv.runtime.fileio import TMP_SUFFIX, atomic_folder, read_json, write_json
 from qkv.runtime.safe_load import (
     build_within_weights,
     check_layer_counts,
@@ -195,10 +195,52 @@ def check_new_run_dir(run_dir: str | Path, *, overwrite: bool, inputs: Sequence[
         check_replaceable(run_dir, inputs=inputs)
 
 
+# what a qkv run writes at the top of its folder (every format since 0.1); anything else there is a
+# user's, which ``--overwrite`` must not delete
+RUN_ENTRIES = frozenset(
+    {
+        "config.json",
+        "tokenizer.json",
+        "state.pt",
+        "last.safetensors",
+        "model.safetensors",
+        "best.safetensors",
+        "ema.safetensors",
+        "checkpoints",
+        "metrics.jsonl",
+        "curves.png",
+        "data",
+        "train.bin",
+        "val.bin",
+        "test.bin",
+    }
+)
+
+
+def foreign_entries(run_dir: str | Path) -> list[str]:
+    """The entries at the top of the run folder ``run_dir`` that no qkv run writes: not one of
+    :data:`RUN_ENTRIES`, an FSDP optimizer shard folder or a temporary file a killed writer left.
+
+    Args:
+        run_dir: an existing run folder.
+
+    Returns:
+        Their names, sorted (empty for a folder holding only a run's own files).
+    """
+    from qkv.training.distributed import SHARDS_PREFIX, SHARDS_SUFFIX
+
+    def written_by_a_run(name: str) -> bool:
+        if name in RUN_ENTRIES or (name.startswith(SHARDS_PREFIX) and name.endswith(SHARDS_SUFFIX)):
+            return True
+        return name.startswith(".") and (name.endswith(TMP_SUFFIX) or name.endswith(".partial"))
+
+    return sorted(p.name for p in Path(run_dir).iterdir() if not written_by_a_run(p.name))
+
+
 def check_replaceable(run_dir: str | Path, *, inputs: Sequence[str | Path] = ()) -> None:
-    """Check that ``--overwrite`` may replace ``run_dir``: it must be a qkv run folder or an empty
-    folder, must not hold the current directory, and must not hold any of ``inputs`` (the files
-    the new run reads). Raises ``ValueError`` saying which rule failed; deletes nothing."""
+    """Check that ``--overwrite`` may replace ``run_dir``: it must be a qkv run folder holding only
+    what a run writes (:func:`foreign_entries`) or an empty folder, must not hold the current
+    directory, and must not hold any of ``inputs`` (the files the new run reads). Raises ``ValueError`` saying which rule failed; deletes nothing."""
     run_dir = Path(run_dir)
     if not run_dir.exists():
         return
@@ -219,6 +261,13 @@ def check_replaceable(run_dir: str | Path, *, inputs: Sequence[str | Path] = ())
                 f"{item}: the new run reads this file, and it lies inside {run_dir}, which "
                 "--overwrite would replace; move it or choose another --run-dir"
             )
+    others = foreign_entries(run_dir)
+    if others:
+        listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise ValueError(
+            f"{run_dir}: holds {listed}, which no qkv run writes; --overwrite would delete them: move them "
+            "or choose another --run-dir"
+        )
 
 
 def create_run(
