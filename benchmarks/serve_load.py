@@ -221,7 +221,7 @@ def stall(address: tuple[str, int]) -> socket.socket:
     body = json.dumps({"texts": ["A man rides a bicycle down the street."]}).encode()
     sock = socket.create_connection(address, timeout=TIMEOUT_S)
     sock.sendall(
-        b"POST /v1/translate HTTP/1.1\r\nHost: load\r\nContent-Type: application/json\r\n"
+        b"POST /v1/translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(body), body[: len(body) // 2])
     )
     return sock

@@ -276,7 +276,10 @@ def test_qkv_serve_in_the_browser(browser, minilm, seq2seq_explorer, tmp_path):
         page.click("#live-submit")
         page.wait_for_selector("#error:not([hidden])")
         assert "non-empty string" in page.text_content("#error")
-        status = page.evaluate("fetch('/api/attend', {method: 'POST', body: '{oops'}).then(r => r.status)")
+        status = page.evaluate(
+            "fetch('/api/attend', {method: 'POST', headers: {'Content-Type': 'application/json'}, body: '{oops'})"
+            ".then(r => r.status)"
+        )
         assert status == 400
         assert watch.errors and all("status of 400" in e for e in watch.errors)  # the browser logs the 400s only
         assert blocked == [] and all(url.startswith(origin) for url in watch.requests)

@@ -30,6 +30,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 MAX_BODY_BYTES = 8192
+JSON = {"Content-Type": "application/json"}
 
 WORDS = ["the", "a", "dog", "cat", "runs", "sleeps", "on", "mat", "beach", "time", "flies", "like", "an", "arrow"]
 
@@ -129,8 +130,14 @@ def test_http_routes_and_errors(client):
     assert status == 405
     status, _, body = request(client, "GET", "/secret/file")
     assert status == 404 and "error" in json.loads(body)
-    status, _, body = request(client, "POST", "/api/attend")  # no body at all
+    status, _, body = request(client, "POST", "/api/attend", headers=JSON)  # no body at all
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]
+    status, _, body = request(client, "POST", "/api/attend", b'{"text": "a dog"}')  # no Content-Type
+    assert status == 415 and "no Content-Type" in json.loads(body)["error"]
+    # what a cross-site form may send without the server's consent: never read
+    for ctype in ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data"):
+        status, _, body = request(client, "POST", "/api/attend", b'{"text": "a dog"}', {"Content-Type": ctype})
+        assert status == 415 and "Content-Type: application/json" in json.loads(body)["error"], ctype
 
 
 def test_serve_command_binds_localhost(tiny_bert_dir, tmp_path):
@@ -222,7 +229,7 @@ def stall(address, *, sent: bytes = b'{"text": "the', length: int = 100) -> sock
     """A slow client: a POST whose headers promise ``length`` bytes of body, then only ``sent``."""
     sock = socket.create_connection(address, timeout=HANG_GUARD_S)
     sock.sendall(
-        b"POST /api/attend HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        b"POST /api/attend HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (length, sent)
     )
     return sock
@@ -291,7 +298,7 @@ def test_server_errors_are_json_without_details(app):
 
     broken = ExplorerApp(explorers={"broken": Broken()}, max_chars=40)
     with TestClient(build_app(broken), raise_server_exceptions=False) as client:
-        response = client.post("/api/attend", content=b'{"text": "a dog"}')
+        response = client.post("/api/attend", content=b'{"text": "a dog"}', headers=JSON)
     assert response.status_code == 500 and "secret" not in response.text
     assert_json_error(response.headers, response.content)
 
@@ -310,7 +317,7 @@ def test_stalled_clients_do_not_block_others(app):
 
         def live(i: int) -> None:
             body = json.dumps({"text": ["the dog runs", "a cat sleeps"][i % 2]}).encode()
-            status, headers, reply = exchange(address, "POST", "/api/attend", body)
+            status, headers, reply = exchange(address, "POST", "/api/attend", body, JSON)
             results.append((status, reply[:200]))
 
         threads = [threading.Thread(target=live, args=(i,)) for i in range(8)]
@@ -323,7 +330,7 @@ def test_stalled_clients_do_not_block_others(app):
         assert status == 200 and json.loads(body)["models"] == ["tiny-bert"]
         for sock in stalled:
             sock.close()
-        assert exchange(address, "POST", "/api/attend", b'{"text": "a dog"}')[0] == 200
+        assert exchange(address, "POST", "/api/attend", b'{"text": "a dog"}', JSON)[0] == 200
 
 
 def test_bind_address_warning(app, capsys):

@@ -69,7 +69,11 @@ def test_models_by_kind_health_and_docs(client):
     assert client.get("/health").json()["status"] == "ok"
     assert client.get("/api/models").json() == {"models": ["en-de", "lm", "tiny-bert"], "max_chars": 200}
     docs = client.get("/docs")
-    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    # a page of its own: no script, nothing loaded from anywhere (Swagger UI came from a CDN)
+    assert docs.status_code == 200 and "/v1/translate" in docs.text and 'href="/openapi.json"' in docs.text
+    assert "<script" not in docs.text.lower() and "http" not in docs.text.replace("href=", "")
+    assert "default-src 'none'" in docs.headers["content-security-policy"]
+    assert client.get("/redoc").status_code == 404
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/translate", "/v1/generate", "/v1/embed", "/health"} <= set(paths)
 

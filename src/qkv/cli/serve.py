@@ -46,6 +46,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="source tokens times beam size in one decoding batch (default 4000)",
     )
     parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=32,
+        help="requests one model may hold waiting or running; one more is answered 503 with Retry-After (default 32)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections at most (default: what the open-file limit, ulimit -n, leaves room for); past it "
+        "the connection that has waited longest for its client is closed",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection has to send a request's headers (default 10); then 408 and closed",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request has to send its body once its headers are in (default 30)",
+    )
+    parser.add_argument(
+        "--allow-host",
+        action="append",
+        help="a Host name to answer besides localhost, 127.0.0.1 and [::1] (repeat for several; '*': any); "
+        "other names get 421, which stops a web page from reaching the server through DNS rebinding",
+    )
+    parser.add_argument(
         "--text",
         help=f"the sentence shown when the explorer opens (default {DEFAULT_TEXT!r}, or for a character-level "
         "language model whose vocabulary lacks its characters, the start of the run's own text)",
@@ -57,23 +88,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def warn_about_old_options(args: argparse.Namespace) -> None:
-    """``--timeout`` and ``--max-concurrent`` limited qkv 1.0's own HTTP server; uvicorn has neither cap."""
-    for flag in ("timeout", "max_concurrent"):
+    """``--timeout`` and ``--max-concurrent`` limited qkv 1.0's own HTTP server; other options replace them."""
+    instead = {"timeout": "--header-timeout and --body-timeout", "max_concurrent": "--max-connections"}
+    for flag, new in instead.items():
         if getattr(args, flag, None) is not None:
-            print(
-                f"warning: --{flag.replace('_', '-')} is ignored since qkv 1.1: the server (uvicorn) no longer "
-                "cuts slow clients or caps connections, so stalled clients cannot keep others out",
-                file=sys.stderr,
-            )
+            print(f"warning: --{flag.replace('_', '-')} is ignored since qkv 1.1: use {new}", file=sys.stderr)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Raise a one-line ValueError for an option out of range, before any model is opened."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
-    for flag in ("max_chars", "max_texts", "max_new_tokens", "max_batch_tokens"):
-        if getattr(args, flag) <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    for flag in ("max_chars", "max_texts", "max_new_tokens", "max_batch_tokens", "max_queue", "max_connections"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    for flag in ("header_timeout", "body_timeout"):
+        if not 0 < getattr(args, flag) <= 3600:  # also refuses nan
+            raise ValueError(f"--{flag.replace('_', '-')} must be more than 0 and at most 3600 seconds")
     if not 0 <= args.max_batch_wait <= 10_000:  # also refuses nan
         raise ValueError(f"--max-batch-wait must be between 0 and 10000 milliseconds, got {args.max_batch_wait}")
     if args.threads is not None and args.threads <= 0:
@@ -110,17 +142,22 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         max_batch_wait_ms=args.max_batch_wait,
         max_batch_tokens=args.max_batch_tokens,
+        max_queue=args.max_queue,
+        max_connections=args.max_connections,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
     )
     try:
-        server = serving.make_server(app, models=models, host=args.host, port=args.port, limits=limits)
+        server = serving.make_server(
+            app, models=models, host=args.host, port=args.port, limits=limits, allow_hosts=args.allow_host
+        )
     except OSError as err:  # the port is taken, the address is not this machine's, ...
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from None
-    host, port = server.server_address[0], server.server_address[1]
-    shown = f"[{host}]" if ":" in str(host) else host
+    address = serving.show_address(str(server.server_address[0]), server.server_address[1])
     served = ", ".join(f"{name} ({served.endpoint})" for name, served in models.items())
     batching = "off" if args.max_batch_wait == 0 else f"{args.max_batch_wait:g} ms"
     print(
-        f"serving on http://{shown}:{port}/ (models: {served}; batching {batching}; API docs at /docs; Ctrl-C to stop)",
+        f"serving on http://{address}/ (models: {served}; batching {batching}; API docs at /docs; Ctrl-C to stop)",
         flush=True,
     )
     try:

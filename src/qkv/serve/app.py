@@ -16,16 +16,24 @@ Every error is ``{"error": "<one line>"}`` (:mod:`qkv.serve.errors`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
+import html
+import threading
+from collections.abc import AsyncIterator, Collection
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
 from qkv import __version__
-from qkv.decoding.translate import translate_texts
-from qkv.serve.batching import DecodeKey, ModelWorker, TranslationBatcher
-from qkv.serve.errors import ApiError, BoundedBodies, Utf8JSONResponse, install_error_handlers, parse_json
+from qkv.serve.batching import DecodeKey
+from qkv.serve.errors import (
+    ApiError,
+    RequestGuard,
+    Utf8JSONResponse,
+    error_response,
+    install_error_handlers,
+    parse_json,
+)
 from qkv.serve.models import KIND_NAMES, Limits, ServedModel
 from qkv.serve.schemas import (
     EmbedRequest,
@@ -35,82 +43,33 @@ from qkv.serve.schemas import (
     TranslateRequest,
     TranslateResponse,
 )
-from qkv.serve.streaming import Sampling, generate_text, stream_events
+from qkv.serve.service import ClientGone, Service, check_encoder_lengths, sampling_of, source_tokens
+from qkv.serve.streaming import generate_text, stream_events
 from qkv.viz.app import ExplorerApp, RequestError
 
-
-class Service:
-    """What the routes share: the models, the explorer, the model thread and one batcher per translator."""
-
-    def __init__(self, models: dict[str, ServedModel], explorer: ExplorerApp, limits: Limits) -> None:
-        self.models, self.explorer, self.limits = models, explorer, limits
-        self.worker = ModelWorker()
-        self.batchers = {
-            name: TranslationBatcher(
-                self._decoder(served),
-                self.worker,
-                max_wait_s=limits.max_batch_wait_ms / 1000,
-                max_tokens=limits.max_batch_tokens,
-            )
-            for name, served in models.items()
-            if served.kind == "seq2seq"
-        }
-
-    def _decoder(self, served: ServedModel) -> Any:
-        budget = self.limits.max_batch_tokens
-
-        def decode(texts: list[str], key: DecodeKey) -> list[str]:
-            return translate_texts(
-                served.model,
-                served.tokenizer,
-                texts,
-                beam_size=key.beam_size,
-                alpha=key.alpha,
-                penalty=key.penalty,
-                max_tokens=budget,
-            )
-
-        return decode
-
-    def pick(self, name: str | None, kind: str) -> ServedModel:
-        """The model a request names (default: the first of ``kind``); 404 for an unknown name."""
-        fitting = [served for served in self.models.values() if served.kind == kind]
-        if name is None:
-            if not fitting:
-                raise ApiError(404, f"this server has no {KIND_NAMES[kind]} model; it serves: {self._listing()}")
-            return fitting[0]
-        served = self.models.get(name)
-        if served is None:
-            raise ApiError(404, f"unknown model {name[:80]!r}; this server serves: {self._listing()}")
-        if served.kind != kind:
-            raise ApiError(
-                400, f"{name!r} is a {KIND_NAMES[served.kind]} model; use {served.endpoint} with it, not this endpoint"
-            )
-        return served
-
-    def _listing(self) -> str:
-        return ", ".join(f"{name} ({KIND_NAMES[m.kind]})" for name, m in self.models.items())
-
-    def check_texts(self, texts: list[str], field: str = "texts") -> None:
-        limits = self.limits
-        if len(texts) > limits.max_texts:
-            raise ApiError(413, f"{len(texts)} {field}; the limit is {limits.max_texts} per request")
-        for i, text in enumerate(texts):
-            self.check_text(text, f"{field}[{i}]")
-
-    def check_text(self, text: str, field: str, *, blank_ok: bool = False) -> None:
-        if not (text if blank_ok else text.strip()):
-            raise ApiError(422, f"{field} must be a non-empty string")
-        if len(text) > self.limits.max_chars:
-            raise ApiError(413, f"{field} has {len(text)} characters; the limit is {self.limits.max_chars}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise ApiError(422, f"{field} is not valid Unicode (a lone surrogate at character {err.start})") from None
+T = TypeVar("T")
+JSON_PATHS = ("/v1/translate", "/v1/generate", "/v1/embed", "/api/attend")
+EXPLORER = "explorer"  # the explorer's requests are queued under this name
 
 
-def create_app(models: dict[str, ServedModel], explorer: ExplorerApp, limits: Limits | None = None) -> FastAPI:
-    """The application serving ``models`` (and ``explorer``, the attention explorer of the same models)."""
+def create_app(
+    models: dict[str, ServedModel],
+    explorer: ExplorerApp,
+    limits: Limits | None = None,
+    *,
+    allowed_hosts: Collection[str] | None = None,
+) -> FastAPI:
+    """The application serving ``models`` (and ``explorer``, the attention explorer of the same models).
+
+    Args:
+        models: the models, by name.
+        explorer: the attention explorer of the same models.
+        limits: what one request may ask for (default :class:`Limits`).
+        allowed_hosts: the names a request's ``Host`` may give (421 for another); None: any.
+
+    Returns:
+        the FastAPI application.
+    """
     service = Service(models, explorer, limits or Limits())
 
     @contextlib.asynccontextmanager
@@ -124,18 +83,34 @@ def create_app(models: dict[str, ServedModel], explorer: ExplorerApp, limits: Li
         description="Translation, generation and embeddings from qkv models, and the attention explorer.",
         lifespan=lifespan,
         default_response_class=Utf8JSONResponse,
+        docs_url=None,  # a page of our own: Swagger UI would load its scripts from a CDN
+        redoc_url=None,
     )
     app.state.service = service
+    app.state.connections = None  # the server's ConnectionGuard, when it has one (/health reports it)
     install_error_handlers(app)
-    app.add_middleware(BoundedBodies, max_bytes=service.limits.max_body_bytes)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, err: ClientGone) -> JSONResponse:
+        return error_response(499, "the client closed the connection")  # nobody reads it
+
+    app.add_middleware(
+        RequestGuard,
+        max_bytes=service.limits.max_body_bytes,
+        allowed_hosts=allowed_hosts,
+        json_paths=JSON_PATHS,
+        on_client_gone=service.client_gone,
+    )
     add_api_routes(app, service)
+    add_status_routes(app, service)
     add_explorer_routes(app, service)
+    add_docs_page(app)
     return app
 
 
 def add_api_routes(app: FastAPI, service: Service) -> None:
     @app.post("/v1/translate", response_model=TranslateResponse)
-    async def translate(body: TranslateRequest) -> dict[str, Any]:
+    async def translate(body: TranslateRequest, request: Request) -> dict[str, Any]:
         """Translate a batch of sentences (beam search with a length penalty; beam_size 1 = greedy)."""
         served = service.pick(body.model, "seq2seq")
         service.check_texts(body.texts)
@@ -145,9 +120,10 @@ def add_api_routes(app: FastAPI, service: Service) -> None:
         if beam > service.limits.max_beam:
             raise ApiError(413, f"beam_size {beam}; the limit is {service.limits.max_beam}")
         alpha = body.alpha if body.alpha is not None else float(served.decode["alpha"])
-        tokens = _source_tokens(served, body.texts)
+        tokens = source_tokens(served, body.texts)
         key = DecodeKey(beam, alpha, body.penalty)
-        translations = await service.batchers[served.name].translate(body.texts, key, tokens)
+        batcher = service.batchers[served.name]
+        translations = await service.answer(request, served.name, lambda: batcher.translate(body.texts, key, tokens))
         return {"model": served.name, "translations": translations, **key._asdict()}
 
     @app.post(
@@ -155,28 +131,40 @@ def add_api_routes(app: FastAPI, service: Service) -> None:
         response_model=GenerateResponse,
         responses={200: {"content": {"text/event-stream": {}}, "description": "the tokens as server-sent events"}},
     )
-    async def generate(body: GenerateRequest) -> Any:
+    async def generate(body: GenerateRequest, request: Request) -> Any:
         """Continue a prompt with a language model: server-sent events (``data: {"text": ...}`` as the
         text grows, then ``event: done``), or one JSON answer with ``"stream": false``."""
         served = service.pick(body.model, "lm")
-        sampling = _sampling(service, served, body)
+        sampling = sampling_of(service, served, body)
         if not body.stream:
-            return {
-                "model": served.name,
-                **await generate_text(service.worker, served.model, served.tokenizer, sampling),
-            }
+            stopped = threading.Event()
+            summary = await service.answer(
+                request,
+                served.name,
+                lambda: generate_text(service.worker, served.model, served.tokenizer, sampling, stopped),
+                stop=stopped,
+            )
+            return {"model": served.name, **summary}
+        service.admit(served.name)
         events = stream_events(service.worker, served.model, served.tokenizer, sampling)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            _counted(service, served.name, events),
+            media_type="text/event-stream",
+            headers={"X-Accel-Buffering": "no"},
+        )
 
     @app.post("/v1/embed", response_model=EmbedResponse)
-    async def embed(body: EmbedRequest) -> dict[str, Any]:
+    async def embed(body: EmbedRequest, request: Request) -> dict[str, Any]:
         """Mean-pooled (by default L2-normalised) sentence embeddings from an encoder, as ``qkv embed`` makes."""
         from qkv.pretrained import sentence_embeddings
 
         served = service.pick(body.model, "encoder")
         service.check_texts(body.texts)
-        vectors = await service.worker.run(
-            lambda: sentence_embeddings(served.model, body.texts, normalize=body.normalize)
+        check_encoder_lengths(served, body.texts)
+        vectors = await service.answer(
+            request,
+            served.name,
+            lambda: service.worker.run(lambda: sentence_embeddings(served.model, body.texts, normalize=body.normalize)),
         )
         return {
             "model": served.name,
@@ -185,6 +173,8 @@ def add_api_routes(app: FastAPI, service: Service) -> None:
             "embeddings": vectors.tolist(),
         }
 
+
+def add_status_routes(app: FastAPI, service: Service) -> None:
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         """Every model served: its name, kind and endpoint."""
@@ -196,58 +186,39 @@ def add_api_routes(app: FastAPI, service: Service) -> None:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        """The server is up; which models it serves, and how many translation batches each has decoded."""
+        """The server is up; which models it serves, how many translation batches each has decoded,
+        the requests queued now, those cancelled because their client went, and the connections."""
+        guard = app.state.connections
         return {
             "status": "ok",
             "models": {name: KIND_NAMES[m.kind] for name, m in service.models.items()},
             "translation_batches": {name: batcher.batches for name, batcher in service.batchers.items()},
+            "queued": {name: service.queued[name] for name in [*service.models, EXPLORER]},
+            "cancelled_requests": service.cancelled,
+            **({"connections": guard.report()} if guard is not None else {}),
         }
 
 
-def _source_tokens(served: ServedModel, texts: list[str]) -> int:
-    """The texts' source tokens (with EOS); 413 for a sentence longer than the model's positions."""
-    limit = served.model.config.max_len - 1
-    encoded = served.tokenizer.encode_batch(texts)
-    for i, ids in enumerate(encoded):
-        if len(ids) > limit:
-            raise ApiError(413, f"texts[{i}] has {len(ids)} tokens; this model reads at most {limit}")
-    return sum(len(ids) + 1 for ids in encoded)
-
-
-def _sampling(service: Service, served: ServedModel, body: GenerateRequest) -> Sampling:
-    service.check_text(body.prompt, "prompt", blank_ok=True)  # a language model may continue a newline
-    for i, stop in enumerate(body.stop):
-        service.check_text(stop, f"stop[{i}]", blank_ok=True)  # a stop text may be spaces or newlines
-    max_tokens = body.max_tokens if body.max_tokens is not None else min(128, service.limits.max_new_tokens)
-    if max_tokens > service.limits.max_new_tokens:
-        raise ApiError(413, f"max_tokens {max_tokens}; the limit is {service.limits.max_new_tokens}")
+async def _counted(service: Service, name: str, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's events, counted in the model's queue while they are sent."""
+    service.queued[name] += 1
     try:
-        ids = served.tokenizer.encode(body.prompt)
-    except ValueError as err:  # a character the vocabulary lacks
-        raise ApiError(422, f"prompt: {err}") from None
-    if not ids:
-        raise ApiError(422, "prompt gives no tokens")
-    return Sampling(
-        ids=list(ids),
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_k=body.top_k,
-        top_p=body.top_p,
-        seed=body.seed,
-        stop=list(body.stop),
-    )
+        async for item in events:
+            yield item
+    finally:
+        service.queued[name] -= 1
 
 
 def add_explorer_routes(app: FastAPI, service: Service) -> None:
     explorer = service.explorer
 
-    @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse, include_in_schema=False)
-    async def page() -> HTMLResponse:
-        return HTMLResponse(await service.worker.run(explorer.page))
+    async def draw_page(request: Request) -> HTMLResponse:
+        return HTMLResponse(await service.answer(request, EXPLORER, lambda: service.worker.run(explorer.page)))
 
-    @app.api_route("/index.html", methods=["GET", "HEAD"], response_class=HTMLResponse, include_in_schema=False)
-    async def index() -> HTMLResponse:
-        return HTMLResponse(await service.worker.run(explorer.page))
+    app.add_api_route("/", draw_page, methods=["GET", "HEAD"], response_class=HTMLResponse, include_in_schema=False)
+    app.add_api_route(
+        "/index.html", draw_page, methods=["GET", "HEAD"], response_class=HTMLResponse, include_in_schema=False
+    )
 
     # GET and HEAD on one route (one 405 that names both); out of the OpenAPI schema, whose operation
     # ids would repeat for the two methods
@@ -262,6 +233,38 @@ def add_explorer_routes(app: FastAPI, service: Service) -> None:
         a translation to teacher-force, or ``"compare"``: a second sentence)."""
         payload = parse_json(await request.body())
         try:
-            return Utf8JSONResponse(await service.worker.run(explorer.attend, payload))
+            drawing = await service.answer(request, EXPLORER, lambda: service.worker.run(explorer.attend, payload))
         except RequestError as err:
             raise ApiError(err.status, err.message) from None
+        return Utf8JSONResponse(drawing)
+
+
+DOCS_STYLE = (
+    "body{font:15px/1.5 system-ui,sans-serif;max-width:52rem;margin:2rem auto;padding:0 1rem}code{font-size:90%}"
+)
+
+
+def add_docs_page(app: FastAPI) -> None:
+    """``GET /docs``: the API's routes, from its OpenAPI schema, on a page that loads nothing else (no
+    scripts, nothing from another site); the whole schema is at ``/openapi.json``."""
+
+    @app.api_route("/docs", methods=["GET", "HEAD"], response_class=HTMLResponse, include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        schema = app.openapi()
+        rows = []
+        for path, operations in schema.get("paths", {}).items():
+            for method, operation in operations.items():
+                summary = operation.get("description") or operation.get("summary") or ""
+                rows.append(
+                    f"<li><code>{html.escape(method.upper())} {html.escape(path)}</code>: {html.escape(summary)}</li>"
+                )
+        page = (
+            "<!doctype html><html lang=en><head><meta charset=utf-8>"
+            f"<title>{html.escape(app.title)} API</title><style>{DOCS_STYLE}</style></head><body>"
+            f"<h1>{html.escape(app.title)} {html.escape(app.version)}: the API</h1>"
+            f"<p>{html.escape(app.description)}</p><ul>{''.join(rows)}</ul>"
+            '<p>The whole OpenAPI schema (request bodies, answers, limits): <a href="/openapi.json">/openapi.json</a>. '
+            'Every error is one line of JSON, <code>{"error": "..."}</code>.</p></body></html>'
+        )
+        policy = "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'none'"
+        return HTMLResponse(page, headers={"Content-Security-Policy": policy})

@@ -9,7 +9,8 @@ translator uses).
 ``max_wait_s`` for others; requests that ask for the same decoding (beam size, length penalty and
 its form) join it while its source tokens, times the beam size, stay within ``max_tokens``; the batch
 is decoded at once and each request gets its own sentences back. Requests that ask for another
-decoding wait for a batch of their own. With ``max_wait_s = 0`` there is no batching: each request
+decoding wait for a batch of their own. A request whose client went (its coroutine cancelled) leaves
+its batch unread if the batch has not started decoding. With ``max_wait_s = 0`` there is no batching: each request
 is decoded alone, in arrival order.
 """
 
@@ -63,6 +64,7 @@ class _Job:
     key: DecodeKey
     arrived: float
     future: asyncio.Future[list[str]]
+    gone: bool = False  # its client went: the model thread skips its texts
 
 
 Decoder = Callable[[list[str], DecodeKey], list[str]]
@@ -85,6 +87,7 @@ class TranslationBatcher:
         self.max_wait_s = max_wait_s
         self.max_tokens = max_tokens
         self.batches = 0  # decoded so far (a count the tests and the load test read)
+        self.skipped = 0  # requests dropped from their batch, unread, because their client went
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: list[_Job] = []
         self._arrived: asyncio.Event | None = None
@@ -100,9 +103,14 @@ class TranslationBatcher:
             self._start(loop)
         assert self._arrived is not None
         future: asyncio.Future[list[str]] = loop.create_future()
-        self._pending.append(_Job(texts, tokens, key, loop.time(), future))
+        job = _Job(texts, tokens, key, loop.time(), future)
+        self._pending.append(job)
         self._arrived.set()
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:  # the client went: not decoded if its batch has not started
+            job.gone = True
+            raise
 
     def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         """The collecting task on this event loop (a test client may run one loop per request)."""
@@ -156,17 +164,25 @@ class TranslationBatcher:
     async def _run(self, batch: list[_Job]) -> None:
         if not batch:
             return
-        texts = [text for job in batch for text in job.texts]
-        self.batches += 1
         try:
-            results = await self.worker.run(self.decode, texts, batch[0].key)
+            results = await self.worker.run(self._decode_wanted, batch)
         except Exception as err:  # the model failed: every request of the batch gets the error
             for job in batch:
                 if not job.future.done():
                     job.future.set_exception(err)
             return
-        start = 0
-        for job in batch:
-            if not job.future.done():
-                job.future.set_result(results[start : start + len(job.texts)])
-            start += len(job.texts)
+        for job, result in zip(batch, results):
+            if result is not None and not job.future.done():
+                job.future.set_result(result)
+
+    def _decode_wanted(self, batch: list[_Job]) -> list[list[str] | None]:
+        """On the model thread: decode the texts of the jobs whose clients still wait (a batch may
+        have waited for the thread behind other work); None for each job whose client went."""
+        wanted = [job for job in batch if not job.gone]
+        self.skipped += len(batch) - len(wanted)
+        if not wanted:
+            return [None] * len(batch)
+        self.batches += 1
+        translations = iter(self.decode([text for job in wanted for text in job.texts], batch[0].key))
+        kept = {id(job) for job in wanted}
+        return [[next(translations) for _ in job.texts] if id(job) in kept else None for job in batch]

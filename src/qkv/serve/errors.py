@@ -1,18 +1,19 @@
 """Every error of the server as JSON ``{"error": "<one line>"}`` with its status, and the middleware
-that bounds request bodies and adds the security headers to every answer.
+that checks requests (Host, Content-Type, body size) and adds the security headers to every answer.
 
 * a client's mistake the routes find: :class:`ApiError` (status, message);
-* a request the schema refuses: 422, naming the field (malformed JSON: 400; a body not sent as
-  ``application/json``: 415);
+* a request the schema refuses: 422, naming the field (malformed JSON: 400);
+* before the application: a Host not among the server's names: 421; a body not sent as
+  ``application/json``: 415; a body over the limit: 413 (:class:`RequestGuard`);
 * an unknown path: 404; a method the path does not take: 405 with ``Allow``;
-* a body over the limit: 413, before it is read further;
-* anything else: 500 ``internal error; see the server log`` (the traceback goes to the log only).
+* anything else: 500 ``internal error; see the server log`` (the traceback goes to the log, once).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Collection
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,12 +34,13 @@ SECURITY_HEADERS = [
 
 
 class ApiError(Exception):
-    """A client error the routes find: an HTTP status and a one-line message."""
+    """A client error the routes find: an HTTP status, a one-line message and any headers to send."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers
 
 
 def one_line(message: object, limit: int = 300) -> str:
@@ -76,7 +78,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
-        return error_response(err.status, err.message)
+        return error_response(err.status, err.message, err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -102,43 +104,79 @@ def install_error_handlers(app: FastAPI) -> None:
             message = str(err.detail)
         return error_response(err.status_code, message, headers)
 
-    @app.exception_handler(Exception)
-    async def internal(request: Request, err: Exception) -> JSONResponse:
-        logger.error("error while serving %s %s", request.method, request.url.path[:100], exc_info=err)
-        return error_response(500, "internal error; see the server log")
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 
 
-class BoundedBodies:
-    """ASGI middleware: a request body over ``max_bytes`` gets 413 (from its Content-Length at once,
-    or as soon as the bytes read pass the limit); every answer gets :data:`SECURITY_HEADERS`."""
+def host_name(host: str) -> str:
+    """A Host header's name, lower case, without its port (``[::1]:8000`` -> ``[::1]``)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+
+class RequestGuard:
+    """ASGI middleware that checks a request before the application sees it, and answers a fault of
+    the application as a 500 that is logged once.
+
+    * a ``Host`` not in ``allowed_hosts`` (when given): 421, so that a web page whose name was
+      pointed at this machine (DNS rebinding) cannot read the server's answers;
+    * a ``POST`` to one of ``json_paths`` without ``Content-Type: application/json``: 415 (a
+      cross-site form can send ``text/plain`` or a form, never JSON, without the server's consent);
+    * a body over ``max_bytes``: 413, from its Content-Length at once or as soon as the bytes read
+      pass the limit;
+    * every answer gets :data:`SECURITY_HEADERS`.
+
+    A refused request is answered before its body is read; uvicorn then reads the rest of the body
+    and drops it (held to the body timeout of :mod:`qkv.serve.connections`) rather than closing the
+    connection on unread bytes, which a client still sending would see as a reset.
+    ``on_client_gone()`` is called for a request whose client went before its body was read.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        allowed_hosts: Collection[str] | None = None,
+        json_paths: Collection[str] = (),
+        on_client_gone: Callable[[], None] | None = None,
+    ) -> None:
         self.app = app
+        self.on_client_gone = on_client_gone
         self.max_bytes = max_bytes
+        self.allowed_hosts = None if allowed_hosts is None else {host_name(h) for h in allowed_hosts}
+        self.json_paths = set(json_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = False
 
         async def send_with_headers(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message = {**message, "headers": [*message.get("headers", []), *SECURITY_HEADERS]}
             await send(message)
 
-        length = dict(scope.get("headers", [])).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._too_large(scope, receive, send_with_headers, f"{int(length)} bytes")
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await self._refuse(scope, receive, send_with_headers, *refusal)
             return
         body, more = b"", True
         while more:  # read the whole body first, bounded (a JSON body is parsed whole anyway)
             message = await receive()
-            if message["type"] != "http.request":  # the client went away
+            if message["type"] != "http.request":  # the client went away: nothing was started for it
+                if self.on_client_gone is not None:
+                    self.on_client_gone()
                 return
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_bytes:
-                await self._too_large(scope, receive, send_with_headers, f"more than {self.max_bytes} bytes")
+                too_large = f"the body has more than {self.max_bytes} bytes; the limit is {self.max_bytes}"
+                await self._refuse(scope, receive, send_with_headers, 413, too_large)
                 return
         replayed = False
 
@@ -149,12 +187,45 @@ class BoundedBodies:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: wait for the disconnect, as Starlette expects
 
-        await self.app(scope, replay, send_with_headers)
+        try:
+            await self.app(scope, replay, send_with_headers)
+        except Exception as err:  # answered here, so that the server does not log it a second time
+            method, path = scope.get("method", "?"), str(scope.get("path", ""))[:100]
+            logger.error("error while serving %s %s", method, path, exc_info=err)
+            if not started:
+                await error_response(500, "internal error; see the server log")(scope, replay, send_with_headers)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
-        response = error_response(413, f"the body has {size}; the limit is {self.max_bytes}")
-        response.headers["connection"] = "close"
-        await response(scope, receive, send)
+    def _refusal(self, scope: Scope) -> tuple[int, str] | None:
+        """The status and message a request is refused with before its body is read, or None."""
+        headers = dict(scope.get("headers", []))
+        host = headers.get(b"host")
+        if self.allowed_hosts is not None and "*" not in self.allowed_hosts and host is not None:
+            shown = host.decode("latin-1")
+            if host_name(shown) not in self.allowed_hosts:
+                names = ", ".join(sorted(self.allowed_hosts))
+                return 421, (
+                    f"Host {shown[:80]!r} is not a name of this server (it answers to {names}); "
+                    f"start it with --allow-host {host_name(shown)[:80]} to accept that name"
+                )
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return 413, f"the body has {int(length)} bytes; the limit is {self.max_bytes}"
+        if scope.get("method") == "POST" and scope.get("path") in self.json_paths:
+            content_type = headers.get(b"content-type", b"").decode("latin-1")
+            if not content_type:
+                return (
+                    415,
+                    "send the body as JSON with Content-Type: application/json (the request has no Content-Type)",
+                )
+            if not _is_json(content_type):
+                return 415, f"send the body as JSON with Content-Type: application/json (got {content_type[:60]!r})"
+        return None
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
+        """Answer ``status`` at once, the body unread: the server reads what is left of it and drops
+        it (the connection stays open for that, held to the body timeout), so that a client still
+        sending reads the answer instead of a reset."""
+        await error_response(status, message)(scope, receive, send)
 
 
 def parse_json(body: bytes) -> object:

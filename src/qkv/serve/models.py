@@ -35,6 +35,13 @@ class Limits:
         max_batch_wait_ms: how long the first translation request of a batch waits for others to join
             it; 0 turns batching off (each request is decoded alone, one after another).
         max_batch_tokens: source tokens (times the beam size) decoded in one batch.
+        max_queue: requests one model (or the explorer) may hold, waiting or running; one more is
+            answered 503 with ``Retry-After``.
+        header_timeout_s: seconds a connection has to send a request's headers (from when it opens,
+            or from the end of its previous answer); then it gets 408 and is closed.
+        body_timeout_s: seconds a request has to send its body once its headers are in.
+        max_connections: open connections at most; None: as many as the process's open-file limit
+            leaves room for (:func:`qkv.serve.connections.connection_cap`).
     """
 
     max_chars: int = 500
@@ -44,12 +51,22 @@ class Limits:
     max_body_bytes: int = 262_144
     max_batch_wait_ms: float = 5.0
     max_batch_tokens: int = 4000
+    max_queue: int = 32
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_chars", "max_texts", "max_new_tokens", "max_beam", "max_body_bytes", "max_batch_tokens"):
+        names = ["max_chars", "max_texts", "max_new_tokens", "max_beam", "max_body_bytes", "max_batch_tokens"]
+        names += ["max_queue", *(["max_connections"] if self.max_connections is not None else [])]
+        for name in names:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
+                raise ValueError(f"{name} must be between 0 and 3600 seconds (more than 0), got {value!r}")
         wait = self.max_batch_wait_ms
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 10_000:
             raise ValueError(f"max_batch_wait_ms must be between 0 and 10000 milliseconds, got {wait!r}")

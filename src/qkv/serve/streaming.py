@@ -5,7 +5,7 @@ the text grown so far is decoded, cut at the first stop text, and what is new is
 loop, which sends it as ``data: {"text": "..."}``. What could still turn into a stop text, or is an
 incomplete UTF-8 character, is held back until it is settled. The stream ends with ``event: done``
 (the whole text, the token count and why it stopped) or, if the model failed, ``event: error``.
-A client that goes away stops the sampling at the next token.
+A client that goes away stops the sampling at the next token, streamed or not (:func:`generate_text`).
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ class TextStream:
 
 
 def sample(model: Any, tokenizer: Any, request: Sampling, on_text: Any, stopped: threading.Event) -> dict[str, Any]:
-    """Generate on this thread; ``on_text(str)`` gets each settled piece. Returns the final summary."""
+    """Generate on this thread; ``on_text(str)`` gets each settled piece; ``stopped`` set (its client
+    went) ends the sampling at the next token. Returns the final summary."""
+    if stopped.is_set():
+        return {"text": "", "tokens": 0, "finish_reason": "stop"}
     device = next(model.parameters()).device
     generator = torch.Generator(device=device)
     if request.seed is not None:
@@ -147,6 +150,13 @@ async def stream_events(worker: ModelWorker, model: Any, tokenizer: Any, request
         stopped.set()  # a client that went away (or an ended stream) stops the sampling at its next token
 
 
-async def generate_text(worker: ModelWorker, model: Any, tokenizer: Any, request: Sampling) -> dict[str, Any]:
-    """The whole continuation at once (``"stream": false``)."""
-    return await worker.run(sample, model, tokenizer, request, lambda text: None, threading.Event())
+async def generate_text(
+    worker: ModelWorker, model: Any, tokenizer: Any, request: Sampling, stopped: threading.Event | None = None
+) -> dict[str, Any]:
+    """The whole continuation at once (``"stream": false``). Cancelled, or ``stopped`` set (its client
+    went), it never starts if it still waits for the model thread, and stops at its next token if it runs."""
+    stopped = stopped or threading.Event()
+    try:
+        return await worker.run(sample, model, tokenizer, request, lambda text: None, stopped)
+    finally:
+        stopped.set()
