@@ -210,18 +210,20 @@ def test_length_limit_and_eos_handling(untrained):
     for extra in (0, 3):
         out = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, extra_len=extra)
         assert all(len(o) <= int(n) + extra and EOS not in o for o, n in zip(out, lengths))
-    # a model that always prefers EOS stops at once; one that never does runs to source length + extra
+    # a model that always prefers EOS stops at once; one that never does runs to source length + extra.
+    # The hook on output_proj runs where the model's own decode does (use_cache=False): an InferenceModel
+    # computes the projection with its own packed copy and calls no module hook
     with torch.no_grad():
         bias_eos = torch.zeros(40)
         bias_eos[EOS] = 1e4
         hook = model.output_proj.register_forward_hook(lambda m, i, o: o + bias_eos)
-        assert greedy_decode(model, src, bos_id=BOS, eos_id=EOS) == [[]] * 5
-        assert beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=3) == [[]] * 5
+        assert greedy_decode(model, src, bos_id=BOS, eos_id=EOS, use_cache=False) == [[]] * 5
+        assert beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=3, use_cache=False) == [[]] * 5
         hook.remove()
         hook = model.output_proj.register_forward_hook(lambda m, i, o: o - bias_eos)
-        out = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, extra_len=4)
+        out = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, extra_len=4, use_cache=False)
         assert [len(o) for o in out] == (lengths + 4).tolist()
-        out = beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=2, extra_len=4)
+        out = beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=2, extra_len=4, use_cache=False)
         assert [len(o) for o in out] == (lengths + 4).tolist()
         hook.remove()
     with pytest.raises(ValueError, match="beam_size"):

@@ -1,7 +1,7 @@
-"""The fast decoding path (qkv.decoding.steps.FastSteps and encode, qkv.decoding.packed_linear) against the
-plain one: PackedLinear = F.linear, FastSteps' logits = Transformer.decode's step by step (row selection
-included), encode's memory = Transformer.encode's, greedy/beam outputs = the plain path's, and the plain
-path wherever the fast one does not apply."""
+"""The fast decoding path (qkv.decoding.inference.InferenceModel, qkv.decoding.packed_linear) against the
+plain one: PackedLinear = F.linear, the inference object's logits = Transformer.decode's step by step (row
+selection included), its memory = Transformer.encode's, greedy/beam outputs = the plain path's, and the
+plain path wherever the fast one does not apply. tests/test_inference_model.py covers every layer variant."""
 
 import pytest
 import torch
@@ -14,9 +14,10 @@ import qkv.decoding.steps as steps
 from qkv.attention.backends import use_backend
 from qkv.data.batching import pad_sequences
 from qkv.decoding.ensemble import Ensemble
+from qkv.decoding.inference import InferenceModel, InferenceSteps
 from qkv.decoding.packed_linear import PackedLinear, fuse
 from qkv.decoding.search import argmax_rows, beam_search, greedy_decode
-from qkv.decoding.steps import FastSteps, PlainSteps, decoder_steps, encode
+from qkv.decoding.steps import PlainSteps, decoder_steps, encode, for_decoding
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.nn.layers import ACTIVATIONS
 
@@ -54,14 +55,19 @@ def test_packed_linear_with_its_activation_equals_the_layers_activation(pack_eve
         PackedLinear(w, b, activation="swish")
 
 
-def test_a_weight_is_packed_again_once_it_changes(pack_everything):
-    w, x = torch.randn(40, 24), torch.randn(6, 24)
-    PackedLinear(w)
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_packed_product_keeps_the_weights_it_was_built_with(pack_everything, monkeypatch, pack):
+    """A product is a snapshot: a weight changed in place afterwards (an optimizer step) changes nothing in
+    it, packed or not; a product built after the change computes with the new values."""
+    monkeypatch.setattr(packed_linear, "PACK", pack)
+    w, b, x = torch.randn(40, 24), torch.randn(40), torch.randn(6, 24)
+    before, want_before = PackedLinear(w, b), F.linear(x, w, b)
     with torch.no_grad():
-        w.mul_(-2.0)  # in place, as an optimizer step or load_state_dict changes a weight
-    torch.testing.assert_close(PackedLinear(w)(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
-    w.data = torch.randn(40, 24)
-    torch.testing.assert_close(PackedLinear(w)(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+        w.mul_(-2.0)
+        b.add_(1.0)
+    torch.testing.assert_close(before(x), want_before, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(PackedLinear(w, b)(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(before(x), F.linear(x, w, b))
 
 
 def test_fused_products_equal_separate_ones(pack_everything):
@@ -69,21 +75,6 @@ def test_fused_products_equal_separate_ones(pack_everything):
     x = torch.randn(7, 16)
     want = torch.cat([F.linear(x, w, b) for w, b in pairs], dim=1)
     torch.testing.assert_close(fuse(*pairs)(x), want, atol=1e-5, rtol=1e-5)
-
-
-def test_fused_products_are_built_once_and_again_after_a_change(pack_everything):
-    """A decoding call fuses the model's q/k/v weights: the same unchanged weights give the same product
-    (concatenated and packed once); a weight changed in place gives a new one, with the new values."""
-    pairs = [(torch.randn(24, 16), torch.randn(24)), (torch.randn(8, 16), None)]
-    x = torch.randn(5, 16)
-    first = fuse(*pairs)
-    assert fuse(*pairs) is first
-    with torch.no_grad():
-        pairs[1][0].mul_(3.0)
-    again = fuse(*pairs)
-    assert again is not first
-    torch.testing.assert_close(again(x), torch.cat([F.linear(x, w, b) for w, b in pairs], dim=1), atol=1e-5, rtol=1e-5)
-    assert fuse(pairs[0]) is not again  # other weights fused with the same first one: another product
 
 
 @pytest.mark.parametrize("capability,packs_all", [("AVX512", True), ("AMX", True), ("AVX2", False), ("DEFAULT", False)])
@@ -137,8 +128,8 @@ def test_fast_steps_equal_plain_steps_with_row_selection(pack_everything, option
     model, src = _model(1, **options), _sources(2)
     with torch.inference_mode():
         memory = model.encode(src)
-        fast, plain = decoder_steps(model, memory), PlainSteps(model, memory)
-        assert isinstance(fast, FastSteps)
+        fast, plain = decoder_steps(InferenceModel.build(model), memory), PlainSteps(model, memory)
+        assert isinstance(fast, InferenceSteps)
         tokens = torch.full((src.size(0), 1), BOS)
         for step in range(6):
             got, want = fast(tokens), plain(tokens)
@@ -160,31 +151,60 @@ def test_fast_steps_equal_plain_steps_with_row_selection(pack_everything, option
 def test_fast_encoder_equals_transformer_encode(pack_everything, options):
     model, src = _model(3, **options), _sources(4)
     with torch.inference_mode():
-        got, want = encode(model, src), model.encode(src)
+        got, want = encode(InferenceModel.build(model), src), model.encode(src)
     assert torch.equal(got.key_padding_mask, want.key_padding_mask) and got.attentions is None
     torch.testing.assert_close(got.hidden, want.hidden, atol=1e-5, rtol=1e-5)  # padded positions too
 
 
-def test_the_encoder_runs_as_a_module_wherever_the_fast_path_does_not_apply():
-    """A hook on an encoder layer sees it run; so does every case FastSteps leaves to the plain path."""
+def test_a_plain_model_is_decoded_by_its_own_modules_wherever_the_fast_path_does_not_apply():
+    """Autocast, training mode, float64, an ensemble, no cache: the model's own encode/decode run (a hook on
+    an encoder layer sees them); a float32 model in eval mode on the CPU gets an InferenceModel."""
     model, src = _model(9), _sources(10)
     calls: list[str] = []
     with torch.inference_mode():
-        assert steps.fast_encoder_applies(model)
-        handle = model.encoder.layers[0].register_forward_hook(lambda *args: calls.append("hook"))
-        torch.testing.assert_close(encode(model, src).hidden, model.encode(src).hidden)
-        handle.remove()
-        assert calls == ["hook", "hook"]  # encode's call and model.encode's
-        with use_backend("reference"):
-            assert not steps.fast_encoder_applies(model)
+        assert isinstance(for_decoding(model), InferenceModel)
+        assert for_decoding(model, use_cache=False) is model
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert not steps.fast_encoder_applies(model)
+            assert for_decoding(model) is model
         model.train()
-        assert not steps.fast_encoder_applies(model)
+        assert for_decoding(model) is model
         model.eval()
-        assert not steps.fast_encoder_applies(_model(9).double())
+        double = _model(9).double()
+        assert for_decoding(double) is double
+        handle = double.encoder.layers[0].register_forward_hook(lambda *args: calls.append("hook"))
+        greedy_decode(double, src, bos_id=BOS, eos_id=EOS, extra_len=2)
+        handle.remove()
+        assert calls == ["hook"]
         ensemble = Ensemble([model, _model(8)])
+        assert for_decoding(ensemble) is ensemble
         torch.testing.assert_close(encode(ensemble, src).hidden, ensemble.encode(src).hidden)
+
+
+def test_the_inference_model_honours_a_forced_reference_backend(monkeypatch):
+    """Inside use_backend("reference") the inference object's attention is the eager reference (the spec),
+    and its memory and logits stay the model's."""
+    import qkv.attention.incremental as incremental
+
+    model, src = _model(9), _sources(10)
+    calls: list[int] = []
+    reference = incremental.attention_reference
+
+    def counted(*args):
+        calls.append(1)
+        return reference(*args)
+
+    monkeypatch.setattr(incremental, "attention_reference", counted)
+    inference = InferenceModel.build(model)
+    with torch.inference_mode():
+        inference.encode(src)
+        assert not calls
+        with use_backend("reference"):
+            got = inference.encode(src)
+            steps_fast, tokens = inference.steps(got), torch.full((src.size(0), 1), BOS)
+            logits = steps_fast(tokens)
+        assert len(calls) == model.config.num_encoder_layers + 2 * model.config.num_decoder_layers
+        torch.testing.assert_close(got.hidden, model.encode(src).hidden, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits, PlainSteps(model, model.encode(src))(tokens), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("options", MODELS)
@@ -196,7 +216,7 @@ def test_fast_steps_equal_plain_steps_with_beams_sharing_a_memory_row(pack_every
     k, b = 3, src.size(0)
     with torch.inference_mode():
         memory = model.encode(src)
-        fast, plain = decoder_steps(model, memory), PlainSteps(model, memory)
+        fast, plain = InferenceModel.build(model).steps(memory), PlainSteps(model, memory)
         tokens = torch.full((b, 1), BOS)
         beams = torch.arange(b).repeat_interleave(k)
         selections = [
@@ -213,8 +233,8 @@ def test_fast_steps_equal_plain_steps_with_beams_sharing_a_memory_row(pack_every
             fast.select(index, memory_index)
             plain.select(index, memory_index)
             if memory_index is beams:
-                assert fast.layers[0].cross_key.size(0) == b  # once per sentence, not k times
-        assert fast.layers[0].cross_key.size(0) == 2
+                assert fast.layers[0][1].rows == b  # once per sentence, not k times
+        assert fast.layers[0][1].rows == 2
         torch.testing.assert_close(fast(tokens), plain(tokens), atol=1e-4, rtol=1e-4)
 
 
@@ -223,7 +243,7 @@ def test_greedy_and_beam_equal_the_plain_path(options, monkeypatch):
     model, src = _model(4, **options), _sources(5)
     fast_greedy = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, extra_len=8)
     fast_beam = beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=3, extra_len=8, return_all=True)
-    monkeypatch.setattr(steps, "FAST", False)
+    monkeypatch.setattr(steps, "applies", lambda model: False)  # the model's own decode, with its cache
     assert fast_greedy == greedy_decode(model, src, bos_id=BOS, eos_id=EOS, extra_len=8)
     plain_beam = beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=3, extra_len=8, return_all=True)
     for got, want in zip(fast_beam, plain_beam, strict=True):
@@ -236,22 +256,12 @@ def test_plain_steps_wherever_the_fast_ones_do_not_apply():
     model, src = _model(6), _sources(7)
     with torch.inference_mode():
         memory = model.encode(src)
-        assert isinstance(decoder_steps(model, memory), FastSteps)
-        assert type(decoder_steps(model, memory, use_cache=False)) is PlainSteps
-        with use_backend("reference"):
-            assert type(decoder_steps(model, memory)) is PlainSteps
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert type(decoder_steps(model, memory)) is PlainSteps
-        handle = model.decoder.layers[1].cross_attn.register_forward_hook(lambda *args: None)
-        assert type(decoder_steps(model, memory)) is PlainSteps  # a hook that records a layer must see it run
-        handle.remove()
+        inference = InferenceModel.build(model)
+        assert isinstance(decoder_steps(inference, memory), InferenceSteps)
+        assert type(decoder_steps(inference, memory, use_cache=False)) is PlainSteps
+        assert type(decoder_steps(model, memory)) is PlainSteps  # a plain model: its own decode
         ensemble = Ensemble([model, _model(8)])
         assert type(decoder_steps(ensemble, ensemble.encode(src))) is PlainSteps
-        model.train()
-        assert type(decoder_steps(model, memory)) is PlainSteps
-        model.eval()
-        double = _model(6).double()
-        assert type(decoder_steps(double, double.encode(src))) is PlainSteps
 
 
 @settings(max_examples=60, deadline=None)
@@ -271,9 +281,9 @@ def test_argmax_rows_equals_torch_argmax_ties_included(rows, vocab, levels, seed
 
 
 def test_the_fast_path_decodes_with_the_weights_of_now_after_training_steps(pack_everything, tmp_path):
-    """Decoding between training steps (validation) packs the weights; the Trainer's fused AdamW then
-    changes them in place, which PyTorch does not count in their version counters. The next decoding
-    must use the new weights: the fast path's output equals the plain path's after more steps."""
+    """Decoding between training steps (validation) builds an InferenceModel; the Trainer's fused AdamW then
+    changes the weights in place, bumping no version counter. An InferenceModel built after the step
+    computes the updated model's memory and logits (and no longer the old ones), with nothing bumped."""
     from qkv.data.dates import generate_dates
     from qkv.data.tokenizer import Tokenizer
     from qkv.training import TrainConfig, Trainer, TranslationTask
@@ -298,16 +308,18 @@ def test_the_fast_path_decodes_with_the_weights_of_now_after_training_steps(pack
     assert trainer.optimizer.defaults.get("fused")  # the case: weights changed without a version bump
     src = pad_sequences([tokenizer.encode(s, add_eos=True) for s in pairs.src[:6]], 0)
     batches = task.batches(0, train.max_tokens, 0)
+    tokens = torch.full((src.size(0), 1), tokenizer.bos_id)
+    before = None
     for n in range(3):
         trainer.step([task.make_batch(batches[n])])
         model = trainer.model.eval()
         with torch.inference_mode():
-            fast = encode(model, src)
-            steps_fast = decoder_steps(model, fast)
-            assert isinstance(steps_fast, FastSteps)
-            tokens = torch.full((src.size(0), 1), tokenizer.bos_id)
-            torch.testing.assert_close(fast.hidden, model.encode(src).hidden, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(
-                steps_fast(tokens), PlainSteps(model, model.encode(src))(tokens), atol=1e-4, rtol=1e-4
-            )
+            inference = InferenceModel.build(model)
+            memory, want = inference.encode(src), model.encode(src)
+            torch.testing.assert_close(memory.hidden, want.hidden, atol=1e-5, rtol=1e-5)
+            logits = inference.steps(memory)(tokens)
+            torch.testing.assert_close(logits, PlainSteps(model, want)(tokens), atol=1e-4, rtol=1e-4)
+            if before is not None:
+                assert not torch.allclose(logits, before, atol=1e-4)  # the step changed what is decoded
+            before = logits
         trainer.model.train()

@@ -4,8 +4,9 @@ Both run the encoder once and, with ``use_cache=True`` (the default), feed the d
 token a step: self-attention keys/values are appended to a :class:`~qkv.KVCache` and the
 cross-attention keys/values of the encoder output are projected once, on the first step, and
 reused. ``use_cache=False`` recomputes the whole prefix every step (the slow reference the tests
-compare against). The steps themselves are :mod:`qkv.decoding.steps`'s: on CPU in float32 a plain
-Transformer's run with oneDNN-packed weights and less Python around them (:class:`~qkv.decoding.steps.FastSteps`).
+compare against). The steps themselves are :mod:`qkv.decoding.steps`'s. Both take a model or an
+:class:`~qkv.decoding.inference.InferenceModel` (the model's layers over packed weights, built by the
+caller and kept across calls); given a plain float32 Transformer on the CPU, they build one for the call.
 
 A sentence that is done (EOS, or its length limit; in beam search ``k`` finished hypotheses) leaves
 the batch: later steps decode only the rows still searching, as CTranslate2 does. Rows are
@@ -26,9 +27,8 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from qkv.decoding.ensemble import Ensemble
-from qkv.decoding.steps import decoder_steps, encode
-from qkv.models.transformer import EncoderOutput, Transformer
+from qkv.decoding.steps import Decodable, decoder_steps, encode, for_decoding
+from qkv.models.transformer import EncoderOutput
 
 
 @dataclass
@@ -99,7 +99,7 @@ def argmax_rows(x: Tensor) -> Tensor:
 
 @torch.inference_mode()
 def greedy_decode(
-    model: Transformer | Ensemble,
+    model: Decodable,
     src: Tensor,
     *,
     bos_id: int,
@@ -110,7 +110,8 @@ def greedy_decode(
     """Pick the most likely token at every step, for a whole batch at once.
 
     Args:
-        model: a :class:`Transformer` (put in eval mode by the caller).
+        model: a :class:`Transformer` (put in eval mode by the caller), an :class:`Ensemble` or an
+            :class:`~qkv.decoding.inference.InferenceModel`.
         src: ``(b, s_src)`` padded source ids (padding = ``model.config.pad_id``).
         bos_id: the target's start token.
         eos_id: the target's end token.
@@ -120,6 +121,7 @@ def greedy_decode(
     Returns:
         one list of token ids per sentence, without BOS and EOS.
     """
+    model = for_decoding(model, use_cache)
     memory = encode(model, src)
     b = src.size(0)
     max_len = _max_lengths(memory, extra_len, model.config.max_len - 1)  # (b,)
@@ -148,7 +150,7 @@ def greedy_decode(
 
 @overload
 def beam_search(
-    model: Transformer | Ensemble,
+    model: Decodable,
     src: Tensor,
     *,
     bos_id: int,
@@ -164,7 +166,7 @@ def beam_search(
 
 @overload
 def beam_search(
-    model: Transformer | Ensemble,
+    model: Decodable,
     src: Tensor,
     *,
     bos_id: int,
@@ -180,7 +182,7 @@ def beam_search(
 
 @torch.inference_mode()
 def beam_search(
-    model: Transformer | Ensemble,
+    model: Decodable,
     src: Tensor,
     *,
     bos_id: int,
@@ -201,7 +203,8 @@ def beam_search(
     The winner maximises ``log p / length_penalty(len, alpha, penalty)``.
 
     Args:
-        model: a :class:`Transformer` in eval mode.
+        model: a :class:`Transformer` in eval mode, an :class:`Ensemble` or an
+            :class:`~qkv.decoding.inference.InferenceModel`.
         src: ``(b, s_src)`` padded source ids.
         bos_id: the target's start token.
         eos_id: the target's end token.
@@ -218,6 +221,7 @@ def beam_search(
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
     length_penalty(1, alpha, penalty)  # an unknown form fails here, before any work
+    model = for_decoding(model, use_cache)
     memory = encode(model, src)
     max_len = _max_lengths(memory, extra_len, model.config.max_len - 1).tolist()
     finished: list[list[Hypothesis]] = [[] for _ in max_len]
@@ -241,7 +245,7 @@ def beam_search(
 
 
 def _search(
-    model: Transformer | Ensemble,
+    model: Decodable,
     memory: EncoderOutput,
     k: int,
     max_len: list[int],

@@ -10,16 +10,16 @@ from tqdm.auto import tqdm
 
 from qkv.data.batching import pad_sequences
 from qkv.data.tokenizer import Tokenizer
-from qkv.decoding.ensemble import Ensemble
+from qkv.decoding.inference import InferenceModel
 from qkv.decoding.search import PenaltyForm, beam_search, greedy_decode
-from qkv.models.transformer import Transformer
+from qkv.decoding.steps import Decodable, for_decoding
 from qkv.runtime.precision import autocast_context
 
 logger = logging.getLogger(__name__)
 
 
 def translate_texts(
-    model: Transformer | Ensemble,
+    model: Decodable,
     tokenizer: Tokenizer,
     texts: list[str],
     *,
@@ -33,7 +33,10 @@ def translate_texts(
     """Translate ``texts`` (batched by length; output in input order).
 
     Args:
-        model: trained :class:`Transformer`; it is put in eval mode.
+        model: trained :class:`~qkv.models.transformer.Transformer` (it is put in eval mode; a float32
+            one on the CPU is decoded through an :class:`~qkv.decoding.inference.InferenceModel` built
+            once for this call), an :class:`~qkv.decoding.ensemble.Ensemble`, or an ``InferenceModel``
+            the caller built and keeps.
         tokenizer: the run's tokenizer.
         texts: source sentences.
         beam_size: 1 = greedy decoding, else beam search with length penalty ``alpha``.
@@ -62,8 +65,10 @@ def translate_texts(
         )
     results: list[str] = [""] * len(ids)
     batches = length_batches(ids, max(1, max_tokens // max(1, beam_size)))
-    device = next(model.parameters()).device
+    device = model.device if isinstance(model, InferenceModel) else next(model.parameters()).device
     with autocast_context(device, bf16):
+        if batches:
+            model = for_decoding(model)  # built once for all the batches (under the autocast it decides on)
         for batch in tqdm(batches, desc="translating", disable=not progress, leave=False):
             src = pad_sequences([ids[i] for i in batch], model.config.pad_id).to(device)
             bos_id, eos_id = tokenizer.bos_id, tokenizer.eos_id

@@ -4,6 +4,12 @@ Post-LN as in the paper (``x = LayerNorm(x + Dropout(Sublayer(x)))``) by default
 (``x = x + Dropout(Sublayer(LayerNorm(x)))``) with ``norm_first=True``. Dropout is applied to each
 sub-layer's output before the residual sum (section 5.4).
 
+Each layer's structure (which sub-layer, which norm, where the residual goes) is written once, in its
+``compute`` method, over the sub-layers and norms it is given as callables. The module's ``forward``
+gives its own attention modules, ``nn.Linear`` products, norms and dropouts;
+:class:`qkv.decoding.inference.InferenceModel` gives the same layer packed or fused products and the
+cached attention of :mod:`qkv.attention.incremental`, so the fast decoding path is this code too.
+
 Shape legend: ``b`` batch, ``s`` target/self length, ``s_m`` memory length, ``d`` d_model.
 """
 
@@ -27,6 +33,32 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
+Sublayer = Callable[[Tensor], Tensor]  # (..., d) -> (..., d): an attention or the feed-forward network
+
+
+def residual(
+    x: Tensor, sublayer: Sublayer, norm: Sublayer, norm_first: bool, dropout: Sublayer | None = None
+) -> Tensor:
+    """One residual sub-layer: ``x + dropout(sublayer(norm(x)))`` (pre-LN, ``norm_first``) or
+    ``norm(x + dropout(sublayer(x)))`` (the paper's post-LN).
+
+    Args:
+        x: the hidden states ``(..., d)``.
+        sublayer: the attention or feed-forward network, ``(..., d) -> (..., d)``.
+        norm: the layer norm of this sub-layer.
+        norm_first: pre-LN instead of post-LN.
+        dropout: applied to the sub-layer's output before the sum; None: none (inference).
+
+    Returns:
+        The new hidden states, ``x``'s shape.
+    """
+    if norm_first:
+        y = sublayer(norm(x))
+        return x + (y if dropout is None else dropout(y))
+    y = sublayer(x)
+    return norm(x + (y if dropout is None else dropout(y)))
+
+
 class FeedForward(nn.Module):
     """FFN(x) = act(x W_1 + b_1) W_2 + b_2 (section 3.3), with dropout after the activation."""
 
@@ -40,7 +72,27 @@ class FeedForward(nn.Module):
         self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear2(self.dropout(ACTIVATIONS[self.activation](self.linear1(x))))  # (b, s, d)
+        return self.compute(x, self._first, self.linear2, self.dropout)  # (b, s, d)
+
+    def _first(self, x: Tensor) -> Tensor:
+        return ACTIVATIONS[self.activation](self.linear1(x))  # act(x W_1 + b_1)
+
+    @staticmethod
+    def compute(x: Tensor, first: Sublayer, second: Sublayer, dropout: Sublayer | None = None) -> Tensor:
+        """The network over given products: ``second(dropout(first(x)))``.
+
+        Args:
+            x: ``(..., d)``.
+            first: ``act(x W_1 + b_1)``, the activation included (an inference product may compute it in
+                the product's own pass).
+            second: ``h W_2 + b_2``.
+            dropout: after the activation; None: none.
+
+        Returns:
+            ``(..., d)``.
+        """
+        h = first(x)
+        return second(h if dropout is None else dropout(h))
 
 
 @dataclass
@@ -116,15 +168,38 @@ class EncoderLayer(nn.Module):
                 cache=cache,
             )
 
-        if self.norm_first:
-            attn = attend(self.norm1(x))
-            x = x + self.dropout1(attn.output)
-            x = x + self.dropout2(self.feed_forward(self.norm2(x)))
-        else:
-            attn = attend(x)
-            x = self.norm1(x + self.dropout1(attn.output))
-            x = self.norm2(x + self.dropout2(self.feed_forward(x)))
-        return LayerOutput(x, self_weights=attn.weights, self_cache=attn.cache)
+        records: list[AttentionOutput] = []  # what the attention returned besides its output
+
+        def self_attention(h: Tensor) -> Tensor:
+            records.append(attend(h))
+            return records[-1].output
+
+        norms, dropouts = (self.norm1, self.norm2), (self.dropout1, self.dropout2)
+        x = self.compute(x, self_attention, self.feed_forward, norms, dropouts)
+        return LayerOutput(x, self_weights=records[0].weights, self_cache=records[0].cache)
+
+    def compute(
+        self,
+        x: Tensor,
+        self_attention: Sublayer,
+        feed_forward: Sublayer,
+        norms: tuple[Sublayer, Sublayer],
+        dropouts: tuple[Sublayer | None, Sublayer | None] = (None, None),
+    ) -> Tensor:
+        """The layer's structure over given sub-layers (see the module's docstring).
+
+        Args:
+            x: ``(..., d)``.
+            self_attention: ``(..., d) -> (..., d)``, the attention with its masks bound.
+            feed_forward: ``(..., d) -> (..., d)``.
+            norms: the two sub-layers' norms, in order.
+            dropouts: the two sub-layers' residual dropouts (None: none).
+
+        Returns:
+            ``(..., d)``.
+        """
+        x = residual(x, self_attention, norms[0], self.norm_first, dropouts[0])
+        return residual(x, feed_forward, norms[1], self.norm_first, dropouts[1])
 
 
 class DecoderLayer(nn.Module):
@@ -202,16 +277,43 @@ class DecoderLayer(nn.Module):
                 h, memory, key_padding_mask=memory_key_padding_mask, need_weights=need_weights, cache=cross_cache
             )
 
-        if self.norm_first:
-            sa = self_attend(self.norm1(x))
-            x = x + self.dropout1(sa.output)
-            ca = cross_attend(self.norm2(x))
-            x = x + self.dropout2(ca.output)
-            x = x + self.dropout3(self.feed_forward(self.norm3(x)))
-        else:
-            sa = self_attend(x)
-            x = self.norm1(x + self.dropout1(sa.output))
-            ca = cross_attend(x)
-            x = self.norm2(x + self.dropout2(ca.output))
-            x = self.norm3(x + self.dropout3(self.feed_forward(x)))
+        records: dict[str, AttentionOutput] = {}  # what each attention returned besides its output
+
+        def self_attention(h: Tensor) -> Tensor:
+            records["self"] = self_attend(h)
+            return records["self"].output
+
+        def cross_attention(h: Tensor) -> Tensor:
+            records["cross"] = cross_attend(h)
+            return records["cross"].output
+
+        norms, dropouts = (self.norm1, self.norm2, self.norm3), (self.dropout1, self.dropout2, self.dropout3)
+        x = self.compute(x, self_attention, cross_attention, self.feed_forward, norms, dropouts)
+        sa, ca = records["self"], records["cross"]
         return LayerOutput(x, sa.weights, ca.weights, sa.cache, ca.cache)
+
+    def compute(
+        self,
+        x: Tensor,
+        self_attention: Sublayer,
+        cross_attention: Sublayer,
+        feed_forward: Sublayer,
+        norms: tuple[Sublayer, Sublayer, Sublayer],
+        dropouts: tuple[Sublayer | None, Sublayer | None, Sublayer | None] = (None, None, None),
+    ) -> Tensor:
+        """The layer's structure over given sub-layers (see the module's docstring).
+
+        Args:
+            x: ``(..., d)``.
+            self_attention: ``(..., d) -> (..., d)``, the masked self-attention with its cache bound.
+            cross_attention: ``(..., d) -> (..., d)``, the attention over the encoder's memory.
+            feed_forward: ``(..., d) -> (..., d)``.
+            norms: the three sub-layers' norms, in order.
+            dropouts: the three sub-layers' residual dropouts (None: none).
+
+        Returns:
+            ``(..., d)``.
+        """
+        x = residual(x, self_attention, norms[0], self.norm_first, dropouts[0])
+        x = residual(x, cross_attention, norms[1], self.norm_first, dropouts[1])
+        return residual(x, feed_forward, norms[2], self.norm_first, dropouts[2])
