@@ -245,11 +245,14 @@ def translation_loaders(folder: Path) -> list[list[str]]:
     ]
 
 
+# sizes within qkv's bounds (qkv.runtime.limits) that the weights cannot fill, refused by comparing the
+# config with the weights file; and sizes beyond the bounds, refused by the config's own check
 HUGE = {
-    "layers": (lambda m: m.update(num_encoder_layers=10_000, num_decoder_layers=10_000), "num_encoder_layers is 10000"),
-    "d_model": (lambda m: m.update(d_model=10**6), "d_model = 1000000"),
-    "vocabulary": (lambda m: m.update(src_vocab_size=10**9, tgt_vocab_size=10**9), "vocab_size = 1000000000"),
-    "positions": (lambda m: m.update(max_len=10**9), "needs 119.2 GiB"),
+    "layers": (lambda m: m.update(num_encoder_layers=1000, num_decoder_layers=1000), "num_encoder_layers is 1000"),
+    "d_model": (lambda m: m.update(d_model=2**16), "d_model = 65536"),
+    "vocabulary": (lambda m: m.update(src_vocab_size=2**21, tgt_vocab_size=2**21), "vocab_size = 2097152"),
+    "positions": (lambda m: m.update(max_len=10**9), "max_len must be at most 1,048,576"),
+    "layers beyond the bound": (lambda m: m.update(num_encoder_layers=10_000), "num_encoder_layers must be at most"),
 }
 
 
@@ -268,7 +271,7 @@ def test_a_config_asking_for_a_huge_model_is_refused_by_every_loader_in_small_me
 
 def test_a_language_model_config_asking_for_a_huge_model_is_refused(lm_run, tmp_path):
     copy = copy_of(lm_run, tmp_path)
-    edit_json(copy / "config.json", lambda c: c["model"].update(num_layers=10_000, d_model=10**6))
+    edit_json(copy / "config.json", lambda c: c["model"].update(num_layers=1000))
     commands = [
         ["generate", str(copy), "--prompt", "to", "--max-new-tokens", "5"],
         ["evaluate", str(copy), "--threads", "1"],
@@ -279,7 +282,7 @@ def test_a_language_model_config_asking_for_a_huge_model_is_refused(lm_run, tmp_
     for result in results:
         lines = [line for line in result["stderr"].splitlines() if ": error: " in line]
         assert result["code"] == 2 and len(lines) == 1, result
-        assert "config.json: num_layers is 10000" in lines[0], result
+        assert "config.json: num_layers is 1000" in lines[0], result
     assert peak_mb < PEAK_MB
 
 
@@ -319,12 +322,16 @@ def test_a_pretrained_folder_asking_for_a_huge_model_is_refused_before_building(
         )
     ).save_pretrained(bert)
     cases = [
-        (gpt2, {"n_embd": 10**6}, "tensor shapes disagree with config.json"),
-        (gpt2, {"n_layer": 10**9}, "config.json: n_layer is 1000000000"),
-        (gpt2, {"n_positions": 10**9}, "tensor shapes disagree"),
-        (bert, {"hidden_size": 10**6, "num_attention_heads": 1}, "tensor shapes disagree with config.json"),
-        (bert, {"intermediate_size": 10**9}, "tensor shapes disagree"),
-        (bert, {"num_hidden_layers": 10_000}, "config.json: num_hidden_layers is 10000"),
+        # within qkv's size bounds, beyond what the weights hold
+        (gpt2, {"n_embd": 2**16}, "tensor shapes disagree with config.json"),
+        (gpt2, {"n_layer": 1000}, "config.json: n_layer is 1000"),
+        (gpt2, {"n_positions": 2**20}, "tensor shapes disagree"),
+        (bert, {"hidden_size": 2**16, "num_attention_heads": 1}, "tensor shapes disagree with config.json"),
+        (bert, {"intermediate_size": 2**18}, "tensor shapes disagree"),
+        (bert, {"num_hidden_layers": 1000}, "config.json: num_hidden_layers is 1000"),
+        # beyond the bounds
+        (gpt2, {"n_embd": 10**6}, "must be at most"),
+        (bert, {"hidden_size": 10**6, "num_attention_heads": 1}, "must be at most|tensor shapes disagree"),
     ]
     for folder, change, expected in cases:
         copy = tmp_path / "copy"
@@ -340,7 +347,7 @@ def test_a_pretrained_folder_asking_for_a_huge_model_is_refused_before_building(
         edit_json(
             tmp_path / name / "config.json",
             lambda c: c.update(
-                {"n_embd": 10**6} if "n_embd" in c else {"hidden_size": 10**6, "num_attention_heads": 1}
+                {"n_embd": 2**16} if "n_embd" in c else {"hidden_size": 2**16, "num_attention_heads": 1}
             ),
         )
     commands = [
