@@ -6,11 +6,14 @@
   :class:`LanguageModelTask`);
 - :mod:`qkv.training.objectives`: what a step minimises, chosen by name (:class:`LabelSmoothedCrossEntropy`,
   the default; :class:`RDrop`, whose maths is :mod:`qkv.training.rdrop`);
-- :mod:`qkv.training.methods`: the research methods scheduled over the budget (late dropout, both
-  directions until, subword dropout; R-Drop's start);
+- :mod:`qkv.training.hooks`: :class:`~qkv.training.hooks.StepHook`, where a research method meets the
+  loop outside the step's body;
+- :mod:`qkv.training.methods`: the research methods scheduled over the budget, each a step hook (R-Drop's
+  start, late dropout, both directions until; subword dropout, set on the task);
 - :mod:`qkv.training.engine`: :class:`Trainer` (``step``, the loop, validation, the final weights);
-- :mod:`qkv.training.checkpointing`: the Trainer's run-folder checkpoints (save, resume, the last
-  whole step after a stop or failure, the checkpoints kept for averaging);
+- :mod:`qkv.training.checkpointing`: :class:`~qkv.training.checkpointing.Checkpoints`, the object the
+  Trainer owns for its run folder (save, resume, the last whole step after a stop or failure, the
+  checkpoints kept for averaging, the final weights);
 - :mod:`qkv.training.distributed`: torchrun's process group, DDP and FSDP2.
 
 Run folders (creating, resuming, recipes) are in :mod:`qkv.runs.translation`.

@@ -7,9 +7,11 @@ rank 0 logs, validates and writes the run folder, the others wait for it. The lo
 target tokens divided by the number of target tokens of the whole step over all processes, so N
 processes with batch B train like one process with batch N*B (section 5.3's optimiser, 5.4's label
 smoothing, 6.1's checkpoint averaging). What a step minimises is its training objective
-(:mod:`qkv.training.objectives`: label-smoothed cross-entropy, or R-Drop's); the research methods
-scheduled over the budget (late dropout, both directions until, subword dropout) are
-:mod:`qkv.training.methods`.
+(:mod:`qkv.training.objectives`: label-smoothed cross-entropy by default). The Trainer owns its parts:
+``checkpoints`` (:class:`~qkv.training.checkpointing.Checkpoints`: save, resume, keep, average),
+``hooks`` (:class:`~qkv.training.hooks.StepHooks`: the research methods of :mod:`qkv.training.methods`,
+called at four points and nowhere else, so the step and the loop carry no method-specific code),
+``throughput`` and ``optimizer``.
 
 Seeds and thread counts are the caller's business (the CLI sets them); the engine saves and
 restores every process's RNG state, so a resumed run continues exactly like an uninterrupted one.
@@ -31,15 +33,14 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from tqdm.auto import tqdm
 
 from qkv.data.batching import Batch
-from qkv.runtime.fileio import write_bytes
 from qkv.runtime.heap import HeapTrimmer, resident_memory_bytes, trim_heap
 from qkv.runtime.precision import autocast_context
 from qkv.training import checkpoint_files as ckpt
-from qkv.training.checkpointing import Checkpointing
+from qkv.training.checkpointing import Checkpoints
 from qkv.training.config import TrainConfig, TrainState
-from qkv.training.distributed import Distributed, full_state, gradient_sync, plain_copy, wrap
-from qkv.training.methods import LateDropout, check_methods, drop_reversed_pairs_when_due
-from qkv.training.objectives import step_objective
+from qkv.training.distributed import Distributed, gradient_sync, plain_copy, wrap
+from qkv.training.methods import step_hooks
+from qkv.training.objectives import DEFAULT_OBJECTIVE, make_objective
 from qkv.training.optimizer import make_optimizer
 from qkv.training.schedule import budget_progress, budget_spent, learning_rate, stop_reason, time_left
 from qkv.training.signals import signals_held
@@ -67,7 +68,7 @@ class TrainingCrashed(RuntimeError):
         self.step = step
 
 
-class Trainer(Checkpointing):
+class Trainer:
     """Trains ``model`` on ``task`` and writes into ``run_dir``; building it writes nothing.
 
     Args:
@@ -96,7 +97,7 @@ class Trainer(Checkpointing):
         self.device = next(model.parameters()).device
         self.dist = dist or Distributed(device=self.device)
         self.sharded = self.dist.enabled and config.strategy == "fsdp"
-        self._shadow = plain_copy(model) if self.sharded and self.dist.is_main else None
+        shadow = plain_copy(model) if self.sharded and self.dist.is_main else None  # rank 0's whole model
         self.module = wrap(model, task.loss_fn, self.dist, config.strategy)
         self._call = torch.compile(self.module, dynamic=True) if config.compile else self.module
         self.optimizer = make_optimizer(self.module, config, fused=not self.sharded or None)
@@ -106,10 +107,21 @@ class Trainer(Checkpointing):
         self.ema = (
             AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config.ema_decay)) if config.ema_decay else None
         )
-        check_methods(model, task, config)  # and sets the task's subword dropout
+        self.hooks = step_hooks(model, task, config)  # the research methods (and the task's subword dropout)
+        self.objective = make_objective(DEFAULT_OBJECTIVE, label_smoothing=config.label_smoothing)
         self.state = TrainState(kept_checkpoints=[])
         self.progress = 0.0  # share of the budget spent, set before each step by the loop (see _done)
-        self.late_dropout = LateDropout(config.dropout_start)
+        self.checkpoints = Checkpoints(
+            run_dir=self.run_dir,
+            model=model,
+            optimizer=self.optimizer,
+            dist=self.dist,
+            sharded=self.sharded,
+            shadow=shadow,  # copied before wrap: FSDP2 shards the model in place
+            ema=self.ema,
+            average_last=config.average_last,
+            seed=config.seed,
+        )
         # the current epoch's batches, built once
         self._batches_epoch: int | None = None
         self._batches_cache: Sequence[list[int]] = []
@@ -123,8 +135,8 @@ class Trainer(Checkpointing):
         backward (so every process joins the same collectives) but changes nothing."""
         c, s = self.config, self.state
         local_tokens = sum(b.num_tgt_tokens for b in batches)
-        # the research methods of the step (qkv.training.methods); progress: rank 0's, the same everywhere
-        objective = step_objective(c, self.progress)  # --rdrop from --rdrop-start on
+        # progress: rank 0's, the same everywhere; a research method may replace the objective (--rdrop)
+        objective = self.hooks.objective(self.objective, self.progress)
         (tokens, *work) = self.dist.all_reduce_sum([local_tokens, *self.throughput.work(batches, objective.copies)])
         if tokens <= 0:
             raise ValueError("a training step needs at least one target token")
@@ -132,7 +144,7 @@ class Trainer(Checkpointing):
         per_process = tokens / self.dist.world_size
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
-        with self.late_dropout.step(self.model, self.progress, s.step + 1, log=self.dist.is_main):
+        with self.hooks.around_step(self, s.step + 1):  # e.g. --dropout-start holds dropout off
             for i, batch in enumerate(batches):
                 batch = batch.to(self.device)
                 with gradient_sync(self.module, enabled=i == len(batches) - 1):
@@ -153,8 +165,6 @@ class Trainer(Checkpointing):
             group["lr"] = lr
         with signals_held():  # Ctrl-C or SIGTERM here would leave half-updated weights for the checkpoint
             self.optimizer.step()
-            if self.optimizer.defaults.get("fused"):  # its steps leave the version counters, which decoding's
-                torch.autograd.graph.increment_version(params)  # packed weights go by (decoding.packed_linear)
             if self.ema is not None:
                 self.ema.update_parameters(self.model)
             s.step, s.tokens = s.step + 1, s.tokens + int(tokens)
@@ -179,7 +189,7 @@ class Trainer(Checkpointing):
         batches = self._epoch_batches(s.epoch)
         if s.batch_in_epoch >= len(batches):
             s.epoch, s.batch_in_epoch = s.epoch + 1, 0
-            drop_reversed_pairs_when_due(self.task, c, s, self.progress, log=d.is_main)
+            self.hooks.epoch_started(self)  # e.g. --both-directions-until drops the reversed pairs
             batches = self._epoch_batches(s.epoch)
         group = batches[s.batch_in_epoch : s.batch_in_epoch + c.accum_steps * d.world_size]
         s.batch_in_epoch += len(group)
@@ -263,7 +273,7 @@ class Trainer(Checkpointing):
                 window_start += time.perf_counter() - paused  # tokens/s counts training time only
         except (KeyboardInterrupt, Exception) as err:
             bar.close()
-            self._save_after_failure(step_start)
+            self.checkpoints.save_after_failure(s, step_start)
             if isinstance(err, KeyboardInterrupt):
                 raise
             raise TrainingCrashed(s.step, err) from err
@@ -303,16 +313,38 @@ class Trainer(Checkpointing):
             self.keep_checkpoint()
 
     # ----------------------------------------------------------------- weights and files (rank 0 writes)
+    @property
+    def run_folder(self) -> Path:
+        """The run folder, for a Trainer built with one (raises ``ValueError`` for one built without)."""
+        return self.checkpoints.run_folder
+
     def plain_model(self) -> torch.nn.Module | None:
         """The whole model as one module, to validate and save with: the model itself, or under
         FSDP2 rank 0's unsharded copy refreshed from the shards (a collective: every process calls
         it; the others get None)."""
-        if not self.sharded:
-            return self.model
-        weights, _ = full_state(self.model, None, sharded=True)
-        if self.dist.is_main:
-            self._whole_model().load_state_dict(weights)
-        return self._shadow
+        return self.checkpoints.plain_model()
+
+    def save(self, folder: str | Path | None = None) -> None:
+        """Save the resumable checkpoint (one atomic file: weights, optimizer, position, every
+        process's RNG) and ``last.safetensors`` into ``folder`` (default: the run's); every process
+        calls it, rank 0 writes (:meth:`Checkpoints.save <qkv.training.checkpointing.Checkpoints.save>`)."""
+        self.checkpoints.save(self.state, folder)
+
+    def resume(self, *, trust: bool = False) -> None:
+        """Restore weights, optimizer, position and RNG from the run folder and redo what the saved
+        state says the research methods did (:meth:`Checkpoints.resume
+        <qkv.training.checkpointing.Checkpoints.resume>`; ``trust``: see
+        :func:`qkv.training.checkpoint_files.load_checkpoint`)."""
+        self.state = self.checkpoints.resume(trust=trust)
+        self.hooks.resumed(self)
+
+    def keep_checkpoint(self) -> None:
+        """Save ``checkpoints/step_<N>.safetensors`` (for averaging) and the resumable state."""
+        self.checkpoints.keep(self.state)
+
+    def forget_batches(self) -> None:
+        """Drop the batches built for the current epoch (the task's data changed): the next use rebuilds them."""
+        self._batches_epoch = None
 
     def log(self, record: dict) -> None:
         """Append one JSON line to ``metrics.jsonl`` (rank 0)."""
@@ -360,29 +392,6 @@ class Trainer(Checkpointing):
     def finish(self) -> Path:
         """Write ``model.safetensors`` and return its path: with ``final_weights="best"`` the best validation's
         weights (once one ran), with ``"ema"`` the moving average, else the kept checkpoints averaged (the final
-        weights among them), or the final ones. A run with ``ema_decay`` also writes ``ema.safetensors``."""
-        c, folder = self.config, self.run_folder
-        out, best, ema = folder / "model.safetensors", folder / "best.safetensors", folder / "ema.safetensors"
-        if self.ema is not None and self.dist.is_main:
-            ckpt.save_weights(self.ema.module, ema)
-        if c.final_weights == "ema":
-            if self.dist.is_main:
-                write_bytes(out, ema.read_bytes())
-        elif c.final_weights == "best" and best.is_file():
-            if self.dist.is_main:
-                write_bytes(out, best.read_bytes())
-        elif c.average_last > 1:
-            self.keep_checkpoint()
-            if self.dist.is_main:
-                names = self._kept()[-c.average_last :]
-                ckpt.average_weight_files([folder / "checkpoints" / n for n in names], out)
-                logger.info(
-                    "averaged %d checkpoint%s: %s", len(names), "" if len(names) == 1 else "s", ", ".join(names)
-                )
-        else:
-            model = self.plain_model()
-            if self.dist.is_main:
-                assert model is not None  # rank 0 holds the whole model
-                ckpt.save_weights(model, out)
-        self.dist.barrier()
-        return out
+        weights among them), or the final ones. A run with ``ema_decay`` also writes ``ema.safetensors``
+        (:meth:`Checkpoints.finish <qkv.training.checkpointing.Checkpoints.finish>`)."""
+        return self.checkpoints.finish(self.state, self.config.final_weights)
