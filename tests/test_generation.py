@@ -120,9 +120,16 @@ def test_a_tiny_temperature_is_greedy_not_nan():
     for temperature in (1e-3, 1e-30, 1e-40, 1e-45):
         for options in (dict(), dict(top_k=2), dict(top_p=0.9)):
             assert sample_next(logits, temperature, **options).tolist() == [0, 1]
-    model = tiny_lm()
-    ids = torch.randint(0, 50, (2, 4))
-    assert torch.equal(model.generate(ids, 5, temperature=1e-40), model.generate(ids, 5, temperature=0))
+    model = tiny_lm()  # generate holds temperatures to their range: 1e-40 is refused, not turned into nan
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(torch.randint(0, 50, (2, 4)), 5, temperature=1e-40)
+    for temperature in (1e-4, 1e-300, float("inf"), float("nan"), 101.0):  # below, above or outside the range
+        with pytest.raises(ValueError, match="temperature"):
+            model.generate(torch.randint(0, 50, (2, 4)), 5, temperature=temperature)
+    for top_p in (1e-300, 0.0, float("nan")):
+        with pytest.raises(ValueError, match="top_p"):
+            model.generate(torch.randint(0, 50, (2, 4)), 5, temperature=1.0, top_p=top_p)
+    model.generate(torch.randint(0, 50, (2, 4)), 5, temperature=1e-3, top_p=1e-6)  # the range's ends are taken
 
 
 def test_top_k_and_top_p_work_per_row():

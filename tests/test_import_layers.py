@@ -1,7 +1,7 @@
 """The package's layers, checked from the source: imports go downward only, and no import circle.
 
-    cli -> serve -> viz / experiments / bench / export -> runs -> training -> decoding / metrics / pretrained
-        -> models -> nn -> attention -> data / runtime
+    cli -> serve -> viz / experiments / bench / export -> runs -> training -> inference
+        -> decoding / metrics / pretrained -> models -> nn -> attention -> data / runtime
 
 A module may import from its own package and from any lower layer, never from a higher one or from a
 sibling package of its own layer. Function-level (lazy) imports count too: a lazy import of a higher
@@ -22,6 +22,7 @@ LAYERS = [
     {"nn"},
     {"models"},
     {"decoding", "metrics", "pretrained"},
+    {"inference"},
     {"training"},
     {"runs"},
     {"viz", "experiments", "bench", "export"},

@@ -16,13 +16,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any
 
 from qkv.cli.options import MAX_SAMPLES, num_samples, positive_int, set_threads
 from qkv.runtime.fileio import read_json
-
-if TYPE_CHECKING:
-    import torch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,61 +71,19 @@ def open_language_model(path: str | Path, weights: str = "model") -> tuple[Any, 
             what = "translation model" if config.get("model_type") == "marian" else "encoder"
             raise ValueError(f"{folder}: a {config.get('model_type')} {what}, not a language model")
         return pretrained, pretrained.tokenizer
-    from qkv.runs.folder import load_run
+    from qkv.inference.runs import load_run
 
     model, tokenizer, _ = load_run(folder, weights, task="lm")
     return model, tokenizer
 
 
-class _Streamer:
-    """Collects each sample's new tokens, cuts a sample at its first stop text, and (one sample)
-    writes the text as it grows, holding back what could still turn into a stop text or is an
-    incomplete UTF-8 character."""
-
-    def __init__(self, tokenizer: Any, samples: int, stops: list[str], out: TextIO) -> None:
-        self.tokenizer, self.stops, self.out = tokenizer, stops, out
-        self.ids: list[list[int]] = [[] for _ in range(samples)]
-        self.texts, self.done = [""] * samples, [False] * samples
-        self.stream, self.printed = samples == 1, 0
-        self.hold = max((len(s) for s in stops), default=1) - 1
-
-    def step(self, new: torch.Tensor) -> bool:
-        for row, token in enumerate(new.tolist()):
-            if self.done[row]:
-                continue
-            self.ids[row].append(token)
-            text = self.tokenizer.decode(self.ids[row])
-            cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-            if cuts:
-                text, self.done[row] = text[: min(cuts)], True
-            self.texts[row] = text
-        if self.stream:
-            shown = self.texts[0] if self.done[0] else self.texts[0][: max(0, len(self.texts[0]) - self.hold)]
-            shown = shown.rstrip("\ufffd") if not self.done[0] else shown
-            if len(shown) > self.printed:
-                self.out.write(shown[self.printed :])
-                self.out.flush()
-                self.printed = len(shown)
-        return all(self.done)
-
-    def finish(self, prompt: str) -> None:
-        if self.stream:
-            self.out.write(self.texts[0][self.printed :] + "\n")
-        else:
-            for i, text in enumerate(self.texts):
-                self.out.write(f"---------- sample {i + 1} ----------\n{prompt}{text}\n")
-        self.out.flush()
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from qkv.models.causal_lm import check_sampling
+    from qkv.inference.generation import SamplingConfig, generate_texts
     from qkv.runtime.device import pick_device
 
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
-    if any(not s for s in args.stop):
-        raise ValueError("--stop needs a non-empty text")
+    sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, tuple(args.stop))
     set_threads(args.threads)
     device = pick_device(args.device)
     model, tokenizer = open_language_model(args.model, args.weights)
@@ -139,23 +94,31 @@ def run(args: argparse.Namespace) -> int:
     context = model.config.context
     if len(ids) > context:
         print(f"the prompt is {len(ids)} tokens; the model reads the last {context} (its context)", file=sys.stderr)
-        ids = ids[-context:]
     generator = None
     if args.seed is not None:
         generator = torch.Generator(device=device).manual_seed(args.seed)
-    batch = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
-    streamer = _Streamer(tokenizer, args.num_samples, args.stop, sys.stdout)
-    if streamer.stream:
+    stream = args.num_samples == 1  # one sample is written as it grows; several one after another
+    if stream:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
-    model.generate(
-        batch,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
+    samples = generate_texts(
+        model,
+        tokenizer,
+        ids,
+        sampling,
+        samples=args.num_samples,
         generator=generator,
-        on_step=streamer.step,
+        on_text=_write if stream else None,
     )
-    streamer.finish(args.prompt)
+    if stream:
+        sys.stdout.write("\n")
+    else:
+        for i, sample in enumerate(samples):
+            sys.stdout.write(f"---------- sample {i + 1} ----------\n{args.prompt}{sample.text}\n")
+    sys.stdout.flush()
     return 0
+
+
+def _write(_row: int, text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()

@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from qkv.inference.ctranslate2 import COMPUTE_TYPES
+
 if TYPE_CHECKING:
     from qkv.decoding.search import PenaltyForm
-    from qkv.export.ctranslate2 import Ct2Translator
+    from qkv.inference.ctranslate2 import Ct2Translator
 
 Number = TypeVar("Number", int, float)
 
@@ -86,10 +88,7 @@ def add_ensemble_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-ENGINES = ("qkv", "ctranslate2")
-# CTranslate2's compute types (ctranslate2.Translator's compute_type); which a machine supports is
-# ctranslate2.get_supported_compute_types("cpu") (an unsupported one is refused by CTranslate2, one line)
-COMPUTE_TYPES = ("float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16")
+ENGINES = ("qkv", "ctranslate2")  # the engines --engine offers (qkv.inference.policy.ENGINES: what each can do)
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -119,31 +118,19 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def check_engine(args: argparse.Namespace) -> PenaltyForm:
-    """The length-penalty form to decode with, once ``args``' engine options agree with the rest:
-    ``ValueError`` (one line) for what the chosen engine cannot do."""
-    form = args.length_penalty_form
-    if args.engine == "qkv":
-        if args.quantization is not None:
-            raise ValueError(
-                f"--quantization {args.quantization} is CTranslate2's compute type: it applies to --engine ctranslate2 only"
-            )
-        return form or "gnmt"
-    if form == "gnmt":
-        raise ValueError(
-            "--length-penalty-form gnmt: CTranslate2 divides by len ** alpha only; use --length-penalty-form power "
-            "(its default) or --engine qkv"
-        )
-    if args.ensemble:
-        raise ValueError("--ensemble: CTranslate2 decodes one model; use --engine qkv for an ensemble")
-    if args.bf16:
-        raise ValueError("--bf16 is qkv's autocast; with --engine ctranslate2 use --quantization bfloat16")
-    runs = [path for path in getattr(args, "against", []) if Path(path).is_dir()]
-    if runs:
-        raise ValueError(
-            f"--against {runs[0]}: other runs are decoded by qkv; with --engine ctranslate2 pass their "
-            "translations as a file, or use --engine qkv"
-        )
-    return "power"
+    """The length-penalty form to decode with, once ``args``' engine options agree with the rest
+    (:func:`qkv.inference.policy.check_engine`): ``ValueError`` (one line) for what the chosen engine
+    cannot do."""
+    from qkv.inference.policy import check_engine as check
+
+    return check(
+        args.engine,
+        penalty=args.length_penalty_form,
+        quantization=args.quantization,
+        ensemble=bool(getattr(args, "ensemble", None)),
+        bf16=bool(getattr(args, "bf16", False)),
+        other_runs=[str(path) for path in getattr(args, "against", []) if Path(path).is_dir()],
+    )
 
 
 def ct2_translator(args: argparse.Namespace, device: torch.device) -> AbstractContextManager[Ct2Translator]:
@@ -151,19 +138,12 @@ def ct2_translator(args: argparse.Namespace, device: torch.device) -> AbstractCo
     folder that is removed on leaving; the run is only read), with ``--weights``, ``--threads`` (CTranslate2's
     intra_threads; default: its own) and ``--quantization`` (the compute type)."""
     try:
-        import ctranslate2
-
         from qkv.export.ctranslate2 import open_translator
+        from qkv.inference.ctranslate2 import ct2_device
+
+        where = ct2_device(device.type, args.device)
     except ImportError as err:
         raise ValueError(f"--engine ctranslate2 needs ctranslate2: pip install 'qkv[deploy]' ({err})") from None
-    if device.type != "cuda":
-        where = "cpu"
-    elif ctranslate2.get_cuda_device_count() > 0:
-        where = "cuda"
-    elif args.device:
-        raise ValueError(f"--device {args.device}: this CTranslate2 was built without CUDA")
-    else:  # qkv's default device is CUDA where torch has it: CTranslate2 falls back to the CPU
-        where = "cpu"
     return open_translator(
         args.run_dir,
         weights=args.weights,

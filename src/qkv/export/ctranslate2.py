@@ -4,7 +4,8 @@ The model is described with CTranslate2's own specification classes (``Transform
 encoder and a decoder spec) filled with the run's weights, then saved by CTranslate2
 (``model.bin``, ``config.json``, the vocabularies). The folder also holds the run's
 ``tokenizer.json`` and ``qkv_ct2.json`` (special ids, limits, the run's decoding settings), which
-:class:`Ct2Translator` reads to translate text as :func:`qkv.decoding.translate.translate_texts` does.
+:class:`~qkv.inference.ctranslate2.Ct2Translator` (the CTranslate2 engine, re-exported here) reads to
+translate text as :func:`qkv.decoding.translate.translate_texts` does.
 
 Why the spec rather than the Marian folder of ``--to hf`` plus CTranslate2's Transformers
 converter: the spec takes the positional table as a tensor, so qkv's own table (sines and cosines
@@ -32,16 +33,31 @@ from torch import Tensor
 from qkv.data.tokenizer import SPECIALS, Tokenizer
 from qkv.export.output import building_export
 from qkv.export.output import check_output_folder as check_export_folder
+from qkv.inference.ctranslate2 import (  # the engine; re-exported: qkv 1.x defined it here
+    EXTRA_LEN,
+    MANIFEST,
+    MANIFEST_FORMAT,
+    Ct2Translator,
+    vocabulary,
+)
+from qkv.inference.decode import decode_settings
+from qkv.inference.runs import load_run
 from qkv.models.transformer import Transformer, TransformerConfig
-from qkv.runtime.fileio import read_json, write_json
+from qkv.runtime.fileio import write_json
 
-MANIFEST = "qkv_ct2.json"
-MANIFEST_FORMAT = 1
-EXTRA_LEN = 50  # greedy_decode/beam_search: a sentence stops after source length + 50 tokens
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "int16", "float16", "bfloat16")
 CHECK_TOL = 1e-4  # float32 log-probabilities of the saved folder vs qkv's (same function, other kernels)
 
-__all__ = ["Ct2Translator", "ct2_refusal", "export_ctranslate2", "open_translator"]
+__all__ = [
+    "EXTRA_LEN",
+    "MANIFEST",
+    "MANIFEST_FORMAT",
+    "Ct2Translator",
+    "ct2_refusal",
+    "export_ctranslate2",
+    "open_translator",
+    "vocabulary",
+]
 
 
 def ct2_refusal(config: TransformerConfig) -> str | None:
@@ -149,17 +165,6 @@ def build_spec(model: Transformer) -> Any:
     return spec
 
 
-def vocabulary(tokenizer: Tokenizer, size: int) -> list[str]:
-    """One distinct token string per model id ``0 .. size - 1``: the tokenizer's own strings, then
-    placeholders for rows a model's embedding may have beyond the tokenizer (never produced by it)."""
-    known = min(size, tokenizer.vocab_size)
-    tokens = [tokenizer.backend.id_to_token(i) or f"<qkv_unused_{i}>" for i in range(known)]
-    tokens += [f"<qkv_unused_{i}>" for i in range(known, size)]
-    if len(set(tokens)) != size:
-        raise ValueError(f"the tokenizer's token strings are not distinct ({len(set(tokens))} of {size})")
-    return tokens
-
-
 def _check_folder(model: Transformer, tokenizer: Tokenizer, folder: Path) -> float:
     """Teacher-forced log-probabilities of the saved folder vs qkv's on a few fixed pairs: ``ValueError``
     beyond :data:`CHECK_TOL` so that nothing that differs from the run is put in place. Returns the largest."""
@@ -253,9 +258,6 @@ def export_ctranslate2(
         PermissionError: ``out`` cannot be written (checked before any work).
         FileNotFoundError: ``run_dir`` is not a run folder, or lacks the weights.
     """
-    from qkv.runs.folder import load_run
-    from qkv.runs.recipes import decode_settings
-
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
     out = Path(out)
@@ -292,76 +294,3 @@ def open_translator(
     with tempfile.TemporaryDirectory(prefix="qkv-ct2-") as tmp:
         folder = export_ctranslate2(source, Path(tmp) / "model", weights=weights)
         yield Ct2Translator(folder, device=device, threads=threads, compute_type=compute_type)
-
-
-class Ct2Translator:
-    """Translate text with an exported folder: qkv's tokenizer around ``ctranslate2.Translator``."""
-
-    def __init__(self, folder: str | Path, *, device: str = "cpu", threads: int = 1, compute_type: str = "default"):
-        """Args: ``folder`` an export of :func:`export_ctranslate2`; the rest go to ``ctranslate2.Translator``."""
-        import ctranslate2
-
-        folder = Path(folder)
-        if not (folder / MANIFEST).is_file():
-            raise FileNotFoundError(f"{folder}: {MANIFEST} missing; not a qkv CTranslate2 export")
-        self.manifest = read_json(folder / MANIFEST)
-        if self.manifest.get("qkv_ct2") != MANIFEST_FORMAT:
-            raise ValueError(f"{folder}: {MANIFEST} has format {self.manifest.get('qkv_ct2')!r}, expected 1")
-        self.tokenizer = Tokenizer.load(folder / "tokenizer.json")
-        self.translator = ctranslate2.Translator(
-            str(folder), device=device, intra_threads=threads, compute_type=compute_type
-        )
-        self.tokens = vocabulary(self.tokenizer, self.manifest["vocab_size"])
-        self.ids = {token: i for i, token in enumerate(self.tokens)}
-
-    def to_tokens(self, ids: list[int]) -> list[str]:
-        """CTranslate2's token strings for qkv ids."""
-        return [self.tokens[i] for i in ids]
-
-    def translate(self, texts: list[str], *, beam_size: int | None = None, alpha: float | None = None) -> list[str]:
-        """Translate ``texts`` as qkv does: sources cut to the positional table, EOS appended, each
-        sentence stopped after its length + 50 tokens (capped by the table), EOS allowed at the first
-        step (an empty translation is a finished hypothesis, as in qkv's beam search and Hugging Face's:
-        CTranslate2 by default forbids it, and then searches on where qkv has its ``beam_size`` finished).
-
-        Args:
-            texts: source sentences.
-            beam_size: 1 = greedy; default: the run's (its recipe's) beam size.
-            alpha: CTranslate2's length penalty (log-probability divided by ``length ** alpha``, EOS
-                counted: qkv's ``penalty="power"``; qkv's default is GNMT's ``((5 + length) / 6) ** alpha``);
-                default: the run's alpha.
-
-        Returns:
-            the translations, one per input sentence.
-        """
-        limit = self.manifest["max_len"] - 1
-        sources = [ids[:limit] + [self.manifest["eos_id"]] for ids in self.tokenizer.encode_batch(texts)]
-        outputs = self.translate_ids(sources, beam_size=beam_size, alpha=alpha)
-        return [self.tokenizer.decode(ids) for ids in outputs]
-
-    def translate_ids(
-        self, sources: list[list[int]], *, beam_size: int | None = None, alpha: float | None = None
-    ) -> list[list[int]]:
-        """Translate token ids (each source ending with EOS, no padding) to token ids without BOS and
-        EOS, as :func:`qkv.decoding.search.greedy_decode` and ``beam_search`` return them; arguments
-        as in :meth:`translate`."""
-        decode = self.manifest["decode"]
-        beam_size = decode["beam_size"] if beam_size is None else beam_size
-        alpha = decode["alpha"] if alpha is None else alpha
-        limit = self.manifest["max_len"] - 1
-        groups: dict[int, list[int]] = {}  # CTranslate2 takes one length limit per call
-        for i, ids in enumerate(sources):
-            groups.setdefault(min(len(ids) + self.manifest["extra_len"], limit), []).append(i)
-        results: list[list[int]] = [[] for _ in sources]
-        for max_length, indices in groups.items():
-            outputs = self.translator.translate_batch(
-                [self.to_tokens(sources[i]) for i in indices],
-                beam_size=beam_size,
-                length_penalty=alpha if beam_size > 1 else 0.0,
-                max_decoding_length=max_length,
-                max_input_length=0,  # the sources are already cut to the positional table
-                min_decoding_length=0,  # EOS allowed first, as in qkv (CTranslate2's default, 1, forbids it)
-            )
-            for i, output in zip(indices, outputs, strict=True):
-                results[i] = [self.ids[token] for token in output.hypotheses[0]]
-        return results

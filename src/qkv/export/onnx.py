@@ -35,11 +35,11 @@ from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache, MultiHeadAttention
 from qkv.data.tokenizer import Tokenizer
-from qkv.export.onnx_runtime import MANIFEST_FORMAT, OnnxTranslator
 from qkv.export.output import building_export
 from qkv.export.output import check_output_folder as check_export_folder
+from qkv.inference.onnx_runtime import MANIFEST_FORMAT, OnnxTranslator
+from qkv.inference.runs import load_run
 from qkv.models.transformer import EncoderOutput, Transformer
-from qkv.runs.folder import load_run
 
 OPSET = 18  # ONNX opset of both graphs (onnxruntime 1.16+ runs it)
 EXTRA_LEN = 50  # tokens beyond the source length before a sentence stops: greedy_decode's default

@@ -23,12 +23,33 @@ from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache
 from qkv.models.options import check_fits_weights, check_model_options
+from qkv.models.sampling import (  # re-exported: qkv generate and qkv serve import them from here
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    check_sampling,
+    sample_loop,
+    sample_next,
+)
 from qkv.nn.layers import EncoderLayer
 from qkv.nn.loss import fused_linear_cross_entropy
 from qkv.nn.positional import build_positional_encoding
 from qkv.runtime.fileio import write_json
 
 IGNORE = -100  # a target id that adds nothing to the loss
+
+__all__ = [
+    "IGNORE",
+    "MAX_TEMPERATURE",
+    "MIN_TEMPERATURE",
+    "MIN_TOP_P",
+    "CausalDecoder",
+    "CausalLM",
+    "CausalLMConfig",
+    "CausalLMOutput",
+    "check_sampling",
+    "sample_next",
+]
 
 
 @dataclass
@@ -217,7 +238,6 @@ class CausalLM(nn.Module):
             reduction="sum",
         )
 
-    @torch.no_grad()
     def generate(
         self,
         ids: Tensor,
@@ -230,7 +250,8 @@ class CausalLM(nn.Module):
         use_cache: bool = True,
         on_step: Callable[[Tensor], bool | None] | None = None,
     ) -> Tensor:
-        """Continue every row of ``ids (b, s)`` by up to ``max_new_tokens`` sampled tokens.
+        """Continue every row of ``ids (b, s)`` by up to ``max_new_tokens`` sampled tokens
+        (:func:`qkv.models.sampling.sample_loop`, in eval mode; the mode is restored after).
 
         The model sees at most its last ``context`` tokens: a longer sequence is cropped from the
         left. With ``use_cache`` each step runs only the new token through the model, reusing the
@@ -239,90 +260,31 @@ class CausalLM(nn.Module):
         ``use_cache=False`` does at every step, so both give the same tokens.
 
         Args:
+            ids: ``(b, s)`` the prompts.
+            max_new_tokens: the most tokens to add.
             temperature: divides the logits; 0 picks the most likely token (greedy).
             top_k: sample among the ``top_k`` most likely tokens only.
             top_p: sample among the smallest set of most likely tokens whose probability reaches ``top_p``.
             generator: the random stream (for reproducible samples).
+            use_cache: reuse the keys and values of earlier tokens.
             on_step: called with the new tokens ``(b,)`` after each step; returning True stops.
 
         Returns:
             ``(b, s + n)``: the prompt and the ``n <= max_new_tokens`` new tokens.
         """
-        check_sampling(max_new_tokens, temperature, top_k, top_p)
-        if ids.dim() != 2 or ids.size(1) < 1:
-            raise ValueError(f"ids must be (batch, seq) with at least one token, got shape {tuple(ids.shape)}")
         was_training = self.training
         self.eval()
-        context, cache, out = self.config.context, None, ids
         try:
-            for _ in range(max_new_tokens):
-                if use_cache and cache is not None and len(cache[0]) < context:
-                    step = self(out[:, -1:], cache=cache)
-                else:  # the first step, no cache, or a full context: read the last `context` tokens
-                    step = self(out[:, -context:])
-                cache = step.cache if use_cache else None
-                new = sample_next(step.logits[:, -1].float(), temperature, top_k, top_p, generator)  # (b,)
-                out = torch.cat([out, new[:, None]], dim=1)
-                if on_step is not None and on_step(new):
-                    break
+            return sample_loop(
+                self,
+                ids,
+                max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                generator=generator,
+                use_cache=use_cache,
+                on_step=on_step,
+            )
         finally:
             self.train(was_training)
-        return out
-
-
-# The sampling options' ranges, shared by ``qkv generate`` and ``qkv serve``'s request bodies. A
-# temperature below MIN_TEMPERATURE (other than 0, greedy) or a top-p below MIN_TOP_P rounds to 0 in
-# float32 (1e-300 does) and turns the softmax into NaN; a temperature above MAX_TEMPERATURE flattens
-# any vocabulary qkv holds to uniform noise, and Infinity divides every logit to 0 or NaN.
-MIN_TEMPERATURE = 1e-3
-MAX_TEMPERATURE = 100.0
-MIN_TOP_P = 1e-6
-
-
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """The sampling options' ranges (``ValueError`` naming the option)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens (--max-new-tokens) must be an integer >= 1, got {max_new_tokens!r}")
-    if not (
-        isinstance(temperature, (int, float))
-        and not isinstance(temperature, bool)
-        and (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)
-    ):
-        raise ValueError(
-            f"temperature (--temperature) must be 0 (greedy) or between {MIN_TEMPERATURE:g} and "
-            f"{MAX_TEMPERATURE:g}, got {temperature!r}"
-        )
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k (--top-k) must be an integer >= 1, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and MIN_TOP_P <= top_p <= 1):
-        raise ValueError(f"top_p (--top-p) must be between {MIN_TOP_P:g} and 1, got {top_p!r}")
-
-
-def sample_next(
-    logits: Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """One token per row of ``logits (b, V)``: the most likely one when ``temperature`` is 0, else a
-    sample from ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens
-    and then to the smallest most-likely set whose probability reaches ``top_p`` (the nucleus).
-    Returns ``(b,)`` int64."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    # shifted so each row's maximum is 0 before dividing: a tiny temperature (1e-40) would otherwise
-    # overflow the logits to inf, and inf - inf = nan in the softmax
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (b, 1) the k-th largest
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above each
-        drop_sorted = before >= top_p  # the most likely token always stays (before = 0)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, -math.inf)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

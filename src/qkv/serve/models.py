@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qkv.runs.folder import is_run_folder, read_run_config
-from qkv.runs.recipes.steps import decode_settings
+from qkv.inference.decode import decode_settings
+from qkv.inference.runs import is_run_folder, read_run_config
 from qkv.viz.explorers import Explorer, open_explorer
 
 # the explorer's kind -> the endpoint that serves it

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from qkv.decoding.translate import translate_texts
-from qkv.models.causal_lm import check_sampling
+from qkv.models.sampling import check_sampling
 from qkv.serve.batching import DecodeKey, ModelWorker, TranslationBatcher
 from qkv.serve.errors import ApiError
 from qkv.serve.models import KIND_NAMES, Limits, ServedModel

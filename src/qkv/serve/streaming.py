@@ -1,9 +1,10 @@
 """A language model's continuation as server-sent events (``text/event-stream``).
 
-The model samples on the model thread (:class:`~qkv.serve.batching.ModelWorker`); after each token
-the text grown so far is decoded, cut at the first stop text, and what is new is handed to the event
-loop, which sends it as ``data: {"text": "..."}``. What could still turn into a stop text, or is an
-incomplete UTF-8 character, is held back until it is settled. The stream ends with ``event: done``
+The model samples on the model thread (:class:`~qkv.serve.batching.ModelWorker`) with the generator
+``qkv generate`` uses (:mod:`qkv.inference.generation`); after each token the text grown so far is
+decoded, cut at the first stop text, and what is new is handed to the event loop, which sends it as
+``data: {"text": "..."}``. What could still turn into a stop text, or is an incomplete UTF-8
+character, is held back until it is settled. The stream ends with ``event: done``
 (the whole text, the token count and why it stopped) or, if the model failed, ``event: error``.
 A client that goes away stops the sampling at the next token, streamed or not (:func:`generate_text`).
 """
@@ -20,9 +21,12 @@ from typing import Any
 
 import torch
 
+from qkv.inference.generation import SamplingConfig, TextStream, generate_texts
 from qkv.serve.batching import ModelWorker
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["Sampling", "TextStream", "event", "generate_text", "sample", "stream_events"]  # TextStream: re-exported
 
 
 @dataclass
@@ -38,71 +42,28 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
 
 
-class TextStream:
-    """The continuation's text as it grows: decoded from all new tokens each step (a BPE or byte-level
-    token may change how the text before it reads), cut at the first stop text."""
-
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
-        self.ids: list[int] = []
-        self.text, self.done, self.sent = "", False, 0
-        self.hold = max((len(s) for s in stop), default=1) - 1
-
-    def add(self, token: int) -> str:
-        """Take one new token; return the text that is now settled and was not returned before."""
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if cuts:
-            text, self.done = text[: min(cuts)], True
-        self.text = text
-        return self.settled()
-
-    def settled(self, *, final: bool = False) -> str:
-        shown = self.text
-        if not (final or self.done):
-            shown = shown[: max(0, len(shown) - self.hold)].rstrip("\ufffd")
-        if len(shown) <= self.sent:
-            return ""
-        new, self.sent = shown[self.sent :], len(shown)
-        return new
-
-
 def sample(model: Any, tokenizer: Any, request: Sampling, on_text: Any, stopped: threading.Event) -> dict[str, Any]:
-    """Generate on this thread; ``on_text(str)`` gets each settled piece; ``stopped`` set (its client
-    went) ends the sampling at the next token. Returns the final summary."""
+    """Generate on this thread (:func:`qkv.inference.generation.generate_texts`, as ``qkv generate``
+    does); ``on_text(str)`` gets each settled piece; ``stopped`` set (its client went) ends the
+    sampling at the next token. Returns the final summary."""
     if stopped.is_set():
         return {"text": "", "tokens": 0, "finish_reason": "stop"}
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device)
+    generator = torch.Generator(device=next(model.parameters()).device)
     if request.seed is not None:
         generator.manual_seed(request.seed)
     else:
         generator.seed()
-    context = model.config.context
-    ids = torch.tensor([request.ids[-context:]], dtype=torch.long, device=device)
-    stream = TextStream(tokenizer, request.stop)
-
-    def step(new: torch.Tensor) -> bool:
-        piece = stream.add(int(new[0]))
-        if piece:
-            on_text(piece)
-        return stream.done or stopped.is_set()
-
-    model.generate(
-        ids,
-        request.max_tokens,
-        temperature=request.temperature,
-        top_k=request.top_k,
-        top_p=request.top_p,
+    sampling = SamplingConfig(request.max_tokens, request.temperature, request.top_k, request.top_p, request.stop)
+    (result,) = generate_texts(
+        model,
+        tokenizer,
+        request.ids,
+        sampling,
         generator=generator,
-        on_step=step,
+        on_text=lambda _row, text: on_text(text),
+        stopped=stopped.is_set,
     )
-    rest = stream.settled(final=True)
-    if rest:
-        on_text(rest)
-    reason = "stop" if stream.done else "length"
-    return {"text": stream.text, "tokens": len(stream.ids), "finish_reason": reason}
+    return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason}
 
 
 def event(data: dict[str, Any], name: str | None = None) -> str:

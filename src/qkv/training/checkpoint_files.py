@@ -1,7 +1,9 @@
-"""Checkpoint files: weights (safetensors) and the resumable state (``state.pt``), each
-written atomically (:mod:`qkv.runtime.fileio`) and read without running code (``weights_only``).
+"""The resumable checkpoint (``state.pt``): written atomically (:mod:`qkv.runtime.fileio`) and read
+without running code (``weights_only``).
 
-What a run folder holds, and how a folder is recognised and loaded: :mod:`qkv.runs.translation.folder`.
+The weight files (safetensors) are :mod:`qkv.models.weights`, below the trainer so that what only
+decodes reads them without importing it; their names are re-exported here. What a run folder holds,
+and how a folder is recognised and loaded: :mod:`qkv.runs.folder` and :mod:`qkv.inference.runs`.
 """
 
 from __future__ import annotations
@@ -13,62 +15,39 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file, save_model
+from safetensors import safe_open
 
-from qkv.runtime.fileio import atomic_path, remove_stale_temporaries
-from qkv.runtime.safe_load import (
-    TensorInfo,
-    check_shapes,
-    check_zip_members,
-    meta_shapes,
-    plain_values,
-    refused_global,
-    weights_header,
+from qkv.models.weights import (
+    RUN_FORMAT,
+    average_weight_files,
+    check_saved_weights,
+    load_weights,
+    read_weights,
+    save_weights,
 )
+from qkv.runtime.fileio import atomic_path, remove_stale_temporaries
+from qkv.runtime.safe_load import check_zip_members, plain_values, refused_global
 from qkv.runtime.textinput import check_input_file
 
 logger = logging.getLogger(__name__)
 
+__all__ = [  # the weight-file names are re-exported: they were defined here until qkv 2.0
+    "CHECKPOINT_FILE",
+    "RUN_FORMAT",
+    "average_weight_files",
+    "check_saved_weights",
+    "load_checkpoint",
+    "load_weights",
+    "read_weights",
+    "rng_state",
+    "save_checkpoint",
+    "save_weights",
+    "saved_step",
+    "set_rng_state",
+]
 
-RUN_FORMAT = 2  # 2: state.pt holds the weights too (one atomic checkpoint)
+
 CHECKPOINT_FILE = "state.pt"
-
-
-def save_weights(model: torch.nn.Module, path: str | Path, *, step: int | None = None) -> None:
-    """Save weights as safetensors (tied tensors stored once), atomically; ``step`` goes in the metadata."""
-    with atomic_path(path) as tmp:
-        save_model(model, str(tmp), metadata=None if step is None else {"step": str(step)})
-
-
-def load_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Load safetensors weights into ``model``; every tensor must match (names and shapes).
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: the file is damaged or does not fit the model (one line naming the first problem).
-    """
-    path = Path(path)
-    expected, tied = meta_shapes(model)  # tied weights are stored once: any name of a tied group stands for it
-    check_shapes(expected, weights_header(path), config_path="the model", weights_path=path, tied=tied)
-    tensors = read_weights(path)
-    state = model.state_dict()
-    with torch.no_grad():
-        for name, tensor in tensors.items():
-            state[name].copy_(tensor)
-
-
-def average_weight_files(paths: list[Path], out_path: str | Path) -> None:
-    """Average several safetensors files of one model (Vaswani et al. section 6.1 averages the last 5)."""
-    if not paths:
-        raise ValueError("no checkpoints to average")
-    total: dict[str, torch.Tensor] = {}
-    for p in paths:
-        for name, tensor in load_file(str(p)).items():
-            total[name] = total.get(name, 0) + tensor.double()
-    averaged = {name: (t / len(paths)).float().contiguous() for name, t in total.items()}
-    with atomic_path(out_path) as tmp:
-        save_file(averaged, str(tmp), metadata={"format": "pt"})
 
 
 def rng_state() -> dict:
@@ -144,16 +123,6 @@ def load_checkpoint(run_dir: str | Path, *, clean: bool = True, trust: bool = Fa
     return saved
 
 
-def check_saved_weights(model: torch.nn.Module, weights: dict, path: str | Path) -> None:
-    """The weights a checkpoint holds fit ``model`` (names and shapes), else one ``ValueError`` line."""
-    expected, tied = meta_shapes(model)
-    header = {
-        name: TensorInfo(tuple(t.shape), "F32" if t.is_floating_point() else str(t.dtype))
-        for name, t in weights.items()
-    }
-    check_shapes(expected, header, config_path="config.json", weights_path=path, tied=tied)
-
-
 def saved_step(run_dir: str | Path) -> int | None:
     """The step the run folder's ``state.pt`` holds, read back from the file (None if it cannot be
     read): what a message after a failed save reports, rather than the step it meant to save."""
@@ -202,11 +171,3 @@ def _check_state_layout(saved: object, path: Path) -> None:
         and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items())
     ):
         raise ValueError(f"{path}: its model weights are not a mapping of names to tensors")
-
-
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file (``ValueError`` in one line if it is damaged)."""
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise ValueError(f"{path}: not a readable safetensors file ({str(err).splitlines()[0][:200]})") from None

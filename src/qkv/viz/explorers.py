@@ -298,9 +298,9 @@ def open_explorer(path: str | Path | None = None) -> Explorer:
 def _run_explorer(folder: Path, name: str) -> Explorer:
     """The explorer of a qkv run folder: a language model's or a translation model's."""
     from qkv.data.tokenizer import Tokenizer
+    from qkv.inference.runs import load_run, run_task
     from qkv.models.causal_lm import CausalLM
     from qkv.models.transformer import Transformer
-    from qkv.runs.folder import load_run, run_task
 
     model, tokenizer, run_config = load_run(folder)
     model.to(pick_device())

@@ -1,14 +1,12 @@
-"""How a run decodes by default, and how a recipe's tokens per step are split among processes and
-batches: the parts of a recipe that are computed rather than read (re-exported by :mod:`qkv.runs.recipes`)."""
+"""How a recipe's tokens per step are split among processes and batches: the part of a recipe that is
+computed rather than read (re-exported by :mod:`qkv.runs.recipes`). How a run decodes by default is
+:mod:`qkv.inference.decode`, re-exported here."""
 
 from __future__ import annotations
 
-from typing import Any
+from qkv.inference.decode import DEFAULT_DECODE, MAX_SAVED_BEAM, check_decode, decode_settings
 
-# How a translation run decodes when qkv evaluate / translate get no --beam / --alpha: a recipe's
-# "decode" (stored in the run's config.json when it starts), else this.
-DEFAULT_DECODE: dict[str, Any] = {"beam_size": 5, "alpha": 0.6}
-MAX_SAVED_BEAM = 100  # as qkv translate --beam: beam search holds that many copies of each sentence
+__all__ = ["DEFAULT_DECODE", "MAX_SAVED_BEAM", "MICRO_BATCH_TOKENS", "check_decode", "decode_settings", "step_batches"]
 
 # the largest batch one process takes at once (padded tokens) before it accumulates several. What
 # backward keeps of such a batch under bf16 autocast, counted with torch.autograd.graph's
@@ -16,49 +14,6 @@ MAX_SAVED_BEAM = 100  # as qkv translate --beam: beam search holds that many cop
 # (base) and 12 GB (big), besides weights, gradients and Adam state (1.0 GB, 3.4 GB): within a 24 GB
 # GPU. A smaller GPU takes --max-tokens N (and the step keeps its size through --accum-steps)
 MICRO_BATCH_TOKENS = 12_500
-
-
-def check_decode(decode: object, where: str) -> dict[str, Any]:
-    """``decode`` checked: an object with some of ``beam_size`` (1 to :data:`MAX_SAVED_BEAM`) and
-    ``alpha`` (0 to 10). Returns it with :data:`DEFAULT_DECODE` under it.
-
-    Args:
-        decode: the settings to check (a dict, or None for none).
-        where: what holds them, named in the error (``config.json``, a recipe file).
-
-    Raises:
-        ValueError: one line naming ``where``, the key and the value.
-    """
-    saved = decode or {}
-    if not isinstance(saved, dict) or set(saved) - set(DEFAULT_DECODE):
-        raise ValueError(f"{where}: decode must be an object with {sorted(DEFAULT_DECODE)}, got {saved!r}"[:300])
-    settings = {**DEFAULT_DECODE, **saved}
-    beam, penalty = settings["beam_size"], settings["alpha"]
-    if not isinstance(beam, int) or isinstance(beam, bool) or not 1 <= beam <= MAX_SAVED_BEAM:
-        raise ValueError(f"{where}: decode.beam_size must be an integer from 1 to {MAX_SAVED_BEAM}, got {beam!r}")
-    if not isinstance(penalty, (int, float)) or isinstance(penalty, bool) or not 0 <= penalty <= 10:
-        raise ValueError(f"{where}: decode.alpha must be a number from 0 to 10, got {penalty!r}")
-    return settings
-
-
-def decode_settings(config: dict, *, beam_size: int | None = None, alpha: float | None = None) -> dict:
-    """Beam size and length penalty for a run: the ones given, else the run's own (its recipe's),
-    else :data:`DEFAULT_DECODE`.
-
-    Args:
-        config: the run's config.json (its ``decode``, when it has one, is checked).
-        beam_size: a beam size that goes over the run's.
-        alpha: a length penalty that goes over the run's.
-
-    Returns:
-        ``{"beam_size": ..., "alpha": ...}``.
-    """
-    settings = check_decode(config.get("decode"), "config.json")
-    if beam_size is not None:
-        settings["beam_size"] = beam_size
-    if alpha is not None:
-        settings["alpha"] = alpha
-    return settings
 
 
 def step_batches(
