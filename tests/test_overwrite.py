@@ -132,12 +132,12 @@ def test_an_unwritable_folder_is_refused_before_any_work(tmp_path, monkeypatch, 
         )
     else:
         locked.chmod(0o555)
-    import qkv.runs.folder
+    import qkv.export.ctranslate2
 
     def no_work(*args, **kwargs):
         raise AssertionError("the run was loaded before the folder was checked")
 
-    monkeypatch.setattr(qkv.runs.folder, "load_run", no_work)
+    monkeypatch.setattr(qkv.export.ctranslate2, "load_run", no_work)  # the name the exporter calls
     try:
         code, err = cli(capsys, "export", run_dir, "--to", "ctranslate2", locked / "ct2")
         assert code == 2 and "\n" not in err

@@ -123,10 +123,12 @@ def assert_tells_the_truth(text, run, what):
 
 # ----------------------------------------------------------------- 1. a failed step whose save fails too
 class DiskFull:
-    """``qkv.training.checkpoint_files``'s atomic writes, failing with ENOSPC once ``full``: the file is written
-    under its temporary name, then flushing it fails (the temporary is removed, the old file stays)."""
+    """The atomic writes of a run's files (``state.pt`` in ``qkv.training.checkpoint_files``, the weight
+    files in ``qkv.models.weights``), failing with ENOSPC once ``full``: the file is written under its
+    temporary name, then flushing it fails (the temporary is removed, the old file stays)."""
 
     def __init__(self, monkeypatch):
+        import qkv.models.weights
         import qkv.training.checkpoint_files
 
         self.full = False
@@ -142,6 +144,7 @@ class DiskFull:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
 
         monkeypatch.setattr(qkv.training.checkpoint_files, "atomic_path", atomic_path)
+        monkeypatch.setattr(qkv.models.weights, "atomic_path", atomic_path)
 
 
 STOPS = {  # what ends step 4: the exception, the exit code and how the last line starts
