@@ -43,8 +43,9 @@ from qkv.cli.train_options import (  # re-exported: the training benchmarks decl
     train_options_from,
 )
 from qkv.data.spec import DataSpec
-from qkv.data.text import TEXT_SOURCES
 from qkv.data.tokenizer import check_vocab_size
+from qkv.runs.kinds import kind_for_source
+from qkv.runs.language_model import LANGUAGE_MODEL
 from qkv.training.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ def data_spec(args: argparse.Namespace) -> DataSpec:
     """The data spec (:mod:`qkv.data.sources`, :mod:`qkv.data.text`) the options describe; ``--task``,
     when given, must name what that data trains."""
     spec = _data_spec(args)
-    task = "lm" if spec.source in TEXT_SOURCES else "translation"
+    task = kind_for_source(spec.source).name
     if args.task is not None and args.task != task:
         given = {
             "tinyshakespeare": "--data tinyshakespeare",
@@ -214,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--trust-checkpoint converts the checkpoint of a run being resumed: give it with --resume")
     else:
         spec = data_spec(args)
-        model_options = model_options_from(args, is_lm=spec.source in TEXT_SOURCES)
+        model_options = model_options_from(args, is_lm=kind_for_source(spec.source) is LANGUAGE_MODEL)
         vocab_size, recipe_note = args.vocab_size, None
         if args.recipe:  # the named recipe in place of the data's; explicit options still go over it
             train_options, recipe_note = _with_recipe(args, spec, train_options)

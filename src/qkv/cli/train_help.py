@@ -130,10 +130,9 @@ def _shown(value: Any) -> str:
 
 def _library_defaults(task: str) -> dict[str, Any]:
     """The model fields' own defaults for a kind of model (a recipe's model leaves them as they are)."""
-    from qkv.models.causal_lm import CausalLMConfig
-    from qkv.models.transformer import TransformerConfig
+    from qkv.runs.kinds import kind_named
 
-    config = CausalLMConfig() if task == "lm" else TransformerConfig()
+    config = kind_named(task).model_config()
     return {f.name: getattr(config, f.name) for f in fields(config)}
 
 

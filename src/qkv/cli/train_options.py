@@ -15,6 +15,7 @@ from dataclasses import Field, dataclass, field, fields
 from typing import Any, NamedTuple
 
 from qkv.cli.options import positive_int
+from qkv.runs.kinds import kind_names
 from qkv.training.config import OPTION_GROUPS, TrainConfig
 
 # the headings of the groups, by name (TrainConfig's OPTION_GROUPS)
@@ -58,7 +59,7 @@ class ModelOption(NamedTuple):
 
 
 LM_OPTIONS = ("tokenizer", "windows")  # language-model options that are neither model nor TrainConfig fields
-TASKS = ("translation", "lm")
+TASKS = kind_names()  # ("translation", "lm"): the registered run kinds
 _FILE = {"metavar": "FILE"}
 CLI_OPTIONS: tuple[CliOption, ...] = (
     CliOption(

@@ -1,6 +1,6 @@
-"""Language-model run folders (task "lm"): starting one from a text, and opening its model and
-task again. :func:`qkv.runs.translation.start_run` and :func:`qkv.runs.translation.resume_run` hand language-model data to
-these; the promise is the same as for translation runs (everything checked before the folder appears,
+"""The language-model run kind (task "lm"): starting a run from a text, and opening its task
+again. :func:`qkv.runs.lifecycle.start_run` and :func:`qkv.runs.lifecycle.resume_run` hand
+language-model data to these (through :data:`LANGUAGE_MODEL`, registered in :mod:`qkv.runs.kinds`); the promise is the same as for translation runs (everything checked before the folder appears,
 whole or not at all).
 
 A run folder keeps its splits as token arrays (:mod:`qkv.data.text`): ``train.bin``, ``val.bin``
@@ -15,7 +15,7 @@ before, and :func:`missing_test_split` says why it has no test split.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import torch
 
 from qkv.data.spec import DataSpec
 from qkv.data.text import (
+    TEXT_SOURCES,
     TOKENIZER_KINDS,
     check_text_spec,
     load_text_tokenizer,
@@ -39,6 +40,7 @@ from qkv.runs import folder as run_folder
 from qkv.runs.recipes import Recipe
 from qkv.runs.recipes.budget import choose_size, measured_speeds, model_values
 from qkv.runs.recipes.choice import RecipeChoice
+from qkv.runs.run_kind import RunKind
 from qkv.runtime import precision
 from qkv.runtime.device import pick_device
 from qkv.runtime.fileio import default_cache_dir
@@ -126,7 +128,7 @@ def start_lm_run(
     device: str | torch.device | None,
     choice: RecipeChoice,
 ) -> Trainer:
-    """:func:`qkv.runs.translation.start_run` for a language model: the text is cut into its splits
+    """:func:`qkv.runs.lifecycle.start_run` for a language model: the text is cut into its splits
     (:func:`qkv.data.text.read_text_splits`) and tokenised once into ``train.bin``, ``val.bin`` and
     ``test.bin`` (where there is a test split) in the run folder. Training and resuming read the
     first two (memory-mapped); only ``qkv evaluate`` reads ``test.bin``."""
@@ -293,3 +295,22 @@ def _check_test_window(ids: dict[str, np.ndarray], context: int) -> None:
             f"the test text has {len(ids['test'])} tokens, fewer than one window of the model's context "
             f"({context}) plus one: give more text or a smaller --context"
         )
+
+
+def _start_options(data: DataSpec, options: Mapping[str, Any]) -> dict[str, Any]:
+    """A language model's own start option (``lm_options``); a translation run's ``decode`` is not
+    one of its options and is left unused, as before."""
+    return {"lm_options": options.get("lm_options")}
+
+
+LANGUAGE_MODEL = RunKind(
+    name="lm",
+    title="language model",
+    sources=TEXT_SOURCES,
+    model_config=CausalLMConfig,
+    task_class=LanguageModelTask,
+    serve_kind="lm",
+    start=start_lm_run,
+    start_options=_start_options,
+    open_task=lambda run_dir, config, model_config: open_lm_task(run_dir, config),
+)

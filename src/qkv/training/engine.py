@@ -44,6 +44,7 @@ from qkv.training.objectives import DEFAULT_OBJECTIVE, make_objective
 from qkv.training.optimizer import make_optimizer
 from qkv.training.schedule import budget_progress, budget_spent, learning_rate, stop_reason, time_left
 from qkv.training.signals import signals_held
+from qkv.training.task import Task
 from qkv.training.throughput import Throughput
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ class Trainer:
 
     Args:
         model: the model (its ``config.d_model`` sizes the schedule), on its device.
-        task: batches, loss and validation (e.g. :class:`~qkv.training.tasks.TranslationTask`).
+        task: batches, loss and validation (a :class:`~qkv.training.task.Task`, e.g.
+            :class:`~qkv.training.tasks.TranslationTask`).
         config: a :class:`TrainConfig`.
         run_dir: the run folder (holds config.json and tokenizer.json once the run is created).
         dist: this process's place among several (:func:`~qkv.training.distributed.init_distributed`; alone).
@@ -83,7 +85,7 @@ class Trainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        task: Any,
+        task: Task,
         config: TrainConfig,
         run_dir: str | Path | None = None,
         *,

@@ -1,0 +1,116 @@
+"""The registry of run kinds (qkv.runs.kinds): every kind registered, every data source in exactly one
+kind, a new kind found by the lookups without touching other modules, and the lifecycle calling a
+kind's hooks (checked against the kinds' own modules and the data package's source lists)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from qkv.data.sources import SOURCES
+from qkv.data.spec import DataSpec
+from qkv.data.text import TEXT_SOURCES
+from qkv.models.causal_lm import CausalLMConfig
+from qkv.models.transformer import TransformerConfig
+from qkv.runs import kinds, lifecycle, translation
+from qkv.runs.language_model import LANGUAGE_MODEL, start_lm_run
+from qkv.runs.translation_kind import TRANSLATION, start_translation_run
+from qkv.training import LanguageModelTask, TranslationTask
+
+
+def test_both_kinds_are_registered_under_the_names_run_folders_store():
+    assert kinds.kind_names() == ("translation", "lm")
+    assert kinds.kind_named("translation") is TRANSLATION
+    assert kinds.kind_named("lm") is LANGUAGE_MODEL
+    assert (TRANSLATION.model_config, TRANSLATION.task_class) == (TransformerConfig, TranslationTask)
+    assert (LANGUAGE_MODEL.model_config, LANGUAGE_MODEL.task_class) == (CausalLMConfig, LanguageModelTask)
+    assert (TRANSLATION.serve_kind, LANGUAGE_MODEL.serve_kind) == ("seq2seq", "lm")
+    with pytest.raises(ValueError, match="unknown kind of run 'nope'"):
+        kinds.kind_named("nope")
+
+
+def test_a_run_folders_kind_comes_from_its_config():
+    assert kinds.run_kind({"qkv_run": 2, "model": {}}) is TRANSLATION  # 0.1 and 1.x folders store no task
+    assert kinds.run_kind({"task": "translation"}) is TRANSLATION
+    assert kinds.run_kind({"task": "lm"}) is LANGUAGE_MODEL
+    assert not TRANSLATION.stored and LANGUAGE_MODEL.stored
+
+
+@pytest.mark.parametrize("source", SOURCES + TEXT_SOURCES)
+def test_every_data_source_belongs_to_exactly_one_kind(source):
+    owners = [kind.name for kind in kinds.KINDS.values() if source in kind.sources]
+    assert owners == (["lm"] if source in TEXT_SOURCES else ["translation"])
+    assert kinds.kind_for_source(source).name == owners[0]
+
+
+def test_an_unknown_source_is_refused():
+    with pytest.raises(ValueError, match="unknown data source 'nope'"):
+        kinds.kind_for_source("nope")
+
+
+def _fake_kind(name: str = "fake", sources: tuple[str, ...] = ("fake-text",)) -> kinds.RunKind:
+    return replace(LANGUAGE_MODEL, name=name, title="fake model", sources=sources)
+
+
+def test_a_new_kind_is_found_by_every_lookup(monkeypatch):
+    monkeypatch.setattr(kinds, "KINDS", dict(kinds.KINDS))  # the registry as it was, after the test
+    fake = kinds.register_kind(_fake_kind())
+    assert kinds.kind_for_source("fake-text") is fake
+    assert kinds.run_kind({"task": "fake"}) is fake
+    assert kinds.kind_names() == ("translation", "lm", "fake")
+    with pytest.raises(ValueError, match="registered already"):
+        kinds.register_kind(_fake_kind())
+    with pytest.raises(ValueError, match=r"\['text'\] belong to 'lm'"):
+        kinds.register_kind(_fake_kind("other", ("text",)))
+
+
+def test_start_run_calls_the_sources_kind_with_its_own_options(monkeypatch, tmp_path):
+    monkeypatch.setattr(kinds, "KINDS", dict(kinds.KINDS))
+    calls = []
+
+    def start(run_dir: Path, **keywords):
+        calls.append((run_dir, keywords))
+        return "trainer"
+
+    def start_options(data, options):
+        if options.get("decode"):
+            raise ValueError("decode is not a fake option")
+        return {"fake_options": options["lm_options"]}
+
+    kinds.register_kind(replace(_fake_kind(), start=start, start_options=start_options))
+    monkeypatch.setattr(lifecycle, "choose_recipe", lambda recipe, source, device: _Choice())
+    data = DataSpec(source="fake-text")
+    got = lifecycle.start_run(tmp_path / "run", data=data, lm_options={"windows": "strided"}, device="cpu")
+    assert got == "trainer"
+    ((run_dir, keywords),) = calls
+    assert run_dir == tmp_path / "run" and keywords["fake_options"] == {"windows": "strided"}
+    assert keywords["data"] is data and keywords["choice"].recipe is _Choice.recipe
+    with pytest.raises(ValueError, match="decode is not a fake option"):
+        lifecycle.start_run(tmp_path / "run", data=data, decode={"beam_size": 2}, device="cpu")
+
+
+class _Recipe:
+    def step_options(self, world, *, max_tokens, accum_steps):
+        return {}
+
+
+class _Choice:
+    recipe = _Recipe()
+
+
+def test_options_of_the_other_kind_are_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer: options of a language model"):
+        lifecycle.start_run(tmp_path / "a", data=DataSpec(source="dates"), lm_options={"tokenizer": "char"})
+    with pytest.raises(ValueError, match="--both-directions is for translation.*not a language model"):
+        lifecycle.start_run(tmp_path / "b", data=DataSpec(source="tinyshakespeare", both_directions=True))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_old_names_are_the_same_objects():
+    assert translation.start_run is lifecycle.start_run
+    assert translation.resume_run is lifecycle.resume_run
+    assert translation.run_training is lifecycle.run_training
+    assert translation.start_translation_run is start_translation_run is TRANSLATION.start
+    assert LANGUAGE_MODEL.start is start_lm_run
