@@ -55,8 +55,8 @@ def test_the_qkv_engine_translates_as_translate_texts(run_dir):
     assert len(set(greedy)) > 3  # varied: a real comparison
     assert greedy == qkv_path(run_dir, SOURCES, beam_size=1)
     for penalty in ("gnmt", "power"):
-        got = translator.translate(SOURCES, DecodeConfig(beam_size=3, alpha=1.0, penalty=penalty, max_tokens=50))
-        assert got == qkv_path(run_dir, SOURCES, beam_size=3, alpha=1.0, penalty=penalty, max_tokens=50)
+        got = translator.translate(SOURCES, DecodeConfig(beam_size=3, alpha=1.0, penalty=penalty, max_batch_tokens=50))
+        assert got == qkv_path(run_dir, SOURCES, beam_size=3, alpha=1.0, penalty=penalty, max_batch_tokens=50)
     run = json.loads((run_dir / "config.json").read_text())["decode"]  # None: the run's recipe decodes
     default = qkv_path(run_dir, SOURCES, beam_size=run["beam_size"], alpha=run["alpha"])
     assert translator.translate(SOURCES) == default
@@ -168,11 +168,13 @@ def test_the_old_import_paths_still_work(module):
             assert getattr(found, name) is getattr(importlib.import_module(home), name)
 
 
-def test_what_only_decodes_never_imports_the_trainer():
+def test_what_only_decodes_never_imports_the_trainer(tmp_path):
     """In a fresh process: the inference package, opening a translation run and a language model (as
-    qkv translate's engine and qkv generate do), every engine's module, and qkv serve's opening of both
-    runs (its explorer and endpoints) leave qkv.training unimported."""
+    qkv translate's engine and qkv generate do), every engine's module, qkv serve's opening of both
+    runs (its explorer and endpoints) and a whole ``qkv translate`` leave qkv.training unimported."""
     pytest.importorskip("fastapi")
+    sources = tmp_path / "sources.txt"
+    sources.write_text("A man.\nTwo dogs.\n")
     code = f"""
 import sys
 import qkv.inference, qkv.inference.ctranslate2, qkv.inference.onnx_runtime
@@ -184,8 +186,11 @@ open_language_model({str(FIXTURES / "lm_run")!r})
 from qkv.serve.models import open_models
 import qkv.serve.app, qkv.serve.streaming, qkv.export.onnx_runtime
 open_models([{str(FIXTURES / "translation_run")!r}, {str(FIXTURES / "lm_run")!r}])
+from qkv.cli import main
+assert main(["translate", {str(FIXTURES / "translation_run")!r}, {str(sources)!r}, "-o", {str(sources) + ".out"!r}]) == 0
 print(sorted(m for m in sys.modules if m.startswith("qkv.training")))
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+    assert len((tmp_path / "sources.txt.out").read_text().splitlines()) == 2  # qkv translate did translate

@@ -469,7 +469,7 @@ def test_train_prepared_with_the_paper_recipe(corpus, tmp_path, capsys):
     assert config["data"] == {"source": "prepared", "folder": str(corpus["prep"].resolve())}
     assert config["prepared"]["fingerprint"] == PreparedCorpus(corpus["prep"]).fingerprint
     assert config["train"]["label_smoothing"] == 0.1 and list(config["train"]["adam_betas"]) == [0.9, 0.98]
-    assert config["decode"] == {"beam_size": 4, "alpha": 0.6} and config["model"]["d_model"] == 32
+    assert config["decode"] == {"beam_size": 4, "alpha": 0.6, "penalty": "gnmt"} and config["model"]["d_model"] == 32
     assert config["model"]["src_vocab_size"] == corpus["tokenizer"].vocab_size  # the folder's tokenizer
     assert not (tmp_path / "run" / "data").exists()  # no copy of the pairs: the folder is read in place
 

@@ -192,7 +192,8 @@ def test_every_recipe_resolves_to_the_values_of_the_dicts_it_replaced(name):
         assert recipe.split_digits is old["split_digits"] and recipe.lm == {}
         assert recipe.tokens_per_step == old.get("tokens_per_step")
         # what start_run stored as the run's decoding settings: the recipe's, else the default's
-        assert _typed(recipe.decode) == _typed({**OLD_DEFAULT_DECODE, **old.get("decode", {})})
+        # the length-penalty form is now part of a recipe's decode; 1.x always decoded with gnmt
+        assert _typed(recipe.decode) == _typed({**OLD_DEFAULT_DECODE, "penalty": "gnmt", **old.get("decode", {})})
         assert TransformerConfig(**recipe.model) == TransformerConfig(**old["model"])
     # RECIPES, the plain form kept for scripts, by name and by data source, holds the same
     plain = recipes_module.RECIPES[name]
@@ -391,7 +392,7 @@ def test_qkv_recipes_show_resolves_a_recipe_for_this_machine(capsys, monkeypatch
     assert shown["model"] == {k: v for k, v in model.items() if k not in ("src_vocab_size", "tgt_vocab_size", "pad_id")}
     train = json.loads(json.dumps(asdict(TrainConfig(**{**recipe.train, "bf16": fast}))))
     assert shown["train"] == train  # bf16 as a run here would have it
-    assert shown["decode"] == {"beam_size": 5, "alpha": 2.2}
+    assert shown["decode"] == {"beam_size": 5, "alpha": 2.2, "penalty": "gnmt"}
     assert ("cpu here: on" in out) is fast and ("cpu here: off, float32 (emulated (test))" in out) is not fast
     assert ("--recipe multi30k-bf16 is this recipe tuned for it" in out) is fast
     assert "attention_dropout = 0.0  # library default" in out and "d_model = 256\n" in out

@@ -60,7 +60,7 @@ def test_paper_training_settings():
         assert config.label_smoothing == 0.1 and config.bf16  # section 5.4; start_run keeps bf16 where fast
     assert (base.max_steps, base.average_last, big.max_steps, big.average_last) == (100_000, 5, 300_000, 20)
     for name in ("paper-base", "paper-big"):
-        assert load_recipe(name).decode == {"beam_size": 4, "alpha": 0.6}  # section 6.1
+        assert load_recipe(name).decode == {"beam_size": 4, "alpha": 0.6, "penalty": "gnmt"}  # section 6.1
         assert load_recipe(name).tokens_per_step == 25000
 
 
@@ -211,7 +211,7 @@ def test_a_named_recipe_replaces_the_data_recipe_whole(tmp_path):
         }
     )  # 50 x 500: the paper's 25,000 tokens a step on one process
     assert config["train"] == json.loads(json.dumps(asdict(expected_train)))
-    assert config["decode"] == {"beam_size": 4, "alpha": 0.6}
+    assert config["decode"] == {"beam_size": 4, "alpha": 0.6, "penalty": "gnmt"}  # saved whole
     # the named recipe's tokenizer rule too: digits are not split (the dates recipe splits them)
     assert '"Digits"' not in (run / "tokenizer.json").read_text(encoding="utf-8")
 

@@ -51,6 +51,7 @@ from qkv.cli.options import (
     beam_size,
     check_engine,
     ct2_translator,
+    decode_config,
     length_penalty,
     non_negative_int,
     positive_int,
@@ -58,7 +59,7 @@ from qkv.cli.options import (
 )
 
 if TYPE_CHECKING:
-    from qkv.decoding.search import PenaltyForm
+    from qkv.inference.decode import DecodeConfig
     from qkv.models.causal_lm import CausalLM
 
 
@@ -129,8 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qkv.inference.runs import load_run, load_translator, read_run_config, run_task
     from qkv.metrics.bleu_forms import check_lang
-    from qkv.runs.folder import load_run, load_translator, read_run_config, run_task
     from qkv.runtime.device import pick_device
     from qkv.runtime.fileio import check_output_file
 
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         check_lang(args.tgt_lang, "--tgt-lang")
     if args.hyp_out:
         check_output_file(args.hyp_out, "--hyp-out")
-    penalty = check_engine(args)
+    check_engine(args)
     others = check_against(args)
     set_threads(args.threads)
     device = pick_device(args.device)
@@ -158,9 +159,7 @@ def run(args: argparse.Namespace) -> int:
         with ct2_translator(args, device) as translator:
             config = {"decode": translator.manifest["decode"]} if exported else config
             engine = {"compute_type": translator.translator.compute_type}
-            return _evaluate_translation(
-                args, config, others, device, lambda src, decode: translator.translate(src, **decode), engine=engine
-            )
+            return _evaluate_translation(args, config, others, device, translator.translate, engine=engine)
     # a Transformer (an Ensemble of them with --ensemble) or a CausalLM, as the run's task says
     model: Any
     tokenizer: Any
@@ -178,18 +177,17 @@ def run(args: argparse.Namespace) -> int:
     held = {"model": model}  # dropped before --against decodes its runs: one model in memory at a time
     del model
     return _evaluate_translation(
-        args, config, others, device, partial(_qkv_translate, held, tokenizer, args, penalty), release=held.clear
+        args, config, others, device, partial(_qkv_translate, held, tokenizer, args, config), release=held.clear
     )
 
 
 def _qkv_translate(
-    held: dict, tokenizer: Any, args: argparse.Namespace, penalty: PenaltyForm, src: list[str], decode: dict
+    held: dict, tokenizer: Any, args: argparse.Namespace, config: dict, src: list[str], decode: DecodeConfig
 ) -> list[str]:
-    from qkv.decoding.translate import translate_texts
+    from qkv.inference.engines import QkvTranslator
 
-    return translate_texts(
-        held["model"], tokenizer, src, **decode, penalty=penalty, bf16=args.bf16, progress=sys.stderr.isatty()
-    )
+    translator = QkvTranslator(held["model"], tokenizer, config=config, bf16=args.bf16, progress=sys.stderr.isatty())
+    return translator.translate(src, decode)
 
 
 def _evaluate_translation(
@@ -197,17 +195,16 @@ def _evaluate_translation(
     config: dict,
     others: list[str],
     device: Any,
-    translate: Callable[[list[str], dict], list[str]],
+    translate: Callable[[list[str], DecodeConfig], list[str]],
     release: Callable[[], None] | None = None,
     engine: dict | None = None,
 ) -> int:
     """Score a translation run's (or export's) translations of the split or --src, decoded by ``translate``
-    (sources, ``{"beam_size", "alpha"}``); ``release`` drops its model before --against decodes others;
+    (sources, a :class:`~qkv.inference.decode.DecodeConfig`); ``release`` drops its model before --against decodes others;
     ``engine``: what the scores record of CTranslate2 (its compute type)."""
     from qkv.data.parallel import read_parallel
     from qkv.data.sources import load_split
     from qkv.metrics.scores import exact_match, score_translations
-    from qkv.runs.recipes import decode_settings
     from qkv.runtime.fileio import is_special_file, write_text
 
     if args.src:
@@ -221,15 +218,15 @@ def _evaluate_translation(
         src, refs = src[: args.limit], refs[: args.limit]
     against = read_against(args, others, config, len(src))
     target_lang = args.tgt_lang or target_language(config.get("data") or {}, args.ref)
-    decode = decode_settings(config, beam_size=args.beam, alpha=args.alpha)
+    decode = decode_config(args, config)  # the flags over the run's (or export's) saved settings
     hyps = translate(src, decode)
     scores = score_translations(hyps, refs, target_lang=target_lang)
     scores.update(
         split=name,
         sentences=len(src),
-        beam=decode["beam_size"],
-        alpha=decode["alpha"],
-        length_penalty_form="power" if args.engine == "ctranslate2" else (args.length_penalty_form or "gnmt"),
+        beam=decode.beam_size,
+        alpha=decode.alpha,
+        length_penalty_form=decode.penalty,
         engine=args.engine,
         weights=args.weights,
         bf16=args.bf16,
@@ -242,7 +239,7 @@ def _evaluate_translation(
     if others:
         if release is not None:
             release()
-        scores["against"] = compare(args, against, hyps, src, refs, device)
+        scores["against"] = compare(args, against, hyps, src, refs, device, penalty=decode.penalty)
     if args.hyp_out:
         hyp_out = Path(args.hyp_out)  # a symbolic link to a file is followed; a FIFO or device is named as given
         write_text(hyp_out if is_special_file(hyp_out) else hyp_out.resolve(), "".join(h + "\n" for h in hyps))

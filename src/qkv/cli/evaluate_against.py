@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from qkv.decoding.search import PenaltyForm
+
 
 def check_against(args: argparse.Namespace) -> list[str]:
     """The --against paths, each named once and existing (checked before any model is loaded)."""
@@ -63,16 +65,19 @@ def compare(
     src: list[str],
     refs: list[str],
     device: torch.device | str | None,
+    penalty: PenaltyForm | None = None,
 ) -> dict:
     """This run's translations against each of ``against``'s (from :func:`read_against`): a run is
     decoded here on ``src`` (its own recipe's beam and alpha unless given, the length-penalty form this
-    run is decoded with); then the paired tests."""
+    run is decoded with: ``penalty``, else ``--length-penalty-form``, else gnmt); then the paired tests."""
     from qkv.data.tokenizer import Tokenizer
-    from qkv.decoding.translate import translate_texts
+    from qkv.inference.decode import DecodeConfig
+    from qkv.inference.engines import QkvTranslator
+    from qkv.inference.runs import load_run
     from qkv.metrics.significance import paired_significance
     from qkv.models.transformer import Transformer
-    from qkv.runs.folder import load_run
-    from qkv.runs.recipes import decode_settings
+
+    form = penalty or getattr(args, "length_penalty_form", None) or "gnmt"
 
     name = " + ".join([args.run_dir, *args.ensemble])
     systems = {name: hyps}
@@ -81,17 +86,10 @@ def compare(
             model, tokenizer, _ = load_run(path, args.weights)
             if not isinstance(model, Transformer) or not isinstance(tokenizer, Tokenizer):
                 raise ValueError(f"--against {path}: not a translation run")
-            decode = decode_settings(held, beam_size=args.beam, alpha=args.alpha)
-            systems[path] = translate_texts(
-                model.to(device),
-                tokenizer,
-                src,
-                **decode,
-                penalty=getattr(args, "length_penalty_form", None) or "gnmt",
-                bf16=args.bf16,
-                progress=sys.stderr.isatty(),
-            )
-            del model
+            decode = DecodeConfig.of_run(held, beam_size=args.beam, alpha=args.alpha, penalty=form)
+            translator = QkvTranslator(model.to(device), tokenizer, bf16=args.bf16, progress=sys.stderr.isatty())
+            systems[path] = translator.translate(src, decode)
+            del model, translator
         else:
             systems[path] = held
     resamples, trials = 1000, 10000

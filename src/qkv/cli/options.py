@@ -7,12 +7,15 @@ import argparse
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from qkv.inference.ctranslate2 import COMPUTE_TYPES
+from qkv.inference.decode import MAX_BEAM as MAX_BEAM  # the one beam limit, re-exported
+from qkv.inference.decode import DecodeConfig
 
 if TYPE_CHECKING:
     from qkv.decoding.search import PenaltyForm
@@ -44,12 +47,22 @@ def _number(
 
 positive_int = _number(int, 1, "an integer >= 1")
 non_negative_int = _number(int, 0, "an integer >= 0")
-length_penalty = _number(float, 0.0, "a number from 0 to 10", maximum=10.0)
+
+
+def _declared(name: str, why: str = "") -> Callable[[str], Any]:
+    """The argparse type of :class:`~qkv.inference.decode.DecodeConfig`'s field ``name``: its declared range."""
+    meta = DecodeConfig.option(name).metadata
+    low, high = meta["minimum"], meta["maximum"]
+    kind = "an integer" if meta["integer"] else "a number"
+    span = f"from {low:g} to {high:g}" if high is not None else f">= {low:g}"
+    return _number(int if meta["integer"] else float, low, f"{kind} {span}{why}", maximum=high)
+
+
+length_penalty = _declared("alpha")
 
 # Counts that size memory allocated up front: a huge value is refused here, in one line, rather
 # than ending in MemoryError (a length that is streamed, e.g. --max-new-tokens, is not bounded)
 MAX_SAMPLES = 100
-MAX_BEAM = 100
 num_samples = _number(
     int,
     1,
@@ -57,13 +70,11 @@ num_samples = _number(
     "batch, so memory grows with their number)",
     maximum=MAX_SAMPLES,
 )
-beam_size = _number(
-    int,
-    1,
-    f"an integer from 1 to {MAX_BEAM} (beam search decodes that many copies of each "
-    "sentence at once, so memory grows with it)",
-    maximum=MAX_BEAM,
+# MAX_BEAM (qkv.inference.decode, re-exported here): the one beam limit, DecodeConfig's declared maximum
+beam_size = _declared(
+    "beam_size", " (beam search decodes that many copies of each sentence at once, so memory grows with it)"
 )
+max_batch_tokens = _declared("max_batch_tokens")
 
 
 def set_threads(threads: int | None) -> None:
@@ -109,11 +120,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--length-penalty-form",
-        choices=("gnmt", "power"),
+        choices=DecodeConfig.option("penalty").metadata["choices"],
         default=None,
         help="how beam search divides a finished hypothesis's log-probability: gnmt, ((5 + len) / 6) ** alpha "
         "(qkv's default), or power, len ** alpha (the form of CTranslate2 and Hugging Face generate; the only "
-        "one CTranslate2 has, so its default there); len counts EOS",
+        "one CTranslate2 has, so its default there); len counts EOS. Default: the run's saved form (a run "
+        "saved without one: gnmt), or the engine's own",
     )
 
 
@@ -131,6 +143,27 @@ def check_engine(args: argparse.Namespace) -> PenaltyForm:
         bf16=bool(getattr(args, "bf16", False)),
         other_runs=[str(path) for path in getattr(args, "against", []) if Path(path).is_dir()],
     )
+
+
+def decode_config(args: argparse.Namespace, config: dict) -> DecodeConfig:
+    """How ``qkv translate`` / ``qkv evaluate`` decode: ``--beam``, ``--alpha`` and
+    ``--length-penalty-form`` over the run's (or export's) saved ``decode``; with another engine than
+    qkv, the form is the flag's or that engine's own (a saved form is qkv's).
+
+    Args:
+        args: the parsed command line (``engine``, ``beam``, ``alpha``, ``length_penalty_form``).
+        config: the run's config.json, or ``{"decode": manifest["decode"]}`` of an export.
+
+    Returns:
+        The checked settings.
+    """
+    from qkv.inference.policy import check_engine as check
+
+    flag = args.length_penalty_form
+    decode = DecodeConfig.of_run(config, beam_size=args.beam, alpha=args.alpha, penalty=flag)
+    if args.engine != "qkv":
+        decode = replace(decode, penalty=check(args.engine, penalty=flag))
+    return decode
 
 
 def ct2_translator(args: argparse.Namespace, device: torch.device) -> AbstractContextManager[Ct2Translator]:

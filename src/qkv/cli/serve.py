@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from qkv.cli.options import MAX_BEAM, beam_size
+
 DEFAULT_TEXT = "time flies like an arrow"
 
 
@@ -31,6 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-texts", type=int, default=64, help="texts per translate/embed request (default 64)")
     parser.add_argument(
         "--max-new-tokens", type=int, default=512, help="tokens one generate request may ask for (default 512)"
+    )
+    parser.add_argument(
+        "--max-beam",
+        type=beam_size,
+        default=16,
+        help=f"the largest beam size a translate request may ask for (default 16; at most {MAX_BEAM}, the beam "
+        "limit of qkv translate)",
     )
     parser.add_argument(
         "--max-batch-wait",
@@ -140,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         max_chars=args.max_chars,
         max_texts=args.max_texts,
         max_new_tokens=args.max_new_tokens,
+        max_beam=args.max_beam,
         max_batch_wait_ms=args.max_batch_wait,
         max_batch_tokens=args.max_batch_tokens,
         max_queue=args.max_queue,

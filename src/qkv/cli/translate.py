@@ -23,6 +23,7 @@ from qkv.cli.options import (
     beam_size,
     check_engine,
     ct2_translator,
+    decode_config,
     length_penalty,
     positive_int,
     set_threads,
@@ -71,9 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from qkv.data.parallel import read_lines
-    from qkv.decoding.translate import translate_texts
-    from qkv.runs.folder import load_translator
-    from qkv.runs.recipes import decode_settings
+    from qkv.inference.engines import QkvTranslator
+    from qkv.inference.runs import load_translator
     from qkv.runtime.device import pick_device
     from qkv.runtime.fileio import check_output_file, is_special_file, write_text
     from qkv.runtime.textinput import read_input_lines
@@ -88,21 +88,20 @@ def run(args: argparse.Namespace) -> int:
     def read_input() -> list[str]:
         return from_file if from_file is not None else read_input_lines(None)  # stdin, a line at a time
 
-    penalty = check_engine(args)
+    check_engine(args)
     set_threads(args.threads)
     device = pick_device(args.device)
     if args.engine == "ctranslate2":
-        with ct2_translator(args, device) as translator:
-            decode = decode_settings({"decode": translator.manifest["decode"]}, beam_size=args.beam, alpha=args.alpha)
-            lines = read_input()
-            outputs = translator.translate(lines, **decode)
+        with ct2_translator(args, device) as ct2:
+            decode = decode_config(args, {"decode": ct2.manifest["decode"]})
+            outputs = ct2.translate(read_input(), decode)
     else:
         model, tokenizer, config = load_translator([args.run_dir, *args.ensemble], args.weights)
-        decode = decode_settings(config, beam_size=args.beam, alpha=args.alpha)
-        model.to(device)
+        decode = decode_config(args, config)  # the flags over the run's saved settings
         lines = read_input()
         progress = len(lines) > 100 and sys.stderr.isatty()
-        outputs = translate_texts(model, tokenizer, lines, **decode, penalty=penalty, bf16=args.bf16, progress=progress)
+        translator = QkvTranslator(model.to(device), tokenizer, config=config, bf16=args.bf16, progress=progress)
+        outputs = translator.translate(lines, decode)
     text = "".join(line + "\n" for line in outputs)
     if output is not None:  # a symbolic link to a file is followed; a FIFO or device is named as given
         write_text(output if is_special_file(output) else output.resolve(), text)

@@ -5,6 +5,7 @@ validation, ``qkv translate`` and ``qkv evaluate`` do. Scoring: :mod:`qkv.metric
 from __future__ import annotations
 
 import logging
+import warnings
 
 from tqdm.auto import tqdm
 
@@ -26,9 +27,10 @@ def translate_texts(
     beam_size: int = 1,
     alpha: float = 0.6,
     penalty: PenaltyForm = "gnmt",
-    max_tokens: int = 4000,
+    max_batch_tokens: int = 4000,
     bf16: bool = False,
     progress: bool = False,
+    max_tokens: int | None = None,
 ) -> list[str]:
     """Translate ``texts`` (batched by length; output in input order).
 
@@ -43,13 +45,17 @@ def translate_texts(
         alpha: the length penalty's exponent.
         penalty: its form, ``"gnmt"`` (qkv's) or ``"power"`` (Hugging Face's and CTranslate2's);
             see :func:`qkv.decoding.search.length_penalty`.
-        max_tokens: source tokens per batch (times ``beam_size`` rows are decoded).
+        max_batch_tokens: source tokens per batch (times ``beam_size`` rows are decoded).
         bf16: run under bfloat16 autocast (faster on CPUs with bf16 matrix units).
         progress: show a progress bar.
+        max_tokens: the old keyword of ``max_batch_tokens`` (deprecated).
 
     Returns:
         the translations, one per input sentence.
     """
+    if max_tokens is not None:
+        warnings.warn("translate_texts: max_tokens= is now max_batch_tokens=", DeprecationWarning, stacklevel=2)
+        max_batch_tokens = max_tokens
     model.eval()
     limit = model.config.max_len - 1  # source tokens that fit the positional table with EOS
     encoded = tokenizer.encode_batch(texts)
@@ -64,7 +70,7 @@ def translate_texts(
             "was" if too_long == 1 else "were",
         )
     results: list[str] = [""] * len(ids)
-    batches = length_batches(ids, max(1, max_tokens // max(1, beam_size)))
+    batches = length_batches(ids, max(1, max_batch_tokens // max(1, beam_size)))
     device = model.device if isinstance(model, InferenceModel) else next(model.parameters()).device
     with autocast_context(device, bf16):
         if batches:

@@ -40,7 +40,7 @@ from qkv.inference.ctranslate2 import (  # the engine; re-exported: qkv 1.x defi
     Ct2Translator,
     vocabulary,
 )
-from qkv.inference.decode import decode_settings
+from qkv.inference.decode import DecodeConfig
 from qkv.inference.runs import load_run
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.runtime.fileio import write_json
@@ -189,11 +189,17 @@ def _check_folder(model: Transformer, tokenizer: Tokenizer, folder: Path) -> flo
     return worst
 
 
+def _manifest_decode(config: dict) -> dict:
+    """The run's saved beam size and alpha, with the only length-penalty form CTranslate2 has."""
+    return DecodeConfig.of_run(config, penalty="power").saved()
+
+
 def write_model(
     model: Transformer, tokenizer: Tokenizer, folder: Path, *, decode: dict, quantization: str = "float32"
 ) -> None:
     """Save ``model`` (float32, eval mode) into ``folder`` with CTranslate2, and :data:`MANIFEST`; the
-    caller adds ``tokenizer.json``. ``decode``: the run's ``{"beam_size", "alpha"}``."""
+    caller adds ``tokenizer.json``. ``decode``: the manifest's ``{"beam_size", "alpha", "penalty"}``
+    (:meth:`~qkv.inference.decode.DecodeConfig.saved`; CTranslate2's form is ``"power"``)."""
     spec = build_spec(model)
     spec.register_source_vocabulary(vocabulary(tokenizer, model.config.src_vocab_size))
     spec.register_target_vocabulary(vocabulary(tokenizer, model.config.tgt_vocab_size))
@@ -265,7 +271,7 @@ def export_ctranslate2(
     model, tokenizer, config = load_run(run_dir, weights, task="translation")
     assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # task="translation" says so
     with building_export(target, kind="ctranslate2", tag="ct2") as tmp:
-        write_model(model.float().eval(), tokenizer, tmp, decode=decode_settings(config), quantization=quantization)
+        write_model(model.float().eval(), tokenizer, tmp, decode=_manifest_decode(config), quantization=quantization)
         shutil.copyfile(Path(run_dir) / "tokenizer.json", tmp / "tokenizer.json")
         check_model(model, tokenizer, tmp, quantization=quantization)
     return out

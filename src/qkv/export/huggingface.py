@@ -138,7 +138,7 @@ def build_marian(model: Transformer, tokenizer: Tokenizer) -> Any:
 
 def generation_settings(config: dict, tokenizer: Tokenizer, max_len: int) -> dict:
     """``generation_config.json`` fields: the run's beam size and length penalty (its recipe's
-    :func:`~qkv.runs.recipes.decode_settings`), BOS as the decoder's start, early stopping.
+    :func:`~qkv.inference.decode.decode_settings`), BOS as the decoder's start, early stopping.
 
     Hugging Face divides a finished hypothesis's log-probability by ``len ** length_penalty``
     (len counts EOS, not the decoder start): qkv's ``penalty="power"``, not its default GNMT
@@ -146,7 +146,7 @@ def generation_settings(config: dict, tokenizer: Tokenizer, max_len: int) -> dic
     ``beam_search(..., penalty="power")`` (tests/test_export_hf.py); with qkv's default form the
     same alpha can rank beams differently. ``max_length`` is the positional table's: qkv's own
     limit is ``min(source + 50, max_len - 1)`` new tokens, which ``max_new_tokens`` sets per call."""
-    from qkv.runs.recipes import decode_settings
+    from qkv.inference.decode import decode_settings
 
     decode = decode_settings(config)
     return dict(

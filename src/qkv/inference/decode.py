@@ -1,94 +1,130 @@
-"""How a translation decodes: a run's saved settings (beam size, length penalty) and the one typed
-object every engine takes (:class:`DecodeConfig`).
+"""How a translation decodes: :class:`DecodeConfig`, every decoding option declared once (default,
+range, help, flag), and a run's saved settings.
 
-A recipe's ``decode`` is stored in the run's ``config.json`` when the run starts; ``qkv translate``,
-``qkv evaluate``, ``qkv serve`` and the exporters read it back here (re-exported by
-:mod:`qkv.runs.recipes`, where qkv 1.x defined it).
+A recipe's ``decode`` (beam size, length penalty and its form) is stored whole in the run's
+``config.json`` when the run starts; ``qkv translate``, ``qkv evaluate``, ``qkv serve`` and the
+exporters read it back here (re-exported by :mod:`qkv.runs.recipes`, where qkv 1.x defined it). A run
+folder saved before the form was stored decodes with ``"gnmt"``, the form qkv 1.x always used.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+import math
+import warnings
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 from qkv.decoding.search import PenaltyForm
 
-# How a translation run decodes when qkv evaluate / translate get no --beam / --alpha: a recipe's
-# "decode" (stored in the run's config.json when it starts), else this.
-DEFAULT_DECODE: dict[str, Any] = {"beam_size": 5, "alpha": 0.6}
-MAX_SAVED_BEAM = 100  # as qkv translate --beam: beam search holds that many copies of each sentence
+#: the largest beam size anything decodes with (the command line, a recipe's or run's saved decode,
+#: the server's --max-beam): beam search holds that many copies of each sentence at once
+MAX_BEAM = 100
+MAX_SAVED_BEAM = MAX_BEAM  # qkv 1.x's name for the recipes' limit
 PENALTY_FORMS: tuple[PenaltyForm, ...] = ("gnmt", "power")
+#: the options a run saves in config.json's "decode" (the rest are the caller's, per call)
+SAVED_FIELDS = ("beam_size", "alpha", "penalty")
 
-__all__ = ["DEFAULT_DECODE", "MAX_SAVED_BEAM", "PENALTY_FORMS", "DecodeConfig", "check_decode", "decode_settings"]
-
-
-def check_decode(decode: object, where: str) -> dict[str, Any]:
-    """``decode`` checked: an object with some of ``beam_size`` (1 to :data:`MAX_SAVED_BEAM`) and
-    ``alpha`` (0 to 10). Returns it with :data:`DEFAULT_DECODE` under it.
-
-    Args:
-        decode: the settings to check (a dict, or None for none).
-        where: what holds them, named in the error (``config.json``, a recipe file).
-
-    Raises:
-        ValueError: one line naming ``where``, the key and the value.
-    """
-    saved = decode or {}
-    if not isinstance(saved, dict) or set(saved) - set(DEFAULT_DECODE):
-        raise ValueError(f"{where}: decode must be an object with {sorted(DEFAULT_DECODE)}, got {saved!r}"[:300])
-    settings = {**DEFAULT_DECODE, **saved}
-    beam, penalty = settings["beam_size"], settings["alpha"]
-    if not isinstance(beam, int) or isinstance(beam, bool) or not 1 <= beam <= MAX_SAVED_BEAM:
-        raise ValueError(f"{where}: decode.beam_size must be an integer from 1 to {MAX_SAVED_BEAM}, got {beam!r}")
-    if not isinstance(penalty, (int, float)) or isinstance(penalty, bool) or not 0 <= penalty <= 10:
-        raise ValueError(f"{where}: decode.alpha must be a number from 0 to 10, got {penalty!r}")
-    return settings
+__all__ = [
+    "DEFAULT_DECODE",
+    "MAX_BEAM",
+    "MAX_SAVED_BEAM",
+    "PENALTY_FORMS",
+    "SAVED_FIELDS",
+    "DecodeConfig",
+    "check_decode",
+    "decode_option",
+    "decode_settings",
+]
 
 
-def decode_settings(config: dict, *, beam_size: int | None = None, alpha: float | None = None) -> dict:
-    """Beam size and length penalty for a run: the ones given, else the run's own (its recipe's),
-    else :data:`DEFAULT_DECODE`.
+def decode_option(
+    default: Any,
+    help: str,
+    *,
+    flag: str,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    choices: tuple[str, ...] | None = None,
+    integer: bool = False,
+) -> Any:
+    """A :class:`DecodeConfig` field with its range, help and flag, declared once.
 
     Args:
-        config: the run's config.json (its ``decode``, when it has one, is checked).
-        beam_size: a beam size that goes over the run's.
-        alpha: a length penalty that goes over the run's.
+        default: the value when nothing sets it.
+        help: the command-line help.
+        flag: the command-line flag that sets it.
+        minimum, maximum: the allowed range (inclusive; None: unbounded).
+        choices: the allowed values of a string field (None is always allowed for one).
+        integer: the value must be an integer (else any finite number).
 
     Returns:
-        ``{"beam_size": ..., "alpha": ...}``.
+        A dataclass field whose metadata holds the above.
     """
-    settings = check_decode(config.get("decode"), "config.json")
-    if beam_size is not None:
-        settings["beam_size"] = beam_size
-    if alpha is not None:
-        settings["alpha"] = alpha
-    return settings
+    meta = {"help": help, "flag": flag, "minimum": minimum, "maximum": maximum, "choices": choices}
+    return field(default=default, metadata={**meta, "integer": integer})
+
+
+def check_value(option: Field, value: Any, name: str) -> Any:
+    """``value`` checked against ``option``'s declared range; ``ValueError`` in one line naming
+    ``name`` (what holds the value) and the allowed range."""
+    meta = option.metadata
+    if meta["choices"] is not None:
+        if value is not None and value not in meta["choices"]:
+            raise ValueError(f"{name} must be one of {', '.join(meta['choices'])}, got {value!r}")
+        return value
+    low, high = meta["minimum"], meta["maximum"]
+    kind = "an integer" if meta["integer"] else "a number"
+    span = f"from {low:g} to {high:g}" if high is not None else f">= {low:g}"
+    number = isinstance(value, int) or (isinstance(value, float) and not meta["integer"] and math.isfinite(value))
+    if isinstance(value, bool) or not number or value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be {kind} {span}, got {value!r}"[:300])
+    return value
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """How one call of a :class:`~qkv.inference.engines.Translator` decodes; checked when made.
+    """How one call of a :class:`~qkv.inference.engines.Translator` decodes; checked when made
+    against each field's declaration (:func:`decode_option`), from which the command line's flags
+    take their ranges too.
 
     Args:
-        beam_size: 1 = greedy, else beam search with that many hypotheses (1 to :data:`MAX_SAVED_BEAM`).
+        beam_size: 1 = greedy, else beam search with that many hypotheses (1 to :data:`MAX_BEAM`).
         alpha: the length penalty's exponent (0 to 10).
         penalty: its form, ``"gnmt"`` (qkv's) or ``"power"`` (CTranslate2's and Hugging Face's), see
             :func:`qkv.decoding.search.length_penalty`; None: the engine's own (``ENGINES[name].penalties[0]``).
-        max_tokens: source tokens per batch (times ``beam_size`` rows are decoded at once).
+        max_batch_tokens: source tokens per batch (times ``beam_size`` rows are decoded at once);
+            ``max_tokens=`` is its old keyword (deprecated).
     """
 
-    beam_size: int = 1
-    alpha: float = 0.6
-    penalty: PenaltyForm | None = None
-    max_tokens: int = 4000
+    beam_size: int = decode_option(
+        1, "beam size (1 = greedy)", flag="--beam", minimum=1, maximum=MAX_BEAM, integer=True
+    )
+    alpha: float = decode_option(0.6, "length penalty exponent", flag="--alpha", minimum=0, maximum=10)
+    penalty: PenaltyForm | None = decode_option(
+        None, "the length penalty's form", flag="--length-penalty-form", choices=PENALTY_FORMS
+    )
+    max_batch_tokens: int = decode_option(
+        4000, "source tokens times beam size in one decoding batch", flag="--max-batch-tokens", minimum=1, integer=True
+    )
 
     def __post_init__(self) -> None:
-        check_decode({"beam_size": self.beam_size, "alpha": self.alpha}, "DecodeConfig")
-        if self.penalty is not None and self.penalty not in PENALTY_FORMS:
-            raise ValueError(f"DecodeConfig: penalty must be one of {', '.join(PENALTY_FORMS)}, got {self.penalty!r}")
-        tokens = self.max_tokens
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-            raise ValueError(f"DecodeConfig: max_tokens must be an integer >= 1, got {tokens!r}")
+        for option in fields(self):
+            check_value(option, getattr(self, option.name), f"DecodeConfig: {option.name} ({option.metadata['flag']})")
+
+    @property
+    def max_tokens(self) -> int:
+        """The old name of :attr:`max_batch_tokens`."""
+        return self.max_batch_tokens
+
+    def saved(self) -> dict[str, Any]:
+        """The settings a run or an export saves (``config.json``'s or a manifest's ``decode``)."""
+        return {name: getattr(self, name) for name in SAVED_FIELDS}
+
+    @classmethod
+    def option(cls, name: str) -> Field:
+        """The declaration of the field ``name`` (its default, range, help and flag in ``metadata``)."""
+        return next(option for option in fields(cls) if option.name == name)
 
     @classmethod
     def of_run(
@@ -98,17 +134,94 @@ class DecodeConfig:
         beam_size: int | None = None,
         alpha: float | None = None,
         penalty: PenaltyForm | None = None,
-        max_tokens: int = 4000,
+        max_batch_tokens: int | None = None,
+        max_tokens: int | None = None,
     ) -> DecodeConfig:
-        """A run's own settings (:func:`decode_settings`), with the ones given over them.
+        """A run's own settings (:func:`decode_settings`: its saved ``decode``, penalty form included),
+        with the ones given over them.
 
         Args:
             config: the run's config.json.
-            beam_size, alpha: over the run's when given.
-            penalty, max_tokens: as the class takes them.
+            beam_size, alpha, penalty: over the run's when given.
+            max_batch_tokens: source tokens times beam size per batch (None: the default).
+            max_tokens: the old keyword of ``max_batch_tokens`` (deprecated).
 
         Returns:
             The checked config.
         """
-        settings = decode_settings(config, beam_size=beam_size, alpha=alpha)
-        return cls(settings["beam_size"], settings["alpha"], penalty, max_tokens)
+        budget = _renamed(max_batch_tokens, max_tokens, "DecodeConfig.of_run")
+        settings = decode_settings(config, beam_size=beam_size, alpha=alpha, penalty=penalty)
+        return cls(**settings) if budget is None else cls(**settings, max_batch_tokens=budget)
+
+
+def _renamed(new: int | None, old: int | None, where: str) -> int | None:
+    """``max_batch_tokens`` given either way (``max_tokens`` is its old keyword, warned of)."""
+    if old is None:
+        return new
+    warnings.warn(f"{where}: max_tokens= is now max_batch_tokens=", DeprecationWarning, stacklevel=3)
+    if new is not None and new != old:
+        raise ValueError(f"{where}: give max_batch_tokens or its old name max_tokens, not both")
+    return old
+
+
+_generated_init = DecodeConfig.__init__
+
+
+def _init(self: DecodeConfig, *args: Any, max_tokens: int | None = None, **kwargs: Any) -> None:
+    """The dataclass's own ``__init__``, taking ``max_tokens=`` as the old keyword of ``max_batch_tokens``."""
+    if max_tokens is not None:
+        kwargs["max_batch_tokens"] = _renamed(kwargs.get("max_batch_tokens"), max_tokens, "DecodeConfig")
+    _generated_init(self, *args, **kwargs)
+
+
+_init.__signature__ = inspect.signature(_generated_init)  # type: ignore[attr-defined]
+setattr(DecodeConfig, "__init__", _init)  # noqa: B010 - mypy refuses assigning a method
+
+# How a translation run decodes when nothing says otherwise: a recipe's "decode" (stored whole in
+# the run's config.json when it starts), else this; "gnmt" is also what a run saved without a form used
+DEFAULT_DECODE: dict[str, Any] = {"beam_size": 5, "alpha": 0.6, "penalty": "gnmt"}
+
+
+def check_decode(decode: object, where: str) -> dict[str, Any]:
+    """``decode`` checked: an object with some of :data:`SAVED_FIELDS`, each within
+    :class:`DecodeConfig`'s declared range. Returns it with :data:`DEFAULT_DECODE` under it.
+
+    Args:
+        decode: the settings to check (a dict, or None for none).
+        where: what holds them, named in the error (``config.json``, a recipe file).
+
+    Returns:
+        All of :data:`SAVED_FIELDS`.
+
+    Raises:
+        ValueError: one line naming ``where``, the key and the value.
+    """
+    saved = decode or {}
+    if not isinstance(saved, dict) or set(saved) - set(DEFAULT_DECODE):
+        raise ValueError(f"{where}: decode must be an object with {sorted(DEFAULT_DECODE)}, got {saved!r}"[:300])
+    settings = {**DEFAULT_DECODE, **saved}
+    if settings["penalty"] is None:
+        raise ValueError(f"{where}: decode.penalty must be one of {', '.join(PENALTY_FORMS)}, got None")
+    for name in SAVED_FIELDS:
+        check_value(DecodeConfig.option(name), settings[name], f"{where}: decode.{name}")
+    return settings
+
+
+def decode_settings(
+    config: dict, *, beam_size: int | None = None, alpha: float | None = None, penalty: PenaltyForm | None = None
+) -> dict:
+    """Beam size, length penalty and its form for a run: the ones given, else the run's own (its
+    recipe's, saved in config.json), else :data:`DEFAULT_DECODE`.
+
+    Args:
+        config: the run's config.json (its ``decode``, when it has one, is checked).
+        beam_size: a beam size that goes over the run's.
+        alpha: a length penalty that goes over the run's.
+        penalty: a length-penalty form that goes over the run's.
+
+    Returns:
+        ``{"beam_size": ..., "alpha": ..., "penalty": ...}``.
+    """
+    settings = check_decode(config.get("decode"), "config.json")
+    given = {"beam_size": beam_size, "alpha": alpha, "penalty": penalty}
+    return settings | {name: value for name, value in given.items() if value is not None}

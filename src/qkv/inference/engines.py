@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from qkv.data.tokenizer import Tokenizer
+from qkv.decoding import translate as batched
 from qkv.decoding.ensemble import Ensemble
 from qkv.decoding.steps import Decodable
-from qkv.decoding.translate import translate_texts
 from qkv.inference.decode import DecodeConfig
 from qkv.inference.policy import check_engine
 from qkv.inference.runs import load_translator
@@ -44,7 +44,8 @@ class QkvTranslator:
     Args:
         model: the model (put in eval mode), an ensemble, or an inference object the caller keeps.
         tokenizer: its tokenizer.
-        config: the run's config.json (its recipe's beam size and alpha are the default decoding).
+        config: the run's config.json (its saved ``decode``, beam size, alpha and penalty form, is the
+            default decoding).
         bf16: decode under bfloat16 autocast.
         progress: show a progress bar.
     """
@@ -80,7 +81,8 @@ class QkvTranslator:
 
     @property
     def default_decode(self) -> DecodeConfig:
-        """The run's own beam size and length penalty (its recipe's), qkv's GNMT penalty form."""
+        """The run's own beam size, length penalty and its form (saved in config.json; a run saved
+        without a form: GNMT's)."""
         return DecodeConfig.of_run(self.config)
 
     def translate(self, texts: list[str], decode: DecodeConfig | None = None) -> list[str]:
@@ -97,14 +99,16 @@ class QkvTranslator:
         penalty = check_engine(
             self.name, penalty=decode.penalty, ensemble=isinstance(self.model, Ensemble), bf16=self.bf16
         )
-        return translate_texts(
+        # looked up when called: qkv 1.x's translate and evaluate called the module's function, which
+        # scripts and tests replace (monkeypatch) to fix the translations
+        return batched.translate_texts(
             self.model,
             self.tokenizer,
             texts,
             beam_size=decode.beam_size,
             alpha=decode.alpha,
             penalty=penalty,
-            max_tokens=decode.max_tokens,
+            max_batch_tokens=decode.max_batch_tokens,
             bf16=self.bf16,
             progress=self.progress,
         )

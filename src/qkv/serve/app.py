@@ -114,14 +114,9 @@ def add_api_routes(app: FastAPI, service: Service) -> None:
         """Translate a batch of sentences (beam search with a length penalty; beam_size 1 = greedy)."""
         served = service.pick(body.model, "seq2seq")
         service.check_texts(body.texts)
-        beam = (
-            body.beam_size if body.beam_size is not None else min(served.decode["beam_size"], service.limits.max_beam)
-        )
-        if beam > service.limits.max_beam:
-            raise ApiError(413, f"beam_size {beam}; the limit is {service.limits.max_beam}")
-        alpha = body.alpha if body.alpha is not None else float(served.decode["alpha"])
+        decode = service.decode_config(served, body)
         tokens = source_tokens(served, body.texts)
-        key = DecodeKey(beam, alpha, body.penalty)
+        key = DecodeKey(decode.beam_size, float(decode.alpha), decode.penalty or "gnmt")
         batcher = service.batchers[served.name]
         translations = await service.answer(request, served.name, lambda: batcher.translate(body.texts, key, tokens))
         return {"model": served.name, "translations": translations, **key._asdict()}

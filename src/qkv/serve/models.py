@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qkv.inference.decode import decode_settings
+from qkv.inference.decode import DecodeConfig, check_value, decode_settings
 from qkv.inference.runs import is_run_folder, read_run_config
 from qkv.viz.explorers import Explorer, open_explorer
 
@@ -30,7 +30,8 @@ class Limits:
         max_chars: the longest text (a sentence, a prompt, a stop text) in characters.
         max_texts: the most texts in one translation or embedding request.
         max_new_tokens: the most tokens one generation request may produce.
-        max_beam: the largest beam size a request may ask for.
+        max_beam: the largest beam size a request may ask for (this deployment's; at most
+            :data:`qkv.inference.decode.MAX_BEAM`, the one beam limit).
         max_body_bytes: the largest request body; a longer one is answered 413 before it is parsed.
         max_batch_wait_ms: how long the first translation request of a batch waits for others to join
             it; 0 turns batching off (each request is decoded alone, one after another).
@@ -63,6 +64,7 @@ class Limits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_value(DecodeConfig.option("beam_size"), self.max_beam, "max_beam (--max-beam)")
         for name in ("header_timeout_s", "body_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
@@ -75,7 +77,7 @@ class Limits:
 @dataclass
 class ServedModel:
     """One model: its explorer (which holds the model and tokenizer), its kind, and for a translation
-    run the beam size and length penalty its recipe decodes with (a request's defaults)."""
+    run the beam size, length penalty and its form the run saved (a request's defaults)."""
 
     name: str
     explorer: Explorer
@@ -103,7 +105,7 @@ def served_model(explorer: Explorer, folder: str | Path | None = None) -> Served
     decode: dict[str, Any] = {}
     if explorer.kind == "seq2seq":
         config = read_run_config(folder) if folder is not None and is_run_folder(folder) else {}
-        decode = {**decode_settings(config), "penalty": "gnmt"}
+        decode = decode_settings(config)  # a run saved without a form decodes with gnmt, as before
     return ServedModel(name=explorer.name, explorer=explorer, decode=decode)
 
 

@@ -18,8 +18,10 @@ class TranslateRequest(_Body):
     model: str | None = Field(None, description="a translation model's name (default: the first one served)")
     beam_size: int | None = Field(None, ge=1, description="1 = greedy; default: the run's recipe's")
     alpha: float | None = Field(None, ge=0, le=10, description="the length penalty's exponent; default: the recipe's")
-    penalty: Literal["gnmt", "power"] = Field(
-        "gnmt", description="the length penalty's form: ((5+len)/6)**alpha ('gnmt') or len**alpha ('power')"
+    penalty: Literal["gnmt", "power"] | None = Field(
+        None,
+        description="the length penalty's form: ((5+len)/6)**alpha ('gnmt') or len**alpha ('power'); default: "
+        "the run's saved form (gnmt for a run saved without one)",
     )
 
 

@@ -10,16 +10,18 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fastapi import Request
 
-from qkv.decoding.translate import translate_texts
+from qkv.decoding.steps import for_decoding
+from qkv.inference.decode import DecodeConfig
+from qkv.inference.engines import QkvTranslator
 from qkv.models.sampling import check_sampling
 from qkv.serve.batching import DecodeKey, ModelWorker, TranslationBatcher
 from qkv.serve.errors import ApiError
 from qkv.serve.models import KIND_NAMES, Limits, ServedModel
-from qkv.serve.schemas import GenerateRequest
+from qkv.serve.schemas import GenerateRequest, TranslateRequest
 from qkv.serve.streaming import Sampling
 from qkv.viz.app import ExplorerApp
 
@@ -89,19 +91,31 @@ class Service:
             raise ClientGone
         return task.result()
 
-    def _decoder(self, served: ServedModel) -> Any:
+    def decode_config(self, served: ServedModel, body: TranslateRequest) -> DecodeConfig:
+        """How a translate request decodes: what it asks for over the run's saved settings; its beam
+        at most the server's ``max_beam`` (413 beyond; the run's own beam is capped to it)."""
+        beam = body.beam_size if body.beam_size is not None else min(served.decode["beam_size"], self.limits.max_beam)
+        if beam > self.limits.max_beam:
+            raise ApiError(413, f"beam_size {beam}; the limit is {self.limits.max_beam}")
+        return DecodeConfig.of_run(
+            {"decode": served.decode},
+            beam_size=beam,
+            alpha=body.alpha,
+            penalty=body.penalty,
+            max_batch_tokens=self.limits.max_batch_tokens,
+        )
+
+    def _decoder(self, served: ServedModel) -> Callable[[list[str], DecodeKey], list[str]]:
+        """The batcher's ``(texts, key) -> translations`` for ``served``: qkv's engine over the model's
+        inference object, built on the model thread at the first request and kept (the served weights
+        never change), so no request packs the weights again."""
         budget = self.limits.max_batch_tokens
+        held: list[QkvTranslator] = []
 
         def decode(texts: list[str], key: DecodeKey) -> list[str]:
-            return translate_texts(
-                served.model,
-                served.tokenizer,
-                texts,
-                beam_size=key.beam_size,
-                alpha=key.alpha,
-                penalty=key.penalty,
-                max_tokens=budget,
-            )
+            if not held:
+                held.append(QkvTranslator(for_decoding(served.model.eval()), served.tokenizer))
+            return held[0].translate(texts, DecodeConfig(*key, max_batch_tokens=budget))
 
         return decode
 

@@ -4,9 +4,17 @@ computed rather than read (re-exported by :mod:`qkv.runs.recipes`). How a run de
 
 from __future__ import annotations
 
-from qkv.inference.decode import DEFAULT_DECODE, MAX_SAVED_BEAM, check_decode, decode_settings
+from qkv.inference.decode import DEFAULT_DECODE, MAX_BEAM, MAX_SAVED_BEAM, check_decode, decode_settings
 
-__all__ = ["DEFAULT_DECODE", "MAX_SAVED_BEAM", "MICRO_BATCH_TOKENS", "check_decode", "decode_settings", "step_batches"]
+__all__ = [
+    "DEFAULT_DECODE",
+    "MAX_BEAM",
+    "MAX_SAVED_BEAM",
+    "MICRO_BATCH_TOKENS",
+    "check_decode",
+    "decode_settings",
+    "step_batches",
+]
 
 # the largest batch one process takes at once (padded tokens) before it accumulates several. What
 # backward keeps of such a batch under bf16 autocast, counted with torch.autograd.graph's
