@@ -142,7 +142,9 @@ class DecodeConfig:
 
         Args:
             config: the run's config.json.
-            beam_size, alpha, penalty: over the run's when given.
+            beam_size: over the run's when given.
+            alpha: over the run's when given.
+            penalty: over the run's when given.
             max_batch_tokens: source tokens times beam size per batch (None: the default).
             max_tokens: the old keyword of ``max_batch_tokens`` (deprecated).
 
