@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from qkv.bench.gpu import Settings, run_benchmark
 
     if args.prepared:
-        from qkv.data.prepared_format import is_prepared_folder
+        from qkv.data.prepared.format import is_prepared_folder
 
         if not is_prepared_folder(args.prepared):
             parser.error(f"--prepared {args.prepared}: not a folder written by `qkv prepare`")

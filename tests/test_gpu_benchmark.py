@@ -215,7 +215,7 @@ def test_without_cuda_the_default_run_says_so_in_one_line(tmp_path, capsys):
 
 def test_batches_from_a_prepared_folder_hold_its_pairs(tmp_path):
     from qkv.data.prepared import PreparedCorpus
-    from qkv.data.preparing import prepare_corpus
+    from qkv.data.prepared.preparing import prepare_corpus
 
     rng = random.Random(0)
     words = ["haus", "katze", "the", "cat", "sat", "on", "mat", "und", "ein", "hund"]

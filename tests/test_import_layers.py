@@ -10,6 +10,7 @@ may import anything, and nothing inside the package imports from it (``__version
 """
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,16 +123,62 @@ def test_no_import_circle():
             pytest.fail("import circle: " + " -> ".join(cycle))
 
 
-@pytest.mark.parametrize("limit", [400])
-def test_no_file_over_400_lines_and_no_function_over_80(limit):
-    long_files, long_functions = [], []
+# The line caps are a signal that a concept should split, not a rule to satisfy by cutting one concept
+# in two. A file or function that truly is one concept longer than the cap is listed here with the
+# reason, and then passes; the table is meant to stay empty or nearly so. Keys are paths under
+# src/qkv ("data/text.py") for files, and "path:function" ("data/text.py:read_lines") for functions.
+LINE_CAP_EXCEPTIONS: dict[str, str] = {}
+
+FILE_CAP, FUNCTION_CAP = 400, 80
+
+
+def over_the_caps(path: Path, text: str) -> list[tuple[str, str]]:
+    """The file and functions of ``path`` over the caps: (exception key, message) pairs."""
+    name = path.relative_to(SRC).as_posix()
+    found = []
+    if text.count("\n") > FILE_CAP:
+        found.append((name, f"{name}: {text.count(chr(10))} lines"))
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            span = node.end_lineno - node.lineno + 1
+            if span > FUNCTION_CAP:
+                found.append((f"{name}:{node.name}", f"{name}:{node.lineno} {node.name}: {span} lines"))
+    return found
+
+
+def test_no_file_over_400_lines_and_no_function_over_80():
+    """Every file and function within the caps, or listed in LINE_CAP_EXCEPTIONS with its reason."""
+    over = [found for path in sorted(SRC.rglob("*.py")) for found in over_the_caps(path, path.read_text())]
+    wrong = [message for key, message in over if key not in LINE_CAP_EXCEPTIONS]
+    assert not wrong, "\n".join(wrong) + "\n(split where the concept splits, or add a written exception)"
+
+
+def test_every_line_cap_exception_is_still_needed_and_says_why():
+    """An exception whose file or function is back under the cap (or gone) is removed, not kept."""
+    over = {key for path in sorted(SRC.rglob("*.py")) for key, _ in over_the_caps(path, path.read_text())}
+    stale = sorted(set(LINE_CAP_EXCEPTIONS) - over)
+    assert not stale, f"exceptions no longer needed: {stale}"
+    assert all(reason.strip() for reason in LINE_CAP_EXCEPTIONS.values())
+
+
+def test_the_cap_check_sees_a_long_function(tmp_path, monkeypatch):
+    """The check itself: a function one line over the cap is reported, one at the cap is not."""
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    body = "\n".join(f"    x{i} = {i}" for i in range(FUNCTION_CAP - 2))
+    at_cap = f"def f():\n{body}\n    return 0\n"
+    over_cap = f"def g():\n{body}\n    x = 1\n    return 0\n"
+    (tmp_path / "m.py").write_text(at_cap + over_cap)
+    keys = [key for key, _ in over_the_caps(tmp_path / "m.py", at_cap + over_cap)]
+    assert keys == ["m.py:g"]
+
+
+def test_library_code_never_prints():
+    """Only the CLI prints; library code logs (``logging``) or returns what a caller shows."""
+    printing = []
     for path in sorted(SRC.rglob("*.py")):
-        text = path.read_text()
-        if text.count("\n") > limit:
-            long_files.append(f"{path.relative_to(SRC)}: {text.count(chr(10))} lines")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                span = node.end_lineno - node.lineno + 1
-                if span > 80:
-                    long_functions.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}: {span} lines")
-    assert not long_files and not long_functions, "\n".join(long_files + long_functions)
+        if path.relative_to(SRC).parts[0] == "cli":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+                printing.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    assert not printing, "print() outside qkv.cli: " + ", ".join(printing)

@@ -21,7 +21,7 @@ from qkv.cli import main as qkv_main
 from qkv.data.cached_encoder import LATIN_RANGES, CachedEncoder, split_pieces
 from qkv.data.parallel import read_parallel
 from qkv.data.prepared import PreparedCorpus
-from qkv.data.preparing import prepare_corpus
+from qkv.data.prepared.preparing import prepare_corpus
 from qkv.data.spec import DataSpec
 from qkv.data.tokenizer import Tokenizer
 from qkv.runs.translation import resume_run, start_run

@@ -14,10 +14,10 @@ import pytest
 from test_reliability import one_line_error, snapshot
 
 from qkv.cli import main
-from qkv.data import prepared_integrity as prepared_module
 from qkv.data.dates import generate_dates
 from qkv.data.prepared import CACHE_FILE, PreparedCorpus, folder_fingerprint, split_files
-from qkv.data.preparing import prepare_corpus
+from qkv.data.prepared import integrity as prepared_module
+from qkv.data.prepared.preparing import prepare_corpus
 
 MODEL = [
     "--d-model",

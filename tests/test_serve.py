@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -333,13 +334,17 @@ def test_stalled_clients_do_not_block_others(app):
         assert exchange(address, "POST", "/api/attend", b'{"text": "a dog"}', JSON)[0] == 200
 
 
-def test_bind_address_warning(app, capsys):
+def test_bind_address_warning(app, capsys, caplog):
+    """A non-loopback bind is warned of as a log record (which ``qkv serve`` shows), never printed."""
     models = {name: served_model(explorer) for name, explorer in app.explorers.items()}
     for host, warned in [("127.0.0.1", False), ("0.0.0.0", True)]:
-        httpd = make_server(app, models=models, host=host, port=0)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="qkv.serve.server"):
+            httpd = make_server(app, models=models, host=host, port=0)
         httpd.server_close()
-        err = capsys.readouterr().err
-        assert ("warning: serving on 0.0.0.0" in err) is warned, err
+        logged = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+        assert ("warning: serving on 0.0.0.0" in logged) is warned, logged
+        assert capsys.readouterr().out == ""
 
 
 def test_limits_are_checked(app, tmp_path, capsys):

@@ -78,7 +78,7 @@ def test_prepare_refuses_an_absurd_vocabulary_before_reading_the_corpus(tmp_path
     def read_corpus(*args, **kwargs):
         raise AssertionError("the corpus was read")
 
-    monkeypatch.setattr("qkv.data.preparing.prepare_corpus", read_corpus)
+    monkeypatch.setattr("qkv.data.prepared.preparing.prepare_corpus", read_corpus)
     argv = ["prepare", "--train-src", str(src), "--train-tgt", str(tgt), "--out", str(tmp_path / "p")]
     code = main([*argv, "--vocab-size", "100000000"])
     assert "vocab_size (--vocab-size) must be an integer from 260" in one_line_error(capsys, "prepare", code)

@@ -140,17 +140,13 @@ def torch_sdpa(
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Below this many queries and keys, torch's CPU flash kernel uses small tiles and its bf16/fp16
-# backward is slower than float32's (b 1-32, h 8, d_h 64: 1.4-2.6x at s 64-128, parity near 256), on
-# the AVX2 and Zen 5 machines and on an AMX Xeon alike (there qkv's upcast call, forward + backward at
-# s 128, takes 0.53-0.55x the time of SDPA's bf16 one: benchmarks/results/performance/attention_xeon_amx.json).
+# backward is slower than float32's, so low-precision inputs are upcast for the kernel (the
+# measurements: docs/history/code-comments.md).
 UPCAST_MAX_LEN = 192
 # Below this many queries and keys, on CPU, with a backward pass to follow, the plain product-softmax-
-# product (attention_reference) in float32 beats the fused kernel in float32 (forward + backward, b 80,
-# h 4, d_h 64, 2 cores of a Zen 5 EPYC: 2.2x at s 16, 1.3x at 40, 1.1x at 64, level at ~100). Low-precision
-# inputs are computed in float32 too, like the kernel's upcast above: the plain products in bfloat16
-# were faster still (2.3-2.6x), but an hour of Multi30k trained with them ended 0.04 higher in
-# validation loss than the run before, whose attention was float32, despite more steps (README, "What
-# buys BLEU in the hour"; benchmarks/results/multi30k/multi30k_en_de_epyc_zen5_bf16_faster_step.json).
+# product (attention_reference) in float32 beats the fused kernel in float32. Low-precision inputs are
+# computed in float32 too, like the kernel's upcast above: plain products in bfloat16 are faster but
+# trained to a worse validation loss (the measurements: docs/history/code-comments.md).
 PLAIN_MAX_LEN = 64
 
 

@@ -114,6 +114,7 @@ class MarianMT(nn.Module):
         self.pad_id = pad_id
 
     def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
+        """Logits ``(b, t, V)`` of the HF model for sources ``src (b, s)`` and decoder inputs ``tgt (b, t)``."""
         attention_mask = (src != self.pad_id).long()  # (b, s_src), HF convention: 1 = real token
         output = self.model(input_ids=src, attention_mask=attention_mask, decoder_input_ids=tgt, use_cache=False)
         return output.logits

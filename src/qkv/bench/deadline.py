@@ -73,6 +73,7 @@ class Clock:
         self._installed = False  # the handler is in place (inside ``with clock:``)
 
     def elapsed(self) -> float:
+        """Seconds since the clock started."""
         return time.monotonic() - self.started
 
     def left(self) -> float:

@@ -110,6 +110,7 @@ class Report:
         self.peak = peak[0] if peak is not None else None
 
     def write(self) -> None:
+        """Write the report's JSON, with the elapsed time, the date and the targets met."""
         self.data["elapsed_s"] = round(self.clock.elapsed(), 2)
         self.data["date"] = utc_now()
         self.data["targets"] = targets(self.data["sections"], self.data["machine"].get("gpu"))

@@ -58,6 +58,7 @@ class Section:
 
     @property
     def contenders(self) -> tuple[str, str, str]:
+        """The names timed in this section: qkv, qkv compiled, and the Hugging Face model."""
         return ("qkv", "qkv+compile", HF_NAMES[self.task])
 
 

@@ -42,6 +42,7 @@ class Runner:
 
     @staticmethod
     def count_parameters(model: nn.Module) -> int:
+        """The number of parameters of ``model``."""
         return count_parameters(model)
 
     def _step(self) -> int:

@@ -48,9 +48,11 @@ class Timing:
 
     @property
     def median(self) -> float | None:
+        """The median of the timed rounds in seconds, or None when none ran."""
         return statistics.median(self.times) if self.times else None
 
     def as_dict(self) -> dict:
+        """The timing as a JSON-ready dict (median, every round, peak memory, error)."""
         return {"median_s": self.median, "times_s": self.times, "peak_bytes": self.peak_bytes, "error": self.error}
 
 

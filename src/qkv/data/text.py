@@ -197,10 +197,12 @@ class CharTokenizer:
 
     @classmethod
     def train(cls, text: str) -> CharTokenizer:
+        """A tokenizer whose vocabulary is the characters of ``text``."""
         return cls(text)
 
     @property
     def vocab_size(self) -> int:
+        """The number of characters in the vocabulary."""
         return len(self.chars)
 
     def encode(self, text: str) -> list[int]:
@@ -216,12 +218,15 @@ class CharTokenizer:
             ) from None
 
     def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids``."""
         return "".join(self.chars[int(i)] for i in ids)
 
     def tokens(self, text: str) -> list[str]:
+        """The tokens of ``text``: its characters."""
         return list(text)
 
     def save(self, path: str | Path) -> None:
+        """Write the vocabulary to ``path`` as JSON (atomically)."""
         write_json(path, {"qkv_tokenizer": "char", "chars": "".join(self.chars)}, indent=None)
 
 
@@ -252,6 +257,7 @@ def load_text_tokenizer(path: str | Path) -> CharTokenizer | Tokenizer:
 
 
 def token_dtype(vocab_size: int) -> type:
+    """The smallest unsigned dtype that holds every id of a ``vocab_size`` vocabulary."""
     return np.uint16 if vocab_size <= 2**16 else np.uint32
 
 

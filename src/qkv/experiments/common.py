@@ -44,6 +44,7 @@ class ExperimentResult:
     folder: Path | None = None  # where results.json was written
 
     def to_dict(self) -> dict:
+        """The result as a JSON-ready dict, with the schema version."""
         return {
             "schema": SCHEMA,
             "experiment": self.name,
@@ -85,6 +86,7 @@ def flush_denormals() -> Iterator[None]:
 
 
 def experiment_dir(out: str | Path, name: str) -> Path:
+    """The folder ``out/name``, made if missing."""
     folder = Path(out) / name
     folder.mkdir(parents=True, exist_ok=True)
     return folder

@@ -92,6 +92,7 @@ def _random(shape: tuple[int, ...], generator: torch.Generator, std: float, deci
 
 
 def check_sizes(tokens: int, dim: int, dk: int, heads: int) -> None:
+    """Raise ``ValueError`` unless every size is positive and within the explainer's limits."""
     for name, value in (("tokens", tokens), ("dim", dim), ("dk", dk), ("heads", heads)):
         if value < 1:
             raise ValueError(f"--{name} must be positive, got {value}")

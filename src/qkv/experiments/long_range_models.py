@@ -52,10 +52,12 @@ class LongRangeConfig:
 
     @property
     def vocab_size(self) -> int:
+        """Symbols, noise tokens and the query token."""
         return self.num_symbols + self.num_noise + 1  # symbols, noise, query
 
     @property
     def query_id(self) -> int:
+        """The id of the query token (after the symbols and the noise)."""
         return self.num_symbols + self.num_noise
 
 
@@ -100,6 +102,7 @@ class RecurrentClassifier(nn.Module):
         self.head = nn.Linear(hidden_size, num_classes)
 
     def embed(self, tokens: Tensor) -> Tensor:
+        """Embedded inputs ``(b, T, e)`` for ``tokens (b, T)``."""
         return self.embedding(tokens)  # (b, T, e)
 
     def features(self, x: Tensor) -> Tensor:
@@ -108,6 +111,7 @@ class RecurrentClassifier(nn.Module):
         return out[:, -1]
 
     def forward(self, tokens: Tensor) -> Tensor:
+        """Logits ``(b, K)`` for ``tokens (b, T)``."""
         return self.head(self.features(self.embed(tokens)))  # (b, K)
 
 
@@ -131,6 +135,7 @@ class AttentionClassifier(nn.Module):
         self.head = nn.Linear(d_model, num_classes)
 
     def embed(self, tokens: Tensor) -> Tensor:
+        """Embedded inputs with positions ``(b, T, d)`` for ``tokens (b, T)``."""
         if tokens.size(1) > self.positions.size(0):
             raise ValueError(f"sequence length {tokens.size(1)} exceeds max_len {self.positions.size(0)}")
         return self.embedding(tokens) + self.positions[: tokens.size(1)]  # (b, T, d)
@@ -145,6 +150,7 @@ class AttentionClassifier(nn.Module):
         return z[:, -1]
 
     def forward(self, tokens: Tensor) -> Tensor:
+        """Logits ``(b, K)`` for ``tokens (b, T)``."""
         return self.head(self.features(self.embed(tokens)))  # (b, K)
 
 
@@ -153,6 +159,7 @@ Classifier: TypeAlias = RecurrentClassifier | AttentionClassifier
 
 
 def count_parameters(model: nn.Module) -> int:
+    """The number of parameters of ``model``."""
     return sum(p.numel() for p in model.parameters())
 
 
@@ -205,6 +212,7 @@ def build_models(config: LongRangeConfig, max_len: int) -> dict[str, Classifier]
 
 @torch.no_grad()
 def accuracy(model: nn.Module, tokens: Tensor, targets: Tensor, batch_size: int = 250) -> float:
+    """The fraction of ``tokens`` whose predicted class is the target, in batches of ``batch_size``."""
     model.eval()
     correct = 0
     for start in range(0, tokens.size(0), batch_size):

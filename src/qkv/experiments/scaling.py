@@ -129,6 +129,7 @@ def _sync(device: torch.device) -> None:
 
 
 def resolve_clock(config: ScalingConfig, device: torch.device) -> str:
+    """The clock to time with: the configured one, or for ``auto`` wall time on CUDA and CPU time otherwise."""
     if config.clock != "auto":
         return config.clock
     return "wall" if device.type == "cuda" else "cpu"

@@ -75,6 +75,7 @@ class ViTDigitsConfig:
 
     @property
     def num_patches(self) -> int:
+        """The number of patches an image is cut into."""
         return (IMAGE_SIZE // self.patch_size) ** 2
 
 
@@ -188,6 +189,7 @@ def attention_rollout(weights: list[Tensor]) -> Tensor:
 
 @torch.no_grad()
 def evaluate(model: VisionTransformer, images: Tensor, labels: Tensor) -> float:
+    """The accuracy of ``model`` on ``images`` and their ``labels``."""
     model.eval()
     logits, _ = model(images)
     return (logits.argmax(-1) == labels).float().mean().item()

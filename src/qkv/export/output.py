@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from qkv.data.prepared_format import is_prepared_folder
+from qkv.data.prepared.format import is_prepared_folder
 from qkv.runs.folder import is_run_folder
 from qkv.runtime.fileio import atomic_folder, read_json, write_json
 from qkv.runtime.overwrite import check_output_folder as check_replaceable

@@ -136,6 +136,7 @@ class BertEmbeddings(nn.Module):
         self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
+        """Token, position and token type embeddings, normalized: ``(b, s, d)``."""
         positions = torch.arange(input_ids.size(1), device=input_ids.device)  # (s,)
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)[None]  # (b, s, d)
         x = x + self.token_type_embeddings(token_type_ids)
@@ -150,6 +151,7 @@ class BertPooler(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, hidden: Tensor) -> Tensor:
+        """The pooled output ``(b, d)``: the first token's hidden state through a dense layer and tanh."""
         return torch.tanh(self.dense(hidden[:, 0]))  # (b, d)
 
 

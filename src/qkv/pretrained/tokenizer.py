@@ -51,6 +51,7 @@ class EncodedBatch:
     tokens: list[list[str]]  # the real tokens of each sequence (no padding)
 
     def to(self, device: torch.device | str) -> EncodedBatch:
+        """The batch with its tensors on ``device``."""
         return EncodedBatch(
             self.input_ids.to(device), self.attention_mask.to(device), self.token_type_ids.to(device), self.tokens
         )
@@ -145,6 +146,7 @@ class WordPieceTokenizer:
         return [self.backend.id_to_token(int(i)) for i in ids]
 
     def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens left out."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
 
 

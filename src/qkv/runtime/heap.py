@@ -50,18 +50,15 @@ _MIB = 2**20
 M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 * _MIB  # glibc's limit on 64-bit (HEAP_MAX_SIZE / 2)
-# free memory glibc may keep at the top of a heap (keep_heap_top): above a step's ~100 MB of activations
-# (256 MiB left 266-576 minor faults a bf16 Multi30k step on an AMX Xeon, against 14,000-22,500 without;
-# benchmarks/results/performance/heap_top_steps_xeon_amx_bf16.json; 128 MiB still left ~11,000 in a trial)
+# free memory glibc may keep at the top of a heap (keep_heap_top): above a step's ~100 MB of activations,
+# so the next step finds them mapped (the measurements: docs/history/code-comments.md)
 HEAP_TRIM_THRESHOLD = 256 * _MIB
 # the user's own malloc settings, which keep_heap_top leaves alone
 _MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
 # oneDNN primitives kept (~1 MB each for a Multi30k product): room for every product shape of a
-# training run once qkv.runtime.padded_linear pads the rows of linear layers (a few hundred), so no step compiles
-# again; 8 made every bf16 product of a step compile anew (padding and 512 make 1.18x the steps on
-# an AMX Xeon, benchmarks/results/performance/memory_xeon_bf16.json), and
-# oneDNN's own 1024 filled up with the unpadded shapes (RSS to 7.5 GB) without being faster after
-# 12 minutes (benchmarks/results/performance/onednn_cache_xeon_bf16.json)
+# training run once qkv.runtime.padded_linear pads the rows of linear layers (a few hundred), so no step
+# compiles again; far fewer recompiles every step, far more fills memory with unpadded shapes (the
+# measurements: docs/history/code-comments.md)
 ONEDNN_CACHE_CAPACITY = 512
 
 

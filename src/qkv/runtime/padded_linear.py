@@ -63,4 +63,5 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) whose product goes through :func:`linear`."""
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x @ weight.T + bias`` through the padded product."""
         return linear(x, self.weight, self.bias)

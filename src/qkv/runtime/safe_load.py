@@ -71,6 +71,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
+        """The number of elements of the tensor's shape."""
         n = 1
         for size in self.shape:
             n *= size

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
-import sys
 import threading
 
 import uvicorn
@@ -161,10 +160,10 @@ def make_server(
     app = create_app(models, explorer, limits, allowed_hosts=allowed_hosts(host, allow_hosts))
     server = Server(app, host, port, guard=guard)
     if not is_loopback(host):
-        print(
-            f"warning: serving on {show_address(host, server.server_address[1])}: other machines on the network "
-            "can reach this server (it has no authentication; bind 127.0.0.1 unless that is what you want)",
-            file=sys.stderr,
-            flush=True,
+        # a log record, not a print: ``qkv serve`` shows it on stderr, a program embedding the server decides
+        logger.warning(
+            "warning: serving on %s: other machines on the network can reach this server (it has no "
+            "authentication; bind 127.0.0.1 unless that is what you want)",
+            show_address(host, server.server_address[1]),
         )
     return server

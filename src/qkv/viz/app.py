@@ -51,6 +51,7 @@ class ExplorerApp:
 
     @property
     def model_names(self) -> list[str]:
+        """The names of the models the explorer serves."""
         return list(self.explorers)
 
     def attend(self, payload: object) -> dict:

@@ -110,10 +110,12 @@ class AttentionView:
 
     @property
     def num_layers(self) -> int:
+        """The number of layers with attention weights."""
         return len(self.attentions)
 
     @property
     def num_heads(self) -> int:
+        """The number of heads of each layer."""
         return self.attentions[0].size(0)
 
     def to_dict(self, decimals: int = 4) -> dict:

@@ -37,11 +37,14 @@ class TextTokenizer(Protocol):
     """What a language-model view needs of a tokenizer (qkv's character and BPE tokenizers, GPT-2's)."""
 
     @property
-    def vocab_size(self) -> int: ...
+    def vocab_size(self) -> int:
+        """The number of ids."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text``."""
 
-    def decode(self, ids: Iterable[int]) -> str: ...
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids``."""
 
 
 VISIBLE = {" ": "\u2423", "\n": "\u23ce", "\t": "\u21e5", "\r": "\u240d"}  # ␣ ⏎ ⇥ ␍
@@ -138,6 +141,7 @@ class CausalLMExplorer:
 
     @property
     def context(self) -> int:
+        """The longest context the model reads, in tokens."""
         return self.model.config.context
 
     def encodes(self, text: str) -> bool:

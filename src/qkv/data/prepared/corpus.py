@@ -1,46 +1,5 @@
-"""A prepared folder: a tokenized parallel corpus on disk, read a batch at a time.
-
-Made once by ``qkv prepare`` (:mod:`qkv.data.preparing`), or by ``qkv train`` inside a run folder;
-read by every training process, which then holds O(batch) token data, not O(corpus). The layout is
-that of fairseq's indexed datasets and nanoGPT's ``.bin`` files, one set per split (``train``,
-``valid``)::
-
-    manifest.json        counts, dtypes, the tokenizer, where the text came from, the lines
-                         dropped (and why), a fingerprint; written last
-    tokenizer.json       the shared BPE tokenizer
-    train.src.bin        every source sentence's ids end to end (uint16, or uint32 for
-    train.tgt.bin        vocabularies over 65,536), no BOS/EOS
-    train.src.idx        int64 offsets into the .bin: sentence i is [idx[i], idx[i+1])
-    train.tgt.idx
-    train.len            (pairs, 2) token counts (source, target): what length bucketing reads
-    train.lines          int64 line number of each pair in the text files (for messages)
-    verified.json        the files' SHA-256 as last checked, by size and times (a cache, written
-                         when a run verifies the folder; see HashCache)
-
-A folder is built under a temporary name and renamed when whole
-(:func:`~qkv.data.prepared_writer.building_folder`), so a crash never leaves a half-prepared folder
-that looks complete. The format is :mod:`qkv.data.prepared_format`, the writing
-:mod:`qkv.data.prepared_writer`, the checks :mod:`qkv.data.prepared_integrity`; this module reads.
-
-Before a run trains on a folder, and again when it resumes, :meth:`PreparedCorpus.verify` checks
-that the data is what the manifest says: the offsets run from 0 to the end of the ids, the length
-table agrees with them, every id is inside the vocabulary, and every file has the manifest's
-SHA-256. The manifest's fingerprint is a hash of those SHA-256s (and of the tokenizer's), and a run
-records it: so a resume whose folder has the run's fingerprint, and whose every file has the
-manifest's SHA-256, reads the very bytes the run started on. Hashing reads every byte (about 1.4
-GB/s from the page cache on a 2-core EPYC, under a second for WMT 2014's 4.5M pairs, 876 MiB; disk
-speed when the files are not cached), so when a run starts the hashes kept in ``verified.json``
-beside the arrays (:class:`~qkv.data.prepared_integrity.HashCache`) spare hashing a file whose
-size, inode, mtime and ctime are those recorded. A resume trusts no kept hash (``verified.json`` is
-as easy to write as the arrays): it hashes every file from its contents. The other checks run every
-time.
-
-Training reads a pair with ``os.pread`` from the files every process shares in the page cache,
-instead of through a memory map: a map's touched pages count in each process's resident memory
-until the kernel reclaims them, which over an epoch of random batches is the whole corpus per
-process; ``pread`` copies only the batch. :meth:`PreparedSplit.tokens` maps a whole array, for
-inspection.
-"""
+"""Reading a prepared folder (:mod:`qkv.data.prepared`): :class:`PreparedCorpus` and its splits,
+read a batch at a time with ``os.pread``, checked by :meth:`PreparedCorpus.verify`."""
 
 from __future__ import annotations
 
@@ -52,19 +11,16 @@ from pathlib import Path
 import numpy as np
 
 from qkv.data.parallel import ParallelText
-from qkv.data.prepared_format import (
+from qkv.data.prepared.format import (
     FORMAT,
     MARKER,
     PREPARE_AGAIN,
     SIDES,
     check_manifest,
     folder_fingerprint,
-    is_prepared_folder,
     split_files,
-    token_dtype,
 )
-from qkv.data.prepared_integrity import CACHE_FILE, check_hashes, check_split_arrays
-from qkv.data.prepared_writer import building_folder, write_token_lists
+from qkv.data.prepared.integrity import check_hashes, check_split_arrays
 from qkv.data.tokenizer import Tokenizer
 from qkv.runtime.fileio import read_json
 
@@ -105,7 +61,7 @@ class PreparedSplit:
 
     def check(self, vocab_size: int, remedy: str = PREPARE_AGAIN) -> None:
         """Check the split's arrays against each other and the vocabulary
-        (:func:`~qkv.data.prepared_integrity.check_split_arrays`: offsets, length table, every
+        (:func:`~qkv.data.prepared.integrity.check_split_arrays`: offsets, length table, every
         id below ``vocab_size``), a window at a time.
 
         Raises:
@@ -165,6 +121,7 @@ class PreparedSplit:
         return np.memmap(path, dtype=self.ids_dtype, mode="r")
 
     def close(self) -> None:
+        """Close the split's open files (only in the process that opened them)."""
         if self._pid == os.getpid():
             for fd in self._fds.values():
                 os.close(fd)
@@ -245,9 +202,11 @@ class PreparedCorpus:
         check_hashes(self.folder, expected, cache=cache, trust_cache=trust_cache, remedy=remedy)
 
     def tokenizer(self) -> Tokenizer:
+        """The folder's tokenizer, loaded from the file its manifest names."""
         return Tokenizer.load(self.folder / self.manifest.get("tokenizer", "tokenizer.json"))
 
     def has(self, split: str) -> bool:
+        """Whether the folder holds the split ``split``."""
         return split in self.manifest["splits"]
 
     def split(self, name: str) -> PreparedSplit:
@@ -275,20 +234,3 @@ class PreparedCorpus:
             source.get("src", ""),
             source.get("tgt", ""),
         )
-
-
-# the names other modules have read from here (the folder's format, its writing and its checks live
-# in their own modules)
-__all__ = [
-    "CACHE_FILE",
-    "FORMAT",
-    "MARKER",
-    "PreparedCorpus",
-    "PreparedSplit",
-    "building_folder",
-    "folder_fingerprint",
-    "is_prepared_folder",
-    "split_files",
-    "token_dtype",
-    "write_token_lists",
-]
