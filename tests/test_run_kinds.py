@@ -92,8 +92,7 @@ def test_start_run_calls_the_sources_kind_with_its_own_options(monkeypatch, tmp_
 
 
 class _Recipe:
-    def step_options(self, world, *, max_tokens, accum_steps):
-        return {}
+    name, train, steps, tokens_per_step = "fake", {}, None, None  # what the one resolve step reads
 
 
 class _Choice:

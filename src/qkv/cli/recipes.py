@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import fields, replace
+from collections.abc import Mapping
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -87,15 +88,14 @@ def show_lines(recipe: Recipe) -> list[str]:
     comments."""
     from qkv.models.causal_lm import CausalLMConfig
     from qkv.models.transformer import TransformerConfig
+    from qkv.runs.resolve import resolve_run_options
     from qkv.runtime import precision
     from qkv.runtime.device import pick_device
-    from qkv.training.config import TrainConfig
 
     device = pick_device(None)
     fast = precision.bf16_is_fast(device)
-    given = {**recipe.train, **recipe.step_options(1)}
-    train = TrainConfig(**given)
-    train = replace(train, bf16=train.bf16 and fast)  # as a run here would have it (start_run's rule)
+    resolved = resolve_run_options(recipe, world_size=1, bf16_fast=fast)  # as a run here would have it
+    given, train = resolved.train, resolved.train_config()
     lines = [
         f"# recipe {recipe.name}, resolved as a run on this machine would have it (itself a recipe file)",
         f"# file: {recipe.source}",
@@ -119,7 +119,7 @@ def show_lines(recipe: Recipe) -> list[str]:
     lines += _table(model, recipe.model, skip=tokenizer_fields)
     lines += ["", "[train]  # TrainConfig"]
     # only a recipe that asks for bf16 can differ from what runs here (a missing key is the library's false)
-    asked = bool(given.get("bf16"))
+    asked = bool(recipe.train.get("bf16"))
     here = {"bf16": "off here: the recipe's true applies where bf16 is fast"} if asked and not train.bf16 else {}
     lines += _table(train, given, notes=here)
     if recipe.tokens_per_step is not None:
@@ -145,7 +145,7 @@ def _bf16_note(recipe: Recipe, fast: bool, device: torch.device) -> str:
     return f"the recipe asks for bf16 autocast where it is fast; {device} here: off, float32 ({precision.slow_bf16_reason(device)})"
 
 
-def _table(config: Any, given: dict, *, skip: tuple[str, ...] = (), notes: dict | None = None) -> list[str]:
+def _table(config: Any, given: Mapping, *, skip: tuple[str, ...] = (), notes: dict | None = None) -> list[str]:
     """Every field of ``config`` as ``key = value``, those ``given`` does not set marked as defaults."""
     lines = []
     for f in fields(config):

@@ -216,9 +216,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         spec = data_spec(args)
         model_options = model_options_from(args, is_lm=kind_for_source(spec.source) is LANGUAGE_MODEL)
-        vocab_size, recipe_note = args.vocab_size, None
+        vocab_size = args.vocab_size
         if args.recipe:  # the named recipe in place of the data's; explicit options still go over it
-            train_options, recipe_note = _with_recipe(args, spec, train_options)
+            _check_recipe(args, spec)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one process of several
         dist = init_distributed(args.device)
         if not dist.is_main:
@@ -226,8 +226,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         dist = None
         pick_device(args.device)
-    if not args.resume and recipe_note:
-        logging.getLogger("qkv.cli.train").info(recipe_note)
     try:
         if args.resume:
             trainer = resume_run(
@@ -257,26 +255,13 @@ def run(args: argparse.Namespace) -> int:
         shutdown()
 
 
-def _with_recipe(args: argparse.Namespace, spec: DataSpec, train_options: dict) -> tuple[dict, str | None]:
-    """``--recipe`` read and checked against the data before anything starts (start_run trains with
-    it, the explicit options over it); for a recipe with ``tokens_per_step``, the training options
-    with the step's split over this many processes, and a line saying what it is."""
-    import os
-
+def _check_recipe(args: argparse.Namespace, spec: DataSpec) -> None:
+    """``--recipe`` read and checked against the data before anything starts; start_run trains with
+    it, resolving the explicit options over it once (:func:`qkv.runs.resolve.resolve_run_options`)
+    and printing the result as the run's first lines."""
     from qkv.runs.recipes.choice import choose_recipe
 
-    recipe = choose_recipe(args.recipe, spec.source).recipe
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    steps = recipe.step_options(world, max_tokens=args.max_tokens, accum_steps=args.accum_steps)
-    if not steps:
-        return train_options, None
-    train_options = {**steps, **train_options}
-    max_tokens, accum = train_options["max_tokens"], train_options["accum_steps"]
-    return train_options, (
-        f"recipe {recipe.name}: a step is {world} process{'' if world == 1 else 'es'} x {accum} "
-        f"batch{'' if accum == 1 else 'es'} x {max_tokens} padded tokens = "
-        f"{world * accum * max_tokens} (the recipe's {recipe.tokens_per_step})"
-    )
+    choose_recipe(args.recipe, spec.source)
 
 
 class Terminated(KeyboardInterrupt):

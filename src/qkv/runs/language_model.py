@@ -40,6 +40,7 @@ from qkv.runs import folder as run_folder
 from qkv.runs.recipes import Recipe
 from qkv.runs.recipes.budget import choose_size, measured_speeds, model_values
 from qkv.runs.recipes.choice import RecipeChoice
+from qkv.runs.resolve import ResolvedOptions, as_resolved
 from qkv.runs.run_kind import RunKind
 from qkv.runtime import precision
 from qkv.runtime.device import pick_device
@@ -121,7 +122,7 @@ def start_lm_run(
     *,
     data: DataSpec,
     model_options: dict | None,
-    train_options: dict | None,
+    train_options: dict | ResolvedOptions | None,
     vocab_size: int | None,
     lm_options: dict | None,
     overwrite: bool,
@@ -139,17 +140,18 @@ def start_lm_run(
     lm = _lm_settings(recipe, lm_options)
     vocab_size = _lm_vocab_size(recipe, lm["tokenizer"], vocab_size)
     lm_model_config(recipe, model_options, 1)  # the model options' own checks, before reading data
-    train_config = TrainConfig.from_dict({**recipe.train, **(train_options or {})})
+    resolved = as_resolved(recipe, train_options)
+    train_config = resolved.train_config()
     train_config.check_stops()
 
     text = open_text_training_data(data, tokenizer_kind=lm["tokenizer"], vocab_size=vocab_size)
     tokenizer, ids = text.tokenizer, text.ids
     device = torch.device(device)
-    asked_bf16 = "bf16" in (train_options or {})
+    asked_bf16 = "bf16" in resolved.given
     # the size is measured in the precision the run will train in (decided, and said, further down)
     bf16 = train_config.bf16 and (asked_bf16 or precision.bf16_is_fast(device))
     model_options, train_config, sizing = _sized_by_budget(
-        recipe, model_options, train_options, train_config, tokenizer, ids, lm["windows"], device, bf16
+        recipe, model_options, resolved.given, train_config, tokenizer, ids, lm["windows"], device, bf16
     )
     model_config = lm_model_config(recipe, model_options, tokenizer.vocab_size)
     check_trainable(model_config.matrix_parameters(), device, train_config.strategy)  # before building it
@@ -213,7 +215,7 @@ def _log_data(where: str, ids: dict[str, np.ndarray], tokenizer_kind: str, vocab
 def _sized_by_budget(
     recipe: Recipe,
     model_options: dict | None,
-    train_options: dict | None,
+    train_options: dict,
     train_config: TrainConfig,
     tokenizer: Any,
     ids: dict[str, np.ndarray],

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import asdict
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,6 +23,8 @@ from qkv.runs.curves import plot_metrics
 from qkv.runs.kinds import kind_for_source, run_kind
 from qkv.runs.recipes import Recipe
 from qkv.runs.recipes.choice import choose_recipe
+from qkv.runs.resolve import ResolvedOptions, resolve_run_options
+from qkv.runtime import precision
 from qkv.runtime.device import pick_device
 from qkv.training import Distributed, TrainConfig, Trainer
 from qkv.training.checkpoint_files import CHECKPOINT_FILE
@@ -89,21 +90,41 @@ def start_run(
             "--both-directions is for translation from text (--data multi30k/dates or "
             f"--train-src/--train-tgt), not a {kind.title}"
         )
-    start = partial(kind.start, **kind.start_options(data, {"lm_options": lm_options, "decode": decode}))
-    choice = choose_recipe(
-        recipe, data.source, dist.device if dist is not None and dist.enabled else pick_device(device)
-    )
-    given = train_options or {}
-    world = dist.world_size if dist is not None and dist.enabled else 1
-    steps = choice.recipe.step_options(world, max_tokens=given.get("max_tokens"), accum_steps=given.get("accum_steps"))
-    train_options = {**steps, **given}
-    start = partial(start, Path(run_dir), data=data, model_options=model_options, train_options=train_options)
-    start = partial(start, choice=choice)
-    start = partial(start, vocab_size=vocab_size, overwrite=overwrite)
+    kind_options = kind.start_options(data, {"lm_options": lm_options, "decode": decode})
+    device_here = dist.device if dist is not None and dist.enabled else pick_device(device)
+    choice = choose_recipe(recipe, data.source, device_here)
+    resolved = _resolved(choice.recipe, train_options, dist, device_here)
+
+    def start(on: str | torch.device | None) -> Trainer:
+        return kind.start(
+            Path(run_dir),
+            data=data,
+            model_options=model_options,
+            train_options=resolved,
+            choice=choice,
+            vocab_size=vocab_size,
+            overwrite=overwrite,
+            device=on,
+            **kind_options,
+        )
+
     if dist is None or not dist.enabled:
-        return start(device=device)
+        return start(device)
     _start_on_rank_0(start, dist)
     return resume_run(run_dir, device=device, dist=dist)
+
+
+def _resolved(
+    recipe: Recipe, train_options: dict | None, dist: Distributed | None, device: str | torch.device
+) -> ResolvedOptions:
+    """The run's training options resolved once over ``recipe`` for its processes and ``device``
+    (bf16 where it is fast there), and said: the run's first lines."""
+    world = dist.world_size if dist is not None and dist.enabled else 1
+    fast = precision.bf16_is_fast(device)
+    resolved = resolve_run_options(recipe, train_options, world_size=world, bf16_fast=fast)
+    for line in resolved.lines():
+        logger.info(line)
+    return resolved
 
 
 def _start_on_rank_0(start: Callable[..., Trainer], dist: Distributed) -> None:
@@ -112,7 +133,7 @@ def _start_on_rank_0(start: Callable[..., Trainer], dist: Distributed) -> None:
     failure = None
     if dist.is_main:
         try:
-            start(device="cpu")
+            start("cpu")
         except (ValueError, OSError) as err:
             failure = (type(err).__name__, str(err))
     failure = dist.broadcast(failure)

@@ -29,6 +29,7 @@ from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.runs import folder as run_folder
 from qkv.runs.recipes import Recipe, decode_settings
 from qkv.runs.recipes.choice import RecipeChoice
+from qkv.runs.resolve import ResolvedOptions, as_resolved
 from qkv.runs.run_kind import RunKind
 from qkv.runs.translation_data import RUN_DATA_FOLDER, open_translation_task, write_run_data
 from qkv.runtime import precision
@@ -61,7 +62,7 @@ def start_translation_run(
     *,
     data: DataSpec,
     model_options: dict | None,
-    train_options: dict | None,
+    train_options: dict | ResolvedOptions | None,
     vocab_size: int | None,
     overwrite: bool,
     device: str | torch.device | None,
@@ -79,13 +80,14 @@ def start_translation_run(
         vocab_size = recipe.vocab_size if vocab_size is None else vocab_size
     _check_vocab_size(vocab_size)
     _model_config(recipe, model_options, vocab_size or 260, 0)  # the model options' own checks, before reading data
-    train_config = TrainConfig.from_dict({**recipe.train, **(train_options or {})})
+    resolved = as_resolved(recipe, train_options)
+    train_config = resolved.train_config()
     train_config.check_stops()
 
     training = open_training_data(data, vocab_size=vocab_size, split_digits=recipe.split_digits)
     tokenizer = training.tokenizer
     model_config, train_config = _model_and_train_configs(
-        choice, model_options, train_options, train_config, device, tokenizer
+        choice, model_options, resolved.given, train_config, device, tokenizer
     )
     check_trainable(model_config.matrix_parameters(), device, train_config.strategy)  # before building it
     # leaves out over-long pairs
@@ -109,7 +111,7 @@ def start_translation_run(
         "data": data.to_json(),
         "data_fingerprint": training.fingerprint,
         "prepared": prepared,
-        "decode": decode_settings({"decode": recipe.decode}) | (decode or {}),
+        "decode": decode_settings({"decode": dict(recipe.decode)}) | (decode or {}),
         "recipe": choice.record(),
     }
 
@@ -138,7 +140,7 @@ def _check_vocab_size(vocab_size: object) -> None:
 def _model_and_train_configs(
     choice: RecipeChoice,
     model_options: dict | None,
-    train_options: dict | None,
+    given: dict,
     train_config: TrainConfig,
     device: torch.device,
     tokenizer: Tokenizer,
@@ -147,8 +149,9 @@ def _model_and_train_configs(
     bf16 where the recipe asks for it and it is fast there (or where asked explicitly); the recipe,
     why it was chosen and the precision are logged (the same recipe on every machine: a faster
     variant is only suggested)."""
-    asked_bf16 = "bf16" in (train_options or {})
-    train_config = replace(train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
+    train_config = replace(
+        train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked="bf16" in given)
+    )
     for line in choice.start_notes(bf16=train_config.bf16, bf16_fast=precision.bf16_is_fast(device)):
         logger.info(line)
     model_config = _model_config(choice.recipe, model_options, tokenizer.vocab_size, tokenizer.pad_id)

@@ -9,25 +9,34 @@ machine decides only the precision (``bf16 = true``: bf16 autocast where it is f
 elsewhere). Where bf16 is fast, a recipe's ``bf16_variant`` is suggested when the run starts, never
 switched to. On a CUDA device, a data source's default recipe gives way to its ``gpu_variant``
 (``multi30k-gpu``, ``tinyshakespeare-gpu``), and the run says so; a recipe named is never replaced
-(:mod:`qkv.runs.recipes.choice`). :func:`load_recipe` reads and checks a file and returns a
-:class:`Recipe`; ``qkv recipes`` lists and shows them (docs/recipes.md). Why each value is what it is: docs/history/multi30k-recipe-log.md.
+(:mod:`qkv.runs.recipes.choice`). :func:`load_recipe` reads and checks a file once and returns a
+:class:`Recipe`, its tables typed sections (:mod:`qkv.runs.recipes.sections`); how a run merges it
+with the options given and the machine is :func:`qkv.runs.resolve.resolve_run_options`; ``qkv recipes`` lists and shows them (docs/recipes.md). Why each value is what it is: docs/history/multi30k-recipe-log.md.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
-import typing
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qkv.data.tokenizer import MIN_VOCAB_SIZE
 from qkv.runs.recipes.budget import BudgetRule, read_budget_rule
+from qkv.runs.recipes.sections import (
+    DecodeSection,
+    ModelSection,
+    Section,
+    TrainSection,
+    check_type,
+)
 from qkv.runs.recipes.steps import (
     DEFAULT_DECODE,
     MAX_SAVED_BEAM,
     MICRO_BATCH_TOKENS,
+    StepsSection,
     check_decode,
     decode_settings,
     step_batches,
@@ -69,44 +78,55 @@ ONLY_FOR = {
     "budget": "lm",
 }
 LM_DEFAULTS = {"tokenizer": "char", "windows": "random"}  # a language-model recipe's [lm], where it says nothing
-TYPE_NAMES = {
-    bool: "true or false",
-    int: "an integer",
-    float: "a number",
-    str: "a string",
-    list: "a list",
-    dict: "a table",
-}
-TOKENIZER_FIELDS = ("src_vocab_size", "tgt_vocab_size", "pad_id")  # a translation model's, set by its tokenizer
 
 
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
-    """One recipe file, read and checked (:func:`load_recipe`).
+    """One recipe file, read and checked (:func:`load_recipe`), its tables as typed sections
+    (:mod:`qkv.runs.recipes.sections`).
 
-    ``model`` holds :class:`~qkv.models.transformer.TransformerConfig` fields (a language model's:
+    ``model`` (:class:`~qkv.runs.recipes.sections.ModelSection`) holds
+    :class:`~qkv.models.transformer.TransformerConfig` fields (a language model's:
     :class:`~qkv.models.causal_lm.CausalLMConfig` fields) and ``train``
-    :class:`~qkv.training.config.TrainConfig` fields, as the file gives them (float fields as floats,
-    ``adam_betas`` as a tuple); a field the file leaves out is the library default. ``decode`` is a
-    translation recipe's beam size and length penalty (:data:`DEFAULT_DECODE` where it says nothing),
-    ``lm`` a language-model recipe's tokenizer and training windows.
+    (:class:`~qkv.runs.recipes.sections.TrainSection`) :class:`~qkv.training.config.TrainConfig`
+    fields, as the file gives them (float fields as floats, ``adam_betas`` as a tuple); a field the
+    file leaves out is the library default. ``decode`` (:class:`~qkv.runs.recipes.sections.DecodeSection`)
+    is a translation recipe's beam size and length penalty (:data:`DEFAULT_DECODE` where it says
+    nothing), ``steps`` its step's size and split, ``lm`` a language-model recipe's tokenizer and
+    training windows. Plain dicts given for the sections are made sections.
     """
 
     name: str
     description: str
     task: str
     vocab_size: int
-    model: dict[str, Any]
-    train: dict[str, Any]
+    model: ModelSection
+    train: TrainSection
     source: Path
     split_digits: bool = False
     tokens_per_step: int | None = None
-    decode: dict[str, Any] = field(default_factory=dict)
+    decode: DecodeSection = field(default_factory=DecodeSection)
     lm: dict[str, Any] = field(default_factory=dict)
     budget: BudgetRule | None = None  # a language model's size chosen by its budget (qkv.runs.recipes.budget)
     default_for: tuple[str, ...] = ()
     bf16_variant: str | None = None
     gpu_variant: str | None = None
+
+    def __post_init__(self) -> None:
+        made: dict[str, Callable[[dict], Section]] = {
+            "model": lambda table: ModelSection(table, task=self.task),
+            "train": TrainSection,
+            "decode": DecodeSection,
+        }
+        for name, section in made.items():
+            value: Mapping[str, Any] = getattr(self, name)
+            if not isinstance(value, Section):
+                object.__setattr__(self, name, section(dict(value)))
+
+    @property
+    def steps(self) -> StepsSection | None:
+        """The step's size and how it splits (``tokens_per_step``), or None for a recipe without."""
+        return None if self.tokens_per_step is None else StepsSection(self.tokens_per_step)
 
     @property
     def file(self) -> str:
@@ -121,10 +141,8 @@ class Recipe:
     ) -> dict[str, int]:
         """``max_tokens`` and ``accum_steps`` for a recipe with ``tokens_per_step`` on ``world_size``
         processes (:func:`step_batches`; one given is kept); ``{}`` for a recipe without."""
-        if self.tokens_per_step is None:
-            return {}
-        tokens, accum = step_batches(self.tokens_per_step, world_size, max_tokens=max_tokens, accum_steps=accum_steps)
-        return {"max_tokens": tokens, "accum_steps": accum}
+        steps = self.steps
+        return {} if steps is None else steps.split(world_size, max_tokens=max_tokens, accum_steps=accum_steps)
 
     def as_dict(self) -> dict[str, Any]:
         """The recipe as plain data (what :data:`RECIPES` holds): its task, vocabulary, model, train
@@ -206,7 +224,7 @@ def _recipe_from(raw: dict[str, Any], path: Path) -> Recipe:
     for key, value in raw.items():
         if key not in KEYS:
             raise ValueError(f"{path}: {key}: unknown key; a recipe's keys are {', '.join(KEYS)}")
-        _check_type(path, key, value, KEYS[key])
+        check_type(path, key, value, KEYS[key])
     missing = [key for key in REQUIRED if key not in raw]
     if missing:
         raise ValueError(f"{path}: {missing[0]}: missing (every recipe has {', '.join(REQUIRED)})")
@@ -226,11 +244,8 @@ def _recipe_from(raw: dict[str, Any], path: Path) -> Recipe:
         raise ValueError(f"{path}: tokens_per_step: must be >= 1 and <= {MAX_STEP_TOKENS:,}, got {per_step!r}")
     if "\n" in raw["description"]:
         raise ValueError(f"{path}: description: must be one line")
-    model, train = _model_fields(raw, path), _config_fields(path, "train", raw["train"], _train_class(), ())
-    try:
-        _train_class()(**train)
-    except ValueError as err:
-        raise ValueError(f"{path}: train: {err}") from None
+    model = ModelSection.read(path, raw["model"], task, vocab_size)
+    train = TrainSection.read(path, raw["train"])
     return Recipe(
         name=path.stem,
         description=raw["description"],
@@ -241,69 +256,13 @@ def _recipe_from(raw: dict[str, Any], path: Path) -> Recipe:
         source=path,
         split_digits=raw.get("split_digits", False),
         tokens_per_step=per_step,
-        decode=check_decode(raw.get("decode"), str(path)) if task == "translation" else {},
+        decode=DecodeSection.read(path, raw.get("decode")) if task == "translation" else DecodeSection(),
         lm=_lm_settings(path, raw.get("lm", {})) if task == "lm" else {},
         budget=read_budget_rule(path, raw["budget"], model) if "budget" in raw else None,
         default_for=_default_for(path, raw.get("default_for", []), task),
         bf16_variant=raw.get("bf16_variant"),
         gpu_variant=raw.get("gpu_variant"),
     )
-
-
-def _train_class() -> type:
-    from qkv.training.config import TrainConfig
-
-    return TrainConfig
-
-
-def _model_fields(raw: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The ``[model]`` table checked against the model's config class, and built once for its ranges."""
-    from qkv.models.causal_lm import CausalLMConfig
-    from qkv.models.transformer import TransformerConfig
-
-    vocab, lm = raw["vocab_size"], raw["task"] == "lm"
-    config_class: type = CausalLMConfig if lm else TransformerConfig
-    model = _config_fields(path, "model", raw["model"], config_class, ("vocab_size",) if lm else TOKENIZER_FIELDS)
-    vocab_fields = {"vocab_size": vocab} if lm else {"src_vocab_size": vocab, "tgt_vocab_size": vocab}
-    try:
-        config_class(**model, **vocab_fields)
-    except ValueError as err:
-        raise ValueError(f"{path}: model: {err}") from None
-    return model
-
-
-def _config_fields(path: Path, table: str, values: dict, config_class: type, skip: tuple[str, ...]) -> dict:
-    """``values`` checked against ``config_class``'s fields (not those in ``skip``): each key one of
-    them, each value of its type; float fields come back as floats and tuple fields as tuples."""
-    hints = typing.get_type_hints(config_class)
-    known = [f.name for f in fields(config_class) if f.name not in skip]
-    checked = {}
-    for key, value in values.items():
-        if key not in known:
-            raise ValueError(
-                f"{path}: {table}.{key}: unknown key; {config_class.__name__} fields are {', '.join(known)}"
-            )
-        checked[key] = _check_type(path, f"{table}.{key}", value, hints[key])
-    return checked
-
-
-def _check_type(path: Path, key: str, value: Any, kind: Any) -> Any:
-    """``value`` if it is of ``kind`` (a float field also takes an integer, returned as a float; a
-    tuple field takes a list of numbers), else a one-line ``ValueError`` naming the file and key."""
-    if typing.get_origin(kind) is tuple:
-        size = len(typing.get_args(kind))
-        if isinstance(value, list) and len(value) == size and all(_is_number(v) for v in value):
-            return tuple(float(v) for v in value)
-        raise ValueError(f"{path}: {key}: must be a list of {size} numbers, got {value!r}")
-    if kind is float and _is_number(value):
-        return float(value)
-    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
-        return value
-    raise ValueError(f"{path}: {key}: must be {TYPE_NAMES.get(kind, kind.__name__)}, got {value!r}")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _lm_settings(path: Path, values: dict[str, Any]) -> dict[str, Any]:
@@ -351,7 +310,12 @@ __all__ = [
     "DEFAULT_DECODE",
     "MAX_SAVED_BEAM",
     "MICRO_BATCH_TOKENS",
+    "DecodeSection",
+    "ModelSection",
     "Recipe",
+    "StepsSection",
+    "TrainSection",
+    "check_decode",
     "decode_settings",
     "list_recipes",
     "load_recipe",

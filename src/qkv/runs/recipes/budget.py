@@ -26,7 +26,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ class BudgetRule:
         return {"tokens_per_parameter": self.tokens_per_parameter, "sizes": sizes}
 
 
-def read_budget_rule(path: Path, values: dict[str, Any], model: dict[str, Any]) -> BudgetRule:
+def read_budget_rule(path: Path, values: dict[str, Any], model: Mapping[str, Any]) -> BudgetRule:
     """A ``[budget]`` table checked: each size's keys are model fields or ``max_tokens``, each size
     builds a model over the recipe's ``model`` values, and sizes grow in parameters.
 
@@ -122,7 +122,7 @@ class SizeChoice:
 
 def choose_size(
     rule: BudgetRule,
-    model: dict[str, Any],
+    model: Mapping[str, Any],
     vocab_size: int,
     *,
     minutes: float,
@@ -172,7 +172,7 @@ def choose_size(
 
 def measured_speeds(
     rule: BudgetRule,
-    model: dict[str, Any],
+    model: Mapping[str, Any],
     task_for: Callable[[int], Any],
     *,
     vocab_size: int,
@@ -210,7 +210,9 @@ def measured_speeds(
     return speed
 
 
-def _speed_key(size: dict, model: dict, vocab_size: int, device: torch.device, bf16: bool, weight_decay: float) -> str:
+def _speed_key(
+    size: dict, model: Mapping, vocab_size: int, device: torch.device, bf16: bool, weight_decay: float
+) -> str:
     from qkv.runtime.machine import cpuinfo_fields
 
     cpu = cpuinfo_fields("model name", "cpu family", "model", "flags")
@@ -257,7 +259,7 @@ def _write_cache(cache_dir: Path | None, key: str, value: float) -> None:
 
 def _measure(
     size: dict,
-    model: dict,
+    model: Mapping,
     task_for: Callable[[int], Any],
     *,
     vocab_size: int,

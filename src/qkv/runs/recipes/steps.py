@@ -1,8 +1,11 @@
 """How a recipe's tokens per step are split among processes and batches: the part of a recipe that is
-computed rather than read (re-exported by :mod:`qkv.runs.recipes`). How a run decodes by default is
+computed rather than read (re-exported by :mod:`qkv.runs.recipes`), and the recipe's section that
+holds it (:class:`StepsSection`, ``Recipe.steps``). How a run decodes by default is
 :mod:`qkv.inference.decode`, re-exported here."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from qkv.inference.decode import DEFAULT_DECODE, MAX_BEAM, MAX_SAVED_BEAM, check_decode, decode_settings
 
@@ -11,6 +14,7 @@ __all__ = [
     "MAX_BEAM",
     "MAX_SAVED_BEAM",
     "MICRO_BATCH_TOKENS",
+    "StepsSection",
     "check_decode",
     "decode_settings",
     "step_batches",
@@ -59,3 +63,27 @@ def step_batches(
     if accum_steps is None:
         accum_steps = -(-tokens_per_step // (micro_batch_tokens * world_size))
     return -(-tokens_per_step // (accum_steps * world_size)), accum_steps
+
+
+@dataclass(frozen=True)
+class StepsSection:
+    """A step's size, ``tokens_per_step`` padded tokens, and how it splits into ``max_tokens`` x
+    ``accum_steps`` x processes (:func:`~qkv.runs.recipes.steps.step_batches`)."""
+
+    tokens_per_step: int
+
+    def split(
+        self, world_size: int = 1, *, max_tokens: int | None = None, accum_steps: int | None = None
+    ) -> dict[str, int]:
+        """``max_tokens`` and ``accum_steps`` on ``world_size`` processes (one given is kept, both: both).
+
+        Args:
+            world_size: how many processes share a step.
+            max_tokens: a batch's padded tokens, if given.
+            accum_steps: batches per process per step, if given.
+
+        Returns:
+            ``{"max_tokens": ..., "accum_steps": ...}``.
+        """
+        tokens, accum = step_batches(self.tokens_per_step, world_size, max_tokens=max_tokens, accum_steps=accum_steps)
+        return {"max_tokens": tokens, "accum_steps": accum}
