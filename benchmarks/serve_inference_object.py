@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from qkv.bench.provenance import write_result
+from qkv.bench.results import add_result_options, check_result_file
 from qkv.decoding.translate import translate_texts
 from qkv.inference import open_run
 from qkv.models.transformer import Transformer, TransformerConfig
@@ -32,8 +33,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=5, help="requests per round and path")
-    parser.add_argument("--out", required=True)
+    add_result_options(parser, required=True)
     args = parser.parse_args()
+    out = check_result_file(parser, args)  # before any work: an existing result is kept unless --overwrite
     torch.set_num_threads(1)
     torch.manual_seed(0)
     _, tokenizer, _ = open_run(FIXTURE)
@@ -80,7 +82,7 @@ def main() -> None:
         },
         "results": results,
     }
-    write_result(args.out, report)
+    write_result(out, report)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def test_the_lines_name_each_group_and_its_values():
     assert lines[2] == "options from the machine: 2 processes"
 
 
-def test_a_start_hook_receives_the_resolved_options_and_the_run_prints_them_first(tmp_path, monkeypatch, caplog):
+def test_a_start_hook_receives_the_resolved_options(tmp_path, monkeypatch, caplog):
     calls = []
 
     def start(run_dir, **keywords):
@@ -88,9 +88,37 @@ def test_a_start_hook_receives_the_resolved_options_and_the_run_prints_them_firs
     here = precision.bf16_is_fast("cpu")  # the machine's part: bf16 where it is fast
     expected = resolve_run_options(load_recipe("paper-base"), {"max_tokens": 3000}, bf16_fast=here)
     assert resolved.train == expected.train and resolved.origin("bf16") == ("recipe" if here else "machine")
+
+
+@pytest.mark.parametrize("source", ["dates", "text"])
+def test_a_run_says_its_options_once_its_inputs_are_checked(tmp_path, caplog, source):
+    """A run's opening lines are its resolved options (before the model's line); a refused input
+    is one line with nothing before it (the options are said only once the data is usable)."""
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be, that is the question\n" * 400, encoding="utf-8")
+    data = (
+        DataSpec(source="dates", train_size=200, valid_size=20)
+        if source == "dates"
+        else DataSpec(source="text", train_text=str(text))
+    )
+    small = {"max_steps": 1, "max_minutes": 0, "progress": False, "max_tokens": 600, "eval_every_steps": 0}
+    model = {"d_model": 16, "num_heads": 2, "d_ff": 32}
+    model |= (
+        {"num_layers": 1, "context": 32} if source == "text" else {"num_encoder_layers": 1, "num_decoder_layers": 1}
+    )
+    with caplog.at_level(logging.INFO, logger="qkv"):
+        lifecycle.start_run(tmp_path / "run", data=data, model_options=model, train_options=small, device="cpu")
     messages = [record.getMessage() for record in caplog.records]
-    assert messages[: len(resolved.lines())] == resolved.lines()
-    assert messages[-1] == "model: built"
+    said = [m for m in messages if m.startswith("options from ")]
+    assert said and "options from the command line: " in said[1 if said[0].startswith("options from the recipe") else 0]
+    model_line = next(i for i, m in enumerate(messages) if m.startswith("model: "))
+    assert all(messages.index(m) < model_line for m in said)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("", encoding="utf-8")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="qkv"), pytest.raises(ValueError, match="empty"):
+        lifecycle.start_run(tmp_path / "run2", data=DataSpec(source="text", train_text=str(empty)), device="cpu")
+    assert not [r for r in caplog.records if r.getMessage().startswith("options from ")]
 
 
 def test_a_hook_called_directly_resolves_its_options_over_the_recipe():

@@ -169,7 +169,10 @@ def start_lm_run(
     _check_test_window(ids, model_config.context)
     # the precision once the data is known to be usable: a refused text's error is all the user reads
     train_config = replace(train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
-    for line in choice.start_notes(bf16=train_config.bf16, bf16_fast=precision.bf16_is_fast(device)):
+    for line in [
+        *resolved.lines(),
+        *choice.start_notes(bf16=train_config.bf16, bf16_fast=precision.bf16_is_fast(device)),
+    ]:
         logger.info(line)
     if sizing is not None:
         logger.info("model size: %s", sizing["why"])

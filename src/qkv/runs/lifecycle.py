@@ -118,13 +118,11 @@ def _resolved(
     recipe: Recipe, train_options: dict | None, dist: Distributed | None, device: str | torch.device
 ) -> ResolvedOptions:
     """The run's training options resolved once over ``recipe`` for its processes and ``device``
-    (bf16 where it is fast there), and said: the run's first lines."""
+    (bf16 where it is fast there); the run kind says them once its inputs are checked (a refused
+    input's error is then all the user reads)."""
     world = dist.world_size if dist is not None and dist.enabled else 1
     fast = precision.bf16_is_fast(device)
-    resolved = resolve_run_options(recipe, train_options, world_size=world, bf16_fast=fast)
-    for line in resolved.lines():
-        logger.info(line)
-    return resolved
+    return resolve_run_options(recipe, train_options, world_size=world, bf16_fast=fast)
 
 
 def _start_on_rank_0(start: Callable[..., Trainer], dist: Distributed) -> None:

@@ -86,6 +86,8 @@ def start_translation_run(
 
     training = open_training_data(data, vocab_size=vocab_size, split_digits=recipe.split_digits)
     tokenizer = training.tokenizer
+    for line in resolved.lines():  # the options as resolved, once the inputs are known to be usable
+        logger.info(line)
     model_config, train_config = _model_and_train_configs(
         choice, model_options, resolved.given, train_config, device, tokenizer
     )
