@@ -4,10 +4,12 @@ kind's hooks (checked against the kinds' own modules and the data package's sour
 
 from __future__ import annotations
 
+import ast
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from test_import_layers import RANK, SRC
 
 from qkv.data.sources import SOURCES
 from qkv.data.spec import DataSpec
@@ -113,3 +115,56 @@ def test_the_old_names_are_the_same_objects():
     assert translation.run_training is lifecycle.run_training
     assert translation.start_translation_run is start_translation_run is TRANSLATION.start
     assert LANGUAGE_MODEL.start is start_lm_run
+
+
+# The string literals naming a kind of run ("translation", "lm") or an explorer's kind ("seq2seq") that
+# remain in the packages above runs/, per file: a ceiling, so a new switch on a kind's name fails here
+# (use qkv.runs.kinds: run_kind(config), TRANSLATION / LANGUAGE_MODEL and their fields). What remains:
+# the explorer kinds of served models, pretrained folders included (serve/, viz/, cli/attend.py,
+# cli/serve.py); the inference API's ``task=`` values and the lm config section's key, on paths that
+# never import qkv.training, which importing qkv.runs does (cli/generate.py, cli/evaluate.py, export/);
+# the benchmark's section named "lm" (bench/); recipes' task field (cli/recipes.py, cli/train/).
+KIND_LITERALS = {
+    "bench/gpu.py": 2,
+    "bench/gpu_models.py": 3,
+    "cli/attend.py": 3,
+    "cli/evaluate.py": 1,
+    "cli/generate.py": 1,
+    "cli/recipes.py": 2,
+    "cli/serve.py": 1,
+    "cli/train/data.py": 2,
+    "cli/train/help.py": 11,
+    "export/ctranslate2.py": 1,
+    "export/onnx.py": 1,
+    "serve/app.py": 2,
+    "serve/models.py": 6,
+    "serve/service.py": 1,
+    "viz/app.py": 1,
+    "viz/explorers.py": 4,
+    "viz/lm_explorer.py": 2,
+}
+
+
+def kind_literals(source: str) -> int:
+    """How many string constants in ``source`` are exactly a kind's name ("translation", "lm", "seq2seq")."""
+    words = {kind.name for kind in kinds.KINDS.values()} | {kind.serve_kind for kind in kinds.KINDS.values()}
+    return sum(isinstance(node, ast.Constant) and node.value in words for node in ast.walk(ast.parse(source)))
+
+
+def test_kind_literals_are_counted_in_code_and_not_in_text():
+    assert kind_literals('x = "lm"\nif task == "translation" or kind != "seq2seq": pass') == 3
+    assert kind_literals('"""a lm run"""\nx = "lms"\ny = LANGUAGE_MODEL.name') == 0
+
+
+def test_no_new_kind_name_literals_above_runs():
+    found = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = path.relative_to(SRC).parts
+        if len(parts) > 1 and RANK.get(parts[0], -1) > RANK["runs"]:
+            count = kind_literals(path.read_text(encoding="utf-8"))
+            if count:
+                found["/".join(parts)] = count
+    over = {
+        name: (count, KIND_LITERALS.get(name, 0)) for name, count in found.items() if count > KIND_LITERALS.get(name, 0)
+    }
+    assert not over, f"new kind-name string literals (found, allowed): {over}; decide by qkv.runs.kinds instead"

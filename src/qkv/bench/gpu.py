@@ -51,6 +51,7 @@ from qkv.bench.gpu_runner import Runner, describe_error, section_ratios, targets
 from qkv.bench.provenance import provenance, utc_now
 from qkv.bench.step_profile import profile_step
 from qkv.models.transformer import TransformerConfig
+from qkv.runs.language_model import LANGUAGE_MODEL
 from qkv.runtime.fileio import write_json
 from qkv.runtime.peaks import peak_flops
 
@@ -180,7 +181,7 @@ def _section(settings: Settings, name: str) -> Section:
 
 
 def _batches(section: Section, settings: Settings) -> list:
-    if section.task == "lm":
+    if section.task == LANGUAGE_MODEL.name:
         return lm_batches(section, settings.batches, settings.seed)
     if settings.prepared:
         return prepared_batches(settings.prepared, section, settings.batches, settings.seed)
@@ -232,7 +233,7 @@ def _data_info(section: Section, batches: list, settings: Settings) -> dict[str,
     tokens = [b.num_tgt_tokens for b in batches]
     info: dict[str, Any] = {
         "source": "generated"
-        if section.task == "lm" or not settings.prepared
+        if section.task == LANGUAGE_MODEL.name or not settings.prepared
         else f"prepared folder {settings.prepared}",
         "batches": len(batches),
         "tokens_per_step": section.tokens_per_step,

@@ -130,8 +130,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qkv.inference.runs import load_run, load_translator, read_run_config, run_task
+    from qkv.inference.runs import load_run, load_translator, read_run_config
     from qkv.metrics.bleu_forms import check_lang
+    from qkv.runs.kinds import run_kind
+    from qkv.runs.translation_kind import TRANSLATION
     from qkv.runtime.device import pick_device
     from qkv.runtime.fileio import check_output_file
 
@@ -154,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         if args.text:
             raise ValueError("--text scores a language-model run; CTranslate2 decodes translation runs")
         config = {} if exported else read_run_config(args.run_dir)
-        if run_task(config) == "lm":
+        if run_kind(config) is not TRANSLATION:
             raise ValueError(f"{args.run_dir}: a language-model run; --engine ctranslate2 decodes translation runs")
         with ct2_translator(args, device) as translator:
             config = {"decode": translator.manifest["decode"]} if exported else config
@@ -168,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         model, tokenizer, config = load_run(args.run_dir, args.weights)
     model.to(device)
-    if run_task(config) == "lm":
+    if run_kind(config) is not TRANSLATION:
         if others:
             raise ValueError("--against compares translation runs; a language-model run has no BLEU")
         return _evaluate_language_model(args, model, tokenizer, config)

@@ -33,13 +33,15 @@ def read_against(args: argparse.Namespace, others: list[str], config: dict, sent
     (``sentences`` of them, the first ones under --limit), a run folder's config (a translation run of
     this run's language pair, where both name one)."""
     from qkv.metrics.scores import read_translations
-    from qkv.runs.folder import read_run_config, run_task
+    from qkv.runs.folder import read_run_config
+    from qkv.runs.kinds import run_kind
+    from qkv.runs.translation_kind import TRANSLATION
 
     held: dict[str, dict | list[str]] = {}
     for path in others:
         if Path(path).is_dir():
             other = read_run_config(path)
-            if run_task(other) == "lm":
+            if run_kind(other) is not TRANSLATION:
                 raise ValueError(f"--against {path}: a language-model run, not a translation run")
             ours, theirs = direction(config), direction(other)
             if ours and theirs and ours != theirs:
