@@ -52,6 +52,18 @@ class Ensemble(nn.Module):
         self._layers = [m.config.num_decoder_layers for m in models]
 
     def encode(self, src: Tensor, *, src_key_padding_mask: Tensor | None = None) -> EncoderOutput:
+        """Run every member's encoder over the same source.
+
+        Args:
+            src: ``(b, s_src)`` source ids.
+            src_key_padding_mask: ``(b, s_src)``, True = real token; None: each member derives it from
+                ``src != pad_id``.
+
+        Returns:
+            The members' encoder outputs concatenated along the feature axis, ``(b, s_src, sum of
+            d_model)``, with the first member's padding mask (the members share the tokenizer, so
+            their masks are the same).
+        """
         outputs = [m.encode(src, src_key_padding_mask=src_key_padding_mask) for m in self._models()]
         hidden = torch.cat([o.hidden for o in outputs], dim=-1)  # (b, s_src, sum of d_model)
         return EncoderOutput(hidden, None, outputs[0].key_padding_mask)
@@ -63,6 +75,19 @@ class Ensemble(nn.Module):
     def decode(
         self, tgt: Tensor, memory: EncoderOutput, *, cache: list[tuple[KVCache, KVCache]] | None = None
     ) -> DecoderOutput:
+        """Run every member's decoder and average their next-token probabilities.
+
+        Args:
+            tgt: ``(b, s_tgt)`` target ids (with a ``cache``, only the new step's).
+            memory: what :meth:`encode` returned: the members' encoder outputs side by side.
+            cache: the members' per-layer (self, cross) caches, member after member, as the previous
+                call returned them; None on the first step.
+
+        Returns:
+            ``logits`` ``(b, s_tgt, V)``, the log of the members' mean probabilities (already
+            normalised); ``hidden``, the last member's final states (the members' widths may
+            differ); and the new cache, member after member.
+        """
         hiddens = memory.hidden.split(self._widths, dim=-1)
         caches: list[list[tuple[KVCache, KVCache]] | None]
         caches = list(_split(cache, self._layers)) if cache is not None else [None] * len(self.members)

@@ -38,7 +38,14 @@ class Steps(Protocol):
 
     def __call__(self, tokens: Tensor) -> Tensor: ...
 
-    def select(self, index: Tensor, memory_index: Tensor | None) -> None: ...
+    def select(self, index: Tensor, memory_index: Tensor | None) -> None:
+        """Keep the rows ``index`` of the decoded state and the memory's rows ``memory_index``.
+
+        Args:
+            index: ``(b',)`` the rows to keep, in that order, repeats allowed.
+            memory_index: ``(b',)`` the memory's rows to keep; None: the memory as it is.
+        """
+        ...
 
 
 class PlainSteps:
@@ -57,6 +64,13 @@ class PlainSteps:
         return out.logits[:, -1]
 
     def select(self, index: Tensor, memory_index: Tensor | None) -> None:
+        """Reorder the KV cache and, when ``memory_index`` is given, the memory (see :class:`Steps`).
+
+        Args:
+            index: ``(b',)`` the rows of the self-attention cache to keep, in that order.
+            memory_index: ``(b',)`` the rows of the memory, its padding mask and the cross-attention
+                cache to keep; None: those stay as they are.
+        """
         if memory_index is not None:
             hidden, mask = self.memory.hidden.index_select(0, memory_index), self.memory.key_padding_mask
             self.memory = EncoderOutput(hidden, None, None if mask is None else mask.index_select(0, memory_index))

@@ -69,6 +69,15 @@ class EncoderGraph(nn.Module):
         self.model = model
 
     def forward(self, src: Tensor) -> tuple[Tensor, ...]:
+        """Encode ``src`` and project the cross-attention keys and values of every decoder layer.
+
+        Args:
+            src: ``(b, s_src)`` source ids.
+
+        Returns:
+            The memory ``(b, s_src, d)``, then per decoder layer its cross-attention key and value,
+            ``(b, h, s_src, d_h)`` each.
+        """
         memory = self.model.encode(src).hidden  # (b, s_src, d)
         outputs = [memory]
         for layer in self.model.decoder.layers:
@@ -88,6 +97,19 @@ class DecoderStepGraph(nn.Module):
         self.num_layers = len(model.decoder.layers)
 
     def forward(self, token: Tensor, src_mask: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
+        """Decode one step from flat cache tensors.
+
+        Args:
+            token: ``(b, 1)`` the last decoded id.
+            src_mask: ``(b, s_src)`` True = real source token.
+            *caches: every layer's self-attention key and value ``(b, h, t, d_h)``, then every
+                layer's cross-attention key and value ``(b, h, s_src, d_h)``, in :func:`cache_names`
+                order.
+
+        Returns:
+            The next token's logits ``(b, V)``, then every layer's new self-attention key and value,
+            ``(b, h, t + 1, d_h)`` each.
+        """
         n = self.num_layers
         self_kv, cross_kv = caches[: 2 * n], caches[2 * n :]
         cache = [

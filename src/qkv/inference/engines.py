@@ -32,9 +32,22 @@ class Translator(Protocol):
 
     name: str
 
-    def translate(self, texts: list[str], decode: DecodeConfig | None = None) -> list[str]: ...
+    def translate(self, texts: list[str], decode: DecodeConfig | None = None) -> list[str]:
+        """Translate ``texts``.
 
-    def close(self) -> None: ...
+        Args:
+            texts: the source sentences.
+            decode: how to decode; None: the engine's own settings.
+
+        Returns:
+            One translation per sentence, in input order.
+        """
+        ...
+
+    def close(self) -> None:
+        """Free what the engine holds (an onnxruntime session, CTranslate2's model); a closed engine may
+        translate no more."""
+        ...
 
 
 class QkvTranslator:

@@ -89,6 +89,7 @@ class CausalLMConfig:
         return self.vocab_size * d + output + table + self.num_layers * (4 * d * d + 2 * d * self.d_ff)
 
     def layer_kwargs(self) -> dict:
+        """The arguments every block's :class:`~qkv.nn.layers.EncoderLayer` is built with."""
         return dict(
             d_model=self.d_model,
             num_heads=self.num_heads,
@@ -103,6 +104,17 @@ class CausalLMConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> CausalLMConfig:
+        """The config saved as ``data`` (what :meth:`to_json` writes).
+
+        Args:
+            data: field names to values; missing fields take their defaults.
+
+        Returns:
+            The config.
+
+        Raises:
+            ValueError: a key is not a field (a typo, or a config of another model).
+        """
         unknown = sorted(set(data) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"unknown CausalLMConfig fields: {unknown}")
@@ -115,6 +127,10 @@ class CausalLMConfig:
 
 @dataclass
 class CausalLMOutput:
+    """What :class:`CausalLM` returns: the next-token logits (None with ``project=False``), the final
+    hidden states, the attention weights of every layer when asked for, and the per-layer KV cache
+    to pass to the next step."""
+
     logits: Tensor | None  # (b, s, V); None with project=False
     hidden: Tensor  # (b, s, d) the final hidden states
     attentions: list[Tensor] | None = None  # per layer (b, h, s, s_k)

@@ -32,7 +32,9 @@ class Steppable(Protocol):
     """What the loop needs of a model: its context length and a forward pass with a key/value cache."""
 
     @property
-    def config(self) -> Any: ...  # with ``context``, the longest sequence the model attends over
+    def config(self) -> Any:
+        """The model's config: its ``context`` is the longest sequence the model attends over."""
+        ...
 
     def __call__(self, ids: Tensor, *, cache: Any = None) -> Any: ...  # ``.logits (b, s, V)``, ``.cache``
 

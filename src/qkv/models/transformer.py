@@ -110,6 +110,7 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> TransformerConfig:
+        """The config whose fields are ``data`` (:meth:`to_json`'s content); a key that is no field is a ValueError."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -118,11 +119,14 @@ class TransformerConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> TransformerConfig:
+        """The config in the JSON file ``path`` (:meth:`to_json`'s output), checked as :meth:`from_dict` checks it."""
         return cls.from_dict(read_json(path))
 
 
 @dataclass
 class EncoderOutput:
+    """What :meth:`Transformer.encode` returns: the memory, per-layer weights if asked, the source padding mask."""
+
     hidden: Tensor  # (b, s_src, d) encoder output ("memory")
     attentions: list[Tensor] | None = None  # per layer (b, h, s_src, s_src)
     key_padding_mask: Tensor | None = None  # (b, s_src) True = real token
@@ -130,6 +134,8 @@ class EncoderOutput:
 
 @dataclass
 class DecoderOutput:
+    """What :meth:`Transformer.decode` returns: logits, final states, weights if asked, the next step's cache."""
+
     logits: Tensor | None  # (b, s_tgt, V); None from decode(..., project=False)
     hidden: Tensor  # (b, s_tgt, d) final decoder states
     self_attentions: list[Tensor] | None = None  # per layer (b, h, s_tgt, s_k)
@@ -148,6 +154,7 @@ class TokenEmbedding(nn.Module):
         self.dropout = Dropout(dropout)
 
     def forward(self, ids: Tensor, start: int = 0) -> Tensor:
+        """``ids (b, s)`` integer ids at positions ``start ..`` (after a cache's tokens) -> ``(b, s, d)``."""
         if ids.dim() != 2:
             raise ValueError(f"token ids must be (batch, seq), got shape {tuple(ids.shape)}")
         if ids.dtype not in (torch.int64, torch.int32):
@@ -166,6 +173,7 @@ class Encoder(nn.Module):
     def forward(
         self, x: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False, need_weights: bool = False
     ) -> tuple[Tensor, list[Tensor] | None]:
+        """``x (b, s, d)`` through every layer -> the final states and, if ``need_weights``, per-layer weights."""
         attentions: list[Tensor] | None = [] if need_weights else None
         for layer in self.layers:
             out = layer(x, key_padding_mask=key_padding_mask, is_causal=is_causal, need_weights=need_weights)
@@ -360,6 +368,8 @@ class Transformer(nn.Module):
 
 @dataclass
 class EncoderModelOutput:
+    """What :class:`EncoderModel` returns: the final hidden states and, if asked, every layer's weights."""
+
     last_hidden_state: Tensor  # (b, s, d)
     attentions: list[Tensor] | None = None  # per layer (b, h, s, s)
 
@@ -382,6 +392,7 @@ class EncoderModel(nn.Module):
     def forward(
         self, ids: Tensor, *, key_padding_mask: Tensor | None = None, need_weights: bool = False
     ) -> EncoderModelOutput:
+        """Encode ``ids (b, s)``; ``key_padding_mask`` (True = real token) defaults to ``ids != pad_id``."""
         if key_padding_mask is None:
             key_padding_mask = ids != self.config.pad_id
         hidden, attentions = self.encoder(self.embed(ids), key_padding_mask=key_padding_mask, need_weights=need_weights)

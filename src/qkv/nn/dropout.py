@@ -53,9 +53,18 @@ class Dropout(nn.Module):
         self.p = p
 
     def forward(self, x: Tensor) -> Tensor:
+        """:func:`dropout` of ``x`` at this module's ``p``, in training mode only (identity in eval).
+
+        Args:
+            x: any shape, floating point.
+
+        Returns:
+            ``x``'s shape.
+        """
         return dropout(x, self.p, self.training)
 
     def extra_repr(self) -> str:
+        """``p=...``, shown in the module's repr as ``nn.Dropout`` shows it."""
         return f"p={self.p}"
 
 

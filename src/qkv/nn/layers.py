@@ -72,6 +72,14 @@ class FeedForward(nn.Module):
         self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:
+        """The network over ``x``, each position on its own.
+
+        Args:
+            x: ``(..., d)`` hidden states.
+
+        Returns:
+            ``x``'s shape.
+        """
         return self.compute(x, self._first, self.linear2, self.dropout)  # (b, s, d)
 
     def _first(self, x: Tensor) -> Tensor:

@@ -54,6 +54,18 @@ class SinusoidalPositionalEncoding(_PositionalEncoding):
         self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
 
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
+        """Add the encoding of positions ``start .. start + s - 1`` to ``x``.
+
+        Args:
+            x: ``(b, s, d)`` the embedded tokens.
+            start: the first position (the tokens already decoded, with a cache).
+
+        Returns:
+            ``x``'s shape and dtype.
+
+        Raises:
+            ValueError: ``x`` is not 3-D, or the positions run past ``max_len``.
+        """
         self._check(x, start)
         return x + self.table[start : start + x.size(1)].to(x.dtype)  # (b, s, d)
 
@@ -68,6 +80,18 @@ class LearnedPositionalEncoding(_PositionalEncoding):
         nn.init.normal_(self.embedding.weight, std=0.02)
 
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
+        """Add the encoding of positions ``start .. start + s - 1`` to ``x``.
+
+        Args:
+            x: ``(b, s, d)`` the embedded tokens.
+            start: the first position (the tokens already decoded, with a cache).
+
+        Returns:
+            ``x``'s shape and dtype.
+
+        Raises:
+            ValueError: ``x`` is not 3-D, or the positions run past ``max_len``.
+        """
         self._check(x, start)
         positions = torch.arange(start, start + x.size(1), device=x.device)
         return x + self.embedding(positions).to(x.dtype)  # (b, s, d)
@@ -91,4 +115,13 @@ class NoPositionalEncoding(nn.Module):
     """Identity: the model sees a bag of tokens (used to show permutation equivariance)."""
 
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
+        """``x`` unchanged.
+
+        Args:
+            x: ``(b, s, d)`` the embedded tokens.
+            start: ignored; taken for the interface the other encodings share.
+
+        Returns:
+            ``x`` itself.
+        """
         return x

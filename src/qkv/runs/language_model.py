@@ -117,6 +117,19 @@ def open_lm_task(run_dir: Path, config: dict) -> LanguageModelTask:
     )
 
 
+def _run_config(
+    model_config: CausalLMConfig, train_config: TrainConfig, data: DataSpec, choice: RecipeChoice, sizing: dict | None
+) -> dict[str, Any]:
+    """A language-model run's config.json, but for its ``lm`` section."""
+    return {
+        "task": "lm",
+        "model": asdict(model_config),
+        "train": asdict(train_config),
+        "data": data.to_json(),
+        "recipe": {**choice.record(), **({"sizing": sizing} if sizing is not None else {})},
+    }
+
+
 def start_lm_run(
     run_dir: Path,
     *,
@@ -169,10 +182,8 @@ def start_lm_run(
     _check_test_window(ids, model_config.context)
     # the precision once the data is known to be usable: a refused text's error is all the user reads
     train_config = replace(train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
-    for line in [
-        *resolved.lines(),
-        *choice.start_notes(bf16=train_config.bf16, bf16_fast=precision.bf16_is_fast(device)),
-    ]:
+    notes = choice.start_notes(bf16=train_config.bf16, bf16_fast=precision.bf16_is_fast(device))
+    for line in [*resolved.lines(), *notes]:
         logger.info(line)
     if sizing is not None:
         logger.info("model size: %s", sizing["why"])
@@ -180,13 +191,7 @@ def start_lm_run(
             sizing = None
     _log_data(text.where, ids, lm["tokenizer"], tokenizer.vocab_size)
     trainer = Trainer(CausalLM(model_config).to(device), task, train_config, run_dir)
-    config: dict[str, Any] = {
-        "task": "lm",
-        "model": asdict(model_config),
-        "train": asdict(train_config),
-        "data": data.to_json(),
-        "recipe": {**choice.record(), **({"sizing": sizing} if sizing is not None else {})},
-    }
+    config = _run_config(model_config, train_config, data, choice, sizing)
 
     def write_initial(folder: Path) -> None:
         for name, array in ids.items():
@@ -197,8 +202,9 @@ def start_lm_run(
     run_folder.create_run(
         run_dir, config | {"lm": lm}, tokenizer, overwrite=overwrite, write_initial=write_initial, inputs=inputs
     )
-    parameters = sum(p.numel() for p in trainer.model.parameters())
-    logger.info("model: %.2fM parameters; run folder %s", parameters / 1e6, run_dir)
+    logger.info(
+        "model: %.2fM parameters; run folder %s", sum(p.numel() for p in trainer.model.parameters()) / 1e6, run_dir
+    )
     return trainer
 
 
