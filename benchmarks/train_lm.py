@@ -70,6 +70,7 @@ from qkv.runtime.device import pick_device
 from qkv.runtime.fileio import read_json, write_json
 from qkv.runtime.precision import autocast_context
 from qkv.training import LanguageModelTask, TrainConfig, Trainer
+from qkv.training.objectives import Objective, cross_entropy_smoothing
 from qkv.training.tasks import language_model_loss
 
 REPO = Path(__file__).resolve().parent.parent
@@ -220,17 +221,18 @@ def test_split(run_dir: Path, bf16: bool) -> dict | None:
 
 # ------------------------------------------------------------------ the comparison
 def hf_loss(
-    model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor, *, label_smoothing: float = 0.0
+    model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor, *, objective: Objective | None = None
 ) -> torch.Tensor:
     """Summed cross-entropy of ``GPT2LMHeadModel``'s logits against ``targets`` (like
-    :meth:`CausalLM.loss`: ``ids`` and ``targets`` are already shifted, ``IGNORE`` adds nothing)."""
+    :meth:`CausalLM.loss`: ``ids`` and ``targets`` are already shifted, ``IGNORE`` adds nothing),
+    with ``objective``'s label smoothing."""
     logits = model(input_ids=ids, use_cache=False).logits  # (b, s, V)
     return F.cross_entropy(
         logits.flatten(0, 1).float(),
         targets.flatten(),
         ignore_index=IGNORE,
         reduction="sum",
-        label_smoothing=label_smoothing,
+        label_smoothing=cross_entropy_smoothing(objective),
     )
 
 
@@ -238,7 +240,7 @@ class HFTask:
     """What :meth:`Trainer.step` needs of a task, for the HF model: its loss call."""
 
     loss_fn = staticmethod(hf_loss)
-    loss = staticmethod(LanguageModelTask.loss)  # module(batch.ids, batch.targets, label_smoothing=...)
+    loss = staticmethod(LanguageModelTask.loss)  # module(batch.ids, batch.targets, objective=...)
 
 
 def gpt2_like(config: CausalLMConfig):

@@ -16,8 +16,9 @@ from qkv.bench import timing
 from qkv.bench.competitors import TorchTransformerMT, count_parameters
 from qkv.bench.data import synthetic_data
 from qkv.bench.suites import run_suite, summarize
-from qkv.bench.training import parse_contender, training_benchmark
+from qkv.bench.training import _ContenderTask, parse_contender, training_benchmark
 from qkv.runtime.device import pick_device
+from qkv.training.objectives import LabelSmoothedCrossEntropy, RDrop
 
 CPU = torch.device("cpu")
 
@@ -230,6 +231,28 @@ def test_training_benchmark_counts_tokens_of_the_timed_batches():
         assert result["steps_timed"] == 4 and result["error"] is None
         assert result["tokens_per_s"] == pytest.approx(timed / sum(result["times_s"]))
     assert set(report["ratios"]) == set(report["paired_ratios"]) == {"qkv_vs_torch", "qkv+bf16_vs_qkv"}
+
+
+def test_a_contender_reads_its_label_smoothing_from_the_step_s_objective():
+    """The torch contender's loss takes the objective's smoothing (PyTorch's F.cross_entropy on its
+    logits is the reference) and refuses R-Drop, which it cannot compute, rather than drop its term."""
+    data = synthetic_data(vocab_size=40, num_batches=2, batch_size=3, src_len=6, tgt_len=5)
+    config = qkv.TransformerConfig(
+        src_vocab_size=40, tgt_vocab_size=40, d_model=16, num_heads=2, num_encoder_layers=1,
+        num_decoder_layers=1, d_ff=32, max_len=32, share_embeddings=True, dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model, batch = TorchTransformerMT(config).eval(), data.batches[0]
+    task = _ContenderTask(model, data.pad_id)
+    got = task.loss_fn(model, batch.src, batch.tgt_in, batch.tgt_out, objective=LabelSmoothedCrossEntropy(0.1))
+    logits = model(batch.src, batch.tgt_in)
+    want = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, 40), batch.tgt_out.reshape(-1), ignore_index=data.pad_id, label_smoothing=0.1,
+        reduction="sum",
+    )  # fmt: skip
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="rdrop"):
+        task.loss_fn(model, batch.src, batch.tgt_in, batch.tgt_out, objective=RDrop(alpha=2.0))
 
 
 @pytest.mark.parametrize("suite", ["attention", "decoding", "precision"])

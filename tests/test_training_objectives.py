@@ -13,19 +13,24 @@ import pytest
 import torch
 from test_loss import _reference, _tiny_transformer_and_batch
 
+from qkv.data.batching import Batch
 from qkv.models.causal_lm import IGNORE, CausalLM, CausalLMConfig
-from qkv.training import TrainConfig
+from qkv.training import TrainConfig, Trainer
+from qkv.training.distributed import LossForward
 from qkv.training.language_model_task import language_model_loss
 from qkv.training.objectives import (
     OBJECTIVES,
     LabelSmoothedCrossEntropy,
+    Predictions,
     RDrop,
+    cross_entropy_smoothing,
     loss_keywords,
     make_objective,
+    only_one_smoothing,
     step_objective,
 )
 from qkv.training.rdrop import fused_linear_rdrop_cross_entropy, rdrop_cross_entropy
-from qkv.training.tasks import translation_loss
+from qkv.training.tasks import TranslationTask, translation_loss
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SRC = Path(__file__).resolve().parent.parent / "src" / "qkv"
@@ -114,25 +119,81 @@ def test_a_step_s_objective_follows_rdrop_and_rdrop_start():
     assert step_objective(TrainConfig(rdrop=2.0), 0.0) == RDrop(alpha=2.0, label_smoothing=0.1)
 
 
-def test_the_default_objective_reaches_a_loss_function_as_label_smoothing_alone():
-    """Loss functions that know only label-smoothed cross-entropy (the benchmarks' other contenders)
-    serve plain steps; R-Drop's objective is passed itself, and not together with a smoothing."""
-    assert loss_keywords(LabelSmoothedCrossEntropy(0.1)) == {"label_smoothing": 0.1}
-    rdrop = RDrop(alpha=2.0, label_smoothing=0.1)
+def test_label_smoothing_reaches_a_loss_function_through_the_objective_alone():
+    """One channel: every objective is passed itself, the default one too, and a loss function that
+    knows only label-smoothed cross-entropy (a benchmark's other contender) reads its smoothing from
+    it and refuses another objective rather than drop its term."""
+    default, rdrop = LabelSmoothedCrossEntropy(0.1), RDrop(alpha=2.0, label_smoothing=0.1)
+    assert loss_keywords(default) == {"objective": default}
     assert loss_keywords(rdrop) == {"objective": rdrop}
+    assert cross_entropy_smoothing(default) == 0.1 and cross_entropy_smoothing(None) == 0.0
+    with pytest.raises(ValueError, match="rdrop"):
+        cross_entropy_smoothing(rdrop)
+    only_one_smoothing(rdrop, 0.1)  # kept importable; nothing calls it with two smoothings any more
+
+
+@pytest.mark.parametrize("options", [{}, {"rdrop": 3.0}], ids=["plain", "rdrop"])
+def test_a_training_step_passes_no_label_smoothing_beside_its_objective(options):
+    """Every loss call of a real Trainer step gets the objective and nothing else, so no call can hold
+    two smoothings (the refusal that guarded against it has nothing left to refuse)."""
+    model, task = STEPS._translation({})
+    calls = []
+
+    def recording_loss(model, *tensors, **keywords):
+        calls.append(keywords)
+        return translation_loss(model, *tensors, **keywords)
+
+    task.loss_fn = recording_loss  # what the Trainer wraps
+    config = TrainConfig(max_tokens=300, warmup_steps=4, label_smoothing=0.1, progress=False, **options)
+    trainer = Trainer(model, task, config)
+    trainer.step([task.make_batch(task.batches(0, config.max_tokens, config.seed)[0], 0)])
+    assert calls and all(set(keywords) == {"objective"} for keywords in calls)
+    expected = RDrop(alpha=3.0, label_smoothing=0.1) if options else LabelSmoothedCrossEntropy(0.1)
+    assert all(keywords["objective"] == expected for keywords in calls)
+
+
+def _loss_and_grads(model, loss):
+    model.zero_grad()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_the_default_objective_and_an_explicit_one_take_bit_identical_steps():
+    """The engine's default objective (from TrainConfig), ``LabelSmoothedCrossEntropy(0.1)`` given
+    explicitly (as the task's loss call passes it, and by name), and an old caller's
+    ``label_smoothing=0.1`` with no objective: the same loss and gradients to the last bit, and the
+    loss is PyTorch's label-smoothed cross-entropy (with 0.1, not 0)."""
     config, model, src, tgt_in, tgt_out = _tiny_transformer_and_batch(dropout=0.0, seed=2)
-    with pytest.raises(ValueError, match="holds its own"):
-        translation_loss(model, src, tgt_in, tgt_out, label_smoothing=0.1, objective=rdrop)
+    forward = LossForward(model, translation_loss)
+    batch = Batch(src, tgt_in, tgt_out, int((tgt_out != config.pad_id).sum()))
+    objectives = [
+        step_objective(TrainConfig(label_smoothing=0.1), 0.0),
+        LabelSmoothedCrossEntropy(0.1),
+        make_objective("label_smoothed_cross_entropy", label_smoothing=0.1),
+    ]
+    runs = [_loss_and_grads(model, TranslationTask.loss(forward, batch, objective)) for objective in objectives]
+    runs.append(_loss_and_grads(model, translation_loss(model, src, tgt_in, tgt_out, label_smoothing=0.1)))
+    want_loss, want_grads = runs[0]
+    for loss, grads in runs[1:]:
+        assert torch.equal(loss, want_loss)
+        assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    with torch.no_grad():
+        hidden, weight = model.hidden_states(src, tgt_in), model.output_proj.weight
+        smoothed, plain = (_reference(hidden, weight, tgt_out, eps, config.pad_id) for eps in (0.1, 0.0))
+    assert float(want_loss) == pytest.approx(float(smoothed), rel=1e-5)
+    assert float(want_loss) != pytest.approx(float(plain), rel=1e-3)
 
 
 @pytest.mark.parametrize("vocab", [20, 100])  # the language model's logits path and its chunked one
 def test_the_default_objective_given_as_an_objective_is_the_models_own_loss(vocab):
-    """The default path calls the model's ``loss``; the same objective given by name computes it from
-    the hidden states: the same numbers, to the last bit."""
+    """The task losses hand the default objective to the model's ``loss``; the objective itself, called
+    on the hidden states as another objective is, computes the same numbers, to the last bit."""
     config, model, src, tgt_in, tgt_out = _tiny_transformer_and_batch(dropout=0.0, seed=2)
     objective = make_objective("label_smoothed_cross_entropy", label_smoothing=0.1)
     plain = model.loss(src, tgt_in, tgt_out, label_smoothing=0.1)
     assert torch.equal(translation_loss(model, src, tgt_in, tgt_out, objective=objective), plain)
+    hidden = model.hidden_states(src, tgt_in)
+    assert torch.equal(objective(Predictions(hidden, model.output_proj.weight, tgt_out, config.pad_id)), plain)
     lm = CausalLM(
         CausalLMConfig(vocab_size=vocab, d_model=32, num_heads=4, num_layers=1, d_ff=64, context=8, dropout=0.0)
     )
@@ -143,6 +204,8 @@ def test_the_default_objective_given_as_an_objective_is_the_models_own_loss(voca
     plain = lm.loss(ids, targets, label_smoothing=0.1)
     assert torch.equal(language_model_loss(lm, ids, targets, objective=objective), plain)
     assert torch.equal(language_model_loss(lm, ids, targets, label_smoothing=0.1), plain)
+    predictions = Predictions(lm.hidden_states(ids), lm.output_proj.weight, targets, IGNORE, chunked=lm.chunked_loss)
+    assert torch.equal(objective(predictions), plain)
 
 
 def test_the_models_loss_knows_no_rdrop_and_no_research_method_is_left_in_models_or_nn():

@@ -34,15 +34,18 @@ from qkv.models.causal_lm import IGNORE, CausalLM, CausalLMConfig
 from qkv.models.flops import causal_lm_train_flops, transformer_train_flops
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.nn.loss import label_smoothed_cross_entropy
+from qkv.runs.language_model import LANGUAGE_MODEL
 from qkv.runs.recipes import load_recipe
+from qkv.runs.translation_kind import TRANSLATION
 from qkv.training import TrainConfig, Trainer
 from qkv.training.language_model_task import LanguageModelTask, WindowBatch, language_model_loss
+from qkv.training.objectives import Objective, cross_entropy_smoothing
 from qkv.training.tasks import TranslationTask, translation_loss
 
 PAD, BOS, EOS = 0, 1, 2  # the generated data's ids (qkv's tokenizer: 0-3 are pad, BOS, EOS, UNK)
 SECTIONS = ("paper-base", "paper-big", "lm")
 SIZES = ("paper", "tiny")
-HF_NAMES = {"translation": "marian", "lm": "gpt2"}
+HF_NAMES = {TRANSLATION.name: "marian", LANGUAGE_MODEL.name: "gpt2"}  # a section's task -> its HF contender
 POOL = 16  # generated pairs: this many times those the batches need
 
 
@@ -51,7 +54,7 @@ class Section:
     """One size measured: its model config, its task and the tokens a training step takes."""
 
     name: str
-    task: str  # "translation" or "lm"
+    task: str  # the run kind's name (qkv.runs.kinds): TRANSLATION.name or LANGUAGE_MODEL.name
     config: TransformerConfig | CausalLMConfig
     tokens_per_step: int
     label_smoothing: float
@@ -85,9 +88,9 @@ def sections(sizes: str, *, vocab_size: int | None = None, pad_id: int = PAD) ->
         lm = CausalLMConfig()  # GPT-2 small
         tokens = 25_000
     return {
-        "paper-base": Section("paper-base", "translation", base, tokens, 0.1),
-        "paper-big": Section("paper-big", "translation", big, tokens, 0.1),
-        "lm": Section("lm", "lm", lm, tokens, 0.0),
+        "paper-base": Section("paper-base", TRANSLATION.name, base, tokens, 0.1),
+        "paper-big": Section("paper-big", TRANSLATION.name, big, tokens, 0.1),
+        "lm": Section("lm", LANGUAGE_MODEL.name, lm, tokens, 0.0),
     }
 
 
@@ -258,18 +261,19 @@ def gpt2_same_size(config: CausalLMConfig) -> nn.Module:
 
 
 def _logits_loss(
-    model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *, label_smoothing: float = 0.0, pad_id: int
+    model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *, objective: Objective | None = None, pad_id: int
 ) -> Tensor:
-    """MarianMT's summed label-smoothed loss, from its logits ``(b, s, V)``."""
-    return label_smoothed_cross_entropy(model(src, tgt_in), tgt_out, label_smoothing, pad_id)
+    """MarianMT's summed label-smoothed loss (``objective``'s smoothing), from its logits ``(b, s, V)``."""
+    return label_smoothed_cross_entropy(model(src, tgt_in), tgt_out, cross_entropy_smoothing(objective), pad_id)
 
 
-def _gpt2_loss(model: nn.Module, ids: Tensor, targets: Tensor, *, label_smoothing: float = 0.0) -> Tensor:
-    """GPT-2's summed next-token loss from its logits (``ids``, ``targets`` already shifted)."""
+def _gpt2_loss(model: nn.Module, ids: Tensor, targets: Tensor, *, objective: Objective | None = None) -> Tensor:
+    """GPT-2's summed next-token loss from its logits (``ids``, ``targets`` already shifted), with
+    ``objective``'s smoothing."""
     logits = model(input_ids=ids, use_cache=False).logits  # (b, s, V)
     return F.cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum",
-        label_smoothing=label_smoothing,
+        label_smoothing=cross_entropy_smoothing(objective),
     )  # fmt: skip
 
 

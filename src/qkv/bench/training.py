@@ -32,6 +32,7 @@ from qkv.bench.timing import paired_ratio, ratio, time_interleaved
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.nn.loss import label_smoothed_cross_entropy
 from qkv.training import TrainConfig, Trainer
+from qkv.training.objectives import Objective, cross_entropy_smoothing
 from qkv.training.tasks import TranslationTask, translation_loss
 
 logger = logging.getLogger(__name__)
@@ -94,12 +95,12 @@ class _ContenderTask:
 
 
 def _loss_from_logits(
-    model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *, label_smoothing: float, pad_id: int
+    model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *, objective: Objective, pad_id: int
 ) -> Tensor:
-    """Label-smoothed cross-entropy from ``model``'s logits: the one objective the contenders other than
-    qkv's Transformer have (a step with another objective calls this without ``label_smoothing``)."""
+    """Label-smoothed cross-entropy from ``model``'s logits, with ``objective``'s smoothing: the one
+    objective the contenders other than qkv's Transformer have."""
     logits = model(src, tgt_in)  # (b, s_tgt, V)
-    return label_smoothed_cross_entropy(logits, tgt_out, label_smoothing, pad_id)
+    return label_smoothed_cross_entropy(logits, tgt_out, cross_entropy_smoothing(objective), pad_id)
 
 
 def make_train_step(

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from qkv.models.causal_lm import IGNORE, CausalLM
 from qkv.runtime.device import model_device
 from qkv.runtime.precision import autocast_context
-from qkv.training.objectives import Objective, Predictions, loss_keywords, only_one_smoothing, stacked
+from qkv.training.objectives import LabelSmoothedCrossEntropy, Objective, Predictions, loss_keywords, stacked
 
 
 @dataclass
@@ -37,15 +37,17 @@ def language_model_loss(
     ids: Tensor,
     targets: Tensor,
     *,
-    label_smoothing: float = 0.0,
     objective: Objective | None = None,
+    label_smoothing: float = 0.0,
 ) -> Tensor:
     """The summed next-token loss of a batch of a :class:`~qkv.models.causal_lm.CausalLM` under
-    ``objective``, or without one the model's own :meth:`~qkv.models.causal_lm.CausalLM.loss` (arguments
-    as :func:`~qkv.training.tasks.translation_loss`'s; ``targets`` is ``-100`` where nothing is predicted)."""
-    if objective is None:
+    ``objective``; the default objective (or none) runs the model's own
+    :meth:`~qkv.models.causal_lm.CausalLM.loss` (arguments as :func:`~qkv.training.tasks.translation_loss`'s;
+    ``targets`` is ``-100`` where nothing is predicted)."""
+    if objective is None:  # a caller from before objectives
         return model.loss(ids, targets, label_smoothing=label_smoothing)
-    only_one_smoothing(objective, label_smoothing)
+    if isinstance(objective, LabelSmoothedCrossEntropy):  # the default: the model's own loss, as with none
+        return model.loss(ids, targets, label_smoothing=objective.label_smoothing)
     hidden = model.hidden_states(stacked(ids, objective.copies))
     return objective(Predictions(hidden, model.output_proj.weight, targets, IGNORE, chunked=model.chunked_loss))
 

@@ -157,23 +157,52 @@ def step_objective(config: TrainConfig, progress: float) -> Objective:
 
 
 def loss_keywords(objective: Objective) -> dict[str, Any]:
-    """The keywords of a task's loss call (``loss_fn(model, *tensors, **keywords)``) for ``objective``:
-    ``label_smoothing`` alone for the default objective, which the loss function computes with the
-    model's own ``loss`` (so the default path never sees objectives, and a loss function that knows
-    only label-smoothed cross-entropy, as the benchmarks' other contenders, serves plain steps); the
-    objective itself otherwise."""
-    if isinstance(objective, LabelSmoothedCrossEntropy):
-        return {"label_smoothing": objective.label_smoothing}
+    """The keywords of a task's loss call (``loss_fn(model, *tensors, **keywords)``) for ``objective``.
+
+    Label smoothing has one channel: the objective, which holds its own ``eps``. A loss function
+    given the default objective (:class:`LabelSmoothedCrossEntropy`) computes it with the model's
+    own ``loss``, passing ``objective.label_smoothing`` on, so the default path never sees the other
+    objectives' code; a loss function that knows only label-smoothed cross-entropy (the benchmarks'
+    other contenders) reads the same field.
+
+    Args:
+        objective: the step's objective.
+
+    Returns:
+        ``{"objective": objective}``.
+    """
     return {"objective": objective}
 
 
+def cross_entropy_smoothing(objective: Objective | None) -> float:
+    """The ``eps`` for a loss function that knows only label-smoothed cross-entropy (a benchmark's
+    other contender, a Hugging Face model's loss): the default objective's own.
+
+    Args:
+        objective: the step's objective; None: plain cross-entropy.
+
+    Returns:
+        ``objective.label_smoothing`` (0 for None).
+
+    Raises:
+        ValueError: another objective (R-Drop), which such a loss function cannot compute.
+    """
+    if objective is None:
+        return 0.0
+    if not isinstance(objective, LabelSmoothedCrossEntropy):
+        raise ValueError(f"this loss knows only label-smoothed cross-entropy, not objective {objective.name!r}")
+    return objective.label_smoothing
+
+
 def only_one_smoothing(objective: Objective, label_smoothing: float) -> None:
-    """Refuse a loss call given both an objective and a ``label_smoothing`` (the objective holds its
-    own: see :func:`loss_keywords`)."""
-    if label_smoothing:
-        raise ValueError(
-            f"label_smoothing={label_smoothing!r} given with objective {objective.name!r}, which holds its own"
-        )
+    """Kept importable for older callers; checks nothing. A loss call takes its smoothing from its
+    objective alone (:func:`loss_keywords`), so no call holds two to refuse.
+
+    Args:
+        objective: the loss call's objective (unused).
+        label_smoothing: a smoothing given beside it (unused).
+    """
+    del objective, label_smoothing
 
 
 def stacked(tensor: Tensor, copies: int) -> Tensor:

@@ -37,7 +37,7 @@ from qkv.models.transformer import Transformer
 from qkv.runtime.device import model_device
 from qkv.runtime.precision import autocast_context
 from qkv.training.language_model_task import LanguageModelTask, WindowBatch, language_model_loss
-from qkv.training.objectives import Objective, Predictions, loss_keywords, only_one_smoothing, stacked
+from qkv.training.objectives import LabelSmoothedCrossEntropy, Objective, Predictions, loss_keywords, stacked
 
 __all__ = [
     "LanguageModelTask",
@@ -88,24 +88,27 @@ def translation_loss(
     tgt_in: Tensor,
     tgt_out: Tensor,
     *,
-    label_smoothing: float = 0.0,
     objective: Objective | None = None,
+    label_smoothing: float = 0.0,
 ) -> Tensor:
     """The summed loss of a batch of a :class:`~qkv.models.transformer.Transformer` under ``objective``.
 
     Args:
         model: the model.
         src, tgt_in, tgt_out: the batch's source ids, target ids shifted right, ids to predict.
-        label_smoothing: with no ``objective``: label-smoothed cross-entropy's ``eps``.
         objective: a training objective (:mod:`qkv.training.objectives`), which holds its own
-            smoothing; None: the default one, the model's own :meth:`~qkv.models.transformer.Transformer.loss`.
+            smoothing; the default one (:class:`~qkv.training.objectives.LabelSmoothedCrossEntropy`)
+            runs the model's own :meth:`~qkv.models.transformer.Transformer.loss`.
+        label_smoothing: read only with no ``objective`` (a caller from before objectives): the
+            default objective's ``eps``.
 
     Returns:
         The summed loss, a scalar.
     """
-    if objective is None:
+    if objective is None:  # a caller from before objectives
         return model.loss(src, tgt_in, tgt_out, label_smoothing=label_smoothing)
-    only_one_smoothing(objective, label_smoothing)
+    if isinstance(objective, LabelSmoothedCrossEntropy):  # the default: the model's own loss, as with none
+        return model.loss(src, tgt_in, tgt_out, label_smoothing=objective.label_smoothing)
     copies = objective.copies  # stacked: each copy draws its own dropout in the one pass
     hidden = model.hidden_states(stacked(src, copies), stacked(tgt_in, copies))
     return objective(Predictions(hidden, model.output_proj.weight, tgt_out, model.config.pad_id))
