@@ -10,6 +10,7 @@ import json
 import shutil
 from dataclasses import fields
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from qkv.cli import options as cli_options
 from qkv.decoding.translate import translate_texts
 from qkv.inference import DecodeConfig, QkvTranslator, open_run
 from qkv.inference import decode as decode_module
+from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.models.weights import save_weights
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs_v0_1"
@@ -96,12 +98,27 @@ def test_qkv_serve_max_beam_is_checked_against_the_one_limit(capsys):
     assert f"from 1 to {decode_module.MAX_BEAM}" in capsys.readouterr().err
 
 
-def test_the_old_keyword_max_tokens_still_works_and_warns():
+def test_the_old_keyword_max_tokens_of_translate_texts_still_works_and_warns(monkeypatch):
+    """qkv 1.x's ``translate_texts(..., max_tokens=)`` is ``max_batch_tokens=`` now."""
+    import qkv.decoding.translate as translate
+
+    seen = []
+    monkeypatch.setattr(translate, "length_batches", lambda ids, budget: seen.append(budget) or [])
+    model = Transformer(
+        TransformerConfig(
+            src_vocab_size=300,
+            tgt_vocab_size=300,
+            d_model=16,
+            num_heads=2,
+            d_ff=32,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+        )
+    ).eval()
+    tokenizer = SimpleNamespace(encode_batch=lambda texts: [[5] for _ in texts], eos_id=2, bos_id=1)
     with pytest.warns(DeprecationWarning, match="max_batch_tokens"):
-        decode = DecodeConfig(beam_size=2, max_tokens=77)
-    assert decode == DecodeConfig(beam_size=2, max_batch_tokens=77) and decode.max_tokens == 77
-    with pytest.warns(DeprecationWarning):
-        assert DecodeConfig.of_run({}, max_tokens=9).max_batch_tokens == 9
+        translate.translate_texts(model, tokenizer, ["a"], max_tokens=77)
+    assert seen == [77]
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,7 @@ def test_the_onnx_engine_translates_as_before_and_as_qkv_greedy(run_dir, tmp_pat
     folder = export_onnx(run_dir, tmp_path / "onnx")
     translator = open_translator("onnx", folder, threads=1)
     assert isinstance(translator, Translator) and translator.name == "onnx"
-    got = translator.translate(SOURCES, DecodeConfig(beam_size=1, max_tokens=40))
+    got = translator.translate(SOURCES, DecodeConfig(beam_size=1, max_batch_tokens=40))
     assert got == translator.translate(SOURCES, max_tokens=40)  # the 1.x call
     assert got == qkv_path(run_dir, SOURCES, beam_size=1, max_tokens=40)
     with pytest.raises(ValueError, match="greedily only"):
@@ -124,7 +124,8 @@ def test_the_policy_gives_each_engine_its_penalty_form():
 
 
 @pytest.mark.parametrize(
-    "options", [dict(beam_size=0), dict(beam_size=101), dict(alpha=-1.0), dict(penalty="linear"), dict(max_tokens=0)]
+    "options",
+    [dict(beam_size=0), dict(beam_size=101), dict(alpha=-1.0), dict(penalty="linear"), dict(max_batch_tokens=0)],
 )
 def test_a_decode_config_is_checked_when_made(options):
     with pytest.raises(ValueError):

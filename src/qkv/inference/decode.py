@@ -9,9 +9,7 @@ folder saved before the form was stored decodes with ``"gnmt"``, the form qkv 1.
 
 from __future__ import annotations
 
-import inspect
 import math
-import warnings
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
@@ -93,8 +91,7 @@ class DecodeConfig:
         alpha: the length penalty's exponent (0 to 10).
         penalty: its form, ``"gnmt"`` (qkv's) or ``"power"`` (CTranslate2's and Hugging Face's), see
             :func:`qkv.decoding.search.length_penalty`; None: the engine's own (``ENGINES[name].penalties[0]``).
-        max_batch_tokens: source tokens per batch (times ``beam_size`` rows are decoded at once);
-            ``max_tokens=`` is its old keyword (deprecated).
+        max_batch_tokens: source tokens per batch (times ``beam_size`` rows are decoded at once).
     """
 
     beam_size: int = decode_option(
@@ -111,11 +108,6 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         for option in fields(self):
             check_value(option, getattr(self, option.name), f"DecodeConfig: {option.name} ({option.metadata['flag']})")
-
-    @property
-    def max_tokens(self) -> int:
-        """The old name of :attr:`max_batch_tokens`."""
-        return self.max_batch_tokens
 
     def saved(self) -> dict[str, Any]:
         """The settings a run or an export saves (``config.json``'s or a manifest's ``decode``)."""
@@ -135,7 +127,6 @@ class DecodeConfig:
         alpha: float | None = None,
         penalty: PenaltyForm | None = None,
         max_batch_tokens: int | None = None,
-        max_tokens: int | None = None,
     ) -> DecodeConfig:
         """A run's own settings (:func:`decode_settings`: its saved ``decode``, penalty form included),
         with the ones given over them.
@@ -146,38 +137,13 @@ class DecodeConfig:
             alpha: over the run's when given.
             penalty: over the run's when given.
             max_batch_tokens: source tokens times beam size per batch (None: the default).
-            max_tokens: the old keyword of ``max_batch_tokens`` (deprecated).
 
         Returns:
             The checked config.
         """
-        budget = _renamed(max_batch_tokens, max_tokens, "DecodeConfig.of_run")
         settings = decode_settings(config, beam_size=beam_size, alpha=alpha, penalty=penalty)
-        return cls(**settings) if budget is None else cls(**settings, max_batch_tokens=budget)
+        return cls(**settings) if max_batch_tokens is None else cls(**settings, max_batch_tokens=max_batch_tokens)
 
-
-def _renamed(new: int | None, old: int | None, where: str) -> int | None:
-    """``max_batch_tokens`` given either way (``max_tokens`` is its old keyword, warned of)."""
-    if old is None:
-        return new
-    warnings.warn(f"{where}: max_tokens= is now max_batch_tokens=", DeprecationWarning, stacklevel=3)
-    if new is not None and new != old:
-        raise ValueError(f"{where}: give max_batch_tokens or its old name max_tokens, not both")
-    return old
-
-
-_generated_init = DecodeConfig.__init__
-
-
-def _init(self: DecodeConfig, *args: Any, max_tokens: int | None = None, **kwargs: Any) -> None:
-    """The dataclass's own ``__init__``, taking ``max_tokens=`` as the old keyword of ``max_batch_tokens``."""
-    if max_tokens is not None:
-        kwargs["max_batch_tokens"] = _renamed(kwargs.get("max_batch_tokens"), max_tokens, "DecodeConfig")
-    _generated_init(self, *args, **kwargs)
-
-
-_init.__signature__ = inspect.signature(_generated_init)  # type: ignore[attr-defined]
-setattr(DecodeConfig, "__init__", _init)  # noqa: B010 - mypy refuses assigning a method
 
 # How a translation run decodes when nothing says otherwise: a recipe's "decode" (stored whole in
 # the run's config.json when it starts), else this; "gnmt" is also what a run saved without a form used

@@ -126,7 +126,7 @@ class OnnxTranslator:
 
         Args:
             texts: source sentences.
-            decode: its ``max_tokens``; its beam size must be 1 (the graphs decode greedily).
+            decode: its ``max_batch_tokens``; its beam size must be 1 (the graphs decode greedily).
             max_tokens: source tokens per batch (over ``decode``'s; default 4000).
 
         Returns:
@@ -134,7 +134,7 @@ class OnnxTranslator:
         """
         if decode is not None:
             check_engine(self.name, beam_size=decode.beam_size, penalty=decode.penalty)
-            max_tokens = decode.max_tokens if max_tokens is None else max_tokens
+            max_tokens = decode.max_batch_tokens if max_tokens is None else max_tokens
         max_tokens = 4000 if max_tokens is None else max_tokens
         limit = self.max_len - 1  # source tokens that fit the positional table with EOS, as qkv cuts them
         ids = [s[:limit] + [self.eos_id] for s in self.tokenizer.encode_batch(texts)]
