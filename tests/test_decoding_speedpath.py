@@ -183,17 +183,17 @@ def test_a_plain_model_is_decoded_by_its_own_modules_wherever_the_fast_path_does
 def test_the_inference_model_honours_a_forced_reference_backend(monkeypatch):
     """Inside use_backend("reference") the inference object's attention is the eager reference (the spec),
     and its memory and logits stay the model's."""
-    import qkv.attention.incremental as incremental
+    import qkv.attention.functional as functional
 
     model, src = _model(9), _sources(10)
     calls: list[int] = []
-    reference = incremental.attention_reference
+    reference = functional.attention_reference
 
     def counted(*args):
         calls.append(1)
         return reference(*args)
 
-    monkeypatch.setattr(incremental, "attention_reference", counted)
+    monkeypatch.setattr(functional, "attention_reference", counted)  # the module's attend runs it, fast path too
     inference = InferenceModel.build(model)
     with torch.inference_mode():
         inference.encode(src)

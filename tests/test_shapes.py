@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.attention.multihead import MultiHeadAttention, _fusable
+from qkv.attention.multihead import MultiHeadAttention
 from qkv.nn.loss import fused_linear_cross_entropy, label_smoothed_cross_entropy
 from qkv.runtime import padded_linear as shapes
 from qkv.runtime.padded_linear import ROW_MULTIPLE, Linear, linear, padded_rows, pads_rows
@@ -76,7 +76,9 @@ def test_linear_module_is_nn_linear_with_the_same_state_and_fuses():
     assert set(layer.state_dict()) == set(nn.Linear(8, 4).state_dict())
     attention = MultiHeadAttention(16, 4)
     assert isinstance(attention.q_proj, Linear)
-    assert _fusable(attention.q_proj, attention.k_proj, attention.v_proj)
+    assert attention._fuses(attention.q_proj, attention.k_proj, attention.v_proj)
+    attention.fuse_projections = False  # each projection module called on its own (hooks run)
+    assert not attention._fuses(attention.q_proj, attention.k_proj, attention.v_proj)
 
 
 def test_fused_loss_with_a_padded_last_chunk_matches_the_reference():

@@ -92,8 +92,10 @@ def torch_sdpa(
     is_causal: bool,
     dropout_p: float,
     scale: float | None,
+    enable_gqa: bool = False,
 ) -> Tensor:
-    """Attention through ``torch.nn.functional.scaled_dot_product_attention``.
+    """Attention through ``torch.nn.functional.scaled_dot_product_attention`` (``enable_gqa``: ``k`` and
+    ``v`` hold fewer heads than ``q``, each serving ``h_q / h_kv`` consecutive query heads).
 
     Bridges the two places where PyTorch's conventions differ from qkv's:
     * PyTorch aligns ``is_causal`` top-left when ``s_q != s_k``; qkv aligns bottom-right, so an
@@ -107,7 +109,7 @@ def torch_sdpa(
     cast back (see :func:`upcast_for_cpu_backward`).
     """
     if q.dtype in _LOW_PRECISION and upcast_for_cpu_backward(q, k, v):
-        return in_float32(torch_sdpa, q, k, v, attn_mask, is_causal, dropout_p, scale)
+        return in_float32(torch_sdpa, q, k, v, attn_mask, is_causal, dropout_p, scale, enable_gqa)
     s_q, s_k = q.shape[-2], k.shape[-2]
     if is_causal and s_q != s_k:
         if s_q == 1:
@@ -117,9 +119,11 @@ def torch_sdpa(
             attn_mask = causal if attn_mask is None else _and_mask(attn_mask, causal)
             is_causal = False
     if attn_mask is None:  # the common case, kept short: this runs on every call
-        if dropout_p == 0.0 and scale is None:
+        if dropout_p == 0.0 and scale is None and not enable_gqa:
             return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
     if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
         attn_mask = attn_mask.to(q.dtype)
     if is_causal:
@@ -131,7 +135,7 @@ def torch_sdpa(
         fully_masked = ~keep.any(dim=-1, keepdim=True)  # (..., s_q, 1)
         attn_mask = attn_mask.masked_fill(fully_masked, True if attn_mask.dtype == torch.bool else 0.0)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
     )
     if fully_masked is not None:
         out = out.masked_fill(fully_masked, 0.0)

@@ -29,6 +29,7 @@ def scaled_dot_product_attention(
     dropout_p: float = 0.0,
     scale: float | None = None,
     need_weights: Literal[False] = False,
+    enable_gqa: bool = False,
 ) -> Tensor: ...
 
 
@@ -43,6 +44,7 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     *,
     need_weights: Literal[True],
+    enable_gqa: bool = False,
 ) -> tuple[Tensor, Tensor]: ...
 
 
@@ -56,6 +58,7 @@ def scaled_dot_product_attention(
     dropout_p: float = 0.0,
     scale: float | None = None,
     need_weights: bool = False,
+    enable_gqa: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
 
 
@@ -68,6 +71,7 @@ def scaled_dot_product_attention(
     dropout_p: float = 0.0,
     scale: float | None = None,
     need_weights: bool = False,
+    enable_gqa: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention with safe masking.
 
@@ -88,17 +92,23 @@ def scaled_dot_product_attention(
         dropout_p: dropout probability on the attention weights (pass 0.0 in evaluation).
         scale: factor applied to ``q k^T``; defaults to ``1 / sqrt(d)``.
         need_weights: also return the attention weights (before dropout).
+        enable_gqa: grouped-query attention: ``k`` and ``v`` hold ``h_kv`` heads (dim -3), fewer than
+            ``q``'s ``h``, and key/value head ``j`` serves query heads ``j * h / h_kv`` to
+            ``(j + 1) * h / h_kv - 1`` (``h`` a multiple of ``h_kv``).
 
     Returns:
         ``out`` of shape ``(..., s_q, d_v)``, or ``(out, weights)`` with weights
         ``(..., s_q, s_k)`` when ``need_weights``. A query whose every key is masked gets a zero
         output row and zero weights, never NaN, in the forward and the backward pass.
     """
-    check_attention_inputs(q, k, v, attn_mask, dropout_p)
+    groups = _query_groups(q, k, v) if enable_gqa else 1
+    check_attention_inputs(q, k, v, attn_mask, dropout_p, kv_groups=groups)
     if not need_weights and backends.forced_backend() != "reference":  # the fast path, decided cheaply
-        if backends.plain_is_faster(q, k, v):  # CPU training on short sequences: the plain products win
+        if groups == 1 and backends.plain_is_faster(q, k, v):  # CPU training on short sequences: plain products win
             return backends.in_float32(_reference_output, q, k, v, attn_mask, is_causal, dropout_p, scale)
-        return backends.torch_sdpa(q, k, v, attn_mask, is_causal, dropout_p, scale)
+        return backends.torch_sdpa(q, k, v, attn_mask, is_causal, dropout_p, scale, groups > 1)
+    if groups > 1:  # the reference reads one key/value head per query head
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
     backends.select_backend(q, k, v, attn_mask, is_causal, dropout_p, need_weights)  # logs why
     out, weights = attention_reference(q, k, v, attn_mask, is_causal, dropout_p, scale)
     return (out, weights) if need_weights else out
@@ -152,8 +162,23 @@ def masked_softmax(scores: Tensor) -> Tensor:
     return weights.masked_fill(fully_masked, 0.0)
 
 
-def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float = 0.0) -> None:
-    """Raise ``ValueError`` naming the offending shapes, dtypes or devices.
+def _query_groups(q: Tensor, k: Tensor, v: Tensor) -> int:
+    """How many query heads each key/value head serves (grouped-query attention): ``h / h_kv``."""
+    if q.dim() < 3 or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(
+            f"enable_gqa needs q, k, v of shape (..., heads, seq, dim); got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
+    h, h_kv = q.size(-3), k.size(-3)
+    if h_kv == 0 or h % h_kv != 0 or v.size(-3) != h_kv:
+        raise ValueError(f"enable_gqa: q's {h} heads must be a multiple of k's and v's ({h_kv}, {v.size(-3)})")
+    return h // h_kv
+
+
+def check_attention_inputs(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float = 0.0, kv_groups: int = 1
+) -> None:
+    """Raise ``ValueError`` naming the offending shapes, dtypes or devices (``kv_groups``: query heads
+    per key/value head, grouped-query attention).
 
     Runs on every attention call, so it reads each shape once and compares plain tuples (a few
     microseconds; ``torch.broadcast_shapes`` alone would cost ~20).
@@ -165,7 +190,8 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | 
         raise ValueError(f"q and k must share the feature size: q={qs} has {qs[-1]}, k={ks} has {ks[-1]}")
     if ks[-2] != vs[-2]:
         raise ValueError(f"k and v must have the same number of keys: k={ks}, v={vs}")
-    if qs[:-2] != ks[:-2] or qs[:-2] != vs[:-2]:
+    lead_k = ks[:-2] if kv_groups == 1 else (*ks[:-3], ks[-3] * kv_groups)
+    if qs[:-2] != lead_k or ks[:-2] != vs[:-2]:
         raise ValueError(f"q, k, v must have the same leading (batch, head) dims; got q={qs}, k={ks}, v={vs}")
     dtype = q.dtype
     if not (dtype == k.dtype == v.dtype):

@@ -41,6 +41,27 @@ def causal_mask(s_q: int, s_k: int | None = None, *, device: torch.device | str 
     return torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril(diagonal=s_k - s_q)
 
 
+def sliding_window_mask(
+    s_q: int, s_k: int | None = None, window: int = 1, *, device: torch.device | str | None = None
+) -> Tensor:
+    """Boolean causal mask with a sliding window, aligned bottom-right as :func:`causal_mask`: query
+    ``i`` (at key position ``i + s_k - s_q``) sees itself and the ``window - 1`` keys before it.
+
+    Args:
+        s_q: number of queries. s_k: number of keys (defaults to ``s_q``).
+        window: keys each query sees, itself included (at least 1).
+        device: where to build the mask.
+
+    Returns:
+        Bool tensor ``(s_q, s_k)``; with ``window >= s_k`` it is :func:`causal_mask`.
+    """
+    s_k = s_q if s_k is None else s_k
+    if window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
+    causal = causal_mask(s_q, s_k, device=device)
+    return causal & ~torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril(diagonal=s_k - s_q - window)
+
+
 def padding_mask_from_lengths(lengths: Tensor | list[int], max_len: int | None = None) -> Tensor:
     """Key padding mask from sequence lengths: ``True`` marks a real token.
 

@@ -1,21 +1,34 @@
-"""Multi-head attention (section 3.2.2) with a key/value cache for incremental decoding.
+"""Multi-head attention (section 3.2.2) with a key/value cache for incremental decoding, and the
+variants of today's models: grouped-query heads, rotary positions, a norm over each head's queries and
+keys, a sliding window.
 
 Shape legend: ``b`` batch, ``s_q`` query length, ``s_k`` key length, ``e`` embed_dim,
-``h`` heads, ``d_h`` head size (``e // h``).
+``h`` heads, ``h_kv`` key/value heads, ``d_h`` head size (``e // h``).
 
 MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W_O,  head_i = Attention(Q W_Q_i, K W_K_i, V W_V_i)
+
+The attention is written once, as three steps that every caller runs: :meth:`MultiHeadAttention.heads`
+(the projected rows split into heads), :meth:`~MultiHeadAttention.place_queries` and
+:meth:`~MultiHeadAttention.place_keys` (the per-head norm and the rotary positions, at the positions
+the queries and keys hold), :meth:`MultiHeadAttention.attend` (the
+kernel, the window, the heads merged back). ``forward`` runs them over the module's own projections;
+:mod:`qkv.attention.incremental` runs the same three over the fused or packed products of decoding's
+fast path, so a variant added to these steps is in both.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
 from qkv.attention.functional import scaled_dot_product_attention
-from qkv.attention.masks import combine_masks
+from qkv.attention.masks import combine_masks, sliding_window_mask
 from qkv.runtime.padded_linear import Linear, linear
+
+Rotary = Callable[[Tensor, Tensor], Tensor]  # (x (b, h, s, d_h), positions (s,)) -> x rotated
 
 
 @dataclass
@@ -24,18 +37,37 @@ class KVCache:
 
     ``static=False`` (self-attention): each call appends the new step's keys and values.
     ``static=True`` (cross-attention): the memory's keys and values, computed once and reused.
+    ``start``: the position of the first key kept (a sliding window drops the keys it no longer
+    reaches; 0 otherwise), so the positions seen so far are ``start + len(cache)`` (:attr:`end`).
     """
 
-    key: Tensor  # (b, h, s_k, d_h)
-    value: Tensor  # (b, h, s_k, d_h)
+    key: Tensor  # (b, h_kv, s_k, d_h)
+    value: Tensor  # (b, h_kv, s_k, d_h)
     static: bool = False
+    start: int = 0
 
     def __len__(self) -> int:
         return self.key.size(-2)
 
+    @property
+    def end(self) -> int:
+        """The positions seen so far: the next query's position."""
+        return self.start + self.key.size(-2)
+
+    def extend(self, key: Tensor, value: Tensor) -> KVCache:
+        """This cache with ``key``, ``value`` ``(b, h_kv, s_new, d_h)`` appended after its own."""
+        return KVCache(torch.cat([self.key, key], dim=-2), torch.cat([self.value, value], dim=-2), False, self.start)
+
+    def keep_last(self, n: int | None) -> KVCache:
+        """The cache holding only its last ``n`` keys (what a window of ``n + 1`` needs next); None: all."""
+        drop = self.key.size(-2) - n if n is not None else 0
+        if drop <= 0:
+            return self
+        return KVCache(self.key[..., drop:, :], self.value[..., drop:, :], self.static, self.start + drop)
+
     def index_select(self, batch_index: Tensor) -> KVCache:
         """Reorder or repeat the batch rows (used by beam search)."""
-        return KVCache(self.key.index_select(0, batch_index), self.value.index_select(0, batch_index), self.static)
+        return replace(self, key=self.key.index_select(0, batch_index), value=self.value.index_select(0, batch_index))
 
 
 @dataclass
@@ -45,15 +77,6 @@ class AttentionOutput:
     output: Tensor  # (b, s_q, e)
     weights: Tensor | None  # (b, h, s_q, s_k) per head, or None unless need_weights
     cache: KVCache  # keys/values to pass back in on the next decoding step
-
-
-def _fusable(*projections: nn.Module) -> bool:
-    """Plain ``nn.Linear`` projections without hooks, of the same input size, can be fused into
-    one product; a hook (e.g. one that records a projection) needs its own module call."""
-    return (
-        all(type(p) in (nn.Linear, Linear) and not p._forward_hooks and not p._forward_pre_hooks for p in projections)
-        and len({p.in_features for p in projections}) == 1
-    )
 
 
 class MultiHeadAttention(nn.Module):
@@ -66,6 +89,19 @@ class MultiHeadAttention(nn.Module):
         vdim: feature size of the value input (defaults to ``embed_dim``).
         dropout: dropout on the attention weights while training.
         bias: use biases in the four projections.
+        num_kv_heads: key/value heads ``h_kv`` (grouped-query attention; 1: multi-query); None: ``h``.
+        qkv_bias: biases on the q/k/v projections; None: as ``bias`` (which then covers ``out_proj``).
+        rotary: rotary positions applied to each head's queries and keys
+            (:class:`qkv.nn.rotary.RotaryEmbedding`), or None.
+        q_norm, k_norm: a norm over each head's queries and keys (``d_h`` features), before the
+            rotary positions (QK-norm), or None.
+        window: sliding-window attention: a query sees itself and the ``window - 1`` keys before it
+            (with ``is_causal``); a self-attention cache keeps only those. None: every key.
+
+    ``fuse_projections`` (an attribute, True by default): the q/k/v weights of a self-attention
+    without a cache (and the k/v of a cross-attention) are concatenated into one product, fewer and
+    larger kernels; the projection modules' own ``forward`` (and its hooks) then do not run. Set it to
+    False to call each projection module (a wrapped or hooked projection).
     """
 
     def __init__(
@@ -77,6 +113,12 @@ class MultiHeadAttention(nn.Module):
         vdim: int | None = None,
         dropout: float = 0.0,
         bias: bool = True,
+        num_kv_heads: int | None = None,
+        qkv_bias: bool | None = None,
+        rotary: nn.Module | None = None,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         if embed_dim <= 0 or num_heads <= 0:
@@ -85,16 +127,35 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if kv_heads <= 0 or num_heads % kv_heads != 0:
+            raise ValueError(f"num_kv_heads ({num_kv_heads}) must be positive and divide num_heads ({num_heads})")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
+        self.num_kv_heads = kv_heads
         self.head_dim = embed_dim // num_heads
         self.kdim = embed_dim if kdim is None else kdim
         self.vdim = embed_dim if vdim is None else vdim
         self.dropout = dropout
-        self.q_proj = Linear(embed_dim, embed_dim, bias=bias)
-        self.k_proj = Linear(self.kdim, embed_dim, bias=bias)
-        self.v_proj = Linear(self.vdim, embed_dim, bias=bias)
+        self.window = window
+        self.fuse_projections = True
+        in_bias = bias if qkv_bias is None else qkv_bias
+        kv_width = kv_heads * self.head_dim
+        self.q_proj = Linear(embed_dim, embed_dim, bias=in_bias)
+        self.k_proj = Linear(self.kdim, kv_width, bias=in_bias)
+        self.v_proj = Linear(self.vdim, kv_width, bias=in_bias)
         self.out_proj = Linear(embed_dim, embed_dim, bias=bias)
+        self.rotary = rotary
+        self.q_norm = q_norm
+        self.k_norm = k_norm
+
+    @property
+    def widths(self) -> tuple[int, int, int]:
+        """The q, k and v projections' output sizes: ``(h d_h, h_kv d_h, h_kv d_h)``."""
+        kv = self.num_kv_heads * self.head_dim
+        return self.embed_dim, kv, kv
 
     def forward(
         self,
@@ -128,8 +189,8 @@ class MultiHeadAttention(nn.Module):
         self._check_query(query)
         b, s_q, _ = query.shape
         if cache is not None and cache.static:
-            q = self._split_heads(self.q_proj(query))  # (b, h, s_q, d_h)
-            k, v = cache.key, cache.value  # cross-attention: memory projected once
+            q = self.place_queries(self.heads(self.q_proj(query), self.num_heads), None)  # (b, h, s_q, d_h)
+            new_cache = cache  # cross-attention: memory projected once
         elif key is None:
             if value is not None:
                 raise ValueError("value was given without key; pass both for cross-attention")
@@ -138,59 +199,133 @@ class MultiHeadAttention(nn.Module):
                     f"self-attention (key=None) needs kdim == vdim == embed_dim, got kdim={self.kdim}, "
                     f"vdim={self.vdim}, embed_dim={self.embed_dim}; pass key and value"
                 )
-            if cache is None and _fusable(self.q_proj, self.k_proj, self.v_proj):
-                q, k, v = self._fused_projection(query, (self.q_proj, self.k_proj, self.v_proj))
+            if cache is None and self._fuses(self.q_proj, self.k_proj, self.v_proj):
+                q, k, v = self.split(self._fused(query, self.q_proj, self.k_proj, self.v_proj), self.widths)
             else:
-                # One new step (or hooked projections): three small products beat concatenating the weights every step.
-                q = self._split_heads(self.q_proj(query))  # (b, h, s_q, d_h)
-                k = self._split_heads(self.k_proj(query))  # (b, h, s_q, d_h)
-                v = self._split_heads(self.v_proj(query))
-                if cache is not None:
-                    k = torch.cat([cache.key, k], dim=-2)  # (b, h, s_past + s_q, d_h)
-                    v = torch.cat([cache.value, v], dim=-2)
+                # One new step (or projections called on their own): three small products beat
+                # concatenating the weights every step.
+                q, k, v = (self.heads(self.q_proj(query), self.num_heads),) + self._kv_heads(query, query)
+            start = 0 if cache is None else cache.end  # the position of this call's first query and key
+            q, k = self.place_queries(q, start), self.place_keys(k, start)
+            new_cache = KVCache(k, v, start=start) if cache is None else cache.extend(k, v)
         else:
             value = key if value is None else value
             self._check_key_value(query, key, value)
-            q = self._split_heads(self.q_proj(query))  # (b, h, s_q, d_h)
-            if value is key and _fusable(self.k_proj, self.v_proj):
-                k, v = self._fused_projection(key, (self.k_proj, self.v_proj))  # (b, h, s_k, d_h) each
-            else:
-                k = self._split_heads(self.k_proj(key))  # (b, h, s_k, d_h)
-                v = self._split_heads(self.v_proj(value))
-        new_cache = KVCache(k, v, static=key is not None or (cache is not None and cache.static))
-
+            q = self.place_queries(self.heads(self.q_proj(query), self.num_heads), None)
+            k, v = self._kv_heads(key, value)
+            new_cache = KVCache(self.place_keys(k, None), v, static=True)
         mask = combine_masks(
-            self._expand_attn_mask(attn_mask, b), self._expand_padding_mask(key_padding_mask, b, k.size(-2))
+            self._expand_attn_mask(attn_mask, b), self._expand_padding_mask(key_padding_mask, b, len(new_cache))
         )
-        dropout_p = self.dropout if self.training else 0.0
-        result = scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights
-        )
-        out, weights = result if isinstance(result, tuple) else (result, None)  # a tuple when need_weights
-        out = out.transpose(1, 2).reshape(b, s_q, self.embed_dim)  # (b, s_q, e)
+        out, weights = self.attend(q, new_cache.key, new_cache.value, mask, is_causal, need_weights)
+        if not new_cache.static and self.window is not None:
+            new_cache = new_cache.keep_last(self.window - 1)
         return AttentionOutput(self.out_proj(out), weights, new_cache)
 
-    def _fused_projection(self, x: Tensor, projections: tuple[nn.Linear, ...]) -> tuple[Tensor, ...]:
-        """Apply several same-input projections as one matrix product (fewer, larger kernels).
-
-        The weights are concatenated in the forward pass, so autograd gives each ``nn.Linear``
-        its own gradient and nothing is cached across optimizer steps. A missing bias counts as
-        zeros. Returns one ``(b, h, s, d_h)`` tensor per projection.
-        """
+    def heads(self, x: Tensor, heads: int) -> Tensor:
+        """``x (b, s, heads * d_h)`` (projected rows) -> ``(b, heads, s, d_h)`` (a view)."""
         b, s, _ = x.shape
-        weight = torch.cat([p.weight for p in projections])  # (n * e, in)
+        return x.view(b, s, heads, self.head_dim).transpose(1, 2)
+
+    def split(self, fused: Tensor, widths: tuple[int, ...]) -> tuple[Tensor, ...]:
+        """One product of several projections, ``(b, s, sum(widths))``, as each one's heads
+        ``(b, heads_i, s, d_h)`` (views; the q width has ``h`` heads, a k or v width ``h_kv``)."""
+        return tuple(self.heads(part, part.size(-1) // self.head_dim) for part in fused.split(widths, dim=-1))
+
+    def place_queries(self, q: Tensor, start: int | None) -> Tensor:
+        """The per-head steps between the query projection and the kernel: the QK-norm's query
+        norm, then the rotary positions ``start, start + 1, ...``.
+
+        Args:
+            q: ``(b, h, s, d_h)``.
+            start: the first query's position; None: a cross-attention's queries, which get no
+                positions (the positions of two sequences do not compare).
+
+        Returns:
+            ``q``'s shape.
+        """
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return q if start is None or self.rotary is None else self.rotary(q, self._positions(q, start))
+
+    def place_keys(self, k: Tensor, start: int | None) -> Tensor:
+        """As :meth:`place_queries`, for keys ``(b, h_kv, s, d_h)`` (the key norm)."""
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return k if start is None or self.rotary is None else self.rotary(k, self._positions(k, start))
+
+    @staticmethod
+    def _positions(x: Tensor, start: int) -> Tensor:
+        return torch.arange(start, start + x.size(-2), device=x.device)  # (s,)
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The kernel over the heads, and the heads merged back.
+
+        Args:
+            q: ``(b, h, s_q, d_h)``. k, v: ``(b, h_kv, s_k, d_h)``, the last ``s_q`` keys at the
+                queries' positions (bottom-right alignment).
+            mask: bool (True = may attend) or additive, broadcastable to ``(b, h, s_q, s_k)``.
+            is_causal: the causal mask, aligned bottom-right; with :attr:`window`, the window too.
+            need_weights: also return the weights ``(b, h, s_q, s_k)``.
+
+        Returns:
+            ``(out (b, s_q, h * d_h), weights or None)``; ``out`` before ``out_proj``.
+        """
+        if is_causal and self.window is not None and self.window < k.size(-2):
+            mask = combine_masks(mask, sliding_window_mask(q.size(-2), k.size(-2), self.window, device=q.device))
+            is_causal = False  # the window's mask holds the causal one
+        dropout_p = self.dropout if self.training else 0.0
+        result = scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=is_causal,
+            dropout_p=dropout_p,
+            need_weights=need_weights,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        out, weights = result if isinstance(result, tuple) else (result, None)  # a tuple when need_weights
+        b, _, s_q, _ = out.shape
+        return out.transpose(1, 2).reshape(b, s_q, self.embed_dim), weights
+
+    def _fuses(self, *projections: nn.Module) -> bool:
+        """Whether to compute ``projections`` as one product (see the class docstring): plain
+        ``nn.Linear`` maps of one input size, and :attr:`fuse_projections` on."""
+        return (
+            self.fuse_projections
+            and all(isinstance(p, nn.Linear) for p in projections)
+            and len({p.in_features for p in projections}) == 1
+        )
+
+    def _kv_heads(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """The key and value heads ``(b, h_kv, s_k, d_h)``, one product when they share an input."""
+        if value is key and self._fuses(self.k_proj, self.v_proj):
+            k, v = self.split(self._fused(key, self.k_proj, self.v_proj), self.widths[1:])
+            return k, v
+        return self.heads(self.k_proj(key), self.num_kv_heads), self.heads(self.v_proj(value), self.num_kv_heads)
+
+    @staticmethod
+    def _fused(x: Tensor, *projections: nn.Linear) -> Tensor:
+        """Several same-input projections as one matrix product ``(b, s, sum of outputs)``.
+
+        The weights are concatenated in the forward pass, so autograd gives each ``nn.Linear`` its
+        own gradient and nothing is cached across optimizer steps. A missing bias counts as zeros.
+        """
+        weight = torch.cat([p.weight for p in projections])  # (sum of outputs, in)
         biases = [p.bias for p in projections]
         if all(bias is None for bias in biases):
-            bias = None
-        else:
-            bias = torch.cat([p.weight.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections])
-        fused = linear(x, weight, bias)  # (b, s, n * e)
-        fused = fused.view(b, s, len(projections), self.num_heads, self.head_dim)  # (b, s, n, h, d_h)
-        return fused.permute(2, 0, 3, 1, 4).unbind(0)  # n x (b, h, s, d_h)
-
-    def _split_heads(self, x: Tensor) -> Tensor:
-        b, s, _ = x.shape
-        return x.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # (b, h, s, d_h)
+            return linear(x, weight, None)
+        bias = torch.cat([p.weight.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections])
+        return linear(x, weight, bias)
 
     def _check_query(self, query: Tensor) -> None:
         if query.dim() != 3:

@@ -70,7 +70,7 @@ def _product(linear: nn.Module, activation: str | None = None) -> PackedLinear:
 class _Attention:
     """One :class:`MultiHeadAttention`'s products: q/k/v fused (self) or q and k/v fused (cross)."""
 
-    heads: int
+    module: MultiHeadAttention  # whose steps (heads, positions, kernel) run over these products
     out: PackedLinear
     qkv: PackedLinear | None = None
     q: PackedLinear | None = None
@@ -79,12 +79,12 @@ class _Attention:
     @classmethod
     def of_self(cls, attention: MultiHeadAttention) -> _Attention:
         qkv = fuse(_pair(attention.q_proj), _pair(attention.k_proj), _pair(attention.v_proj))
-        return cls(attention.num_heads, _product(attention.out_proj), qkv=qkv)
+        return cls(attention, _product(attention.out_proj), qkv=qkv)
 
     @classmethod
     def of_cross(cls, attention: MultiHeadAttention) -> _Attention:
         kv = fuse(_pair(attention.k_proj), _pair(attention.v_proj))
-        return cls(attention.num_heads, _product(attention.out_proj), q=_product(attention.q_proj), kv=kv)
+        return cls(attention, _product(attention.out_proj), q=_product(attention.q_proj), kv=kv)
 
 
 class _FeedForward:
@@ -113,7 +113,7 @@ class _Encoder:
         assert a.qkv is not None
 
         def attend(h: Tensor) -> Tensor:
-            return self_attention(a.qkv, a.out, h, b, s, a.heads, addend)  # type: ignore[arg-type]
+            return self_attention(a.module, a.qkv, a.out, h, b, s, addend)  # type: ignore[arg-type]
 
         return self.compute(x, attend, self.feed_forward, self.norms)
 
@@ -132,8 +132,8 @@ class _Decoder:
         own, cross = self.own, self.cross
         assert own.qkv is not None and cross.q is not None and cross.kv is not None
         return (
-            CachedSelfAttention(own.qkv, own.out, own.heads),
-            MemoryAttention(cross.q, cross.kv, cross.out, cross.heads, memory, addend),
+            CachedSelfAttention(own.module, own.qkv, own.out),
+            MemoryAttention(cross.module, cross.q, cross.kv, cross.out, memory, addend),
         )
 
 
