@@ -21,6 +21,11 @@ VARIANTS = [
     dict(norm_first=True, activation="gelu", positional="sinusoidal", tie_output=True, bias=False),
     dict(norm_first=False, activation="gelu_tanh", positional="learned", tie_output=True),
     dict(norm_first=True, activation="gelu_tanh", positional="none", tie_output=False, share_embeddings=True),
+    # the parts of today's models, in the encoder-decoder too
+    dict(norm_first=True, activation="swiglu", positional="sinusoidal", norm="rms", num_kv_heads=2, bias=False),
+    dict(norm_first=False, activation="geglu", positional="learned", num_kv_heads=1),
+    dict(norm_first=True, activation="relu2", positional="none", norm="rms", tie_output=False),
+    dict(norm_first=True, activation="silu", positional="sinusoidal", num_kv_heads=2),
 ]
 
 

@@ -17,9 +17,9 @@ from qkv.attention import (
     use_backend,
 )
 from qkv.models.causal_lm import CausalLM, CausalLMConfig, CausalLMOutput
+from qkv.models.encoder_model import EncoderModel
 from qkv.models.transformer import (
     DecoderOutput,
-    EncoderModel,
     EncoderOutput,
     Transformer,
     TransformerConfig,

@@ -18,17 +18,25 @@ fast path, so a variant added to these steps is in both.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
+from qkv.attention.alibi import alibi_bias, alibi_slopes
 from qkv.attention.functional import scaled_dot_product_attention
 from qkv.attention.masks import combine_masks, sliding_window_mask
 from qkv.runtime.padded_linear import Linear, linear
 
-Rotary = Callable[[Tensor, Tensor], Tensor]  # (x (b, h, s, d_h), positions (s,)) -> x rotated
+
+class Rotation(Protocol):
+    """Rotary positions (:class:`qkv.nn.rotary.RotaryEmbedding`): ``rotate(x, positions)`` turns each
+    head's queries or keys ``x (b, h, s, d_h)`` by their positions ``(s,)``."""
+
+    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        """``x (b, h, s, d_h)`` turned by ``positions (s,)``; ``x``'s shape and dtype."""
+        ...
 
 
 @dataclass
@@ -97,6 +105,8 @@ class MultiHeadAttention(nn.Module):
             rotary positions (QK-norm), or None.
         window: sliding-window attention: a query sees itself and the ``window - 1`` keys before it
             (with ``is_causal``); a self-attention cache keeps only those. None: every key.
+        alibi: ALiBi: each head's scores biased by the query-key distance times the head's slope
+            (:mod:`qkv.attention.alibi`), in place of positions.
 
     ``fuse_projections`` (an attribute, True by default): the q/k/v weights of a self-attention
     without a cache (and the k/v of a cross-attention) are concatenated into one product, fewer and
@@ -115,10 +125,11 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         num_kv_heads: int | None = None,
         qkv_bias: bool | None = None,
-        rotary: nn.Module | None = None,
+        rotary: Rotation | None = None,
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
         window: int | None = None,
+        alibi: bool = False,
     ) -> None:
         super().__init__()
         if embed_dim <= 0 or num_heads <= 0:
@@ -148,6 +159,8 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = Linear(self.vdim, kv_width, bias=in_bias)
         self.out_proj = Linear(embed_dim, embed_dim, bias=bias)
         self.rotary = rotary
+        self.alibi_slopes: Tensor | None
+        self.register_buffer("alibi_slopes", alibi_slopes(num_heads) if alibi else None, persistent=False)
         self.q_norm = q_norm
         self.k_norm = k_norm
 
@@ -246,13 +259,13 @@ class MultiHeadAttention(nn.Module):
         """
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return q if start is None or self.rotary is None else self.rotary(q, self._positions(q, start))
+        return q if start is None or self.rotary is None else self.rotary.rotate(q, self._positions(q, start))
 
     def place_keys(self, k: Tensor, start: int | None) -> Tensor:
         """As :meth:`place_queries`, for keys ``(b, h_kv, s, d_h)`` (the key norm)."""
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return k if start is None or self.rotary is None else self.rotary(k, self._positions(k, start))
+        return k if start is None or self.rotary is None else self.rotary.rotate(k, self._positions(k, start))
 
     @staticmethod
     def _positions(x: Tensor, start: int) -> Tensor:
@@ -274,11 +287,15 @@ class MultiHeadAttention(nn.Module):
                 queries' positions (bottom-right alignment).
             mask: bool (True = may attend) or additive, broadcastable to ``(b, h, s_q, s_k)``.
             is_causal: the causal mask, aligned bottom-right; with :attr:`window`, the window too.
+                With ALiBi slopes, their distance bias is added to ``mask``.
             need_weights: also return the weights ``(b, h, s_q, s_k)``.
 
         Returns:
             ``(out (b, s_q, h * d_h), weights or None)``; ``out`` before ``out_proj``.
         """
+        if self.alibi_slopes is not None:  # distances bottom-right aligned: the last query sits at the last key
+            s_q, s_k = q.size(-2), k.size(-2)
+            mask = combine_masks(mask, alibi_bias(self.alibi_slopes, s_q, s_k, offset=max(s_k - s_q, 0)))
         if is_causal and self.window is not None and self.window < k.size(-2):
             mask = combine_masks(mask, sliding_window_mask(q.size(-2), k.size(-2), self.window, device=q.device))
             is_causal = False  # the window's mask holds the causal one

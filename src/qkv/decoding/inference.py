@@ -88,11 +88,18 @@ class _Attention:
 
 
 class _FeedForward:
-    """A :class:`FeedForward`'s products: the first with its activation (oneDNN's post-op where packed)."""
+    """A :class:`FeedForward`'s products: the first with its activation (oneDNN's post-op where packed),
+    or, gated, the gate's and the up products fused, gated by :meth:`FeedForward.gating`."""
 
     def __init__(self, feed_forward: FeedForward) -> None:
         self.compute = feed_forward.compute
-        self.first = _product(feed_forward.linear1, activation=feed_forward.activation)  # act(x W_1 + b_1)
+        self.first: Callable[[Tensor], Tensor]
+        if feed_forward.gate is None:
+            self.first = _product(feed_forward.linear1, activation=feed_forward.activation)  # act(x W_1 + b_1)
+        else:  # gated: the gate's and the up products as one, the module's gating rule over the halves
+            both = fuse(_pair(feed_forward.gate), _pair(feed_forward.linear1))
+            width, gating = feed_forward.linear1.out_features, FeedForward.gating(feed_forward.activation)
+            self.first = lambda x: gating(*both(x).split(width, dim=-1))
         self.second = _product(feed_forward.linear2)
 
     def __call__(self, x: Tensor) -> Tensor:

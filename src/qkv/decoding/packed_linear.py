@@ -71,7 +71,10 @@ _POST_OPS: dict[str | None, tuple[str, list, str]] = {
 
 
 def _packed_product(x: Tensor, packed: Tensor, bias: Tensor | None, activation: str | None = None) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, *_POST_OPS[activation])
+    if activation in _POST_OPS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, *_POST_OPS[activation])
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, *_POST_OPS[None])  # no post-op: applied after
+    return ACTIVATIONS[activation](y)  # type: ignore[index]
 
 
 class PackedLinear:

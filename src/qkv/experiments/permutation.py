@@ -30,7 +30,8 @@ from qkv.experiments.common import (
     seeded,
     write_results,
 )
-from qkv.models.transformer import EncoderModel, TransformerConfig
+from qkv.models.encoder_model import EncoderModel
+from qkv.models.transformer import TransformerConfig
 from qkv.nn.positional import sinusoidal_table
 
 NAME = "permutation"

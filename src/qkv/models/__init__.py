@@ -2,9 +2,9 @@
 BERT), and the decoder-only :class:`CausalLM`. Each file reads top to bottom, its config beside it."""
 
 from qkv.models.causal_lm import CausalLM, CausalLMConfig, CausalLMOutput
+from qkv.models.encoder_model import EncoderModel
 from qkv.models.transformer import (
     DecoderOutput,
-    EncoderModel,
     EncoderOutput,
     Transformer,
     TransformerConfig,

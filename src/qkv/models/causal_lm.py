@@ -31,12 +31,21 @@ from qkv.models.sampling import (  # re-exported: qkv generate and qkv serve imp
     sample_loop,
     sample_next,
 )
+from qkv.nn.feedforward import GATED
 from qkv.nn.layers import EncoderLayer
 from qkv.nn.loss import fused_linear_cross_entropy
-from qkv.nn.positional import build_positional_encoding
+from qkv.nn.norms import NORMS, build_norm
+from qkv.nn.positional import POSITIONAL_KINDS, build_positional_encoding
+from qkv.nn.rotary import ROTARY_SCALINGS, RotaryEmbedding
 from qkv.runtime.fileio import write_json
 
 IGNORE = -100  # a target id that adds nothing to the loss
+LM_POSITIONAL_KINDS = (*POSITIONAL_KINDS, "rotary", "alibi")  # rotary and ALiBi: applied in the attention
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 __all__ = [
     "IGNORE",
@@ -67,13 +76,86 @@ class CausalLMConfig:
     activation: str = "gelu_tanh"  # feed-forward activation: gelu_tanh (GPT-2), gelu or relu (the paper)
     norm_first: bool = True  # pre-LN (GPT-2) or the paper's post-LN
     layer_norm_eps: float = 1e-5
-    positional: str = "learned"  # learned (GPT-2) or sinusoidal (the paper) or none
+    positional: str = "learned"  # learned (GPT-2), sinusoidal (the paper), rotary, alibi or none
     scale_embedding: bool = False  # multiply the token embedding by sqrt(d_model) (the paper, section 3.4)
     tie_output: bool = True  # the output projection is the token embedding (section 3.4)
     bias: bool = True  # biases in attention and feed-forward projections
+    # The parts of today's models (Llama, Mistral, Qwen2); the defaults are GPT-2's.
+    norm: str = "layer"  # layer (LayerNorm) or rms (RMSNorm); its epsilon is layer_norm_eps
+    rotary_base: float = 10000.0  # positional="rotary": theta
+    rotary_fraction: float = 1.0  # the first fraction of each head's dims rotated (partial rotary)
+    rotary_scaling: str = "none"  # none, linear or llama3 (longer contexts from the same frequencies)
+    rotary_scaling_factor: float = 1.0  # linear and llama3: how much longer
+    rotary_low_freq_factor: float = 1.0  # llama3
+    rotary_high_freq_factor: float = 4.0  # llama3
+    rotary_original_context: int = 8192  # llama3: the context the frequencies were trained for
+    num_kv_heads: int | None = None  # key/value heads: grouped-query (1: multi-query); None: num_heads
+    sliding_window: int | None = None  # a query sees itself and the sliding_window - 1 tokens before it
+    sliding_window_layers: list[int] | None = None  # the layers with the window; None: all (when sliding_window)
+    qk_norm: bool = False  # a norm over each head's queries and keys
+    qkv_bias: bool | None = None  # biases on the q/k/v projections; None: as bias
+    logit_softcap: float | None = None  # logits = c * tanh(logits / c)
 
     def __post_init__(self) -> None:
-        check_model_options(self, ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "context"))
+        check_model_options(
+            self, ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "context"), LM_POSITIONAL_KINDS
+        )
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.num_kv_heads is not None and (
+            not _is_int(self.num_kv_heads) or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads
+        ):
+            raise ValueError(
+                f"num_kv_heads must be a positive divisor of num_heads ({self.num_heads}), got {self.num_kv_heads!r}"
+            )
+        if self.sliding_window is not None and (not _is_int(self.sliding_window) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+        if self.sliding_window_layers is not None:
+            layers = self.sliding_window_layers
+            if not isinstance(layers, list) or not all(_is_int(i) and 0 <= i < self.num_layers for i in layers):
+                raise ValueError(f"sliding_window_layers must list layers 0..{self.num_layers - 1}, got {layers!r}")
+        if self.rotary_scaling not in ROTARY_SCALINGS:
+            raise ValueError(f"rotary_scaling must be one of {ROTARY_SCALINGS}, got {self.rotary_scaling!r}")
+        if not 0.0 < self.rotary_fraction <= 1.0:
+            raise ValueError(f"rotary_fraction must be in (0, 1], got {self.rotary_fraction!r}")
+        if not self.rotary_base > 1.0:
+            raise ValueError(f"rotary_base must be above 1, got {self.rotary_base!r}")
+        if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
+            raise ValueError(f"qkv_bias must be true, false or absent, got {self.qkv_bias!r}")
+        if self.logit_softcap is not None and not (
+            isinstance(self.logit_softcap, (int, float)) and self.logit_softcap > 0
+        ):
+            raise ValueError(f"logit_softcap must be a positive number, got {self.logit_softcap!r}")
+        if self.positional == "rotary":
+            self.rotary()  # its own checks (the rotated dims even, the scaling's values)
+
+    @property
+    def head_dim(self) -> int:
+        """Each head's size: ``d_model // num_heads``."""
+        return self.d_model // self.num_heads
+
+    def rotary(self) -> RotaryEmbedding | None:
+        """The rotary positions the layers share (``positional="rotary"``), or None."""
+        if self.positional != "rotary":
+            return None
+        return RotaryEmbedding(
+            self.head_dim,
+            base=self.rotary_base,
+            fraction=self.rotary_fraction,
+            scaling=self.rotary_scaling,
+            scaling_factor=self.rotary_scaling_factor,
+            low_freq_factor=self.rotary_low_freq_factor,
+            high_freq_factor=self.rotary_high_freq_factor,
+            original_context=self.rotary_original_context,
+        )
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, or None (it sees every earlier token)."""
+        if self.sliding_window is None or (
+            self.sliding_window_layers is not None and layer not in self.sliding_window_layers
+        ):
+            return None
+        return self.sliding_window
 
     def matrix_parameters(self) -> int:
         """The values of the model's weight matrices, embedding and positional table, counted from
@@ -84,13 +166,24 @@ class CausalLMConfig:
             The count.
         """
         d = self.d_model
-        table = 0 if self.positional == "none" else self.context * d
+        table = self.context * d if self.positional in ("learned", "sinusoidal") else 0
         output = 0 if self.tie_output else self.vocab_size * d
-        return self.vocab_size * d + output + table + self.num_layers * (4 * d * d + 2 * d * self.d_ff)
+        kv = (self.num_heads if self.num_kv_heads is None else self.num_kv_heads) * self.head_dim
+        attention = 2 * d * d + 2 * d * kv
+        feed_forward = (3 if self.activation in GATED else 2) * d * self.d_ff
+        return self.vocab_size * d + output + table + self.num_layers * (attention + feed_forward)
 
-    def layer_kwargs(self) -> dict:
-        """The arguments every block's :class:`~qkv.nn.layers.EncoderLayer` is built with."""
+    def layer_kwargs(self, layer: int = 0, rotary: RotaryEmbedding | None = None) -> dict:
+        """The arguments block ``layer``'s :class:`~qkv.nn.layers.EncoderLayer` is built with
+        (``rotary``: the rotary positions the blocks share)."""
         return dict(
+            norm=self.norm,
+            num_kv_heads=self.num_kv_heads,
+            qkv_bias=self.qkv_bias,
+            rotary=rotary,
+            qk_norm=self.qk_norm,
+            window=self.window(layer),
+            alibi=self.positional == "alibi",
             d_model=self.d_model,
             num_heads=self.num_heads,
             d_ff=self.d_ff,
@@ -143,8 +236,9 @@ class CausalDecoder(nn.Module):
 
     def __init__(self, config: CausalLMConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(EncoderLayer(**config.layer_kwargs()) for _ in range(config.num_layers))
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
+        rotary = config.rotary()  # one table of frequencies, shared by the blocks
+        self.layers = nn.ModuleList(EncoderLayer(**config.layer_kwargs(i, rotary)) for i in range(config.num_layers))
+        self.norm = build_norm(config.norm, config.d_model, config.layer_norm_eps) if config.norm_first else None
 
     def forward(
         self, x: Tensor, *, cache: list[KVCache] | None = None, need_weights: bool = False
@@ -178,7 +272,8 @@ class CausalLM(nn.Module):
         self.config = config
         d = config.d_model
         self.token_embedding = nn.Embedding(config.vocab_size, d)
-        self.positional = build_positional_encoding(config.positional, d, config.context)
+        table = config.positional if config.positional in POSITIONAL_KINDS else "none"  # rotary, alibi: in attention
+        self.positional = build_positional_encoding(table, d, config.context)
         self.embed_scale = math.sqrt(d) if config.scale_embedding else 1.0
         self.dropout = nn.Dropout(config.dropout)
         self.decoder = CausalDecoder(config)
@@ -216,12 +311,19 @@ class CausalLM(nn.Module):
         """
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be integers of shape (batch, seq), got {ids.dtype} {tuple(ids.shape)}")
-        start = 0 if cache is None else len(cache[0])
+        start = 0 if cache is None else cache[0].end
         if start + ids.size(1) > self.config.context:
             raise ValueError(f"{start + ids.size(1)} tokens exceed the model's context of {self.config.context}")
         x = self.dropout(self.positional(self.token_embedding(ids) * self.embed_scale, start))  # (b, s, d)
         hidden, attentions, new_cache = self.decoder(x, cache=cache, need_weights=need_weights)
-        return CausalLMOutput(self.output_proj(hidden) if project else None, hidden, attentions, new_cache)
+        return CausalLMOutput(self.logits(hidden) if project else None, hidden, attentions, new_cache)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The next-token logits ``(..., V)`` of final hidden states ``(..., d)``: the output projection,
+        soft-capped where the config says (``c * tanh(logits / c)``)."""
+        logits = self.output_proj(hidden)
+        cap = self.config.logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     @property
     def chunked_loss(self) -> bool:
@@ -230,7 +332,7 @@ class CausalLM(nn.Module):
         a vocabulary larger than ``d_model``. With a smaller one (e.g. characters) the logits are no
         larger than the hidden states, and one plain product and ``F.cross_entropy`` are faster
         (measured: 3% of a step at V = 65)."""
-        return self.config.vocab_size > self.config.d_model
+        return self.config.vocab_size > self.config.d_model and self.config.logit_softcap is None
 
     def hidden_states(self, ids: Tensor) -> Tensor:
         """The final hidden states ``(b, s, d)`` for ``ids (b, s)``: what the output projection turns
@@ -245,7 +347,7 @@ class CausalLM(nn.Module):
         hidden = self.hidden_states(ids)
         if self.chunked_loss:
             return fused_linear_cross_entropy(hidden, self.output_proj.weight, targets, label_smoothing, IGNORE)
-        logits = self.output_proj(hidden).float()  # (b, s, V)
+        logits = self.logits(hidden).float()  # (b, s, V)
         return F.cross_entropy(
             logits.reshape(-1, logits.size(-1)),
             targets.reshape(-1),

@@ -30,10 +30,10 @@ MAX_SIZES = {
 }
 
 
-def check_model_options(config: Any, positive: tuple[str, ...]) -> None:
+def check_model_options(config: Any, positive: tuple[str, ...], positional: tuple[str, ...] = POSITIONAL_KINDS) -> None:
     """The checks every model config shares (``ValueError`` naming the field): the ``positive``
     integer fields (each at most its :data:`MAX_SIZES` bound), heads dividing ``d_model``, dropouts
-    in [0, 1), ``layer_norm_eps``, the activation and the positional encoding."""
+    in [0, 1), ``layer_norm_eps``, the activation and the positional encoding (one of ``positional``)."""
     for name in positive:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -60,8 +60,8 @@ def check_model_options(config: Any, positive: tuple[str, ...]) -> None:
         raise ValueError(f"layer_norm_eps must be positive, got {config.layer_norm_eps!r}")
     if config.activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {config.activation!r}; choose one of {sorted(ACTIVATIONS)}")
-    if config.positional not in POSITIONAL_KINDS:
-        raise ValueError(f"unknown positional encoding {config.positional!r}; choose one of {POSITIONAL_KINDS}")
+    if config.positional not in positional:
+        raise ValueError(f"unknown positional encoding {config.positional!r}; choose one of {positional}")
     if config.positional == "sinusoidal" and config.d_model % 2:
         raise ValueError(f"the sinusoidal encoding needs an even d_model, got {config.d_model}")
 

@@ -1,5 +1,6 @@
-"""Models built from qkv's layers: the encoder-decoder Transformer and an encoder-only model (the
-decoder-only language model is :mod:`qkv.models.causal_lm`). Reads top to bottom.
+"""The encoder-decoder Transformer built from qkv's layers (the encoder-only model is
+:mod:`qkv.models.encoder_model`, the decoder-only language model :mod:`qkv.models.causal_lm`).
+Reads top to bottom.
 
 Shape legend: ``b`` batch, ``s_src`` source length, ``s_tgt`` target length, ``d`` d_model,
 ``V`` vocabulary size, ``h`` heads.
@@ -7,6 +8,7 @@ Shape legend: ``b`` batch, ``s_src`` source length, ``s_tgt`` target length, ``d
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -17,8 +19,10 @@ from torch import Tensor, nn
 from qkv.attention.multihead import KVCache
 from qkv.models.options import check_fits_weights, check_model_options
 from qkv.nn.dropout import Dropout
+from qkv.nn.feedforward import GATED
 from qkv.nn.layers import DecoderLayer, EncoderLayer
 from qkv.nn.loss import fused_linear_cross_entropy
+from qkv.nn.norms import NORMS, build_norm
 from qkv.nn.positional import build_positional_encoding
 from qkv.runtime.fileio import read_json, write_json
 
@@ -45,8 +49,15 @@ class TransformerConfig:
     tie_output: bool = True  # output projection shares the target embedding (section 3.4)
     pad_id: int = 0  # padding token id; masks are derived from it when not given
     bias: bool = True  # biases in attention and feed-forward projections
+    norm: str = "layer"  # the layers' norms: layer (LayerNorm, the paper) or rms (RMSNorm)
+    num_kv_heads: int | None = None  # key/value heads (grouped-query attention); None: num_heads
 
     def __post_init__(self) -> None:
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        kv = self.num_kv_heads
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0 or self.num_heads % kv):
+            raise ValueError(f"num_kv_heads must be a positive divisor of num_heads ({self.num_heads}), got {kv!r}")
         check_model_options(
             self,
             (
@@ -80,15 +91,17 @@ class TransformerConfig:
         Returns:
             The count.
         """
-        d, ff = self.d_model, self.d_ff
+        d, ff = self.d_model, self.d_ff * (3 if self.activation in GATED else 2)  # a gate: a third product
+        kv = d if self.num_kv_heads is None else self.num_kv_heads * (d // self.num_heads)
         table = 0 if self.positional == "none" else self.max_len * d
-        encoder = self.num_encoder_layers * (4 * d * d + 2 * d * ff)
+        attention = 2 * d * d + 2 * d * kv
+        encoder = self.num_encoder_layers * (attention + d * ff)
         if encoder_only:
             return self.src_vocab_size * d + table + encoder
         embeddings = self.src_vocab_size * d + (0 if self.share_embeddings else self.tgt_vocab_size * d)
         output = 0 if self.tie_output else self.tgt_vocab_size * d
         tables = 2 * table if self.positional == "learned" else table  # a learned table per side
-        return embeddings + output + tables + encoder + self.num_decoder_layers * (8 * d * d + 2 * d * ff)
+        return embeddings + output + tables + encoder + self.num_decoder_layers * (2 * attention + d * ff)
 
     def layer_kwargs(self) -> dict:
         """The arguments every EncoderLayer/DecoderLayer of this model is built with."""
@@ -102,6 +115,8 @@ class TransformerConfig:
             norm_first=self.norm_first,
             layer_norm_eps=self.layer_norm_eps,
             bias=self.bias,
+            norm=self.norm,
+            num_kv_heads=self.num_kv_heads,
         )
 
     def to_json(self, path: str | Path) -> None:
@@ -168,7 +183,7 @@ class Encoder(nn.Module):
     def __init__(self, config: TransformerConfig, num_layers: int) -> None:
         super().__init__()
         self.layers = nn.ModuleList(EncoderLayer(**config.layer_kwargs()) for _ in range(num_layers))
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
+        self.norm = build_norm(config.norm, config.d_model, config.layer_norm_eps) if config.norm_first else None
 
     def forward(
         self, x: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False, need_weights: bool = False
@@ -192,7 +207,7 @@ class Decoder(nn.Module):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.layers = nn.ModuleList(DecoderLayer(**config.layer_kwargs()) for _ in range(config.num_decoder_layers))
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
+        self.norm = build_norm(config.norm, config.d_model, config.layer_norm_eps) if config.norm_first else None
 
     def forward(
         self,
@@ -366,34 +381,8 @@ class Transformer(nn.Module):
         return fused_linear_cross_entropy(hidden, self.output_proj.weight, tgt_out, label_smoothing, self.config.pad_id)
 
 
-@dataclass
-class EncoderModelOutput:
-    """What :class:`EncoderModel` returns: the final hidden states and, if asked, every layer's weights."""
-
-    last_hidden_state: Tensor  # (b, s, d)
-    attentions: list[Tensor] | None = None  # per layer (b, h, s, s)
-
-
-class EncoderModel(nn.Module):
-    """Encoder-only model: embeddings, positions and ``num_encoder_layers`` encoder layers over
-    ``src_vocab_size`` tokens. Returns hidden states (add a head for a task)."""
-
-    def __init__(self, config: TransformerConfig) -> None:
-        super().__init__()
-        check_fits_weights(config.matrix_parameters(encoder_only=True))
-        self.config = config
-        positional = build_positional_encoding(config.positional, config.d_model, config.max_len)
-        self.embed = TokenEmbedding(
-            nn.Embedding(config.src_vocab_size, config.d_model), positional, config.d_model, config.dropout
-        )
-        self.encoder = Encoder(config, config.num_encoder_layers)
-        _init_weights(self, config.d_model, config.pad_id)
-
-    def forward(
-        self, ids: Tensor, *, key_padding_mask: Tensor | None = None, need_weights: bool = False
-    ) -> EncoderModelOutput:
-        """Encode ``ids (b, s)``; ``key_padding_mask`` (True = real token) defaults to ``ids != pad_id``."""
-        if key_padding_mask is None:
-            key_padding_mask = ids != self.config.pad_id
-        hidden, attentions = self.encoder(self.embed(ids), key_padding_mask=key_padding_mask, need_weights=need_weights)
-        return EncoderModelOutput(hidden, attentions)
+def __getattr__(name: str) -> object:
+    """The 1.x path of the encoder-only model's names (moved to :mod:`qkv.models.encoder_model`)."""
+    if name in ("EncoderModel", "EncoderModelOutput"):
+        return getattr(importlib.import_module("qkv.models.encoder_model"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,21 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.attention.multihead import AttentionOutput, KVCache, MultiHeadAttention
+from qkv.attention.multihead import AttentionOutput, KVCache, MultiHeadAttention, Rotation
 from qkv.nn.dropout import Dropout
-from qkv.runtime.padded_linear import Linear
-
-ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-
+from qkv.nn.feedforward import ACTIVATIONS, FeedForward  # noqa: F401  (ACTIVATIONS re-exported)
+from qkv.nn.norms import build_norm
 
 Sublayer = Callable[[Tensor], Tensor]  # (..., d) -> (..., d): an attention or the feed-forward network
 
@@ -59,48 +53,46 @@ def residual(
     return norm(x + (y if dropout is None else dropout(y)))
 
 
-class FeedForward(nn.Module):
-    """FFN(x) = act(x W_1 + b_1) W_2 + b_2 (section 3.3), with dropout after the activation."""
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How a layer's attention and norms are built, beyond the paper's (the defaults are the paper's).
 
-    def __init__(self, d_model: int, d_ff: int, *, dropout: float = 0.0, activation: str = "relu", bias: bool = True):
-        super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}; choose one of {sorted(ACTIVATIONS)}")
-        self.linear1 = Linear(d_model, d_ff, bias=bias)
-        self.linear2 = Linear(d_ff, d_model, bias=bias)
-        self.dropout = Dropout(dropout)
-        self.activation = activation
+    Attributes:
+        norm: the layer's norms: ``layer`` (LayerNorm) or ``rms`` (RMSNorm).
+        num_kv_heads: key/value heads (grouped-query attention); None: as many as the query heads.
+        qkv_bias: biases on the q/k/v projections; None: as the layer's ``bias``.
+        rotary: rotary positions for the self-attention (one module shared by the layers), or None.
+        qk_norm: a norm of kind ``norm`` over each head's queries and keys.
+        window: the self-attention's sliding window (keys a query sees, itself included), or None.
+        alibi: ALiBi distance biases in the self-attention (in place of positions).
+    """
 
-    def forward(self, x: Tensor) -> Tensor:
-        """The network over ``x``, each position on its own.
+    norm: str = "layer"
+    num_kv_heads: int | None = None
+    qkv_bias: bool | None = None
+    rotary: Rotation | None = None
+    qk_norm: bool = False
+    window: int | None = None
+    alibi: bool = False
 
-        Args:
-            x: ``(..., d)`` hidden states.
-
-        Returns:
-            ``x``'s shape.
-        """
-        return self.compute(x, self._first, self.linear2, self.dropout)  # (b, s, d)
-
-    def _first(self, x: Tensor) -> Tensor:
-        return ACTIVATIONS[self.activation](self.linear1(x))  # act(x W_1 + b_1)
-
-    @staticmethod
-    def compute(x: Tensor, first: Sublayer, second: Sublayer, dropout: Sublayer | None = None) -> Tensor:
-        """The network over given products: ``second(dropout(first(x)))``.
-
-        Args:
-            x: ``(..., d)``.
-            first: ``act(x W_1 + b_1)``, the activation included (an inference product may compute it in
-                the product's own pass).
-            second: ``h W_2 + b_2``.
-            dropout: after the activation; None: none.
-
-        Returns:
-            ``(..., d)``.
-        """
-        h = first(x)
-        return second(h if dropout is None else dropout(h))
+    def attention(
+        self, d_model: int, num_heads: int, dropout: float, bias: bool, eps: float, *, cross: bool = False
+    ) -> MultiHeadAttention:
+        """A :class:`MultiHeadAttention` with these options (``cross``: without positions or window)."""
+        head_dim = d_model // num_heads if num_heads > 0 else 0
+        return MultiHeadAttention(
+            d_model,
+            num_heads,
+            dropout=dropout,
+            bias=bias,
+            num_kv_heads=self.num_kv_heads,
+            qkv_bias=self.qkv_bias,
+            rotary=None if cross else self.rotary,
+            q_norm=build_norm(self.norm, head_dim, eps) if self.qk_norm else None,
+            k_norm=build_norm(self.norm, head_dim, eps) if self.qk_norm else None,
+            window=None if cross else self.window,
+            alibi=self.alibi and not cross,
+        )
 
 
 @dataclass
@@ -136,21 +128,26 @@ class EncoderLayer(nn.Module):
         norm_first: bool = False,
         layer_norm_eps: float = 1e-5,
         bias: bool = True,
+        **attention: Any,
     ) -> None:
         """Args:
         d_model: model width. num_heads: attention heads. d_ff: feed-forward inner width.
         dropout: residual dropout on each sub-layer's output (section 5.4).
         attention_dropout: dropout on attention weights (not in the paper).
-        activation: ``relu`` (paper), ``gelu`` or ``gelu_tanh``.
-        norm_first: pre-LN instead of the paper's post-LN. layer_norm_eps: LayerNorm epsilon.
+        activation: a name of :data:`~qkv.nn.feedforward.ACTIVATIONS`: ``relu`` (paper), ``gelu``,
+            ``gelu_tanh``, ``relu2``, ``silu``, or a gated one (``swiglu``, ``geglu``).
+        norm_first: pre-LN instead of the paper's post-LN. layer_norm_eps: the norms' epsilon.
         bias: biases in attention and feed-forward projections.
+        **attention: the options of today's attention (:class:`AttentionOptions`' fields): ``norm``,
+            ``num_kv_heads``, ``qkv_bias``, ``rotary``, ``qk_norm``, ``window``, ``alibi``.
         """
         super().__init__()
+        options = AttentionOptions(**attention)
         self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout=attention_dropout, bias=bias)
+        self.self_attn = options.attention(d_model, num_heads, attention_dropout, bias, layer_norm_eps)
         self.feed_forward = FeedForward(d_model, d_ff, dropout=dropout, activation=activation, bias=bias)
-        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
-        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.norm1 = build_norm(options.norm, d_model, layer_norm_eps)
+        self.norm2 = build_norm(options.norm, d_model, layer_norm_eps)
         self.dropout1 = Dropout(dropout)
         self.dropout2 = Dropout(dropout)
 
@@ -225,23 +222,20 @@ class DecoderLayer(nn.Module):
         norm_first: bool = False,
         layer_norm_eps: float = 1e-5,
         bias: bool = True,
+        **attention: Any,
     ) -> None:
-        """Args:
-        d_model: model width. num_heads: attention heads. d_ff: feed-forward inner width.
-        dropout: residual dropout on each sub-layer's output (section 5.4).
-        attention_dropout: dropout on attention weights (not in the paper).
-        activation: ``relu`` (paper), ``gelu`` or ``gelu_tanh``.
-        norm_first: pre-LN instead of the paper's post-LN. layer_norm_eps: LayerNorm epsilon.
-        bias: biases in attention and feed-forward projections.
+        """Args: as :class:`EncoderLayer`'s; the cross-attention has the same heads and norms, and
+        neither rotary positions nor a window (the memory's positions are another sequence's).
         """
         super().__init__()
+        options = AttentionOptions(**attention)
         self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout=attention_dropout, bias=bias)
-        self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout=attention_dropout, bias=bias)
+        self.self_attn = options.attention(d_model, num_heads, attention_dropout, bias, layer_norm_eps)
+        self.cross_attn = options.attention(d_model, num_heads, attention_dropout, bias, layer_norm_eps, cross=True)
         self.feed_forward = FeedForward(d_model, d_ff, dropout=dropout, activation=activation, bias=bias)
-        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
-        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
-        self.norm3 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.norm1 = build_norm(options.norm, d_model, layer_norm_eps)
+        self.norm2 = build_norm(options.norm, d_model, layer_norm_eps)
+        self.norm3 = build_norm(options.norm, d_model, layer_norm_eps)
         self.dropout1 = Dropout(dropout)
         self.dropout2 = Dropout(dropout)
         self.dropout3 = Dropout(dropout)
