@@ -252,7 +252,7 @@ def test_bad_folders_are_one_line_errors(tmp_path, bpe):
 
     config = json.loads((tmp_path / "config.json").read_text())
     for bad, expected in [
-        (dict(config, model_type="llama"), "unsupported architecture: model_type='llama'"),
+        (dict(config, model_type="falcon"), "unsupported architecture: model_type='falcon'"),
         (dict(config, activation_function="swish"), "swish"),
         (dict(config, add_cross_attention=True), "add_cross_attention"),
         (dict(config, scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),

