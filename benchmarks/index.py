@@ -41,6 +41,8 @@ FOLDERS = {
     "performance": "Speed and memory on CPUs: qkv bench suites, the training step's fast paths, the fused loss, "
     "memory over long runs, tokenization.",
     "reliability": "Crash consistency under SIGKILL and `qkv serve` under load.",
+    "attention": "The attention of today's models: mask functions as boolean masks against FlexAttention "
+    "(benchmarks/mask_functions.py).",
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "qkv"
 
-CEILING = 70
+CEILING = 0
 
 
 def _is_companion(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:

@@ -127,7 +127,13 @@ def test_no_import_circle():
 # in two. A file or function that truly is one concept longer than the cap is listed here with the
 # reason, and then passes; the table is meant to stay empty or nearly so. Keys are paths under
 # src/qkv ("data/text.py") for files, and "path:function" ("data/text.py:read_lines") for functions.
-LINE_CAP_EXCEPTIONS: dict[str, str] = {}
+LINE_CAP_EXCEPTIONS: dict[str, str] = {
+    "models/causal_lm.py": "the language model with its config beside it (the house style), and the config holds "
+    "the options of today's models (rotary, grouped-query, windows, norms, soft-cap), each checked where declared",
+    "cli/demo.py:run": "the demo's steps in the order a newcomer sees them (train, translate, explore, print where "
+    "each file is), with its docstring; splitting it would scatter one sequence",
+    "cli/serve.py:add_arguments": "qkv serve's flags: one add_argument each, a flat list with its docstring",
+}
 
 FILE_CAP, FUNCTION_CAP = 400, 80
 

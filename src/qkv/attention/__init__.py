@@ -1,4 +1,7 @@
-"""Attention: the eager reference, the fused fast path, masks and multi-head attention."""
+"""Attention: the eager reference, the fused fast path, masks (and mask functions, :mod:`.mask_functions`)
+and multi-head attention."""
+
+from qkv.attention import mask_functions
 
 from qkv.attention.backends import BackendChoice, select_backend, use_backend
 from qkv.attention.functional import attention_reference, masked_softmax, scaled_dot_product_attention
@@ -20,6 +23,7 @@ __all__ = [
     "attention_reference",
     "causal_mask",
     "combine_masks",
+    "mask_functions",
     "masked_softmax",
     "padding_mask_from_ids",
     "padding_mask_from_lengths",

@@ -228,7 +228,7 @@ class MultiHeadAttention(nn.Module):
             k, v = self._kv_heads(key, value)
             new_cache = KVCache(self.place_keys(k, None), v, static=True)
         mask = combine_masks(
-            self._expand_attn_mask(attn_mask, b), self._expand_padding_mask(key_padding_mask, b, len(new_cache))
+            self._expand_attn_mask(attn_mask, b), self._expand_padding_mask(key_padding_mask, b, new_cache.key.size(-2))
         )
         out, weights = self.attend(q, new_cache.key, new_cache.value, mask, is_causal, need_weights)
         if not new_cache.static and self.window is not None:

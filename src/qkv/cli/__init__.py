@@ -103,6 +103,17 @@ def build_parser(chosen: str | None, *, every: bool = False) -> argparse.Argumen
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``qkv`` command line: parse ``argv``, set up logging and run the chosen subcommand,
+    reporting any error in one line on stderr.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: the subcommand's own (0 on success; with no subcommand the help is printed
+        and 0 returned), 2 for bad input, 1 for a fault or a closed output pipe, 130 when
+        interrupted. A usage error exits 2 from argparse itself.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(chosen)

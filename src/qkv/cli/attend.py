@@ -18,6 +18,12 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``qkv attend``'s flags: the sentences, ``--model``, the outputs (``-o``, ``--png``,
+    ``--json``), ``--target``, ``--max-chars``, ``--compare`` and ``--corpus``.
+
+    Args:
+        parser: the ``attend`` subcommand's parser, to add the flags to.
+    """
     parser.add_argument(
         "texts",
         nargs="*",
@@ -54,10 +60,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``qkv attend``: open the model, record each sentence's attention (with ``--compare``, the
+    heads that differ most; with ``--corpus``, head statistics over its lines) and write the HTML
+    explorer, plus the JSON and PNG heatmaps when asked.
+
+    Args:
+        args: the options :func:`add_arguments` declared, as parsed.
+
+    Returns:
+        The exit code: 0 once everything is written. Bad input (no sentence, a sentence over
+        ``--max-chars``, ``--target`` for a model that is not a translation model) raises
+        ``ValueError``, which the CLI reports as exit code 2.
+    """
     from qkv.runtime.fileio import check_output_file
     from qkv.viz import explorer_data, open_explorer, save_heatmaps, write_html, write_json
     from qkv.viz.compare import compare_field
     from qkv.viz.corpus import corpus_field, read_corpus
+    from qkv.viz.explorers import EncoderExplorer, Seq2SeqExplorer
 
     check_output_file(args.output, "-o/--output")  # before any work: a FIFO or device is written in place
     if args.json:
@@ -75,16 +94,16 @@ def run(args: argparse.Namespace) -> int:
         texts = [corpus[0][1]]
     explorer = open_explorer(args.model)
     targets = args.target or []
-    if targets and explorer.kind != "seq2seq":
-        what = "a language model" if explorer.kind == "lm" else "an encoder"
+    if targets and not isinstance(explorer, Seq2SeqExplorer):
+        what = "an encoder" if isinstance(explorer, EncoderExplorer) else "a language model"
         raise ValueError(f"--target is for translation models; this model is {what}")
     if targets and len(targets) != len(texts):
         raise ValueError(f"got {len(texts)} sentences but {len(targets)} --target values")
     examples = []
     for i, text in enumerate(texts):
-        if targets and explorer.kind == "seq2seq":  # (targets are for a translation run: checked above)
+        if targets and isinstance(explorer, Seq2SeqExplorer):  # (targets are for a translation run: checked above)
             examples.append(explorer.example(text, targets[i]))
-        elif args.compare and explorer.kind == "encoder":  # the saliency of the pair's cosine similarity
+        elif args.compare and isinstance(explorer, EncoderExplorer):  # the saliency of the pair's cosine similarity
             examples.append(explorer.example(text, paired_with=texts[1 - i]))
         else:
             examples.append(explorer.example(text))

@@ -12,6 +12,13 @@ from qkv.bench.suites import SUITES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``qkv bench``'s flags: the suite to time (or ``all``), ``--quick``, where the results
+    go (``--out``, ``--overwrite``), the device, threads, data and seed, and the attention suite's
+    sizes, dtypes, passes and contenders.
+
+    Args:
+        parser: the ``bench`` subcommand's parser, to add the flags to.
+    """
     parser.add_argument("suite", choices=(*SUITES, "all"), help="what to time")
     parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (tiny sizes, few repeats)")
     parser.add_argument(
@@ -53,6 +60,17 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``qkv bench``: time the chosen suites one after another, write each one's
+    ``<suite>.json`` and ``<suite>.png`` to ``--out`` and print its summary table.
+
+    Args:
+        args: the options :func:`add_arguments` declared, as parsed.
+
+    Returns:
+        The exit code: 0 once every suite is timed. A result file already in ``--out`` (without
+        ``--overwrite``) is refused before any timing, and a bad ``--threads`` or ``--seq-lens``
+        raises; the CLI reports either as exit code 2.
+    """
     from qkv.bench.suites import run_suite
     from qkv.bench.timing import pick_device
     from qkv.runtime.fileio import check_output_file

@@ -44,6 +44,12 @@ SAMPLE_FORMATS = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``qkv demo``'s flags: ``--out``, the time cap ``--minutes``, the exact-match
+    ``--target`` to stop at, ``--seed``, ``--threads``, ``--device`` and ``--no-progress``.
+
+    Args:
+        parser: the ``demo`` subcommand's parser, to add the flags to.
+    """
     parser.add_argument("--out", default="qkv-out/demo", help="output folder (default qkv-out/demo)")
     parser.add_argument("--minutes", type=float, default=2.5, help="cap on training time (default 2.5)")
     parser.add_argument(
@@ -166,6 +172,18 @@ def _print_examples(samples: list[str], outputs: list[str], srcs: list[str], hyp
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``qkv demo``: check ``--out`` (see :func:`check_output_folder`), train a Transformer on
+    generated dates until the exact-match target or the time cap, print the held-out accuracy and
+    some rewrites, and write the run folder, cross-attention heatmaps, the HTML explorer and
+    ``summary.json`` into ``--out``.
+
+    Args:
+        args: the options :func:`add_arguments` declared, as parsed.
+
+    Returns:
+        The exit code: 0 once everything is written. An output folder the demo may not write into
+        raises before any training, which the CLI reports as exit code 2.
+    """
     from qkv.data.sources import load_split
     from qkv.data.spec import DataSpec
     from qkv.decoding.translate import translate_texts

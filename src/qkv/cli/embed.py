@@ -15,6 +15,12 @@ from qkv.cli.options import positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``qkv embed``'s flags: the sentences (or ``-i/--input``), ``-o/--output``,
+    ``--model``, ``--batch-size`` and ``--no-normalize``.
+
+    Args:
+        parser: the ``embed`` subcommand's parser, to add the flags to.
+    """
     parser.add_argument("texts", nargs="*", help="sentences to embed (or use --input, or pipe lines on stdin)")
     parser.add_argument("-i", "--input", help="a UTF-8 text file, one sentence a line ('-' = stdin)")
     parser.add_argument("-o", "--output", help="write to FILE.json or FILE.npy (default: JSON on stdout)")
@@ -40,6 +46,18 @@ def read_texts(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``qkv embed``: load the BERT-family encoder, embed the sentences (mean-pooled, and
+    L2-normalised unless ``--no-normalize``) and write them as JSON on stdout, or to the ``.json``
+    or ``.npy`` file ``--output`` names.
+
+    Args:
+        args: the options :func:`add_arguments` declared, as parsed.
+
+    Returns:
+        The exit code: 0 once the embeddings are written. No sentences, a bad ``--output`` suffix
+        or a model that is not a sentence encoder raise ``ValueError``, which the CLI reports as
+        exit code 2.
+    """
     import io
 
     import numpy as np

@@ -64,6 +64,14 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``qkv evaluate``'s flags: the run folder, what to score (``--split``, ``--src`` and
+    ``--ref``, ``--text``), the decoding (``--beam``, ``--alpha``, ``--weights``, ``--bf16``, the
+    ensemble and engine options), ``--limit``, ``--hyp-out``, ``--json``, ``--against``,
+    ``--threads`` and ``--device``.
+
+    Args:
+        parser: the ``evaluate`` subcommand's parser, to add the flags to.
+    """
     parser.add_argument("run_dir", help="a run folder made by qkv train")
     parser.add_argument(
         "--split",
@@ -130,10 +138,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``qkv evaluate``: score a translation run (sacreBLEU BLEU and chrF, the papers' BLEU
+    forms, with ``--against`` the significance of each difference) or a language model (loss,
+    perplexity and bits per character of each split scored), and print the scores.
+
+    Args:
+        args: the options :func:`add_arguments` declared, as parsed.
+
+    Returns:
+        The exit code: 0 once the scores are printed. Options that do not fit together or do not
+        fit the run's kind (``--src`` without ``--ref``, ``--text`` for a translation run,
+        ``--against`` for a language model, ...) raise ``ValueError``, which the CLI reports as
+        exit code 2.
+    """
+    from qkv.inference.kinds import SEQ2SEQ, model_kind
     from qkv.inference.runs import load_run, load_translator, read_run_config
     from qkv.metrics.bleu_forms import check_lang
-    from qkv.runs.kinds import run_kind
-    from qkv.runs.translation_kind import TRANSLATION
     from qkv.runtime.device import pick_device
     from qkv.runtime.fileio import check_output_file
 
@@ -156,8 +176,8 @@ def run(args: argparse.Namespace) -> int:
         if args.text:
             raise ValueError("--text scores a language-model run; CTranslate2 decodes translation runs")
         config = {} if exported else read_run_config(args.run_dir)
-        if run_kind(config) is not TRANSLATION:
-            raise ValueError(f"{args.run_dir}: a language-model run; --engine ctranslate2 decodes translation runs")
+        if (kind := model_kind(config)) is not SEQ2SEQ:
+            raise ValueError(f"{args.run_dir}: {kind.run_words}; --engine ctranslate2 decodes translation runs")
         with ct2_translator(args, device) as translator:
             config = {"decode": translator.manifest["decode"]} if exported else config
             engine = {"compute_type": translator.translator.compute_type}
@@ -170,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         model, tokenizer, config = load_run(args.run_dir, args.weights)
     model.to(device)
-    if run_kind(config) is not TRANSLATION:
+    if model_kind(config) is not SEQ2SEQ:
         if others:
             raise ValueError("--against compares translation runs; a language-model run has no BLEU")
         return _evaluate_language_model(args, model, tokenizer, config)
@@ -342,10 +362,11 @@ def _split_tokens(run_dir: Path, config: dict, name: str) -> tuple[np.ndarray, f
     """A split's token array (memory-mapped, checked against config.json's count) and its characters
     per token."""
     from qkv.data.text import read_tokens
+    from qkv.inference.kinds import LM_SECTION
     from qkv.runs.language_model import SPLIT_FILES, check_lm_arrays
 
     check_lm_arrays(run_dir, config, names=(name,))
-    lm = config.get("lm", {})
+    lm = config.get(LM_SECTION, {})
     split = (lm.get("splits") or {}).get(name)
     chars_per_token = split["chars_per_token"] if split else lm.get("chars_per_token", 1.0)
     return read_tokens(run_dir / SPLIT_FILES[name], config["model"]["vocab_size"]), chars_per_token

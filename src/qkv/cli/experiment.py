@@ -15,6 +15,12 @@ DEFAULT_OUT = "qkv-out/experiments"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``qkv experiment``'s flags: the experiment's name (or ``all``), ``--quick``,
+    ``--out``, ``--seed``, ``--device``, ``--threads`` and ``--no-progress``.
+
+    Args:
+        parser: the ``experiment`` subcommand's parser, to add the flags to.
+    """
     from qkv.experiments import EXPERIMENTS
 
     names = ", ".join(f"{name} ({claim})" for name, (_, claim) in EXPERIMENTS.items())
@@ -28,6 +34,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``qkv experiment``: run the named experiment (or each in turn), printing its summary,
+    whether each of its claims holds, and the results and figures it wrote under ``--out``.
+
+    Args:
+        args: the options :func:`add_arguments` declared, as parsed.
+
+    Returns:
+        The exit code: 0 once every experiment has run, whether or not its claims held (the
+        printed ``[holds]``/``[FAILS]`` lines say). A bad ``--threads`` raises ``ValueError``,
+        which the CLI reports as exit code 2.
+    """
     import torch
 
     from qkv.experiments import EXPERIMENTS, run_experiment

@@ -11,6 +11,12 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``qkv explain``'s flags: the example's sizes (``--tokens``, ``--dim``, ``--dk``,
+    ``--heads``), ``--seed``, ``--format``, ``--decimals`` and ``-o/--output``.
+
+    Args:
+        parser: the ``explain`` subcommand's parser, to add the flags to.
+    """
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs and weights (default 0)")
     parser.add_argument("--tokens", type=int, default=4, help="number of tokens n (default 4)")
     parser.add_argument("--dim", type=int, default=6, help="features per token d (default 6)")
@@ -24,6 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``qkv explain``: work attention by hand on random inputs and print each step (as text or
+    markdown) to stdout or ``--output``, checking the by-hand numbers against the library's.
+
+    Args:
+        args: the options :func:`add_arguments` declared, as parsed.
+
+    Returns:
+        The exit code: 0 when the by-hand and library results agree (within 1e-6), 1 when they
+        differ (a bug, reported on stderr). A ``--decimals`` outside 0..12 raises ``ValueError``,
+        which the CLI reports as exit code 2.
+    """
     from qkv.experiments.common import write_text
     from qkv.experiments.explain import format_example, worked_example
 

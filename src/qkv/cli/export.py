@@ -19,6 +19,12 @@ FORMATS = ("hf", "onnx", "ctranslate2")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``qkv export``'s flags: the run folder and the output, the format ``--to``, which
+    ``--weights``, ``--overwrite`` and CTranslate2's ``--quantization``.
+
+    Args:
+        parser: the ``export`` subcommand's parser, to add the flags to.
+    """
     parser.add_argument("run", help="the run folder (made by qkv train)")
     parser.add_argument("out", help="the folder to write (created; see --overwrite)")
     parser.add_argument(
@@ -48,6 +54,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``qkv export``: write the run's chosen weights as a Hugging Face folder, an ONNX file or
+    a CTranslate2 folder at ``out``.
+
+    Args:
+        args: the options :func:`add_arguments` declared, as parsed.
+
+    Returns:
+        The exit code: 0 once the export is written. A missing run folder, ``--quantization``
+        without ``--to ctranslate2``, a missing optional package or a model the format cannot hold
+        exactly raise, and the CLI reports them as exit code 2.
+    """
     run_dir = Path(args.run)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: run folder not found")

@@ -23,6 +23,13 @@ from qkv.runtime.fileio import read_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``qkv generate``'s flags: the model folder, ``--prompt``, the sampling
+    (``--max-new-tokens``, ``--temperature``, ``--top-k``, ``--top-p``, ``--num-samples``,
+    ``--seed``, ``--stop``), ``--weights``, ``--threads`` and ``--device``.
+
+    Args:
+        parser: the ``generate`` subcommand's parser, to add the flags to.
+    """
     parser.add_argument(
         "model", help="a language-model run folder made by qkv train, or a GPT-2 folder (qkv export --to hf writes one)"
     )
@@ -71,13 +78,24 @@ def open_language_model(path: str | Path, weights: str = "model") -> tuple[Any, 
             what = "translation model" if config.get("model_type") == "marian" else "encoder"
             raise ValueError(f"{folder}: a {config.get('model_type')} {what}, not a language model")
         return pretrained, pretrained.tokenizer
+    from qkv.inference.kinds import CAUSAL_LM
     from qkv.inference.runs import load_run
 
-    model, tokenizer, _ = load_run(folder, weights, task="lm")
+    model, tokenizer, _ = load_run(folder, weights, task=CAUSAL_LM.name)
     return model, tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``qkv generate``: open the language model, continue ``--prompt`` and write the text to
+    stdout (one sample as it is produced, several one after another).
+
+    Args:
+        args: the options :func:`add_arguments` declared, as parsed.
+
+    Returns:
+        The exit code: 0 once the samples are written. A prompt that gives no tokens, or a folder
+        that is not a language model, raises, which the CLI reports as exit code 2.
+    """
     import torch
 
     from qkv.inference.generation import SamplingConfig, generate_texts

@@ -24,6 +24,13 @@ DEFAULT_MAX_LEN = RECIPES["files"]["model"]["max_len"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``qkv prepare``'s flags: the training and validation files, ``--out``, the tokenizer
+    (``--vocab-size`` to learn one, ``--tokenizer`` to reuse one, ``--tokenizer-sample``),
+    ``--max-len``, ``--workers``, ``--overwrite`` and ``--no-progress``.
+
+    Args:
+        parser: the ``prepare`` subcommand's parser, to add the flags to.
+    """
     parser.add_argument("--train-src", required=True, help="training source file, one sentence a line (.gz allowed)")
     parser.add_argument("--train-tgt", required=True, help="training target file, line-aligned with --train-src")
     parser.add_argument("--val-src", help="validation source file (optional)")
@@ -64,6 +71,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``qkv prepare``: tokenize the corpus on several processes into the prepared folder
+    ``--out`` and print, on stderr, how many pairs each split kept and left out.
+
+    Args:
+        args: the options :func:`add_arguments` declared, as parsed.
+
+    Returns:
+        The exit code: 0 once the folder is written (bad lines left out do not change it).
+        ``--vocab-size`` with ``--tokenizer``, a bad vocabulary size or misaligned files raise,
+        which the CLI reports as exit code 2.
+    """
     import time
 
     from qkv.data.preparing import REASONS, prepare_corpus

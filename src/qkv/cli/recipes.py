@@ -31,6 +31,12 @@ SOURCE_FLAGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``qkv recipes``'s flags: the action (``list``, the default, or ``show``), the recipe
+    to show (a name or a ``.toml`` file) and ``--toml``.
+
+    Args:
+        parser: the ``recipes`` subcommand's parser, to add the flags to.
+    """
     parser.add_argument(
         "action", nargs="?", choices=("list", "show"), default="list", help="list the recipes (default) or show one"
     )
@@ -41,6 +47,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``qkv recipes``: print the shipped recipes (:func:`list_lines`), or one recipe resolved
+    as a run here would have it (:func:`show_lines`), or with ``--toml`` its file as it is.
+
+    Args:
+        args: the options :func:`add_arguments` declared, as parsed.
+
+    Returns:
+        The exit code: 0 once printed. ``show`` without a recipe, a recipe given to ``list``, or
+        an unknown or invalid recipe raise, which the CLI reports as exit code 2.
+    """
     from qkv.runs.recipes import load_recipe
 
     if args.action == "list":
@@ -86,15 +102,13 @@ def show_lines(recipe: Recipe) -> list[str]:
     every model and training field (the library's default where the recipe says nothing, marked),
     bf16 as it would be here, and the decoding settings; what it is and why bf16 is what it is, in
     comments."""
-    from qkv.models.causal_lm import CausalLMConfig
-    from qkv.models.transformer import TransformerConfig
+    from qkv.runs.kinds import TRANSLATION, kind_named
     from qkv.runs.resolve import resolve_run_options
-    from qkv.runtime import precision
     from qkv.runtime.device import pick_device
 
     device = pick_device(None)
-    fast = precision.bf16_is_fast(device)
-    resolved = resolve_run_options(recipe, world_size=1, bf16_fast=fast)  # as a run here would have it
+    resolved = resolve_run_options(recipe, world_size=1, device=device)  # as a run here would have it
+    fast = bool(resolved.bf16_fast)
     given, train = resolved.train, resolved.train_config()
     lines = [
         f"# recipe {recipe.name}, resolved as a run on this machine would have it (itself a recipe file)",
@@ -107,12 +121,13 @@ def show_lines(recipe: Recipe) -> list[str]:
         lines.append(f"# CUDA here: qkv train without --recipe trains with {recipe.gpu_variant} in place of this one")
     lines += [f"description = {_toml(recipe.description)}", f"task = {_toml(recipe.task)}"]
     lines.append(f"vocab_size = {recipe.vocab_size}")
-    if recipe.task == "translation":
+    kind = kind_named(recipe.task)
+    model_class = kind.model_config
+    if kind is TRANSLATION:
         lines.append(f"split_digits = {_toml(recipe.split_digits)}")
-        model_class: type = TransformerConfig
         tokenizer_fields: tuple[str, ...] = ("src_vocab_size", "tgt_vocab_size", "pad_id")
     else:
-        model_class, tokenizer_fields = CausalLMConfig, ("vocab_size",)
+        tokenizer_fields = ("vocab_size",)
         lines += ["", "[lm]", *(f"{key} = {_toml(value)}" for key, value in recipe.lm.items())]
     model = model_class(**recipe.model)
     lines += ["", f"[model]  # {model_class.__name__}; the tokenizer sets {', '.join(tokenizer_fields)}"]
@@ -124,7 +139,7 @@ def show_lines(recipe: Recipe) -> list[str]:
     lines += _table(train, given, notes=here)
     if recipe.tokens_per_step is not None:
         lines.append(f"# max_tokens x accum_steps: the recipe's {recipe.tokens_per_step} tokens a step on 1 process")
-    if recipe.task == "translation":
+    if kind is TRANSLATION:
         lines += ["", "[decode]", *(f"{key} = {_toml(value)}" for key, value in recipe.decode.items())]
     if recipe.budget is not None:  # [model] above is where a size option given starts; else the budget picks
         rule = recipe.budget
@@ -152,7 +167,11 @@ def _table(config: Any, given: Mapping, *, skip: tuple[str, ...] = (), notes: di
         if f.name in skip:
             continue
         note = (notes or {}).get(f.name) or ("" if f.name in given else "library default")
-        lines.append(f"{f.name} = {_toml(getattr(config, f.name))}" + (f"  # {note}" if note else ""))
+        value = getattr(config, f.name)
+        if value is None:  # TOML has no null: an unset option is a comment (its absence is the default)
+            lines.append(f"# {f.name} = (unset)" + (f"  # {note}" if note else ""))
+            continue
+        lines.append(f"{f.name} = {_toml(value)}" + (f"  # {note}" if note else ""))
     return lines
 
 

@@ -20,6 +20,14 @@ DEFAULT_TEXT = "time flies like an arrow"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``qkv serve``'s flags: the models (``--model``, repeatable), where to listen
+    (``--host``, ``--port``), the request limits, batching, queue, connection and timeout limits,
+    ``--allow-host``, the explorer's ``--text`` and ``--threads``; the old ``--timeout`` and
+    ``--max-concurrent`` are still accepted, hidden (see :func:`warn_about_old_options`).
+
+    Args:
+        parser: the ``serve`` subcommand's parser, to add the flags to.
+    """
     parser.add_argument(
         "--model",
         action="append",
@@ -122,6 +130,16 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``qkv serve``: check the options, open the models, draw the explorer's first page (so a
+    broken model fails before serving) and serve the API and the explorer until interrupted.
+
+    Args:
+        args: the options :func:`add_arguments` declared, as parsed.
+
+    Returns:
+        The exit code: 0 once the server stops (Ctrl-C). An option out of range, or an address
+        that cannot be listened on, raises ``ValueError``, which the CLI reports as exit code 2.
+    """
     from qkv.serve import check_installed
 
     check_arguments(args)
@@ -130,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     from qkv.serve import server as serving
     from qkv.serve.models import Limits, open_models
     from qkv.viz.app import ExplorerApp
+    from qkv.viz.lm_explorer import CausalLMExplorer
 
     if args.threads is not None:
         import torch
@@ -141,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     if text is None:
         text, first = DEFAULT_TEXT, next(iter(explorers.values()))
         # a language model's tokenizer may not hold the default sentence's characters: its own sample then
-        if first.kind == "lm" and first.sample_text and not first.encodes(text):
+        if isinstance(first, CausalLMExplorer) and first.sample_text and not first.encodes(text):
             text = first.sample_text
     app = ExplorerApp(explorers=explorers, max_chars=args.max_chars, initial_text=text)
     app.page()  # draw the first sentence now, so a broken model fails before serving

@@ -31,6 +31,13 @@ from qkv.cli.options import (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``qkv translate``'s flags: the run folder, the input file and ``-o/--output``, the
+    decoding (``--beam``, ``--alpha``, ``--weights``, ``--bf16``, the ensemble and engine options),
+    ``--threads`` and ``--device``.
+
+    Args:
+        parser: the ``translate`` subcommand's parser, to add the flags to.
+    """
     parser.add_argument(
         "run_dir", help="a run folder made by qkv train (with --engine ctranslate2 also a CTranslate2 export)"
     )
@@ -71,6 +78,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``qkv translate``: translate each line of the input file (or stdin) with the run (with
+    qkv, or CTranslate2 under ``--engine ctranslate2``) and write one translation a line to
+    ``--output`` or stdout.
+
+    Args:
+        args: the options :func:`add_arguments` declared, as parsed.
+
+    Returns:
+        The exit code: 0 once the translations are written. A bad output path, input file or
+        engine option raises before any decoding, which the CLI reports as exit code 2.
+    """
     from qkv.data.parallel import read_lines
     from qkv.inference.engines import QkvTranslator
     from qkv.inference.runs import load_translator

@@ -41,7 +41,9 @@ from qkv.inference.ctranslate2 import (  # the engine; re-exported: qkv 1.x defi
     vocabulary,
 )
 from qkv.inference.decode import DecodeConfig
+from qkv.inference.kinds import SEQ2SEQ
 from qkv.inference.runs import load_run
+from qkv.models.options import changed_from_default
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.runtime.fileio import write_json
 
@@ -65,6 +67,9 @@ def ct2_refusal(config: TransformerConfig) -> str | None:
 
     Every qkv translation configuration maps today (pre- or post-LN, any positional kind, biases or
     none, relu/gelu/gelu_tanh); the check guards options qkv may add later."""
+    changed = changed_from_default(config, config.OPTIONAL_FIELDS)
+    if changed:
+        return f"{changed[0]}: CTranslate2 has no counterpart of this option of qkv 2.0"
     if config.activation not in ("relu", "gelu", "gelu_tanh"):
         return f"activation={config.activation!r}: CTranslate2 has no activation of that name"
     if config.positional not in ("sinusoidal", "learned", "none"):
@@ -268,8 +273,8 @@ def export_ctranslate2(
         raise ValueError(f"quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
     out = Path(out)
     target = check_output_folder(out, overwrite=overwrite, run_dir=run_dir)
-    model, tokenizer, config = load_run(run_dir, weights, task="translation")
-    assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # task="translation" says so
+    model, tokenizer, config = load_run(run_dir, weights, task=SEQ2SEQ.name)
+    assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # a translation run's, load_run checked
     with building_export(target, kind="ctranslate2", tag="ct2") as tmp:
         write_model(model.float().eval(), tokenizer, tmp, decode=_manifest_decode(config), quantization=quantization)
         shutil.copyfile(Path(run_dir) / "tokenizer.json", tmp / "tokenizer.json")

@@ -18,11 +18,15 @@ from qkv.data.tokenizer import Tokenizer
 from qkv.export.hf_common import HF_ACTIVATIONS, check_same_logits, probe_ids
 from qkv.export.output import building_export
 from qkv.models.causal_lm import CausalLM, CausalLMConfig
+from qkv.models.options import changed_from_default
 from qkv.pretrained.gpt2 import gpt2_key_map
 
 
 def gpt2_refusal(config: CausalLMConfig) -> str | None:
     """Why ``config`` has no exact ``GPT2LMHeadModel`` counterpart, or None when it has one."""
+    changed = changed_from_default(config, config.OPTIONAL_FIELDS)
+    if changed:
+        return f"{changed[0]}: GPT-2 has no counterpart of this option of qkv 2.0"
     if not config.norm_first:
         return "norm_first=False (post-LN): GPT-2's blocks are pre-LN"
     if config.positional != "learned":

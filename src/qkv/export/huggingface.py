@@ -34,6 +34,7 @@ from qkv.export.hf_gpt2 import export_language_model
 from qkv.export.output import building_export
 from qkv.export.output import check_output_folder as check_export_folder
 from qkv.models.causal_lm import CausalLM
+from qkv.models.options import changed_from_default
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.nn.positional import sinusoidal_table
 from qkv.pretrained.marian import marian_key_map, residual_permutation, to_marian
@@ -43,6 +44,9 @@ MARIAN_LAYER_NORM_EPS = 1e-5  # Marian's nn.LayerNorm has no eps option
 
 def marian_refusal(config: TransformerConfig) -> str | None:
     """Why ``config`` has no exact ``MarianMTModel`` counterpart, or None when it has one."""
+    changed = changed_from_default(config, config.OPTIONAL_FIELDS)
+    if changed:
+        return f"{changed[0]}: Marian has no counterpart of this option of qkv 2.0"
     if config.norm_first:
         return "norm_first=True (pre-LN): Marian's layers are post-LN only"
     if config.positional != "sinusoidal":

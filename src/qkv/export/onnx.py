@@ -37,6 +37,7 @@ from qkv.attention.multihead import KVCache, MultiHeadAttention
 from qkv.data.tokenizer import Tokenizer
 from qkv.export.output import building_export
 from qkv.export.output import check_output_folder as check_export_folder
+from qkv.inference.kinds import SEQ2SEQ
 from qkv.inference.onnx_runtime import MANIFEST_FORMAT, OnnxTranslator
 from qkv.inference.runs import load_run
 from qkv.models.transformer import EncoderOutput, Transformer
@@ -257,8 +258,8 @@ def export_onnx(run_dir: str | Path, out: str | Path, *, weights: str = "model",
 
     out = Path(out)
     target = check_output_folder(out, overwrite=overwrite, run_dir=run_dir)
-    model, tokenizer, _ = load_run(run_dir, weights, task="translation")
-    assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # task="translation" says so
+    model, tokenizer, _ = load_run(run_dir, weights, task=SEQ2SEQ.name)
+    assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # a translation run's, load_run checked
     model = model.float().eval()
     with building_export(target, kind="onnx", tag="onnx") as tmp:
         names = _export_graphs(model, tmp)

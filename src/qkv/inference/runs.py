@@ -15,9 +15,10 @@ from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
-from qkv.data.text import CharTokenizer, load_text_tokenizer
+from qkv.data.text import CharTokenizer
 from qkv.data.tokenizer import Tokenizer
 from qkv.decoding.ensemble import Ensemble, same_tokenizer
+from qkv.inference.kinds import SEQ2SEQ, kind_name, model_kind
 from qkv.models.causal_lm import CausalLM, CausalLMConfig
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.models.weights import load_weights
@@ -75,8 +76,16 @@ def read_run_config(run_dir: str | Path) -> dict:
 
 
 def run_task(config: dict) -> str:
-    """What a run's model does: ``"translation"`` (an encoder-decoder) or ``"lm"`` (a language model)."""
-    return config.get("task", "translation")
+    """What a run's model does: the name of its kind (:mod:`qkv.inference.kinds`), ``"translation"``
+    (an encoder-decoder) or ``"lm"`` (a language model).
+
+    Args:
+        config: the run's config.json, read.
+
+    Returns:
+        config.json's ``"task"``, or the default kind's name where it has none.
+    """
+    return kind_name(config)
 
 
 def open_run(run_dir: str | Path, weights: str = "model", *, task: str | None = None) -> OpenRun:
@@ -86,8 +95,9 @@ def open_run(run_dir: str | Path, weights: str = "model", *, task: str | None = 
         run_dir: the run folder.
         weights: ``model`` (averaged/final; falls back to ``last``), ``best``, ``last`` or ``ema`` (the
             moving average of a run trained with ``--ema-decay``).
-        task: the kind of run the caller can use (``"translation"`` or ``"lm"``); another kind
-            raises ``ValueError`` saying which command fits it. None accepts either.
+        task: the name of the kind of run the caller can use (a :class:`~qkv.inference.kinds.ModelKind`'s
+            ``name``: ``"translation"`` or ``"lm"``); another kind raises ``ValueError`` saying which
+            command fits it. None accepts any.
 
     Returns:
         An :class:`OpenRun`, ``(model in eval mode, tokenizer, config dict)``: a
@@ -99,20 +109,16 @@ def open_run(run_dir: str | Path, weights: str = "model", *, task: str | None = 
     """
     run_dir = Path(run_dir)
     config = read_run_config(run_dir)
-    kind = run_task(config)
-    if task is not None and kind != task:
-        hint = "qkv generate / qkv evaluate" if kind == "lm" else "qkv translate / qkv evaluate"
-        what = "a language-model run" if kind == "lm" else "a translation run"
-        raise ValueError(f"{run_dir}: {what}; use {hint} with it")
+    kind = model_kind(config, run_dir / "config.json")
+    if task is not None and kind.name != task:
+        raise ValueError(f"{run_dir}: {kind.run_words}; use {kind.commands} with it")
     path = run_dir / f"{weights}.safetensors"
     if weights == "model" and not path.is_file():
         path = run_dir / "last.safetensors"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: weights file not found")
     model_config = read_model_config(run_dir, config)
-    tokenizer = (
-        load_text_tokenizer(run_dir / "tokenizer.json") if kind == "lm" else Tokenizer.load(run_dir / "tokenizer.json")
-    )
+    tokenizer = kind.load_tokenizer(run_dir / "tokenizer.json")
     if isinstance(model_config, CausalLMConfig):
         vocab = model_config.vocab_size
     else:
@@ -140,12 +146,12 @@ def read_model_config(run_dir: str | Path, config: dict) -> TransformerConfig | 
     """The run's model configuration (:class:`~qkv.models.transformer.TransformerConfig` or
     :class:`~qkv.models.causal_lm.CausalLMConfig`), checked field by field; one-line ``ValueError`` naming
     ``config.json`` otherwise. Nothing is built."""
-    kind: type[TransformerConfig] | type[CausalLMConfig] = (
-        CausalLMConfig if run_task(config) == "lm" else TransformerConfig
-    )
+    kind: type[TransformerConfig] | type[CausalLMConfig]
+    kind = model_kind(config, Path(run_dir) / "config.json").model_config
     # qkv has written every field since its first run folder: a missing one is damage, not an older
     # run, and its default would build another model without a word
-    missing = [item.name for item in fields(kind) if item.name not in config["model"]]
+    # (the fields qkv 2.0 added, OPTIONAL_FIELDS, default to what every earlier run is)
+    missing = [f.name for f in fields(kind) if f.name not in config["model"] and f.name not in kind.OPTIONAL_FIELDS]
     if missing:
         raise ValueError(f"{Path(run_dir) / 'config.json'}: the model section lacks {', '.join(missing)}")
     try:
@@ -201,13 +207,13 @@ def load_translator(
         ValueError: a run is not a translation run, or its tokenizer differs from the first's.
     """
 
-    model, tokenizer, config = load_run(run_dirs[0], weights, task="translation")
+    model, tokenizer, config = load_run(run_dirs[0], weights, task=SEQ2SEQ.name)
     assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # a translation run's
     if len(run_dirs) == 1:
         return model, tokenizer, config
     models = [model]
     for run_dir in run_dirs[1:]:
-        other, other_tokenizer, _ = load_run(run_dir, weights, task="translation")
+        other, other_tokenizer, _ = load_run(run_dir, weights, task=SEQ2SEQ.name)
         assert isinstance(other, Transformer) and isinstance(other_tokenizer, Tokenizer)  # a translation run's
         if not same_tokenizer(tokenizer, other_tokenizer):
             raise ValueError(

@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +96,27 @@ class CausalLMConfig:
     qk_norm: bool = False  # a norm over each head's queries and keys
     qkv_bias: bool | None = None  # biases on the q/k/v projections; None: as bias
     logit_softcap: float | None = None  # logits = c * tanh(logits / c)
+
+    # Fields added in qkv 2.0, whose defaults are the model every earlier run folder holds: a config.json
+    # without them is an older run, not a damaged one (qkv.inference.runs.read_model_config).
+    OPTIONAL_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "norm",
+            "rotary_base",
+            "rotary_fraction",
+            "rotary_scaling",
+            "rotary_scaling_factor",
+            "rotary_low_freq_factor",
+            "rotary_high_freq_factor",
+            "rotary_original_context",
+            "num_kv_heads",
+            "sliding_window",
+            "sliding_window_layers",
+            "qk_norm",
+            "qkv_bias",
+            "logit_softcap",
+        }
+    )
 
     def __post_init__(self) -> None:
         check_model_options(

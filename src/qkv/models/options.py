@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import fields
 from typing import Any
 
@@ -64,6 +65,25 @@ def check_model_options(config: Any, positive: tuple[str, ...], positional: tupl
         raise ValueError(f"unknown positional encoding {config.positional!r}; choose one of {positional}")
     if config.positional == "sinusoidal" and config.d_model % 2:
         raise ValueError(f"the sinusoidal encoding needs an even d_model, got {config.d_model}")
+
+
+def changed_from_default(config: Any, names: Iterable[str]) -> list[str]:
+    """The fields among ``names`` whose value in ``config`` is not the field's default, as
+    ``name=value`` (what an exporter without those options names when it refuses).
+
+    Args:
+        config: a model config dataclass.
+        names: field names (e.g. its ``OPTIONAL_FIELDS``, the options qkv 2.0 added).
+
+    Returns:
+        ``["num_kv_heads=2", ...]`` in field order.
+    """
+    wanted = set(names)
+    return [
+        f"{item.name}={getattr(config, item.name)!r}"
+        for item in fields(config)
+        if item.name in wanted and getattr(config, item.name) != item.default
+    ]
 
 
 def memory_bytes(device: torch.device | str | None = None) -> int | None:

@@ -1,7 +1,8 @@
-"""The language-model run kind (task "lm"): starting a run from a text, and opening its task
-again. :func:`qkv.runs.lifecycle.start_run` and :func:`qkv.runs.lifecycle.resume_run` hand
-language-model data to these (through :data:`LANGUAGE_MODEL`, registered in :mod:`qkv.runs.kinds`); the promise is the same as for translation runs (everything checked before the folder appears,
-whole or not at all).
+"""The language-model run kind's training hooks (task "lm"): starting a run from a text, and
+opening its task again. :func:`qkv.runs.lifecycle.start_run` and :func:`qkv.runs.lifecycle.resume_run`
+hand language-model data to these (through :data:`~qkv.runs.kinds.LANGUAGE_MODEL`, registered in
+:mod:`qkv.runs.kinds`); the promise is the same as for translation runs (everything checked before
+the folder appears, whole or not at all).
 
 A run folder keeps its splits as token arrays (:mod:`qkv.data.text`): ``train.bin``, ``val.bin``
 and, where the run has a test split, ``test.bin``, all written when the run starts. config.json's
@@ -25,7 +26,6 @@ import torch
 
 from qkv.data.spec import DataSpec
 from qkv.data.text import (
-    TEXT_SOURCES,
     TOKENIZER_KINDS,
     check_text_spec,
     load_text_tokenizer,
@@ -34,15 +34,15 @@ from qkv.data.text import (
     token_dtype,
     write_tokens,
 )
+from qkv.inference.kinds import LM_SECTION
 from qkv.models.causal_lm import CausalLM, CausalLMConfig
 from qkv.models.options import check_trainable
 from qkv.runs import folder as run_folder
+from qkv.runs.kinds import LANGUAGE_MODEL
 from qkv.runs.recipes import Recipe
 from qkv.runs.recipes.budget import choose_size, measured_speeds, model_values
 from qkv.runs.recipes.choice import RecipeChoice
 from qkv.runs.resolve import ResolvedOptions, as_resolved
-from qkv.runs.run_kind import RunKind
-from qkv.runtime import precision
 from qkv.runtime.device import pick_device
 from qkv.runtime.fileio import default_cache_dir
 from qkv.training import LanguageModelTask, TrainConfig, Trainer
@@ -67,7 +67,7 @@ def check_lm_arrays(run_dir: Path, config: dict, names: Iterable[str] = ("train"
     records (by each file's size, without opening it). A split the run lacks (a test split under
     ``--val-text`` alone, or any split of a run folder older than these records) is skipped here.
     Raises ``FileNotFoundError`` for a missing array, ``ValueError`` for one of another size."""
-    splits = config.get("lm", {}).get("splits")
+    splits = config.get(LM_SECTION, {}).get("splits")
     if not isinstance(splits, dict):
         return
     itemsize = np.dtype(token_dtype(config["model"]["vocab_size"])).itemsize
@@ -91,7 +91,7 @@ def check_lm_arrays(run_dir: Path, config: dict, names: Iterable[str] = ("train"
 
 def missing_test_split(config: dict) -> str | None:
     """None when a language-model run has a test split, else a sentence saying why it has none."""
-    splits = config.get("lm", {}).get("splits")
+    splits = config.get(LM_SECTION, {}).get("splits")
     if not isinstance(splits, dict):
         return (
             "this run folder was made before qkv kept a test split (its validation split is the last 10% of the text)"
@@ -105,7 +105,7 @@ def open_lm_task(run_dir: Path, config: dict) -> LanguageModelTask:
     """The task of a language-model run, from the training and validation token arrays it keeps
     (memory-mapped); the test array is checked by its size only, never opened."""
     vocab = config["model"]["vocab_size"]
-    lm = config.get("lm", {})
+    lm = config.get(LM_SECTION, {})
     check_lm_arrays(run_dir, config)
     return LanguageModelTask(
         load_text_tokenizer(run_dir / "tokenizer.json"),
@@ -122,7 +122,7 @@ def _run_config(
 ) -> dict[str, Any]:
     """A language-model run's config.json, but for its ``lm`` section."""
     return {
-        "task": "lm",
+        "task": LANGUAGE_MODEL.name,
         "model": asdict(model_config),
         "train": asdict(train_config),
         "data": data.to_json(),
@@ -153,18 +153,16 @@ def start_lm_run(
     lm = _lm_settings(recipe, lm_options)
     vocab_size = _lm_vocab_size(recipe, lm["tokenizer"], vocab_size)
     lm_model_config(recipe, model_options, 1)  # the model options' own checks, before reading data
-    resolved = as_resolved(recipe, train_options)
-    train_config = resolved.train_config()
+    resolved = as_resolved(recipe, train_options, device=device)
+    train_config = resolved.train_config()  # bf16 as the resolve step decided it for this machine
     train_config.check_stops()
 
     text = open_text_training_data(data, tokenizer_kind=lm["tokenizer"], vocab_size=vocab_size)
     tokenizer, ids = text.tokenizer, text.ids
     device = torch.device(device)
-    asked_bf16 = "bf16" in resolved.given
-    # the size is measured in the precision the run will train in (decided, and said, further down)
-    bf16 = train_config.bf16 and (asked_bf16 or precision.bf16_is_fast(device))
+    # the size is measured in the precision the run trains in (said once the data is known to be usable)
     model_options, train_config, sizing = _sized_by_budget(
-        recipe, model_options, resolved.given, train_config, tokenizer, ids, lm["windows"], device, bf16
+        recipe, model_options, resolved.given, train_config, tokenizer, ids, lm["windows"], device
     )
     model_config = lm_model_config(recipe, model_options, tokenizer.vocab_size)
     check_trainable(model_config.matrix_parameters(), device, train_config.strategy)  # before building it
@@ -180,10 +178,10 @@ def start_lm_run(
         chars_per_token=lm["chars_per_token"],
     )
     _check_test_window(ids, model_config.context)
-    # the precision once the data is known to be usable: a refused text's error is all the user reads
-    train_config = replace(train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked=asked_bf16))
-    notes = choice.start_notes(bf16=train_config.bf16, bf16_fast=precision.bf16_is_fast(device))
-    for line in [*resolved.lines(), *notes]:
+    # the options and the precision once the data is known to be usable: a refused text's error is
+    # all the user reads
+    resolved.say(logger)
+    for line in choice.start_notes(bf16=train_config.bf16, bf16_fast=bool(resolved.bf16_fast)):
         logger.info(line)
     if sizing is not None:
         logger.info("model size: %s", sizing["why"])
@@ -200,7 +198,7 @@ def start_lm_run(
 
     inputs = data.input_files()
     run_folder.create_run(
-        run_dir, config | {"lm": lm}, tokenizer, overwrite=overwrite, write_initial=write_initial, inputs=inputs
+        run_dir, config | {LM_SECTION: lm}, tokenizer, overwrite=overwrite, write_initial=write_initial, inputs=inputs
     )
     logger.info(
         "model: %.2fM parameters; run folder %s", sum(p.numel() for p in trainer.model.parameters()) / 1e6, run_dir
@@ -230,11 +228,11 @@ def _sized_by_budget(
     ids: dict[str, np.ndarray],
     windows: str,
     device: torch.device,
-    bf16: bool,
 ) -> tuple[dict | None, TrainConfig, dict | None]:
     """The model options and training settings of a recipe with a ``[budget]`` rule
     (:mod:`qkv.runs.recipes.budget`): the size the budget affords, unless a size option
     (``--d-model``, ``--layers``, ``--context``, ``--max-tokens`` ...) is given, which turns the rule off.
+    The speeds are measured in ``train_config``'s precision, the one the run trains in.
     Returns the options, the training settings and config.json's record of the choice (or None)."""
     rule = recipe.budget
     if rule is None:
@@ -253,7 +251,7 @@ def _sized_by_budget(
         task_for,
         vocab_size=tokenizer.vocab_size,
         device=device,
-        bf16=bf16,
+        bf16=train_config.bf16,
         cache_dir=default_cache_dir(),
         weight_decay=train_config.weight_decay,
     )
@@ -308,20 +306,29 @@ def _check_test_window(ids: dict[str, np.ndarray], context: int) -> None:
         )
 
 
-def _start_options(data: DataSpec, options: Mapping[str, Any]) -> dict[str, Any]:
+def start_options(data: DataSpec, options: Mapping[str, Any]) -> dict[str, Any]:
     """A language model's own start option (``lm_options``); a translation run's ``decode`` is not
-    one of its options and is left unused, as before."""
+    one of its options and is left unused, as before.
+
+    Args:
+        data: the run's data.
+        options: ``lm_options`` and ``decode`` as given to :func:`~qkv.runs.lifecycle.start_run`.
+
+    Returns:
+        The keywords for :func:`start_lm_run`.
+    """
     return {"lm_options": options.get("lm_options")}
 
 
-LANGUAGE_MODEL = RunKind(
-    name="lm",
-    title="language model",
-    sources=TEXT_SOURCES,
-    model_config=CausalLMConfig,
-    task_class=LanguageModelTask,
-    serve_kind="lm",
-    start=start_lm_run,
-    start_options=_start_options,
-    open_task=lambda run_dir, config, model_config: open_lm_task(run_dir, config),
-)
+def open_task(run_dir: Path, config: dict, model_config: Any) -> LanguageModelTask:
+    """The task of a language-model run being resumed (:func:`open_lm_task`).
+
+    Args:
+        run_dir: the run folder.
+        config: its config.json, read.
+        model_config: its model's config (the task reads the context from ``config``).
+
+    Returns:
+        The :class:`~qkv.training.LanguageModelTask`.
+    """
+    return open_lm_task(run_dir, config)

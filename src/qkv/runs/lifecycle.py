@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from qkv.data.spec import DataSpec
+from qkv.inference.kinds import SEQ2SEQ
 from qkv.runs import folder as run_folder
 from qkv.runs.curves import plot_metrics
 from qkv.runs.kinds import kind_for_source, run_kind
 from qkv.runs.recipes import Recipe
 from qkv.runs.recipes.choice import choose_recipe
 from qkv.runs.resolve import ResolvedOptions, resolve_run_options
-from qkv.runtime import precision
 from qkv.runtime.device import pick_device
 from qkv.training import Distributed, TrainConfig, Trainer
 from qkv.training.checkpoint_files import CHECKPOINT_FILE
@@ -85,7 +85,7 @@ def start_run(
     if not isinstance(data, DataSpec):
         raise TypeError(f"data must be a DataSpec (DataSpec.from_json reads a config.json 'data'), got {data!r}")
     kind = kind_for_source(data.source)
-    if data.both_directions and kind.name != "translation":
+    if data.both_directions and kind.model is not SEQ2SEQ:  # pairs read both ways: an encoder-decoder's
         raise ValueError(
             "--both-directions is for translation from text (--data multi30k/dates or "
             f"--train-src/--train-tgt), not a {kind.title}"
@@ -118,11 +118,10 @@ def _resolved(
     recipe: Recipe, train_options: dict | None, dist: Distributed | None, device: str | torch.device
 ) -> ResolvedOptions:
     """The run's training options resolved once over ``recipe`` for its processes and ``device``
-    (bf16 where it is fast there); the run kind says them once its inputs are checked (a refused
-    input's error is then all the user reads)."""
+    (bf16 where it is fast there, decided by the resolve step alone); the run kind says them once
+    its inputs are checked (a refused input's error is then all the user reads)."""
     world = dist.world_size if dist is not None and dist.enabled else 1
-    fast = precision.bf16_is_fast(device)
-    return resolve_run_options(recipe, train_options, world_size=world, bf16_fast=fast)
+    return resolve_run_options(recipe, train_options, world_size=world, device=device)
 
 
 def _start_on_rank_0(start: Callable[..., Trainer], dist: Distributed) -> None:

@@ -1,4 +1,5 @@
-"""The translation run kind: an encoder-decoder trained on pairs of sentences.
+"""The translation run kind's training hooks (:data:`~qkv.runs.kinds.TRANSLATION`, registered in
+:mod:`qkv.runs.kinds`, calls them): an encoder-decoder trained on pairs of sentences.
 
 A translation run reads its pairs from a prepared folder (:mod:`qkv.data.prepared`): the one it was
 started on (``--prepared DIR``, recorded with its fingerprint), or, for text files, Multi30k or the
@@ -15,26 +16,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from qkv.data.sources import SOURCES, check_spec, open_training_data
+from qkv.data.sources import check_spec, open_training_data
 from qkv.data.spec import DataSpec
 from qkv.data.tokenizer import Tokenizer
 from qkv.models.options import check_trainable
 from qkv.models.transformer import Transformer, TransformerConfig
 from qkv.runs import folder as run_folder
+from qkv.runs.kinds import TRANSLATION
 from qkv.runs.recipes import Recipe, decode_settings
 from qkv.runs.recipes.choice import RecipeChoice
 from qkv.runs.resolve import ResolvedOptions, as_resolved
-from qkv.runs.run_kind import RunKind
 from qkv.runs.translation_data import RUN_DATA_FOLDER, open_translation_task, write_run_data
-from qkv.runtime import precision
 from qkv.runtime.device import pick_device
-from qkv.training import TrainConfig, Trainer, TranslationTask
+from qkv.training import Trainer, TranslationTask
 from qkv.training.tasks import TokenLists
 
 logger = logging.getLogger(__name__)
@@ -80,17 +80,16 @@ def start_translation_run(
         vocab_size = recipe.vocab_size if vocab_size is None else vocab_size
     _check_vocab_size(vocab_size)
     _model_config(recipe, model_options, vocab_size or 260, 0)  # the model options' own checks, before reading data
-    resolved = as_resolved(recipe, train_options)
-    train_config = resolved.train_config()
+    resolved = as_resolved(recipe, train_options, device=device)
+    train_config = resolved.train_config()  # bf16 as the resolve step decided it for this machine
     train_config.check_stops()
 
     training = open_training_data(data, vocab_size=vocab_size, split_digits=recipe.split_digits)
     tokenizer = training.tokenizer
-    for line in resolved.lines():  # the options as resolved, once the inputs are known to be usable
+    resolved.say(logger)  # the options as resolved, once the inputs are known to be usable
+    for line in choice.start_notes(bf16=train_config.bf16, bf16_fast=bool(resolved.bf16_fast)):
         logger.info(line)
-    model_config, train_config = _model_and_train_configs(
-        choice, model_options, resolved.given, train_config, device, tokenizer
-    )
+    model_config = _model_config(recipe, model_options, tokenizer.vocab_size, tokenizer.pad_id)
     check_trainable(model_config.matrix_parameters(), device, train_config.strategy)  # before building it
     # leaves out over-long pairs
     task = TranslationTask(
@@ -139,29 +138,19 @@ def _check_vocab_size(vocab_size: object) -> None:
         )
 
 
-def _model_and_train_configs(
-    choice: RecipeChoice,
-    model_options: dict | None,
-    given: dict,
-    train_config: TrainConfig,
-    device: torch.device,
-    tokenizer: Tokenizer,
-) -> tuple[TransformerConfig, TrainConfig]:
-    """The model and training configs on ``device``: the recipe's, the explicit options over them, in
-    bf16 where the recipe asks for it and it is fast there (or where asked explicitly); the recipe,
-    why it was chosen and the precision are logged (the same recipe on every machine: a faster
-    variant is only suggested)."""
-    train_config = replace(
-        train_config, bf16=precision.bf16_where_fast(train_config.bf16, device, asked="bf16" in given)
-    )
-    for line in choice.start_notes(bf16=train_config.bf16, bf16_fast=precision.bf16_is_fast(device)):
-        logger.info(line)
-    model_config = _model_config(choice.recipe, model_options, tokenizer.vocab_size, tokenizer.pad_id)
-    return model_config, train_config
+def start_options(data: DataSpec, options: Mapping[str, Any]) -> dict[str, Any]:
+    """A translation run's own start option (``decode``); a language model's options are refused.
 
+    Args:
+        data: the run's data.
+        options: ``lm_options`` and ``decode`` as given to :func:`~qkv.runs.lifecycle.start_run`.
 
-def _start_options(data: DataSpec, options: Mapping[str, Any]) -> dict[str, Any]:
-    """A translation run's own start option (``decode``); a language model's options are refused."""
+    Returns:
+        The keywords for :func:`start_translation_run`.
+
+    Raises:
+        ValueError: a language model's option was given.
+    """
     if options.get("lm_options"):
         raise ValueError(
             f"{', '.join(sorted(options['lm_options']))}: options of a language model (--data tinyshakespeare or --train-text)"
@@ -169,23 +158,19 @@ def _start_options(data: DataSpec, options: Mapping[str, Any]) -> dict[str, Any]
     return {"decode": options.get("decode")}
 
 
-def _open_task(run_dir: Path, config: dict, model_config: Any) -> TranslationTask:
-    """The task of a translation run being resumed (its prepared pairs, checked)."""
+def open_task(run_dir: Path, config: dict, model_config: Any) -> TranslationTask:
+    """The task of a translation run being resumed (its prepared pairs, checked).
+
+    Args:
+        run_dir: the run folder.
+        config: its config.json, read.
+        model_config: its model's config (:func:`~qkv.runs.folder.read_model_config`).
+
+    Returns:
+        The :class:`~qkv.training.TranslationTask`.
+    """
     assert isinstance(model_config, TransformerConfig)  # read_model_config: a translation run's
     return open_translation_task(run_dir, config, Tokenizer.load(run_dir / "tokenizer.json"), model_config)
 
 
-TRANSLATION = RunKind(
-    name="translation",
-    title="translation",
-    sources=SOURCES,
-    model_config=TransformerConfig,
-    task_class=TranslationTask,
-    serve_kind="seq2seq",
-    start=start_translation_run,
-    start_options=_start_options,
-    open_task=_open_task,
-    stored=False,
-)
-
-__all__ = ["TRANSLATION", "start_translation_run"]
+__all__ = ["TRANSLATION", "open_task", "start_options", "start_translation_run"]

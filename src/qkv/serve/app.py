@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
 from qkv import __version__
+from qkv.inference.kinds import CAUSAL_LM, SEQ2SEQ
 from qkv.serve.batching import DecodeKey
 from qkv.serve.errors import (
     ApiError,
@@ -109,10 +110,18 @@ def create_app(
 
 
 def add_api_routes(app: FastAPI, service: Service) -> None:
+    """Add the model endpoints to ``app``: ``POST /v1/translate`` (batched), ``POST /v1/generate``
+    (server-sent events, or one JSON answer) and ``POST /v1/embed``.
+
+    Args:
+        app: the application to add the routes to.
+        service: what the routes answer with: the models, their limits, queues and worker.
+    """
+
     @app.post("/v1/translate", response_model=TranslateResponse)
     async def translate(body: TranslateRequest, request: Request) -> dict[str, Any]:
         """Translate a batch of sentences (beam search with a length penalty; beam_size 1 = greedy)."""
-        served = service.pick(body.model, "seq2seq")
+        served = service.pick(body.model, SEQ2SEQ.serve_kind)
         service.check_texts(body.texts)
         decode = service.decode_config(served, body)
         tokens = source_tokens(served, body.texts)
@@ -129,7 +138,7 @@ def add_api_routes(app: FastAPI, service: Service) -> None:
     async def generate(body: GenerateRequest, request: Request) -> Any:
         """Continue a prompt with a language model: server-sent events (``data: {"text": ...}`` as the
         text grows, then ``event: done``), or one JSON answer with ``"stream": false``."""
-        served = service.pick(body.model, "lm")
+        served = service.pick(body.model, CAUSAL_LM.serve_kind)
         sampling = sampling_of(service, served, body)
         if not body.stream:
             stopped = threading.Event()
@@ -170,6 +179,14 @@ def add_api_routes(app: FastAPI, service: Service) -> None:
 
 
 def add_status_routes(app: FastAPI, service: Service) -> None:
+    """Add ``GET /v1/models`` (every model's name, kind and endpoint) and ``GET /health`` (the
+    models, batches decoded, queues, cancelled requests and connections) to ``app``.
+
+    Args:
+        app: the application to add the routes to.
+        service: the models and counters the routes report.
+    """
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         """Every model served: its name, kind and endpoint."""
@@ -205,6 +222,13 @@ async def _counted(service: Service, name: str, events: AsyncIterator[str]) -> A
 
 
 def add_explorer_routes(app: FastAPI, service: Service) -> None:
+    """Add the attention explorer's routes to ``app``: its page (``GET /`` and ``/index.html``),
+    ``GET /api/models`` and ``POST /api/attend``, queued under the explorer's own name.
+
+    Args:
+        app: the application to add the routes to.
+        service: holds the explorer, and the queue and worker its drawings run on.
+    """
     explorer = service.explorer
 
     async def draw_page(request: Request) -> HTMLResponse:

@@ -46,6 +46,7 @@ class ModelWorker:
         self._pool.submit(fn, *args)
 
     def close(self) -> None:
+        """Stop the model thread: calls not yet started are cancelled, the one running is not waited for."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -139,6 +139,13 @@ class GuardedH11Protocol(H11Protocol):
     guard: ConnectionGuard
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        """Count a new connection against the cap (closing the one that has waited longest for its
+        client, or answering this one 503 and closing it when every other is being answered), then
+        start its header timeout.
+
+        Args:
+            transport: the new connection's transport.
+        """
         super().connection_made(transport)
         self._read_timer: asyncio.TimerHandle | None = None
         self._reading: str | None = None  # "headers" or "body": what the timer waits for
@@ -153,15 +160,24 @@ class GuardedH11Protocol(H11Protocol):
         self._follow_state()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """Stop counting the connection and cancel its read timer, then let uvicorn close it.
+
+        Args:
+            exc: the error that ended the connection, or None for a clean close.
+        """
         self.guard.live.discard(self)
         self._disarm()
         super().connection_lost(exc)
 
     def handle_events(self) -> None:
+        """Handle what the client sent, as uvicorn does, then re-arm the read timer for what the
+        connection now waits for (the body once the headers are in; none while it is answered)."""
         super().handle_events()
         self._follow_state()
 
     def on_response_complete(self) -> None:
+        """Finish an answer, as uvicorn does, then re-arm the read timer: on a connection kept
+        alive, the header timeout of its next request."""
         super().on_response_complete()
         self._follow_state()
 

@@ -44,6 +44,16 @@ class ApiError(Exception):
 
 
 def one_line(message: object, limit: int = 300) -> str:
+    """``message`` as one line: its whitespace (newlines included) collapsed to single spaces, cut
+    to ``limit`` characters with ``...`` at the end when longer.
+
+    Args:
+        message: the error or text to write (``str`` of it is taken).
+        limit: the longest line returned, in characters.
+
+    Returns:
+        The line.
+    """
     line = " ".join(str(message).split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
@@ -55,6 +65,16 @@ class Utf8JSONResponse(JSONResponse):
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The server's answer to an error: ``{"error": "<one line>"}`` (see :func:`one_line`) as UTF-8 JSON.
+
+    Args:
+        status: the HTTP status.
+        message: what went wrong.
+        headers: headers to send with it (e.g. ``Retry-After``), or None.
+
+    Returns:
+        The JSON response.
+    """
     return Utf8JSONResponse({"error": one_line(message)}, status_code=status, headers=headers)
 
 

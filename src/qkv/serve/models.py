@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from qkv.inference.decode import DecodeConfig, check_value, decode_settings
+from qkv.inference.kinds import CAUSAL_LM, SEQ2SEQ
 from qkv.inference.runs import is_run_folder, read_run_config
-from qkv.viz.explorers import Explorer, open_explorer
+from qkv.viz.explorers import ENCODER_KIND, Explorer, open_explorer
 
-# the explorer's kind -> the endpoint that serves it
-ENDPOINTS = {"seq2seq": "/v1/translate", "lm": "/v1/generate", "encoder": "/v1/embed"}
-KIND_NAMES = {"seq2seq": "translation", "lm": "language model", "encoder": "encoder"}
+# the explorer's kind -> the endpoint that serves it, and the kind in words
+ENDPOINTS = {SEQ2SEQ.serve_kind: "/v1/translate", CAUSAL_LM.serve_kind: "/v1/generate", ENCODER_KIND: "/v1/embed"}
+KIND_NAMES = {SEQ2SEQ.serve_kind: SEQ2SEQ.title, CAUSAL_LM.serve_kind: CAUSAL_LM.title, ENCODER_KIND: "encoder"}
 
 
 @dataclass(frozen=True)
@@ -85,25 +86,29 @@ class ServedModel:
 
     @property
     def kind(self) -> str:
+        """The explorer's kind of model: ``"seq2seq"``, ``"lm"`` or ``"encoder"``."""
         return self.explorer.kind
 
     @property
     def endpoint(self) -> str:
+        """The route that serves the model, by its kind (``/v1/translate``, ``/v1/generate`` or ``/v1/embed``)."""
         return ENDPOINTS[self.kind]
 
     @property
     def model(self) -> Any:
+        """The model itself, the one the explorer holds (one copy of the weights for both)."""
         return self.explorer.model
 
     @property
     def tokenizer(self) -> Any:
+        """The model's tokenizer, the one the explorer holds."""
         return self.explorer.tokenizer
 
 
 def served_model(explorer: Explorer, folder: str | Path | None = None) -> ServedModel:
     """A :class:`ServedModel` of an open explorer; a translation run's recipe gives its decoding defaults."""
     decode: dict[str, Any] = {}
-    if explorer.kind == "seq2seq":
+    if explorer.kind == SEQ2SEQ.serve_kind:
         config = read_run_config(folder) if folder is not None and is_run_folder(folder) else {}
         decode = decode_settings(config)  # a run saved without a form decodes with gnmt, as before
     return ServedModel(name=explorer.name, explorer=explorer, decode=decode)

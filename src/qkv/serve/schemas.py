@@ -14,6 +14,8 @@ class _Body(BaseModel):
 
 
 class TranslateRequest(_Body):
+    """The body of ``POST /v1/translate``: the sentences, and optionally the model and how to decode them."""
+
     texts: list[str] = Field(description="the sentences to translate", min_length=1)
     model: str | None = Field(None, description="a translation model's name (default: the first one served)")
     beam_size: int | None = Field(None, ge=1, description="1 = greedy; default: the run's recipe's")
@@ -26,6 +28,9 @@ class TranslateRequest(_Body):
 
 
 class TranslateResponse(BaseModel):
+    """The answer of ``POST /v1/translate``: the model that translated, one translation per sentence
+    in order, and the beam size, length penalty exponent and form it decoded with."""
+
     model: str
     translations: list[str]
     beam_size: int
@@ -34,6 +39,9 @@ class TranslateResponse(BaseModel):
 
 
 class GenerateRequest(_Body):
+    """The body of ``POST /v1/generate``: the prompt, and optionally the model, how to sample and
+    whether to stream."""
+
     prompt: str = Field(description="the text to continue", min_length=1)
     model: str | None = Field(None, description="a language model's name (default: the first one served)")
     max_tokens: int | None = Field(
@@ -48,6 +56,9 @@ class GenerateRequest(_Body):
 
 
 class GenerateResponse(BaseModel):
+    """The answer of ``POST /v1/generate`` with ``"stream": false``: the model, the continuation, the
+    tokens it took, and why it ended: at a stop text (``"stop"``) or at the token limit (``"length"``)."""
+
     model: str
     text: str
     tokens: int
@@ -55,12 +66,18 @@ class GenerateResponse(BaseModel):
 
 
 class EmbedRequest(_Body):
+    """The body of ``POST /v1/embed``: the sentences, and optionally the encoder and whether to
+    normalise the vectors."""
+
     texts: list[str] = Field(description="the sentences to embed", min_length=1)
     model: str | None = Field(None, description="an encoder's name (default: the first one served)")
     normalize: bool = Field(True, description="L2-normalise each mean-pooled vector")
 
 
 class EmbedResponse(BaseModel):
+    """The answer of ``POST /v1/embed``: the encoder, the vectors' dimension, whether they are
+    L2-normalised, and one embedding per sentence, in order."""
+
     model: str
     dimension: int
     normalized: bool

@@ -42,6 +42,15 @@ def allowed_hosts(host: str, allow: list[str] | None = None) -> list[str] | None
 
 
 def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only: ``localhost``, or a loopback IP address.
+
+    Args:
+        host: the address to bind, a name or an IPv4 or IPv6 address.
+
+    Returns:
+        True for ``localhost`` and loopback addresses (``127.0.0.0/8``, ``::1``); False for any
+        other name or address.
+    """
     if host == "localhost":
         return True
     try:
@@ -105,6 +114,8 @@ class Server:
         self._stopped = threading.Event()
 
     def serve_forever(self) -> None:
+        """Serve on the bound socket, on this thread, until :meth:`shutdown` (from another thread)
+        or Ctrl-C; :meth:`shutdown` waits for this to return."""
         try:
             self.uvicorn.run(sockets=[self.socket])
         finally:
@@ -116,6 +127,7 @@ class Server:
         self._stopped.wait(timeout)
 
     def server_close(self) -> None:
+        """Close the listening socket (after :meth:`serve_forever` has returned)."""
         self.socket.close()
 
 

@@ -17,6 +17,7 @@ from fastapi import Request
 from qkv.decoding.steps import for_decoding
 from qkv.inference.decode import DecodeConfig
 from qkv.inference.engines import QkvTranslator
+from qkv.inference.kinds import SEQ2SEQ
 from qkv.models.sampling import check_sampling
 from qkv.serve.batching import DecodeKey, ModelWorker, TranslationBatcher
 from qkv.serve.errors import ApiError
@@ -47,7 +48,7 @@ class Service:
                 max_tokens=limits.max_batch_tokens,
             )
             for name, served in models.items()
-            if served.kind == "seq2seq"
+            if served.kind == SEQ2SEQ.serve_kind
         }
         self.queued: Counter[str] = Counter()  # requests waiting or running, per model (and the explorer)
         self.cancelled = 0  # requests whose client went before the answer: their work skipped or stopped
@@ -139,6 +140,16 @@ class Service:
         return ", ".join(f"{name} ({KIND_NAMES[m.kind]})" for name, m in self.models.items())
 
     def check_texts(self, texts: list[str], field: str = "texts") -> None:
+        """Check a request's texts against the server's limits: at most ``max_texts`` of them (413
+        beyond), each one as :meth:`check_text` checks it.
+
+        Args:
+            texts: the request's texts.
+            field: the request field they came from, named in the error (``texts[2] ...``).
+
+        Raises:
+            ApiError: 413 for too many or too long texts, 422 for a blank or invalid one.
+        """
         limits = self.limits
         if len(texts) > limits.max_texts:
             raise ApiError(413, f"{len(texts)} {field}; the limit is {limits.max_texts} per request")
@@ -146,6 +157,17 @@ class Service:
             self.check_text(text, f"{field}[{i}]")
 
     def check_text(self, text: str, field: str, *, blank_ok: bool = False) -> None:
+        """Check one text of a request: not blank (unless ``blank_ok``), at most ``max_chars``
+        characters, and encodable as UTF-8 (no lone surrogate).
+
+        Args:
+            text: the text.
+            field: the request field it came from, named in the error.
+            blank_ok: accept an empty or all-whitespace text.
+
+        Raises:
+            ApiError: 422 for a blank text or a lone surrogate, 413 for one over ``max_chars``.
+        """
         if not (text if blank_ok else text.strip()):
             raise ApiError(422, f"{field} must be a non-empty string")
         if len(text) > self.limits.max_chars:

@@ -44,6 +44,7 @@ class Distributed:
 
     @property
     def enabled(self) -> bool:
+        """True when several processes train (``world_size > 1``): the collectives then communicate."""
         return self.world_size > 1
 
     @property
@@ -53,6 +54,7 @@ class Distributed:
 
     # ---------------------------------------------------------------- collectives (no-ops alone)
     def barrier(self) -> None:
+        """Wait until every process has reached this point (nothing to wait for on one process)."""
         if self.enabled:
             dist.barrier()
 
@@ -140,6 +142,15 @@ class LossForward(nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        """The loss of the wrapped model on one batch.
+
+        Args:
+            *args: what ``loss_fn`` takes after the model (e.g. the batch).
+            **kwargs: passed to ``loss_fn`` too.
+
+        Returns:
+            ``loss_fn(model, *args, **kwargs)``.
+        """
         return self.loss_fn(self.model, *args, **kwargs)
 
 

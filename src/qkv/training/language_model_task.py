@@ -27,6 +27,14 @@ class WindowBatch:
     num_tgt_tokens: int  # predicted tokens (0: a zero-weight stand-in)
 
     def to(self, device: torch.device | str) -> WindowBatch:
+        """The same windows on ``device`` (copied without blocking where the device allows it).
+
+        Args:
+            device: where the model runs.
+
+        Returns:
+            A new :class:`WindowBatch`; this one is left as it is.
+        """
         return WindowBatch(
             self.ids.to(device, non_blocking=True), self.targets.to(device, non_blocking=True), self.num_tgt_tokens
         )
@@ -90,6 +98,8 @@ class LanguageModelTask:
 
     @property
     def num_examples(self) -> int:
+        """The windows in an epoch: as many windows of ``context`` tokens (each with the token it
+        predicts after it) as fit the training array end to end."""
         return (len(self.train_tokens) - 1) // self.context
 
     def batches(self, epoch: int, max_tokens: int, seed: int) -> list[list[int]]:
@@ -109,6 +119,16 @@ class LanguageModelTask:
         return WindowBatch(block[:, :-1], block[:, 1:], block[:, 1:].numel())
 
     def make_batch(self, starts: list[int], epoch: int = 0) -> WindowBatch:
+        """The training windows that begin at the offsets ``starts`` (one of :meth:`batches`).
+
+        Args:
+            starts: the windows' start offsets into the training array.
+            epoch: unused: a window reads the same tokens in every epoch (the task protocol's
+                argument, for tasks that vary an example from pass to pass).
+
+        Returns:
+            A :class:`WindowBatch` of ``len(starts)`` windows of ``context`` tokens.
+        """
         return self._windows(self.train_tokens, starts)
 
     @staticmethod

@@ -152,12 +152,16 @@ class TokenLists:
         return len(self.src_ids)
 
     def lengths(self) -> np.ndarray:
+        """``(n, 2)`` the source and target lengths in tokens, int64."""
         return np.array([[len(s), len(t)] for s, t in zip(self.src_ids, self.tgt_ids)], dtype=np.int64).reshape(-1, 2)
 
     def read(self, indices: Iterable[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """The source and target ids of the pairs ``indices``, in that order (the lists held, not copies)."""
         return [self.src_ids[i] for i in indices], [self.tgt_ids[i] for i in indices]
 
     def where(self, index: int) -> str:
+        """Where pair ``index`` comes from, for messages: ``src_file:line / tgt_file:line``
+        (``source`` and ``target`` where the files are not known)."""
         line = self.lines[index]
         return f"{self.source.get('src') or 'source'}:{line} / {self.source.get('tgt') or 'target'}:{line}"
 
@@ -232,6 +236,8 @@ class TranslationTask:
 
     @property
     def num_examples(self) -> int:
+        """The training pairs that go into batches: those that fit the model, less any that
+        :meth:`keep_first` or :meth:`drop_reversed_pairs` left out."""
         return len(self.pairs) if self.kept is None else len(self.kept)
 
     def _in_memory(self) -> TokenLists:
@@ -246,6 +252,8 @@ class TranslationTask:
 
     @property
     def tgt_ids(self) -> list[list[int]]:
+        """The target ids of pairs held in memory (text given to the task); a prepared folder's
+        pairs are not held, and raise ``TypeError``."""
         return self._in_memory().tgt_ids
 
     def _trained_indices(self) -> np.ndarray:
@@ -299,6 +307,17 @@ class TranslationTask:
         self.subword_dropout = SubwordDropout(self.tokenizer, p, seed, self.max_len - 1) if p else None
 
     def make_batch(self, indices: list[int], epoch: int = 0) -> Batch:
+        """The padded batch of the training pairs ``indices`` (one of :meth:`batches`).
+
+        Args:
+            indices: the pairs' indices.
+            epoch: with subword dropout, the epoch whose cut of the tokens to use (the one
+                :meth:`batches` bucketed by); otherwise unused.
+
+        Returns:
+            A :class:`~qkv.data.batching.Batch`: the sources with EOS, the targets with BOS (in)
+            and EOS (out), padded with ``pad_id``.
+        """
         src, tgt = self.pairs.read(indices)
         if self.subword_dropout is not None:
             src, tgt = self.subword_dropout.split_pairs(src, tgt, indices, epoch=epoch)

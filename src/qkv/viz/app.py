@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from http import HTTPStatus
 
+from qkv.inference.kinds import SEQ2SEQ
 from qkv.viz.compare import compare_field
 from qkv.viz.export import explorer_data
 from qkv.viz.html import render_html
@@ -86,7 +87,7 @@ class ExplorerApp:
         explorer = self.explorers[name]
         target = payload.get("target")
         if target is not None and (
-            explorer.kind != "seq2seq" or not isinstance(target, str) or len(target) > self.max_chars
+            explorer.kind != SEQ2SEQ.serve_kind or not isinstance(target, str) or len(target) > self.max_chars
         ):
             raise RequestError(HTTPStatus.BAD_REQUEST, "'target' must be a string, for a translation model only")
         if target is not None:

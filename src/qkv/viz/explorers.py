@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import torch
 from tokenizers import decoders
 
+from qkv.inference.kinds import CAUSAL_LM, SEQ2SEQ, model_kind
 from qkv.runtime.device import model_device, pick_device
 from qkv.runtime.fileio import read_json
 from qkv.viz.analysis import rollout, view_fields
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# the explorer's kind of a BERT-family encoder (a translation model's and a language model's are
+# their kinds' serve_kind: qkv.inference.kinds)
+ENCODER_KIND = "encoder"
+
 
 class EncoderExplorer:
     """Views of a BERT-family encoder's self-attention.
@@ -55,7 +60,7 @@ class EncoderExplorer:
         name: the model's name shown in the explorer.
     """
 
-    kind: ClassVar[Literal["encoder"]] = "encoder"
+    kind: ClassVar[str] = ENCODER_KIND
 
     def __init__(self, *, model: BertEncoder, name: str) -> None:
         if model.tokenizer is None:
@@ -119,7 +124,7 @@ class Seq2SeqExplorer:
         max_new_tokens: the longest translation decoded for the view.
     """
 
-    kind: ClassVar[Literal["seq2seq"]] = "seq2seq"
+    kind: ClassVar[str] = SEQ2SEQ.serve_kind
 
     def __init__(self, *, model: Transformer, tokenizer: Tokenizer, name: str, max_new_tokens: int = 64) -> None:
         for attr in ("encode", "decode", "bos_id", "eos_id"):
@@ -209,7 +214,7 @@ class Seq2SeqExplorer:
         example["views"][1].update(view_fields(decoder))
         example["views"][2].update(view_fields(cross, encoder_rollout=encoder_rollout))
         scores = translation_saliency(self.model, src, tgt, predicted).cpu()  # (s_tgt, s_src)
-        what = "given target" if target is not None else "translation"
+        what = "given target" if target is not None else "greedy translation"
         example["saliency"] = saliency_field(
             about=f"log-probability of each token of the {what} (teacher-forced)",
             inputs=encoder.keys,
@@ -298,13 +303,13 @@ def open_explorer(path: str | Path | None = None) -> Explorer:
 def _run_explorer(folder: Path, name: str) -> Explorer:
     """The explorer of a qkv run folder: a language model's or a translation model's."""
     from qkv.data.tokenizer import Tokenizer
-    from qkv.inference.runs import load_run, run_task
+    from qkv.inference.runs import load_run
     from qkv.models.causal_lm import CausalLM
     from qkv.models.transformer import Transformer
 
     model, tokenizer, run_config = load_run(folder)
     model.to(pick_device())
-    if run_task(run_config) == "lm":
+    if model_kind(run_config) is CAUSAL_LM:
         assert isinstance(model, CausalLM)  # what a language-model run holds
         sample_text = run_sample_text(folder, tokenizer)
         return CausalLMExplorer(model=model, tokenizer=tokenizer, name=name, sample_text=sample_text)

@@ -16,10 +16,11 @@ import logging
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from qkv.inference.kinds import CAUSAL_LM
 from qkv.runtime.device import model_device
 from qkv.viz.analysis import view_fields
 from qkv.viz.export import AttentionView, check_text, make_example
@@ -128,7 +129,7 @@ class CausalLMExplorer:
             (``qkv serve`` draws it when the page opens); e.g. the start of the run's own text.
     """
 
-    kind: ClassVar[Literal["lm"]] = "lm"
+    kind: ClassVar[str] = CAUSAL_LM.serve_kind
 
     def __init__(self, *, model: CausalLM, tokenizer: TextTokenizer, name: str, sample_text: str | None = None) -> None:
         for attr in ("encode", "decode"):

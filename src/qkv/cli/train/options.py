@@ -46,6 +46,7 @@ class CliOption:
 
     @property
     def flag(self) -> str:
+        """The option's command-line flag: ``dest`` with dashes, e.g. ``--src-lang``."""
         return flag_of(self.dest)
 
 

@@ -53,6 +53,12 @@ class BudgetRule:
     names: tuple[str, ...]
 
     def to_json(self) -> dict[str, Any]:
+        """The rule as plain data, shaped as the recipe file's ``[budget]`` table.
+
+        Returns:
+            ``{"tokens_per_parameter": ..., "sizes": {name: size}}``, the sizes in order, smallest
+            first.
+        """
         sizes = {name: dict(size) for name, size in zip(self.names, self.sizes, strict=True)}
         return {"tokens_per_parameter": self.tokens_per_parameter, "sizes": sizes}
 

@@ -12,6 +12,7 @@ keys are the config classes' field names, unchanged since 1.x.
 
 from __future__ import annotations
 
+import types
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
@@ -149,7 +150,21 @@ def config_fields(path: Path, table: str, values: dict, config_class: type, skip
 
 def check_type(path: Path, key: str, value: Any, kind: Any) -> Any:
     """``value`` if it is of ``kind`` (a float field also takes an integer, returned as a float; a
-    tuple field takes a list of numbers), else a one-line ``ValueError`` naming the file and key."""
+    tuple field takes a list of numbers, a list field a list of its items' type, an optional field
+    ``X | None`` a value of ``X``), else a one-line ``ValueError`` naming the file and key."""
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        for option in (arg for arg in typing.get_args(kind) if arg is not type(None)):
+            try:
+                return check_type(path, key, value, option)
+            except ValueError:
+                continue
+        names = " or ".join(_type_name(arg) for arg in typing.get_args(kind) if arg is not type(None))
+        raise ValueError(f"{path}: {key}: must be {names}, got {value!r}")
+    if typing.get_origin(kind) is list:
+        (item,) = typing.get_args(kind)
+        if isinstance(value, list):
+            return [check_type(path, key, v, item) for v in value]
+        raise ValueError(f"{path}: {key}: must be a list of {_type_name(item)}, got {value!r}")
     if typing.get_origin(kind) is tuple:
         size = len(typing.get_args(kind))
         if isinstance(value, list) and len(value) == size and all(_is_number(v) for v in value):
@@ -159,7 +174,11 @@ def check_type(path: Path, key: str, value: Any, kind: Any) -> Any:
         return float(value)
     if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
         return value
-    raise ValueError(f"{path}: {key}: must be {TYPE_NAMES.get(kind, kind.__name__)}, got {value!r}")
+    raise ValueError(f"{path}: {key}: must be {_type_name(kind)}, got {value!r}")
+
+
+def _type_name(kind: Any) -> str:
+    return TYPE_NAMES.get(kind, getattr(kind, "__name__", str(kind)))
 
 
 def _is_number(value: Any) -> bool:
