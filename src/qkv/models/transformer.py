@@ -12,6 +12,7 @@ import importlib
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +52,10 @@ class TransformerConfig:
     bias: bool = True  # biases in attention and feed-forward projections
     norm: str = "layer"  # the layers' norms: layer (LayerNorm, the paper) or rms (RMSNorm)
     num_kv_heads: int | None = None  # key/value heads (grouped-query attention); None: num_heads
+
+    # Fields added in qkv 2.0, whose defaults are the model every earlier run folder holds: a config.json
+    # without them is an older run, not a damaged one (qkv.inference.runs.read_model_config).
+    OPTIONAL_FIELDS: ClassVar[frozenset[str]] = frozenset({"norm", "num_kv_heads"})
 
     def __post_init__(self) -> None:
         if self.norm not in NORMS:
