@@ -67,13 +67,13 @@ def ct2_refusal(config: TransformerConfig) -> str | None:
 
     Every qkv translation configuration maps today (pre- or post-LN, any positional kind, biases or
     none, relu/gelu/gelu_tanh); the check guards options qkv may add later."""
-    changed = changed_from_default(config, config.OPTIONAL_FIELDS)
-    if changed:
-        return f"{changed[0]}: CTranslate2 has no counterpart of this option of qkv 2.0"
     if config.activation not in ("relu", "gelu", "gelu_tanh"):
         return f"activation={config.activation!r}: CTranslate2 has no activation of that name"
     if config.positional not in ("sinusoidal", "learned", "none"):
         return f"positional={config.positional!r}: no CTranslate2 position table for it"
+    changed = changed_from_default(config, config.OPTIONAL_FIELDS)
+    if changed:
+        return f"{changed[0]}: CTranslate2 has no counterpart of this option of qkv 2.0"
     return None
 
 

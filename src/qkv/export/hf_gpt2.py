@@ -24,9 +24,6 @@ from qkv.pretrained.gpt2 import gpt2_key_map
 
 def gpt2_refusal(config: CausalLMConfig) -> str | None:
     """Why ``config`` has no exact ``GPT2LMHeadModel`` counterpart, or None when it has one."""
-    changed = changed_from_default(config, config.OPTIONAL_FIELDS)
-    if changed:
-        return f"{changed[0]}: GPT-2 has no counterpart of this option of qkv 2.0"
     if not config.norm_first:
         return "norm_first=False (post-LN): GPT-2's blocks are pre-LN"
     if config.positional != "learned":
@@ -35,6 +32,9 @@ def gpt2_refusal(config: CausalLMConfig) -> str | None:
         return "scale_embedding=True: GPT-2 does not scale its token embedding"
     if config.activation not in HF_ACTIVATIONS:
         return f"activation={config.activation!r}: no transformers activation of that name"
+    changed = changed_from_default(config, config.OPTIONAL_FIELDS)
+    if changed:
+        return f"{changed[0]}: GPT-2 has no counterpart of this option of qkv 2.0"
     return None
 
 

@@ -44,9 +44,6 @@ MARIAN_LAYER_NORM_EPS = 1e-5  # Marian's nn.LayerNorm has no eps option
 
 def marian_refusal(config: TransformerConfig) -> str | None:
     """Why ``config`` has no exact ``MarianMTModel`` counterpart, or None when it has one."""
-    changed = changed_from_default(config, config.OPTIONAL_FIELDS)
-    if changed:
-        return f"{changed[0]}: Marian has no counterpart of this option of qkv 2.0"
     if config.norm_first:
         return "norm_first=True (pre-LN): Marian's layers are post-LN only"
     if config.positional != "sinusoidal":
@@ -55,6 +52,9 @@ def marian_refusal(config: TransformerConfig) -> str | None:
         return f"layer_norm_eps={config.layer_norm_eps}: Marian's LayerNorm eps is fixed at 1e-5"
     if config.activation not in HF_ACTIVATIONS:
         return f"activation={config.activation!r}: no transformers activation of that name"
+    changed = changed_from_default(config, config.OPTIONAL_FIELDS)
+    if changed:
+        return f"{changed[0]}: Marian has no counterpart of this option of qkv 2.0"
     return None
 
 
