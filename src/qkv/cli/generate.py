@@ -4,6 +4,7 @@
     qkv generate runs/shakespeare --prompt "ROMEO:" --temperature 0           # greedy
     qkv generate runs/shakespeare --num-samples 3 --top-k 40 --seed 1 --stop $'\\n\\n'
     qkv generate path/to/gpt2 --prompt "Attention is" --top-p 0.9              # a GPT-2 folder
+    qkv generate path/to/qwen2 --prompt "Attention is" --temperature 0  # a Llama, Mistral or Qwen2 folder
     qkv generate exported/gpt2 --prompt "ROMEO:" --temperature 0   # a folder qkv export --to hf wrote
 
 With one sample the text is written to stdout as it is produced; several samples are generated
@@ -31,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser: the ``generate`` subcommand's parser, to add the flags to.
     """
     parser.add_argument(
-        "model", help="a language-model run folder made by qkv train, or a GPT-2 folder (qkv export --to hf writes one)"
+        "model",
+        help="a language-model run folder made by qkv train, or a GPT-2, Llama, Mistral or Qwen2 folder "
+        "(qkv export --to hf writes one)",
     )
     parser.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
     parser.add_argument("--max-new-tokens", type=int, default=500, help="tokens to generate (default 500)")
@@ -62,8 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def open_language_model(path: str | Path, weights: str = "model") -> tuple[Any, Any]:
-    """``(CausalLM in eval mode, tokenizer)`` from a qkv language-model run or a GPT-2 folder (one
-    that ``qkv export --to hf`` wrote gets the run's tokenizer class back)."""
+    """``(CausalLM in eval mode, tokenizer)`` from a qkv language-model run or a checkpoint folder
+    :func:`qkv.load_pretrained` reads as a language model: GPT-2, Llama, Mistral or Qwen2 (one that
+    ``qkv export --to hf`` wrote gets the run's tokenizer class back)."""
     folder = Path(path)
     config_path = folder / "config.json"
     if not folder.is_dir():
@@ -71,11 +75,12 @@ def open_language_model(path: str | Path, weights: str = "model") -> tuple[Any, 
     config = read_json(config_path) if config_path.is_file() else {}
     if isinstance(config, dict) and config.get("model_type") is not None:
         from qkv.models.causal_lm import CausalLM
+        from qkv.models.transformer import Transformer
         from qkv.pretrained import load_pretrained
 
         pretrained = load_pretrained(folder)
         if not isinstance(pretrained, CausalLM):
-            what = "translation model" if config.get("model_type") == "marian" else "encoder"
+            what = "translation model" if isinstance(pretrained, Transformer) else "encoder"
             raise ValueError(f"{folder}: a {config.get('model_type')} {what}, not a language model")
         return pretrained, pretrained.tokenizer
     from qkv.inference.kinds import CAUSAL_LM

