@@ -32,6 +32,7 @@ from qkv.training.distributed import (
     remove_optimizer_shards,
     save_optimizer_shards,
 )
+from qkv.training.optimizer import check_resumable
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +179,7 @@ class Checkpoints:
                 f"{run_dir / ckpt.CHECKPOINT_FILE}: train_state holds fields qkv does not write: {unknown[:5]}"
             )
         optim = saved["optimizer"]
+        check_resumable(self.optimizer, optim)  # a state of the other --optimizer is refused in one line
         shards = optim.get("shards") if isinstance(optim, dict) else None
         load_full_state(self.model, self.optimizer, weights, None if shards else optim, self.sharded)
         if shards:  # written by FSDP2: read back resharded for this run's processes and strategy

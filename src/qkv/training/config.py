@@ -141,6 +141,26 @@ class TrainConfig:
         below=math.inf,
         group="advanced",
     )
+    optimizer: str = _option(
+        "adamw",
+        "adamw = Adam (section 5.3), or AdamW with --weight-decay, for every parameter; muon = Muon "
+        "(momentum orthogonalised by a Newton-Schulz iteration, torch.optim.Muon) for the weight "
+        "matrices of the layers (attention and feed-forward), with AdamW as adamw for the "
+        "embeddings, the output projection, norms and biases; --weight-decay applies to both",
+        choices=("adamw", "muon"),
+        group="advanced",
+    )
+    muon_lr: float = _option(
+        0.02,
+        "with --optimizer muon: Muon's learning rate at the schedule's peak; the schedule scales it "
+        "as it scales AdamW's (Muon's rate = this x the schedule's rate / its peak)",
+        minimum=0,
+        below=math.inf,
+        group="advanced",
+    )
+    muon_momentum: float = _option(
+        0.95, "with --optimizer muon: Muon's momentum (Nesterov)", minimum=0, below=1, group="advanced"
+    )
     label_smoothing: float = _option(0.1, "label smoothing epsilon (section 5.4)", minimum=0, below=1, group="advanced")
     rdrop: float = _option(
         0.0,
@@ -301,6 +321,11 @@ class TrainConfig:
             raise ValueError(
                 "R-Drop compares two dropout masks: rdrop_start (--rdrop-start) must not come before "
                 "dropout_start (--dropout-start)"
+            )
+        if self.optimizer == "muon" and self.strategy == "fsdp":
+            raise ValueError(
+                "optimizer (--optimizer) muon orthogonalises each weight matrix whole, and strategy (--strategy) "
+                "fsdp shards them: use --strategy ddp, or --optimizer adamw"
             )
         if self.final_weights == "ema" and not self.ema_decay:
             raise ValueError(

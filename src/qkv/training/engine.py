@@ -41,7 +41,7 @@ from qkv.training.config import TrainConfig, TrainState
 from qkv.training.distributed import Distributed, gradient_sync, plain_copy, wrap
 from qkv.training.methods import step_hooks
 from qkv.training.objectives import DEFAULT_OBJECTIVE, make_objective
-from qkv.training.optimizer import make_optimizer
+from qkv.training.optimizer import LR_SCALE, make_optimizer
 from qkv.training.schedule import budget_progress, budget_spent, learning_rate, stop_reason, time_left
 from qkv.training.signals import signals_held
 from qkv.training.task import Task
@@ -102,7 +102,7 @@ class Trainer:
         shadow = plain_copy(model) if self.sharded and self.dist.is_main else None  # rank 0's whole model
         self.module = wrap(model, task.loss_fn, self.dist, config.strategy)
         self._call = torch.compile(self.module, dynamic=True) if config.compile else self.module
-        self.optimizer = make_optimizer(self.module, config, fused=not self.sharded or None)
+        self.optimizer = make_optimizer(self.module, config, fused=not self.sharded or None, d_model=self.d_model)
         if config.ema_decay and self.sharded:
             raise ValueError("--ema-decay is not supported with --strategy fsdp (the average would be sharded too)")
         # the moving average of the weights (PyTorch's AveragedModel: a float32 copy, updated with foreach ops)
@@ -164,7 +164,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip_norm if c.clip_norm > 0 else math.inf)
         lr = learning_rate(c, s.step + 1, self.d_model, self.progress)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get(LR_SCALE, 1.0)  # Muon's groups: its own base rate (--muon-lr)
         with signals_held():  # Ctrl-C or SIGTERM here would leave half-updated weights for the checkpoint
             self.optimizer.step()
             if self.ema is not None:
