@@ -1,9 +1,10 @@
 """``qkv export``: a trained run in another format.
 
 qkv export runs/multi30k --to hf hf-model/       # a MarianMTModel folder (transformers)
-qkv export runs/shakespeare --to hf hf-lm/       # a GPT2LMHeadModel folder, when GPT-2-shaped
+qkv export runs/shakespeare --to hf hf-lm/       # a GPT2LMHeadModel folder, or Llama/Mistral/Qwen2 by its shape
 qkv export runs/multi30k --to onnx model.onnx    # ONNX (qkv.export.onnx)
 qkv export runs/multi30k --to ctranslate2 ct2/ --quantization int8   # CTranslate2 (qkv.export.ctranslate2)
+qkv export runs/shakespeare --to ctranslate2 ct2-lm/   # a CTranslate2 Generator (qkv.export.ctranslate2_lm)
 
 A model with no exact counterpart in the chosen format is refused with a one-line reason naming
 the configuration field (exit code 2), never written as a different model. ``--overwrite`` replaces
@@ -82,8 +83,14 @@ def run(args: argparse.Namespace) -> int:
             import ctranslate2  # noqa: F401  (imported here only to name the missing package)
 
             from qkv.export.ctranslate2 import export_ctranslate2
+            from qkv.export.ctranslate2_lm import export_ctranslate2_lm
         except ImportError as err:
             raise ValueError(f"CTranslate2 export needs ctranslate2: pip install 'qkv[deploy]' ({err})") from None
+        from qkv.inference.kinds import CAUSAL_LM
+        from qkv.inference.runs import read_run_config, run_task
+
+        if run_task(read_run_config(run_dir)) == CAUSAL_LM.name:  # a decoder-only Generator folder
+            export_ctranslate2 = export_ctranslate2_lm
         out = export_ctranslate2(
             run_dir, args.out, weights=args.weights, quantization=args.quantization, overwrite=args.overwrite
         )

@@ -77,19 +77,23 @@ def ct2_refusal(config: TransformerConfig) -> str | None:
     return None
 
 
-def _np(t: Tensor) -> np.ndarray:
+def as_numpy(t: Tensor) -> np.ndarray:
+    """A tensor as the float32 NumPy array CTranslate2's specs hold."""
     return t.detach().float().cpu().contiguous().numpy()
 
 
-def _linear(spec: Any, weight: Tensor, bias: Tensor | None) -> None:
-    spec.weight = _np(weight)
-    if bias is not None:  # a bias-free qkv projection leaves CTranslate2's optional bias unset
-        spec.bias = _np(bias)
+def set_linear(spec: Any, weight: Tensor, bias: Tensor | None) -> None:
+    """Fill a CTranslate2 linear spec (a bias-free qkv projection leaves its optional bias unset)."""
+    spec.weight = as_numpy(weight)
+    if bias is not None:
+        spec.bias = as_numpy(bias)
 
 
-def _norm(spec: Any, norm: Any) -> None:
-    spec.gamma = _np(norm.weight)
-    spec.beta = _np(norm.bias)
+def set_norm(spec: Any, norm: Any) -> None:
+    """Fill a CTranslate2 norm spec: a LayerNorm's weight and bias, or an RMSNorm's weight (no beta)."""
+    spec.gamma = as_numpy(norm.weight)
+    if getattr(norm, "bias", None) is not None:
+        spec.beta = as_numpy(norm.bias)
 
 
 def _self_attention(spec: Any, attn: Any) -> None:
@@ -97,22 +101,22 @@ def _self_attention(spec: Any, attn: Any) -> None:
     projs = (attn.q_proj, attn.k_proj, attn.v_proj)
     weight = torch.cat([p.weight for p in projs])
     bias = torch.cat([p.bias for p in projs]) if attn.q_proj.bias is not None else None
-    _linear(spec.linear[0], weight, bias)
-    _linear(spec.linear[1], attn.out_proj.weight, attn.out_proj.bias)
+    set_linear(spec.linear[0], weight, bias)
+    set_linear(spec.linear[1], attn.out_proj.weight, attn.out_proj.bias)
 
 
 def _cross_attention(spec: Any, attn: Any) -> None:
     """Queries alone, then keys and values fused (CTranslate2 projects the memory once)."""
-    _linear(spec.linear[0], attn.q_proj.weight, attn.q_proj.bias)
+    set_linear(spec.linear[0], attn.q_proj.weight, attn.q_proj.bias)
     bias = torch.cat([attn.k_proj.bias, attn.v_proj.bias]) if attn.k_proj.bias is not None else None
-    _linear(spec.linear[1], torch.cat([attn.k_proj.weight, attn.v_proj.weight]), bias)
-    _linear(spec.linear[2], attn.out_proj.weight, attn.out_proj.bias)
+    set_linear(spec.linear[1], torch.cat([attn.k_proj.weight, attn.v_proj.weight]), bias)
+    set_linear(spec.linear[2], attn.out_proj.weight, attn.out_proj.bias)
 
 
 def _ffn(spec: Any, ff: Any, norm: Any) -> None:
-    _linear(spec.linear_0, ff.linear1.weight, ff.linear1.bias)
-    _linear(spec.linear_1, ff.linear2.weight, ff.linear2.bias)
-    _norm(spec.layer_norm, norm)
+    set_linear(spec.linear_0, ff.linear1.weight, ff.linear1.bias)
+    set_linear(spec.linear_1, ff.linear2.weight, ff.linear2.bias)
+    set_norm(spec.layer_norm, norm)
 
 
 def _positions(model: Transformer, embed: Any) -> np.ndarray:
@@ -120,9 +124,9 @@ def _positions(model: Transformer, embed: Any) -> np.ndarray:
     config = model.config
     positional = embed.positional
     if config.positional == "sinusoidal":
-        return _np(positional.table)
+        return as_numpy(positional.table)
     if config.positional == "learned":
-        return _np(positional.embedding.weight)
+        return as_numpy(positional.embedding.weight)
     return np.zeros((config.max_len, config.d_model), dtype=np.float32)  # "none": adds nothing
 
 
@@ -149,21 +153,21 @@ def build_spec(model: Transformer) -> Any:
     for side, embed in ((encoder, model.src_embed), (decoder, model.tgt_embed)):
         side.scale_embeddings = True  # qkv multiplies the token embedding by sqrt(d_model) too
         side.position_encodings.encodings = _positions(model, embed)
-    encoder.embeddings[0].weight = _np(model.src_embed.embedding.weight)
-    decoder.embeddings.weight = _np(model.tgt_embed.embedding.weight)
-    decoder.projection.weight = _np(model.output_proj.weight)  # qkv's output projection has no bias
+    encoder.embeddings[0].weight = as_numpy(model.src_embed.embedding.weight)
+    decoder.embeddings.weight = as_numpy(model.tgt_embed.embedding.weight)
+    decoder.projection.weight = as_numpy(model.output_proj.weight)  # qkv's output projection has no bias
     if config.norm_first:  # pre-LN stacks end with a LayerNorm, as CTranslate2's pre_norm does
-        _norm(encoder.layer_norm, model.encoder.norm)
-        _norm(decoder.layer_norm, model.decoder.norm)
+        set_norm(encoder.layer_norm, model.encoder.norm)
+        set_norm(decoder.layer_norm, model.decoder.norm)
     for spec, layer in zip(encoder.layer, model.encoder.layers, strict=True):
         _self_attention(spec.self_attention, layer.self_attn)
-        _norm(spec.self_attention.layer_norm, layer.norm1)
+        set_norm(spec.self_attention.layer_norm, layer.norm1)
         _ffn(spec.ffn, layer.feed_forward, layer.norm2)
     for spec, layer in zip(decoder.layer, model.decoder.layers, strict=True):
         _self_attention(spec.self_attention, layer.self_attn)
-        _norm(spec.self_attention.layer_norm, layer.norm1)
+        set_norm(spec.self_attention.layer_norm, layer.norm1)
         _cross_attention(spec.attention, layer.cross_attn)
-        _norm(spec.attention.layer_norm, layer.norm2)
+        set_norm(spec.attention.layer_norm, layer.norm2)
         _ffn(spec.ffn, layer.feed_forward, layer.norm3)
     spec = transformer_spec.TransformerSpec(encoder, decoder)
     spec.config.layer_norm_epsilon = config.layer_norm_eps

@@ -1,7 +1,8 @@
 """``qkv export RUN --to hf OUT``: a run as a Hugging Face ``transformers`` folder.
 
 A translation run becomes a ``MarianMTModel`` folder, a language-model run a ``GPT2LMHeadModel``
-folder (:mod:`qkv.export.hf_gpt2`), each with ``config.json``, ``model.safetensors``,
+folder (:mod:`qkv.export.hf_gpt2`) or, when it has their shape, a Llama, Mistral or Qwen2 one
+(:mod:`qkv.export.hf_llama`), each with ``config.json``, ``model.safetensors``,
 ``generation_config.json`` and a tokenizer ``AutoTokenizer`` loads (:mod:`qkv.export.hf_tokenizer`).
 
 Only an exact counterpart is written. A configuration Marian (or GPT-2) cannot express is refused
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from qkv.data.tokenizer import Tokenizer
 from qkv.export.hf_common import HF_ACTIVATIONS, check_same_logits, probe_ids
-from qkv.export.hf_gpt2 import export_language_model
+from qkv.export.hf_llama import export_causal_lm
 from qkv.export.output import building_export
 from qkv.export.output import check_output_folder as check_export_folder
 from qkv.models.causal_lm import CausalLM
@@ -201,7 +202,8 @@ def check_output_folder(out: str | Path, *, overwrite: bool, run_dir: str | Path
 
 
 def export_hf(run_dir: str | Path, out: str | Path, *, weights: str = "model", overwrite: bool = False) -> Path:
-    """Export a qkv run as a Hugging Face folder (Marian for translation, GPT-2 for a language model).
+    """Export a qkv run as a Hugging Face folder (Marian for translation; GPT-2, Llama, Mistral or
+    Qwen2 for a language model, :func:`~qkv.export.hf_llama.export_causal_lm`).
 
     Args:
         run_dir: the run folder.
@@ -223,7 +225,7 @@ def export_hf(run_dir: str | Path, out: str | Path, *, weights: str = "model", o
     target = check_output_folder(out, overwrite=overwrite, run_dir=run_dir)
     model, tokenizer, config = load_run(run_dir, weights)
     if isinstance(model, CausalLM):
-        export_language_model(model, tokenizer, target)
+        export_causal_lm(model, tokenizer, target)
     else:
         assert isinstance(model, Transformer) and isinstance(tokenizer, Tokenizer)  # a translation run's
         export_translation(model, tokenizer, config, target)

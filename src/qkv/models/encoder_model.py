@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from qkv.models import transformer
 from qkv.models.options import check_fits_weights
 from qkv.models.transformer import Encoder, TokenEmbedding, TransformerConfig, _init_weights
 from qkv.nn.positional import build_positional_encoding
@@ -46,3 +47,9 @@ class EncoderModel(nn.Module):
             key_padding_mask = ids != self.config.pad_id
         hidden, attentions = self.encoder(self.embed(ids), key_padding_mask=key_padding_mask, need_weights=need_weights)
         return EncoderModelOutput(hidden, attentions)
+
+
+# qkv 1.x's path, qkv.models.transformer.EncoderModel: set from here, so that the arrow runs one way (the
+# package's __init__ imports this module before anything can ask the old path).
+transformer.EncoderModel = EncoderModel  # type: ignore[attr-defined]
+transformer.EncoderModelOutput = EncoderModelOutput  # type: ignore[attr-defined]

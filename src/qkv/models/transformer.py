@@ -8,7 +8,6 @@ Shape legend: ``b`` batch, ``s_src`` source length, ``s_tgt`` target length, ``d
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -384,10 +383,3 @@ class Transformer(nn.Module):
         """
         hidden = self.hidden_states(src, tgt_in, src_key_padding_mask=src_key_padding_mask)  # (b, s_tgt, d)
         return fused_linear_cross_entropy(hidden, self.output_proj.weight, tgt_out, label_smoothing, self.config.pad_id)
-
-
-def __getattr__(name: str) -> object:
-    """The 1.x path of the encoder-only model's names (moved to :mod:`qkv.models.encoder_model`)."""
-    if name in ("EncoderModel", "EncoderModelOutput"):
-        return getattr(importlib.import_module("qkv.models.encoder_model"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

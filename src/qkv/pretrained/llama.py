@@ -24,7 +24,7 @@ from qkv.models.causal_lm import CausalLM, CausalLMConfig
 from qkv.pretrained.bert import _short_list, check_key_sets
 from qkv.pretrained.gpt2 import GPT2Tokenizer, PretrainedCausalLM
 from qkv.pretrained.llama_config import LLAMA_MODEL_TYPES, _first_line, llama_config, read_llama_config
-from qkv.pretrained.tokenizer import read_backend
+from qkv.pretrained.tokenizer import QkvTextTokenizer, qkv_text_tokenizer, read_backend
 from qkv.runtime.device import pick_device
 from qkv.runtime.fileio import read_json
 from qkv.runtime.safe_load import check_fits_weights, check_layer_counts
@@ -224,7 +224,7 @@ def _template_prefix(backend: _RustTokenizer) -> list[int]:
 
 def load_llama(
     folder: str | Path, device: str | torch.device | None = None
-) -> tuple[PretrainedCausalLM, PretrainedTokenizer]:
+) -> tuple[PretrainedCausalLM, PretrainedTokenizer | QkvTextTokenizer]:
     """Load a transformers Llama, Mistral or Qwen2 folder into qkv's :class:`~qkv.CausalLM`.
 
     Args:
@@ -233,7 +233,8 @@ def load_llama(
         device: where to put the model; defaults to CUDA when available, else CPU.
 
     Returns:
-        ``(model in eval mode, tokenizer)``; the tokenizer is also ``model.tokenizer``.
+        ``(model in eval mode, tokenizer)``; the tokenizer is also ``model.tokenizer`` (for a folder
+        ``qkv export --to hf`` wrote, the run's own tokenizer class, as :func:`~qkv.pretrained.gpt2.load_gpt2`).
 
     Raises:
         FileNotFoundError: the folder or a required file is missing.
@@ -250,7 +251,8 @@ def load_llama(
     config, data = read_llama_config(folder)
     state, weights_file = read_weights(folder)
     model = build_llama(config, state, source=str(weights_file))
-    tokenizer = PretrainedTokenizer.from_folder(folder, data)
+    own = qkv_text_tokenizer(folder)  # a folder qkv wrote: its run's tokenizer class
+    tokenizer = PretrainedTokenizer.from_folder(folder, data) if own is None else own
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
             f"{folder}: tokenizer has {tokenizer.vocab_size} tokens but config vocab_size is {config.vocab_size}"
