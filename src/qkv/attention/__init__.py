@@ -2,7 +2,6 @@
 and multi-head attention."""
 
 from qkv.attention import mask_functions
-
 from qkv.attention.backends import BackendChoice, select_backend, use_backend
 from qkv.attention.functional import attention_reference, masked_softmax, scaled_dot_product_attention
 from qkv.attention.masks import (

@@ -173,7 +173,7 @@ def plain_is_faster(q: Tensor, k: Tensor, v: Tensor) -> bool:
     CPU, when autograd will need a backward pass, for sequences shorter than :data:`PLAIN_MAX_LEN`
     (training on sentences). The same choice while compiling, so compiled and eager code compute
     the same."""
-    return q.device.type == "cpu" and max(q.shape[-2], k.shape[-2]) < PLAIN_MAX_LEN and _backward_follows(q, k, v)
+    return _backward_follows(q, k, v) and q.device.type == "cpu" and max(q.shape[-2], k.shape[-2]) < PLAIN_MAX_LEN
 
 
 def upcast_for_cpu_backward(q: Tensor, k: Tensor, v: Tensor) -> bool:

@@ -103,6 +103,31 @@ def scaled_dot_product_attention(
     """
     groups = _query_groups(q, k, v) if enable_gqa else 1
     check_attention_inputs(q, k, v, attn_mask, dropout_p, kv_groups=groups)
+    return attention_kernel(q, k, v, attn_mask, is_causal, dropout_p, scale, need_weights, groups)
+
+
+def attention_kernel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+    scale: float | None,
+    need_weights: bool,
+    groups: int = 1,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`scaled_dot_product_attention` without its checks, for code that built ``q``, ``k``, ``v``
+    itself (:meth:`qkv.MultiHeadAttention.attend`, run every decoding step): the fused kernel, the eager
+    reference or the plain products, as that function chooses.
+
+    Args:
+        q, k, v, attn_mask, is_causal, dropout_p, scale, need_weights: as :func:`scaled_dot_product_attention`'s.
+        groups: query heads per key/value head (grouped-query attention); 1: as many heads.
+
+    Returns:
+        As :func:`scaled_dot_product_attention`.
+    """
     if not need_weights and backends.forced_backend() != "reference":  # the fast path, decided cheaply
         if groups == 1 and backends.plain_is_faster(q, k, v):  # CPU training on short sequences: plain products win
             return backends.in_float32(_reference_output, q, k, v, attn_mask, is_causal, dropout_p, scale)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention.alibi import alibi_bias, alibi_slopes
-from qkv.attention.functional import scaled_dot_product_attention
+from qkv.attention.functional import attention_kernel, check_attention_inputs
 from qkv.attention.masks import combine_masks, sliding_window_mask
 from qkv.runtime.padded_linear import Linear, linear
 
@@ -101,8 +101,9 @@ class MultiHeadAttention(nn.Module):
         qkv_bias: biases on the q/k/v projections; None: as ``bias`` (which then covers ``out_proj``).
         rotary: rotary positions applied to each head's queries and keys
             (:class:`qkv.nn.rotary.RotaryEmbedding`), or None.
-        q_norm, k_norm: a norm over each head's queries and keys (``d_h`` features), before the
-            rotary positions (QK-norm), or None.
+        q_norm: a norm over each head's queries (``d_h`` features), before the rotary positions
+            (QK-norm), or None.
+        k_norm: the same over each head's keys, or None.
         window: sliding-window attention: a query sees itself and the ``window - 1`` keys before it
             (with ``is_causal``); a self-attention cache keeps only those. None: every key.
         alibi: ALiBi: each head's scores biased by the query-key distance times the head's slope
@@ -154,11 +155,14 @@ class MultiHeadAttention(nn.Module):
         self.fuse_projections = True
         in_bias = bias if qkv_bias is None else qkv_bias
         kv_width = kv_heads * self.head_dim
+        self._widths = (embed_dim, kv_width, kv_width)
+        self._groups = num_heads // kv_heads  # query heads per key/value head
         self.q_proj = Linear(embed_dim, embed_dim, bias=in_bias)
         self.k_proj = Linear(self.kdim, kv_width, bias=in_bias)
         self.v_proj = Linear(self.vdim, kv_width, bias=in_bias)
         self.out_proj = Linear(embed_dim, embed_dim, bias=bias)
         self.rotary = rotary
+        self._alibi = alibi  # a plain flag: read every step, where a buffer lookup costs more
         self.alibi_slopes: Tensor | None
         self.register_buffer("alibi_slopes", alibi_slopes(num_heads) if alibi else None, persistent=False)
         self.q_norm = q_norm
@@ -167,8 +171,7 @@ class MultiHeadAttention(nn.Module):
     @property
     def widths(self) -> tuple[int, int, int]:
         """The q, k and v projections' output sizes: ``(h d_h, h_kv d_h, h_kv d_h)``."""
-        kv = self.num_kv_heads * self.head_dim
-        return self.embed_dim, kv, kv
+        return self._widths
 
     def forward(
         self,
@@ -230,6 +233,7 @@ class MultiHeadAttention(nn.Module):
         mask = combine_masks(
             self._expand_attn_mask(attn_mask, b), self._expand_padding_mask(key_padding_mask, b, new_cache.key.size(-2))
         )
+        check_attention_inputs(q, new_cache.key, new_cache.value, mask, kv_groups=self._groups)  # the caller's masks
         out, weights = self.attend(q, new_cache.key, new_cache.value, mask, is_causal, need_weights)
         if not new_cache.static and self.window is not None:
             new_cache = new_cache.keep_last(self.window - 1)
@@ -243,6 +247,9 @@ class MultiHeadAttention(nn.Module):
     def split(self, fused: Tensor, widths: tuple[int, ...]) -> tuple[Tensor, ...]:
         """One product of several projections, ``(b, s, sum(widths))``, as each one's heads
         ``(b, heads_i, s, d_h)`` (views; the q width has ``h`` heads, a k or v width ``h_kv``)."""
+        b, s, _ = fused.shape
+        if self._groups == 1:  # equal widths: one view (b, s, n, h, d_h) of the product, its n parts
+            return fused.view(b, s, len(widths), self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         return tuple(self.heads(part, part.size(-1) // self.head_dim) for part in fused.split(widths, dim=-1))
 
     def place_queries(self, q: Tensor, start: int | None) -> Tensor:
@@ -293,23 +300,17 @@ class MultiHeadAttention(nn.Module):
         Returns:
             ``(out (b, s_q, h * d_h), weights or None)``; ``out`` before ``out_proj``.
         """
-        if self.alibi_slopes is not None:  # distances bottom-right aligned: the last query sits at the last key
+        if self._alibi and self.alibi_slopes is not None:  # distances bottom-right aligned: last query, last key
             s_q, s_k = q.size(-2), k.size(-2)
             mask = combine_masks(mask, alibi_bias(self.alibi_slopes, s_q, s_k, offset=max(s_k - s_q, 0)))
         if is_causal and self.window is not None and self.window < k.size(-2):
             mask = combine_masks(mask, sliding_window_mask(q.size(-2), k.size(-2), self.window, device=q.device))
             is_causal = False  # the window's mask holds the causal one
+        if is_causal and q.size(-2) == 1:
+            is_causal = False  # one new query (a decoding step) sees every key: no mask to build
         dropout_p = self.dropout if self.training else 0.0
-        result = scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=is_causal,
-            dropout_p=dropout_p,
-            need_weights=need_weights,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )
+        # q, k, v are this module's own, of the shapes it made: the kernel without the public checks
+        result = attention_kernel(q, k, v, mask, is_causal, dropout_p, None, need_weights, self._groups)
         out, weights = result if isinstance(result, tuple) else (result, None)  # a tuple when need_weights
         b, _, s_q, _ = out.shape
         return out.transpose(1, 2).reshape(b, s_q, self.embed_dim), weights
