@@ -42,7 +42,8 @@ FOLDERS = {
     "memory over long runs, tokenization.",
     "reliability": "Crash consistency under SIGKILL and `qkv serve` under load.",
     "attention": "The attention of today's models: mask functions as boolean masks against FlexAttention "
-    "(benchmarks/mask_functions.py).",
+    "(benchmarks/mask_functions.py), and what each part costs in time and memory "
+    "(benchmarks/modern_attention_cost.py).",
 }
 
 

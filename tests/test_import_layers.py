@@ -192,3 +192,35 @@ def test_library_code_never_prints():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
                 printing.append(f"{path.relative_to(SRC)}:{node.lineno}")
     assert not printing, "print() outside qkv.cli: " + ", ".join(printing)
+
+
+def package_arrows(src: Path = SRC) -> tuple[int, int]:
+    """The number of packages of ``src`` and of import arrows between two of them (each pair once):
+    what docs/architecture.md's before-and-after table counts."""
+    known = modules_of(src)
+    arrows = set()
+    for module, path in known.items():
+        own = package_of(module)
+        for name, _ in imports(path):
+            theirs = package_of(resolve(name, known))
+            if own and theirs and own != theirs:
+                arrows.add((own, theirs))
+    return len({package_of(m) for m in known} - {""}), len(arrows)
+
+
+def modules_of(src: Path) -> dict[str, Path]:
+    """:func:`modules` of another source tree (an earlier commit's ``src/qkv``)."""
+    found = {}
+    for path in src.rglob("*.py"):
+        parts = ("qkv", *path.relative_to(src).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def test_the_arrow_count_counts_each_pair_of_packages_once():
+    packages, arrows = package_arrows()
+    assert packages == len(set(RANK) & {package_of(m) for m in modules()}) and 0 < arrows < packages * packages
+
+
+if __name__ == "__main__":  # python tests/test_import_layers.py [SRC]: the packages and the arrows between them
+    print("packages %d, arrows between them %d" % package_arrows(Path(sys.argv[1]) if len(sys.argv) > 1 else SRC))
