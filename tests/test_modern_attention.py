@@ -137,3 +137,15 @@ def test_logit_softcap_bounds_the_logits_and_the_loss_reads_them():
     targets = ids.roll(-1, 1)
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, 61), targets.reshape(-1), reduction="sum")
     torch.testing.assert_close(model.loss(ids, targets), want)
+
+
+def test_every_part_trains_under_bf16_autocast():
+    """A step in bf16 autocast (the LM recipe's precision where bf16 is fast): the norms' float32
+    weights must not leave the queries and keys in another dtype than the values."""
+    model = _lm(positional="rotary", norm="rms", activation="swiglu", num_kv_heads=2, sliding_window=5, qk_norm=True)
+    model.train()
+    ids = torch.randint(0, 61, (2, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model.loss(ids, ids.roll(-1, 1))
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -124,6 +124,11 @@ MODEL_FIELDS = {
     "--activation": ("activation", "activation"),
     "--attention-dropout": ("attention_dropout", "attention_dropout"),
     "--norm-first": ("norm_first", "norm_first"),
+    "--norm": ("norm", "norm"),
+    "--positional": ("positional", "positional"),
+    "--kv-heads": ("num_kv_heads", "num_kv_heads"),
+    "--sliding-window": (None, "sliding_window"),
+    "--qk-norm": (None, "qk_norm"),
 }
 
 

@@ -265,13 +265,13 @@ class MultiHeadAttention(nn.Module):
             ``q``'s shape.
         """
         if self.q_norm is not None:
-            q = self.q_norm(q)
+            q = self.q_norm(q).to(q.dtype)  # a float32 norm weight must not promote bf16 heads (autocast)
         return q if start is None or self.rotary is None else self.rotary.rotate(q, self._positions(q, start))
 
     def place_keys(self, k: Tensor, start: int | None) -> Tensor:
         """As :meth:`place_queries`, for keys ``(b, h_kv, s, d_h)`` (the key norm)."""
         if self.k_norm is not None:
-            k = self.k_norm(k)
+            k = self.k_norm(k).to(k.dtype)
         return k if start is None or self.rotary is None else self.rotary.rotate(k, self._positions(k, start))
 
     @staticmethod

@@ -229,7 +229,26 @@ MODEL_OPTION_GROUPS: dict[str, dict[str, ModelOption]] = {
             float,
             "dropout on the attention weights, in [0, 1) (not in the paper)",
         ),
-        "activation": ModelOption("activation", "activation", str, "feed-forward activation: relu, gelu or gelu_tanh"),
+        "activation": ModelOption(
+            "activation",
+            "activation",
+            str,
+            "feed-forward activation: relu, gelu, gelu_tanh, relu2, silu, or gated: swiglu, geglu",
+        ),
+        "norm": ModelOption("norm", "norm", str, "the layers' norms: layer (LayerNorm) or rms (RMSNorm)"),
+        "positional": ModelOption(
+            "positional",
+            "positional",
+            str,
+            "positions: sinusoidal, learned or none; a language model also rotary or alibi",
+        ),
+        "kv_heads": ModelOption(
+            "num_kv_heads", "num_kv_heads", int, "key/value heads (grouped-query attention); must divide --heads"
+        ),
+        "sliding_window": ModelOption(
+            None, "sliding_window", int, "a language model's sliding window: tokens each one sees, itself included"
+        ),
+        "qk_norm": ModelOption(None, "qk_norm", bool, "a norm over each head's queries and keys (a language model)"),
         "norm_first": ModelOption("norm_first", "norm_first", bool, "pre-LN instead of the paper's post-LN"),
         "max_len": ModelOption(
             "max_len",
