@@ -291,5 +291,9 @@ def test_report_and_experiment_errors(tmp_path, capsys):
     assert main(["report", "--out", str(tmp_path / "missing")]) == 2
     with pytest.raises(ValueError, match="unknown experiment"):
         run_experiment("nope", out=tmp_path)
-    assert set(EXPERIMENTS) == {"softmax-scaling", "long-range", "scaling", "permutation", "vit-digits"}
+    assert set(EXPERIMENTS) == {"softmax-scaling", "long-range", "scaling", "permutation", "vit-digits"} | {
+        "positions-extrapolation",  # tests/test_modern_experiments.py
+        "gqa-memory-quality",
+        "window-recall",
+    }
     assert main(["experiment", "permutation", "--quick", "--threads", "0", "--out", str(tmp_path)]) == 2

@@ -36,6 +36,19 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
         "qkv.experiments.vit_digits",
         "images as sequences of patch tokens: a tiny Vision Transformer on 8x8 digits",
     ),
+    "positions-extrapolation": (
+        "qkv.experiments.positions_extrapolation",
+        "past the trained length ALiBi keeps a relative rule to 4x, rotary to about 2x; "
+        "learned and sinusoidal positions lose it",
+    ),
+    "gqa-memory-quality": (
+        "qkv.experiments.gqa_memory_quality",
+        "grouped-query attention divides the KV cache by h / h_kv for a small loss in quality",
+    ),
+    "window-recall": (
+        "qkv.experiments.window_recall",
+        "a sliding window cannot recall beyond W - 1 tokens per layer; stacked windows or one full layer reach further",
+    ),
 }
 
 
