@@ -153,9 +153,8 @@ def main() -> None:
     report = {
         "benchmark": "trainer_refactor_before_after",
         "question": "does the Trainer's step with its checkpoints object and step hooks cost what the mixin's did?",
-        **found,
-        "commit": base or "unknown",
-        "now": "the working tree on top of commit (Trainer owns Checkpoints; research methods as step hooks)",
+        **found,  # its commit: the checkout timed as "now"
+        "before_commit": base or "unknown",
         "model": "Multi30k recipe: d_model 256, 4 heads, 3+3 layers, d_ff 1024, joint BPE 8000, float32",
         "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "before_src", "out")},
         "load_average_at_end": list(os.getloadavg()),
