@@ -25,7 +25,7 @@ except ImportError:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "qkv"
-VERSION = "1.5.0"
+VERSION = "2.0.0"
 
 
 def _pyproject() -> dict:

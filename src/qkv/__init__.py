@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from qkv.pretrained import BertEncoder, PretrainedCausalLM, PretrainedTransformer
 
-__version__ = "1.5.0"  # the one source of the version: pyproject.toml reads it at build time
+__version__ = "2.0.0"  # the one source of the version: pyproject.toml reads it at build time
 
 
 def load_pretrained(
