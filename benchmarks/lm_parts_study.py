@@ -80,7 +80,9 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--work-dir", type=Path, required=True, help="recipe files and run folders go here")
     parser.add_argument("--cpus", default=None, help="taskset CPU list for the runs, e.g. 1")
-    parser.add_argument("--collect", action="store_true", help="score the finished runs in --work-dir only")
+    parser.add_argument(
+        "--collect", action="store_true", help="score the finished runs in --work-dir only (the --seeds that exist)"
+    )
     add_result_options(parser)
     args = parser.parse_args()
     if args.out:
@@ -95,6 +97,8 @@ def main() -> int:
             run_dir = args.work_dir / f"{name}_seed{seed}_{args.minutes:g}min"
             train = ["qkv", "train", "--data", "tinyshakespeare", "--recipe", str(recipe)]
             train += ["--minutes", f"{args.minutes:g}", "--seed", str(seed), "--run-dir", str(run_dir)]
+            if args.collect and not run_dir.is_dir():
+                continue  # --collect: the runs that exist (a variant run with fewer seeds)
             if not args.collect:
                 _run([sys.executable, "-m", "qkv", *train[1:], "--overwrite"], args.cpus)
             runs.append({"seed": seed, "train_command": " ".join(train), **score(run_dir, args.cpus)})
