@@ -229,4 +229,5 @@ def test_the_arrow_count_counts_each_pair_of_packages_once():
 
 
 if __name__ == "__main__":  # python tests/test_import_layers.py [SRC]: the packages and the arrows between them
-    print("packages %d, arrows between them %d" % package_arrows(Path(sys.argv[1]) if len(sys.argv) > 1 else SRC))
+    packages, arrows = package_arrows(Path(sys.argv[1]) if len(sys.argv) > 1 else SRC)
+    print(f"packages {packages}, arrows between them {arrows}")
