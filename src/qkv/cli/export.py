@@ -3,6 +3,7 @@
 qkv export runs/multi30k --to hf hf-model/       # a MarianMTModel folder (transformers)
 qkv export runs/shakespeare --to hf hf-lm/       # a GPT2LMHeadModel folder, or Llama/Mistral/Qwen2 by its shape
 qkv export runs/multi30k --to onnx model.onnx    # ONNX (qkv.export.onnx)
+qkv export runs/shakespeare --to onnx onnx-lm/   # one decoder-step graph with its cache (qkv.export.onnx_lm)
 qkv export runs/multi30k --to ctranslate2 ct2/ --quantization int8   # CTranslate2 (qkv.export.ctranslate2)
 qkv export runs/shakespeare --to ctranslate2 ct2-lm/   # a CTranslate2 Generator (qkv.export.ctranslate2_lm)
 
@@ -101,6 +102,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"ONNX export needs onnx, onnxscript and onnxruntime: pip install 'qkv[deploy]' ({err})"
             ) from None
+        from qkv.export.onnx_lm import export_onnx_lm
+        from qkv.inference.kinds import CAUSAL_LM
+        from qkv.inference.runs import read_run_config, run_task
+
+        if run_task(read_run_config(run_dir)) == CAUSAL_LM.name:  # one decoder-step graph with its cache
+            export_onnx = export_onnx_lm
         out = export_onnx(run_dir, args.out, weights=args.weights, overwrite=args.overwrite)
     print(f"exported {run_dir} to {out}")
     return 0

@@ -148,7 +148,7 @@ def _example_inputs(model: Transformer) -> tuple[Tensor, Tensor, list[Tensor], l
 
 
 @contextmanager
-def _quiet_exporter() -> Iterator[None]:
+def quiet_exporter() -> Iterator[None]:
     """Silence what the exporter says while it works: its registry's notes on optional packages
     (torchvision), the optimizer's per-pass info lines and its own deprecation warnings, none of
     which the user can act on. Its errors still raise."""
@@ -193,7 +193,7 @@ def _export_graphs(model: Transformer, folder: Path) -> dict[str, dict[str, list
             "decoder_step",
         ),
     ]
-    with _quiet_exporter():
+    with quiet_exporter():
         for module, args, dynamic_shapes, name in exports:
             torch.onnx.export(
                 module.eval(),

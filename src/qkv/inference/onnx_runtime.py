@@ -27,7 +27,8 @@ MANIFEST_FORMAT = 1  # the manifest's "qkv_onnx" value; raise it when the graphs
 __all__ = ["MANIFEST_FORMAT", "OnnxTranslator", "pad_batch"]
 
 
-def _import_onnxruntime() -> Any:
+def import_onnxruntime() -> Any:
+    """The ``onnxruntime`` module, or an ImportError that says how to install it."""
     try:
         import onnxruntime
     except ImportError:
@@ -59,7 +60,7 @@ class OnnxTranslator:
     def __init__(
         self, folder: str | Path, *, threads: int | None = None, providers: Sequence[str] | None = None
     ) -> None:
-        ort = _import_onnxruntime()
+        ort = import_onnxruntime()
         folder = Path(folder)
         path = folder / "manifest.json"
         if not path.is_file():
