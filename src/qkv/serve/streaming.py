@@ -40,6 +40,7 @@ class Sampling:
     top_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    logprobs: bool = False  # also report each chosen token's log-probability (the done event's ``logprobs``)
 
 
 def sample(model: Any, tokenizer: Any, request: Sampling, on_text: Any, stopped: threading.Event) -> dict[str, Any]:
