@@ -47,35 +47,99 @@ class KVCache:
     ``static=True`` (cross-attention): the memory's keys and values, computed once and reused.
     ``start``: the position of the first key kept (a sliding window drops the keys it no longer
     reaches; 0 otherwise), so the positions seen so far are ``start + len(cache)`` (:attr:`end`).
+    ``positions``: ``(b,)`` the tokens each row has seen, when the rows differ (a batch whose
+    members joined at different steps, :meth:`concat_rows`); each row's keys then end at the last
+    slot (right-aligned), the slots before its first key are empty and masked
+    (:meth:`padding_mask`), and its next query sits at its own position. None: every row at
+    :attr:`end`.
     """
 
     key: Tensor  # (b, h_kv, s_k, d_h)
     value: Tensor  # (b, h_kv, s_k, d_h)
     static: bool = False
     start: int = 0
+    positions: Tensor | None = None  # (b,) int64
 
     def __len__(self) -> int:
         return self.key.size(-2)
 
     @property
     def end(self) -> int:
-        """The positions seen so far: the next query's position."""
+        """The positions seen so far: the next query's position (every row's; see :attr:`next_positions`)."""
         return self.start + self.key.size(-2)
+
+    @property
+    def next_positions(self) -> int | Tensor:
+        """The next query's position: :attr:`end`, or ``(b,)`` per row with :attr:`positions`."""
+        return self.end if self.positions is None else self.positions
 
     def extend(self, key: Tensor, value: Tensor) -> KVCache:
         """This cache with ``key``, ``value`` ``(b, h_kv, s_new, d_h)`` appended after its own."""
-        return KVCache(torch.cat([self.key, key], dim=-2), torch.cat([self.value, value], dim=-2), False, self.start)
+        positions = None if self.positions is None else self.positions + key.size(-2)
+        return KVCache(
+            torch.cat([self.key, key], dim=-2), torch.cat([self.value, value], dim=-2), False, self.start, positions
+        )
 
     def keep_last(self, n: int | None) -> KVCache:
         """The cache holding only its last ``n`` keys (what a window of ``n + 1`` needs next); None: all."""
         drop = self.key.size(-2) - n if n is not None else 0
         if drop <= 0:
             return self
-        return KVCache(self.key[..., drop:, :], self.value[..., drop:, :], self.static, self.start + drop)
+        return KVCache(
+            self.key[..., drop:, :], self.value[..., drop:, :], self.static, self.start + drop, self.positions
+        )
 
     def index_select(self, batch_index: Tensor) -> KVCache:
-        """Reorder or repeat the batch rows (used by beam search)."""
-        return replace(self, key=self.key.index_select(0, batch_index), value=self.value.index_select(0, batch_index))
+        """Reorder or repeat the batch rows (used by beam search, and by a batch that members leave)."""
+        positions = None if self.positions is None else self.positions.index_select(0, batch_index)
+        return replace(
+            self,
+            key=self.key.index_select(0, batch_index),
+            value=self.value.index_select(0, batch_index),
+            positions=positions,
+        )
+
+    def padding_mask(self) -> Tensor | None:
+        """``(b, 1, 1, s_k)`` bool, True at a row's real keys, with :attr:`positions` where some row
+        has empty slots; None where every slot is real."""
+        if self.positions is None or self.static:
+            return None
+        slots = self.key.size(-2)
+        first = slots - self.positions  # (b,) the first real slot of each row (<= 0: all real)
+        if int(first.max()) <= 0:
+            return None
+        return (torch.arange(slots, device=self.key.device)[None, :] >= first[:, None])[:, None, None, :]
+
+    def trimmed(self) -> KVCache:
+        """The cache without the leading slots that are empty in every row (after rows left)."""
+        if self.positions is None or self.static:
+            return self
+        return self.keep_last(min(self.key.size(-2), int(self.positions.max())))
+
+    @staticmethod
+    def concat_rows(caches: list[KVCache]) -> KVCache:
+        """The rows of several self-attention caches as one batch, right-aligned: each row keeps its
+        own positions (:attr:`positions`), shorter ones padded with empty slots on the left."""
+        slots = max(len(cache) for cache in caches)
+        keys, values, positions = [], [], []
+        for cache in caches:
+            pad = slots - len(cache)
+            key, value = cache.key, cache.value
+            seen = cache.end if cache.positions is None else int(cache.positions.max())
+            if pad and seen > len(cache):  # a window dropped its first keys: padding would unmask slots
+                raise ValueError("cannot pad a cache that a window has cut to a longer batch's length")
+            if pad:
+                shape = (*key.shape[:-2], pad, key.size(-1))
+                key = torch.cat([key.new_zeros(shape), key], dim=-2)
+                value = torch.cat([value.new_zeros(shape), value], dim=-2)
+            keys.append(key)
+            values.append(value)
+            rows = cache.key.size(0)
+            if cache.positions is None:
+                positions.append(torch.full((rows,), cache.end, dtype=torch.long, device=key.device))
+            else:
+                positions.append(cache.positions)
+        return KVCache(torch.cat(keys), torch.cat(values), False, 0, torch.cat(positions))
 
 
 @dataclass
@@ -221,9 +285,10 @@ class MultiHeadAttention(nn.Module):
                 # One new step (or projections called on their own): three small products beat
                 # concatenating the weights every step.
                 q, k, v = (self.heads(self.q_proj(query), self.num_heads),) + self._kv_heads(query, query)
-            start = 0 if cache is None else cache.end  # the position of this call's first query and key
+            # the position of this call's first query and key (per row, in a batch of joined members)
+            start = 0 if cache is None else cache.next_positions
             q, k = self.place_queries(q, start), self.place_keys(k, start)
-            new_cache = KVCache(k, v, start=start) if cache is None else cache.extend(k, v)
+            new_cache = KVCache(k, v) if cache is None else cache.extend(k, v)
         else:
             value = key if value is None else value
             self._check_key_value(query, key, value)
@@ -231,7 +296,9 @@ class MultiHeadAttention(nn.Module):
             k, v = self._kv_heads(key, value)
             new_cache = KVCache(self.place_keys(k, None), v, static=True)
         mask = combine_masks(
-            self._expand_attn_mask(attn_mask, b), self._expand_padding_mask(key_padding_mask, b, new_cache.key.size(-2))
+            self._expand_attn_mask(attn_mask, b),
+            self._expand_padding_mask(key_padding_mask, b, new_cache.key.size(-2)),
+            new_cache.padding_mask(),
         )
         check_attention_inputs(q, new_cache.key, new_cache.value, mask, kv_groups=self._groups)  # the caller's masks
         out, weights = self.attend(q, new_cache.key, new_cache.value, mask, is_causal, need_weights)
@@ -252,14 +319,14 @@ class MultiHeadAttention(nn.Module):
             return fused.view(b, s, len(widths), self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         return tuple(self.heads(part, part.size(-1) // self.head_dim) for part in fused.split(widths, dim=-1))
 
-    def place_queries(self, q: Tensor, start: int | None) -> Tensor:
+    def place_queries(self, q: Tensor, start: int | Tensor | None) -> Tensor:
         """The per-head steps between the query projection and the kernel: the QK-norm's query
         norm, then the rotary positions ``start, start + 1, ...``.
 
         Args:
             q: ``(b, h, s, d_h)``.
-            start: the first query's position; None: a cross-attention's queries, which get no
-                positions (the positions of two sequences do not compare).
+            start: the first query's position, or ``(b,)`` each row's; None: a cross-attention's
+                queries, which get no positions (the positions of two sequences do not compare).
 
         Returns:
             ``q``'s shape.
@@ -268,14 +335,16 @@ class MultiHeadAttention(nn.Module):
             q = self.q_norm(q).to(q.dtype)  # a float32 norm weight must not promote bf16 heads (autocast)
         return q if start is None or self.rotary is None else self.rotary.rotate(q, self._positions(q, start))
 
-    def place_keys(self, k: Tensor, start: int | None) -> Tensor:
+    def place_keys(self, k: Tensor, start: int | Tensor | None) -> Tensor:
         """As :meth:`place_queries`, for keys ``(b, h_kv, s, d_h)`` (the key norm)."""
         if self.k_norm is not None:
             k = self.k_norm(k).to(k.dtype)
         return k if start is None or self.rotary is None else self.rotary.rotate(k, self._positions(k, start))
 
     @staticmethod
-    def _positions(x: Tensor, start: int) -> Tensor:
+    def _positions(x: Tensor, start: int | Tensor) -> Tensor:
+        if isinstance(start, Tensor):  # (b,) a row's own first position
+            return start[:, None] + torch.arange(x.size(-2), device=x.device)  # (b, s)
         return torch.arange(start, start + x.size(-2), device=x.device)  # (s,)
 
     def attend(

@@ -333,9 +333,10 @@ class CausalLM(nn.Module):
         """
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be integers of shape (batch, seq), got {ids.dtype} {tuple(ids.shape)}")
-        start = 0 if cache is None else cache[0].end
-        if start + ids.size(1) > self.config.context:
-            raise ValueError(f"{start + ids.size(1)} tokens exceed the model's context of {self.config.context}")
+        start = 0 if cache is None else cache[0].next_positions  # (b,) per row in a batch of joined members
+        longest = (start if isinstance(start, int) else int(start.max())) + ids.size(1)
+        if longest > self.config.context:
+            raise ValueError(f"{longest} tokens exceed the model's context of {self.config.context}")
         x = self.dropout(self.positional(self.token_embedding(ids) * self.embed_scale, start))  # (b, s, d)
         hidden, attentions, new_cache = self.decoder(x, cache=cache, need_weights=need_weights)
         return CausalLMOutput(self.logits(hidden) if project else None, hidden, attentions, new_cache)

@@ -7,6 +7,7 @@ Both take ``x`` of shape ``(b, s, d)`` and return ``x`` plus the encoding of pos
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -33,14 +34,19 @@ def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
 class _PositionalEncoding(nn.Module):
     max_len: int
 
-    def _check(self, x: Tensor, start: int) -> None:
+    def _positions(self, x: Tensor, start: int | Tensor) -> Tensor | None:
+        """Checks ``x`` and the positions; ``(b, s)`` positions for a per-row ``start (b,)``, else None."""
         if x.dim() != 3:
             raise ValueError(f"positional encoding expects (batch, seq, d_model), got {tuple(x.shape)}")
-        if start < 0 or start + x.size(1) > self.max_len:
+        first, last = (int(start.min()), int(start.max())) if isinstance(start, Tensor) else (start, start)
+        if first < 0 or last + x.size(1) > self.max_len:
             raise ValueError(
-                f"positions {start}..{start + x.size(1) - 1} exceed the positional table of "
+                f"positions {first}..{last + x.size(1) - 1} exceed the positional table of "
                 f"max_len={self.max_len}; raise max_len in the config"
             )
+        if isinstance(start, Tensor):  # each row from its own position (a batch of joined members)
+            return start[:, None] + torch.arange(x.size(1), device=x.device)
+        return None
 
 
 class SinusoidalPositionalEncoding(_PositionalEncoding):
@@ -53,12 +59,13 @@ class SinusoidalPositionalEncoding(_PositionalEncoding):
         self.max_len = max_len
         self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
 
-    def forward(self, x: Tensor, start: int = 0) -> Tensor:
+    def forward(self, x: Tensor, start: int | Tensor = 0) -> Tensor:
         """Add the encoding of positions ``start .. start + s - 1`` to ``x``.
 
         Args:
             x: ``(b, s, d)`` the embedded tokens.
-            start: the first position (the tokens already decoded, with a cache).
+            start: the first position (the tokens already decoded, with a cache), or ``(b,)``
+                each row's own.
 
         Returns:
             ``x``'s shape and dtype.
@@ -66,7 +73,9 @@ class SinusoidalPositionalEncoding(_PositionalEncoding):
         Raises:
             ValueError: ``x`` is not 3-D, or the positions run past ``max_len``.
         """
-        self._check(x, start)
+        rows = self._positions(x, start)
+        if rows is not None:
+            return x + self.table[rows].to(x.dtype)
         return x + self.table[start : start + x.size(1)].to(x.dtype)  # (b, s, d)
 
 
@@ -79,12 +88,13 @@ class LearnedPositionalEncoding(_PositionalEncoding):
         self.embedding = nn.Embedding(max_len, d_model)
         nn.init.normal_(self.embedding.weight, std=0.02)
 
-    def forward(self, x: Tensor, start: int = 0) -> Tensor:
+    def forward(self, x: Tensor, start: int | Tensor = 0) -> Tensor:
         """Add the encoding of positions ``start .. start + s - 1`` to ``x``.
 
         Args:
             x: ``(b, s, d)`` the embedded tokens.
-            start: the first position (the tokens already decoded, with a cache).
+            start: the first position (the tokens already decoded, with a cache), or ``(b,)``
+                each row's own.
 
         Returns:
             ``x``'s shape and dtype.
@@ -92,9 +102,11 @@ class LearnedPositionalEncoding(_PositionalEncoding):
         Raises:
             ValueError: ``x`` is not 3-D, or the positions run past ``max_len``.
         """
-        self._check(x, start)
-        positions = torch.arange(start, start + x.size(1), device=x.device)
-        return x + self.embedding(positions).to(x.dtype)  # (b, s, d)
+        rows = self._positions(x, start)
+        if rows is None:  # an int (a symbolic one in an ONNX export: never int() it, which would fix it)
+            first = cast(int, start)
+            rows = torch.arange(first, first + x.size(1), device=x.device)
+        return x + self.embedding(rows).to(x.dtype)  # (b, s, d)
 
 
 POSITIONAL_KINDS = ("sinusoidal", "learned", "none")
@@ -114,7 +126,7 @@ def build_positional_encoding(kind: str, d_model: int, max_len: int) -> nn.Modul
 class NoPositionalEncoding(nn.Module):
     """Identity: the model sees a bag of tokens (used to show permutation equivariance)."""
 
-    def forward(self, x: Tensor, start: int = 0) -> Tensor:
+    def forward(self, x: Tensor, start: int | Tensor = 0) -> Tensor:
         """``x`` unchanged.
 
         Args:
