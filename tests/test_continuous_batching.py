@@ -41,7 +41,9 @@ def make_model(context: int = 64, **options: object) -> CausalLM:
 
 def prompts(n: int, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 40, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(0, 40, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def alone(model, prompt, sampling, seed):
@@ -119,10 +121,10 @@ def test_each_step_s_logits_equal_the_model_run_alone(variant):
 
 def test_sequences_past_the_context_re_read_it_as_generate_does():
     model = make_model(context=12)
-    texts = [list(range(1, 11)), [5], list(range(20, 34))]  # 10, 1 and 14 tokens (over the context)
+    texts = [list(range(1, 11)), [5], list(range(20, 34)), [7, 8]]  # 10, 1, 14 (over the context) and 2 tokens
     sampling = SamplingConfig(9, 0.8)
     requests = [GenerationRequest(p, sampling, seed=i) for i, p in enumerate(texts)]
-    members = run_batch(ContinuousBatch(model, Letters()), requests, [0, 1, 2])
+    members = run_batch(ContinuousBatch(model, Letters()), requests, [0, 1, 2, 2])
     for i, member in enumerate(members):
         assert member.result == alone(model, texts[i], sampling, i)
 

@@ -17,7 +17,8 @@ One :class:`ContinuousBatch` holds the members decoding together and their key/v
    sampled from it) and its cache joins the batch's.
 
 A member whose sequence fills the model's context re-reads its last ``context`` tokens each step
-without a cache, alone, as :func:`qkv.models.sampling.sample_loop` does from there on.
+without a cache, as :func:`qkv.models.sampling.sample_loop` does from there on (those members
+together: their inputs are all ``context`` long).
 
 Shape legend: ``b`` members, ``V`` vocabulary.
 """
@@ -71,7 +72,7 @@ class Member:
     new: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     result: Continuation | None = None  # set when it leaves
-    cached: bool = True  # False once its sequence fills the context: re-read each step, alone
+    cached: bool = True  # False once its sequence fills the context: re-read each step
 
     @property
     def done(self) -> bool:
@@ -97,7 +98,7 @@ class ContinuousBatch:
         self.context: int = model.config.context
         self.waiting: deque[Member] = deque()
         self.members: list[Member] = []  # the cached rows, in the cache's row order
-        self.overflowing: list[Member] = []  # sequences at the context: re-read alone each step
+        self.overflowing: list[Member] = []  # sequences at the context: re-read (without a cache) each step
         self.cache: list[KVCache] | None = None
 
     def add(self, request: GenerationRequest) -> Member:
@@ -137,11 +138,13 @@ class ContinuousBatch:
             for row, member in enumerate(self.members):
                 self._take(member, logits[row : row + 1])
             self._leave_cached(left)
-        for member in list(self.overflowing):
-            self._take(member, self.model(self._tail(member)).logits[:, -1])
-            if member.done:
-                self.overflowing.remove(member)
-                left.append(member)
+        if self.overflowing:  # each re-reads its last `context` tokens: equal lengths, one batch without a cache
+            tails = torch.tensor([m.ids[-self.context :] for m in self.overflowing], device=self.device)
+            logits = self.model(tails).logits[:, -1]
+            for row, member in enumerate(self.overflowing):
+                self._take(member, logits[row : row + 1])
+            left.extend(m for m in self.overflowing if m.done)
+            self.overflowing = [m for m in self.overflowing if not m.done]
         while self.waiting and self.rows < self.max_rows:
             member = self.waiting.popleft()
             self._join(member)
@@ -204,4 +207,3 @@ class ContinuousBatch:
             return
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.cache = [layer.index_select(index).trimmed() for layer in self.cache]
-
