@@ -144,7 +144,7 @@ OLD_NAMES = {  # every name qkv 1.x users imported from the paths this package r
     "qkv.export.onnx_runtime": ["OnnxTranslator", "MANIFEST_FORMAT", "pad_batch"],
     "qkv.export.onnx": ["OnnxTranslator", "MANIFEST_FORMAT", "export_onnx"],
     "qkv.models.causal_lm": ["check_sampling", "sample_next", "MIN_TEMPERATURE", "MAX_TEMPERATURE", "MIN_TOP_P"],
-    "qkv.serve.streaming": ["TextStream", "Sampling", "sample", "stream_events", "generate_text"],
+    "qkv.serve.streaming": ["TextStream", "Sampling", "stream_events", "generate_text"],
     "qkv.cli.options": ["check_engine", "ct2_translator", "ENGINES", "COMPUTE_TYPES", "add_engine_options"],
 }
 NEW_HOMES = {

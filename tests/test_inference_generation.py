@@ -3,7 +3,6 @@ CausalLM.generate's tokens for the same seed (greedy and sampled, one sample or 
 commands cut a sample at its first stop text identically, as a plain search of the uncut text does."""
 
 import io
-import threading
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -58,7 +57,7 @@ def first_stop_cut(text: str, stops: list[str]) -> str:
 
 
 def test_stop_texts_cut_identically_in_the_cli_and_the_server(lm, capsys):
-    from qkv.serve.streaming import Sampling, sample
+    from qkv.inference.continuous import ContinuousBatch, GenerationRequest
 
     model, tokenizer = lm
     ids = tokenizer.encode("\n")
@@ -74,10 +73,13 @@ def test_stop_texts_cut_identically_in_the_cli_and_the_server(lm, capsys):
     assert out.getvalue() == "\n" + expected + "\n"
 
     pieces: list[str] = []
-    request = Sampling(ids=ids, max_tokens=120, temperature=1.0, seed=3, stop=stops)
-    summary = sample(model, tokenizer, request, pieces.append, threading.Event())
-    assert summary["text"] == expected and "".join(pieces) == expected
-    assert summary["finish_reason"] == "stop"
+    batch = ContinuousBatch(model.eval(), tokenizer)  # the server's path (qkv.serve.generation)
+    sampling = SamplingConfig(120, 1.0, stop=stops)
+    member = batch.add(GenerationRequest(ids, sampling, seed=3, on_text=pieces.append))
+    while batch:
+        batch.step()
+    assert member.result is not None and member.result.text == expected and "".join(pieces) == expected
+    assert member.result.finish_reason == "stop"
     for piece in pieces:  # nothing of a stop text was ever sent
         assert not any(s in piece for s in stops)
 

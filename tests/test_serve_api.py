@@ -20,8 +20,11 @@ from qkv.data.dates import generate_dates
 from qkv.decoding.translate import translate_texts
 from qkv.serve.app import create_app
 from qkv.serve.batching import DecodeKey, ModelWorker
-from qkv.serve.models import Limits, open_models
-from qkv.serve.streaming import Sampling, stream_events
+from qkv.serve.generation import Generations
+from qkv.serve.models import Limits, ServedModel, open_models
+from qkv.serve.schemas import GenerateRequest
+from qkv.serve.service import sampling_of
+from qkv.serve.streaming import Sampling, generate_text, stream_events
 from qkv.viz.app import ExplorerApp
 
 pytest.importorskip("fastapi")
@@ -184,6 +187,33 @@ def test_generate_with_a_seed_equals_sampling_with_that_seed(client, models):
     assert streamed == whole["text"] == expected and whole["tokens"] == 30
 
 
+def test_concurrent_generations_share_steps_and_each_gives_its_text_alone(models):
+    """Generation requests sent together decode in one continuous batch (fewer steps than tokens);
+    each seeded request's text is what CausalLM.generate gives with that seed alone, with all six
+    decoding together or (a batch of 1) one at a time."""
+    served = models["lm"]
+    sampling = {"temperature": 0.9, "top_k": 8}
+    lengths = [12, 30, 5, 21, 17, 9]
+    bodies = [
+        {"prompt": PROMPT, "max_tokens": n, "seed": 40 + i, "stream": False, **sampling} for i, n in enumerate(lengths)
+    ]
+
+    async def ask(client_app, body) -> str:
+        service = client_app.state.service
+        request = sampling_of(service, served, GenerateRequest(**body))
+        return (await generate_text(service.generations, served, request))["text"]
+
+    for rows in (32, 1):
+        with make_client(models, max_new_tokens=64, max_generate_batch=rows) as client:
+            texts = client.portal.call(gather, [ask(client.app, body) for body in bodies])
+            generations = client.app.state.service.generations
+        for i, n in enumerate(lengths):
+            generator = torch.Generator().manual_seed(40 + i)
+            assert texts[i] == reference_continuation(served, n, generator=generator, **sampling), f"request {i}"
+        assert generations.steps < sum(lengths)  # a step decodes several requests, or one and a joiner
+        assert generations.widest == (len(lengths) if rows == 32 else 1)
+
+
 def test_a_client_that_leaves_stops_the_sampling(models):
     served = models["lm"]
 
@@ -195,13 +225,18 @@ def test_a_client_that_leaves_stops_the_sampling(models):
             return served.tokenizer.decode(ids)
 
     worker = ModelWorker()
+    generations = Generations(worker)
+    counted = ServedModel("counted", served.explorer)
+    counted.explorer = type("E", (), {"model": served.model, "tokenizer": Counting(), "kind": "lm"})()
     request = Sampling(ids=served.tokenizer.encode(PROMPT), max_tokens=5000, temperature=0)
 
     async def leave_after_the_first_event() -> None:
-        events = stream_events(worker, served.model, Counting(), request)
+        events = stream_events(generations, counted, request)
         assert (await events.__anext__()).startswith("data: ")
         await events.aclose()  # what Starlette does when the client disconnects
-        await worker.run(lambda: None)  # the model thread is free again: the sampling ended
+        for _ in range(3):  # the member leaves at its next step; then the batch stops stepping
+            await worker.run(lambda: None)
+        assert generations.report() == {"counted": 0}
 
     try:
         asyncio.run(leave_after_the_first_event())

@@ -99,25 +99,22 @@ def read_all(sock: socket.socket) -> bytes:
 
 
 class Steps:
-    """Counts the model's sampling steps (wrapping the served language model's ``generate``), and can
-    hold the model thread at a step until the test lets it go."""
+    """Counts the served language model's forward passes (one request alone: one a token, its
+    prompt's included), and can hold the model thread at a step until the test lets it go."""
 
     def __init__(self, model, monkeypatch, *, hold_at: int | None = None) -> None:
         self.count, self.hold_at = 0, hold_at
         self.reached, self.release = threading.Event(), threading.Event()
-        generate = model.generate
+        forward = model.forward
 
-        def counting(ids, n, *, on_step=None, **options):
-            def step(new):
-                self.count += 1
-                if self.count == self.hold_at:
-                    self.reached.set()
-                    assert self.release.wait(HANG_GUARD_S)
-                return on_step(new) if on_step is not None else None
+        def counting(*args, **options):
+            self.count += 1
+            if self.count == self.hold_at:
+                self.reached.set()
+                assert self.release.wait(HANG_GUARD_S)
+            return forward(*args, **options)
 
-            return generate(ids, n, on_step=step, **options)
-
-        monkeypatch.setattr(model, "generate", counting)
+        monkeypatch.setattr(model, "forward", counting)
 
 
 def hold_model_thread(service) -> threading.Event:

@@ -147,7 +147,10 @@ class ContinuousBatch:
             self.overflowing = [m for m in self.overflowing if not m.done]
         while self.waiting and self.rows < self.max_rows:
             member = self.waiting.popleft()
-            self._join(member)
+            if member.request.stopped is not None and member.request.stopped():  # gone before its turn: never run
+                member.result = Continuation("", 0, "stop")
+            else:
+                self._join(member)
             if member.done:
                 left.append(member)
         return left

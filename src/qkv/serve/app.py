@@ -4,9 +4,12 @@ Routes:
     ``POST /v1/translate``  ``{"texts": [...], "beam_size", "alpha", "penalty", "model"}`` -> translations
                             (concurrent requests are batched dynamically: :mod:`qkv.serve.batching`)
     ``POST /v1/generate``   ``{"prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
-                            "stream", "model"}`` -> server-sent events (:mod:`qkv.serve.streaming`)
+                            "stream", "model"}`` -> server-sent events (:mod:`qkv.serve.streaming`; concurrent
+                            requests share one decoding batch: :mod:`qkv.serve.generation`)
     ``POST /v1/embed``      ``{"texts": [...], "normalize", "model"}`` -> sentence embeddings
-    ``GET /v1/models``      every model: its name, kind and endpoint
+    ``POST /v1/completions``, ``POST /v1/chat/completions``  the OpenAI-compatible API (:mod:`qkv.serve.openai_api`)
+    ``GET /v1/models``      every model, in OpenAI's shape and as name, kind and endpoint
+    ``GET /metrics``        the Prometheus metrics (:mod:`qkv.serve.metrics`)
     ``GET /``, ``GET /api/models``, ``POST /api/attend``  the attention explorer (:class:`qkv.viz.app.ExplorerApp`)
     ``GET /health``         ``{"status": "ok", ...}``; ``GET /docs``: the OpenAPI documentation
 
@@ -17,15 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import html
-import threading
+import os
 from collections.abc import AsyncIterator, Collection
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from qkv import __version__
 from qkv.inference.kinds import CAUSAL_LM, SEQ2SEQ
+from qkv.serve.access import AccessLog, ApiKeyGuard
 from qkv.serve.batching import DecodeKey
 from qkv.serve.errors import (
     ApiError,
@@ -35,7 +39,10 @@ from qkv.serve.errors import (
     install_error_handlers,
     parse_json,
 )
+from qkv.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from qkv.serve.models import KIND_NAMES, Limits, ServedModel
+from qkv.serve.openai_api import add_openai_routes
+from qkv.serve.openai_schemas import model_card
 from qkv.serve.schemas import (
     EmbedRequest,
     EmbedResponse,
@@ -49,7 +56,7 @@ from qkv.serve.streaming import generate_text, stream_events
 from qkv.viz.app import ExplorerApp, RequestError
 
 T = TypeVar("T")
-JSON_PATHS = ("/v1/translate", "/v1/generate", "/v1/embed", "/api/attend")
+JSON_PATHS = ("/v1/translate", "/v1/generate", "/v1/embed", "/api/attend", "/v1/completions", "/v1/chat/completions")
 EXPLORER = "explorer"  # the explorer's requests are queued under this name
 
 
@@ -59,6 +66,8 @@ def create_app(
     limits: Limits | None = None,
     *,
     allowed_hosts: Collection[str] | None = None,
+    api_key: str | None = None,
+    access_log: bool = True,
 ) -> FastAPI:
     """The application serving ``models`` (and ``explorer``, the attention explorer of the same models).
 
@@ -67,6 +76,9 @@ def create_app(
         explorer: the attention explorer of the same models.
         limits: what one request may ask for (default :class:`Limits`).
         allowed_hosts: the names a request's ``Host`` may give (421 for another); None: any.
+        api_key: the key every request but ``GET /health`` must send (401 without it); None: no key.
+        access_log: write one JSON line per request to the logger ``qkv.serve.access``
+            (:class:`~qkv.serve.access.AccessLog`; the request ids and ``/metrics`` work either way).
 
     Returns:
         the FastAPI application.
@@ -102,8 +114,20 @@ def create_app(
         json_paths=JSON_PATHS,
         on_client_gone=service.client_gone,
     )
+    if api_key is not None:  # outside the guard: a request without the key is refused before its body is read
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
+    # the outermost of the application's own: every answer is counted and logged, a refusal included
+    app.add_middleware(AccessLog, metrics=service.metrics, routes=app.router.routes, log=access_log)
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        """The server's metrics in the Prometheus text format: requests by route and status, their
+        latency, batch sizes, queue depths, tokens generated and the time to the first token."""
+        return Response(service.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
+
     add_api_routes(app, service)
     add_status_routes(app, service)
+    add_openai_routes(app, service)  # /v1/completions, /v1/chat/completions (qkv.serve.openai_api)
     add_explorer_routes(app, service)
     add_docs_page(app)
     return app
@@ -141,16 +165,12 @@ def add_api_routes(app: FastAPI, service: Service) -> None:
         served = service.pick(body.model, CAUSAL_LM.serve_kind)
         sampling = sampling_of(service, served, body)
         if not body.stream:
-            stopped = threading.Event()
             summary = await service.answer(
-                request,
-                served.name,
-                lambda: generate_text(service.worker, served.model, served.tokenizer, sampling, stopped),
-                stop=stopped,
+                request, served.name, lambda: generate_text(service.generations, served, sampling)
             )
             return {"model": served.name, **summary}
         service.admit(served.name)
-        events = stream_events(service.worker, served.model, served.tokenizer, sampling)
+        events = stream_events(service.generations, served, sampling)
         return StreamingResponse(
             _counted(service, served.name, events),
             media_type="text/event-stream",
@@ -189,11 +209,14 @@ def add_status_routes(app: FastAPI, service: Service) -> None:
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        """Every model served: its name, kind and endpoint."""
+        """Every model served, in OpenAI's shape (``data``: id, created, owned_by, with qkv's kind and
+        endpoint), and as ``models``: each one's name, kind and endpoint."""
         return {
+            "object": "list",
+            "data": [model_card(name, m) for name, m in service.models.items()],
             "models": [
                 {"name": name, "kind": KIND_NAMES[m.kind], "endpoint": m.endpoint} for name, m in service.models.items()
-            ]
+            ],
         }
 
     @app.get("/health")
@@ -204,6 +227,8 @@ def add_status_routes(app: FastAPI, service: Service) -> None:
         return {
             "status": "ok",
             "models": {name: KIND_NAMES[m.kind] for name, m in service.models.items()},
+            "engines": {name: m.engine for name, m in service.models.items()},  # what decodes each
+            "pid": os.getpid(),  # which worker process answered (qkv serve --workers)
             "translation_batches": {name: batcher.batches for name, batcher in service.batchers.items()},
             "queued": {name: service.queued[name] for name in [*service.models, EXPLORER]},
             "cancelled_requests": service.cancelled,

@@ -22,9 +22,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from qkv.decoding.search import PenaltyForm
+
+if TYPE_CHECKING:
+    from qkv.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +83,20 @@ class TranslationBatcher:
         max_wait_s: how long a batch's first request waits for others (0: no batching).
         max_tokens: the source tokens, times the beam size, one batch may hold (one request is never
             split: a request over the budget is a batch of its own).
+        metrics: where each batch's size (its sentences) is recorded, or None.
     """
 
-    def __init__(self, decode: Decoder, worker: ModelWorker, *, max_wait_s: float, max_tokens: int) -> None:
+    def __init__(
+        self,
+        decode: Decoder,
+        worker: ModelWorker,
+        *,
+        max_wait_s: float,
+        max_tokens: int,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
         self.decode = decode
+        self.metrics = metrics
         self.worker = worker
         self.max_wait_s = max_wait_s
         self.max_tokens = max_tokens
@@ -98,6 +111,7 @@ class TranslationBatcher:
         """The translations of ``texts`` (``tokens``: their source tokens), decoded with ``key``."""
         if self.max_wait_s <= 0:
             self.batches += 1
+            self._record(len(texts))
             return await self.worker.run(self.decode, texts, key)
         loop = asyncio.get_running_loop()
         if loop is not self._loop or self._task is None or self._task.done():
@@ -184,6 +198,12 @@ class TranslationBatcher:
         if not wanted:
             return [None] * len(batch)
         self.batches += 1
+        self._record(sum(len(job.texts) for job in wanted))
         translations = iter(self.decode([text for job in wanted for text in job.texts], batch[0].key))
         kept = {id(job) for job in wanted}
         return [[next(translations) for _ in job.texts] if id(job) in kept else None for job in batch]
+
+    def _record(self, rows: int) -> None:
+        """Record a batch of ``rows`` sentences in the metrics (when there are any)."""
+        if self.metrics is not None and rows > 0:
+            self.metrics.observe_batch("translate", rows)

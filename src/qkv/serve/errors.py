@@ -7,6 +7,9 @@ that checks requests (Host, Content-Type, body size) and adds the security heade
   ``application/json``: 415; a body over the limit: 413 (:class:`RequestGuard`);
 * an unknown path: 404; a method the path does not take: 405 with ``Allow``;
 * anything else: 500 ``internal error; see the server log`` (the traceback goes to the log, once).
+
+On the OpenAI-compatible routes (:func:`is_openai_path`) every one of them is in OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}`` (:func:`openai_error_response`).
 """
 
 from __future__ import annotations
@@ -64,17 +67,42 @@ class Utf8JSONResponse(JSONResponse):
     media_type = "application/json; charset=utf-8"
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
+def is_openai_path(path: str) -> bool:
+    """Whether ``path`` is a route of the OpenAI-compatible API (:mod:`qkv.serve.openai_api`), whose
+    errors are in OpenAI's shape: :data:`OPENAI_PATHS` and ``/v1/models/{id}``."""
+    return path in OPENAI_PATHS or path.startswith("/v1/models/")
+
+
+def openai_error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, headers: Any = None
+) -> JSONResponse:
+    """An error in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, its message
+    one line; ``type`` is ``server_error`` for a 5xx status, else ``invalid_request_error``."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    error = {"message": one_line(message), "type": kind, "param": param, "code": code}
+    return Utf8JSONResponse({"error": error}, status_code=status, headers=headers)
+
+
+def error_response(
+    status: int, message: str, headers: dict[str, str] | None = None, *, path: str | None = None
+) -> JSONResponse:
     """The server's answer to an error: ``{"error": "<one line>"}`` (see :func:`one_line`) as UTF-8 JSON.
 
     Args:
         status: the HTTP status.
         message: what went wrong.
         headers: headers to send with it (e.g. ``Retry-After``), or None.
+        path: the request's path, when known: on an OpenAI route (:func:`is_openai_path`) the error
+            is in OpenAI's shape (:func:`openai_error_response`).
 
     Returns:
         The JSON response.
     """
+    if path is not None and is_openai_path(path):
+        return openai_error_response(status, message, headers=headers)
     return Utf8JSONResponse({"error": one_line(message)}, status_code=status, headers=headers)
 
 
@@ -213,7 +241,8 @@ class RequestGuard:
             method, path = scope.get("method", "?"), str(scope.get("path", ""))[:100]
             logger.error("error while serving %s %s", method, path, exc_info=err)
             if not started:
-                await error_response(500, "internal error; see the server log")(scope, replay, send_with_headers)
+                answer = error_response(500, "internal error; see the server log", path=scope.get("path"))
+                await answer(scope, replay, send_with_headers)
 
     def _refusal(self, scope: Scope) -> tuple[int, str] | None:
         """The status and message a request is refused with before its body is read, or None."""
@@ -245,7 +274,7 @@ class RequestGuard:
         """Answer ``status`` at once, the body unread: the server reads what is left of it and drops
         it (the connection stays open for that, held to the body timeout), so that a client still
         sending reads the answer instead of a reset."""
-        await error_response(status, message)(scope, receive, send)
+        await error_response(status, message, path=scope.get("path"))(scope, receive, send)
 
 
 def parse_json(body: bytes) -> object:

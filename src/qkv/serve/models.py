@@ -15,12 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from qkv.inference.decode import DecodeConfig, check_value, decode_settings
+from qkv.inference.engines import Translator
 from qkv.inference.kinds import CAUSAL_LM, SEQ2SEQ
 from qkv.inference.runs import is_run_folder, read_run_config
+from qkv.runtime.device import model_device
 from qkv.viz.explorers import ENCODER_KIND, Explorer, open_explorer
 
 # the explorer's kind -> the endpoint that serves it, and the kind in words
 ENDPOINTS = {SEQ2SEQ.serve_kind: "/v1/translate", CAUSAL_LM.serve_kind: "/v1/generate", ENCODER_KIND: "/v1/embed"}
+SERVE_ENGINES = ("qkv", "ctranslate2")  # what may decode a translation run's requests (--engine)
 KIND_NAMES = {SEQ2SEQ.serve_kind: SEQ2SEQ.title, CAUSAL_LM.serve_kind: CAUSAL_LM.title, ENCODER_KIND: "encoder"}
 
 
@@ -38,6 +41,8 @@ class Limits:
         max_batch_wait_ms: how long the first translation request of a batch waits for others to join
             it; 0 turns batching off (each request is decoded alone, one after another).
         max_batch_tokens: source tokens (times the beam size) decoded in one batch.
+        max_generate_batch: generation requests of one language model decoded together, joining and
+            leaving between steps (continuous batching); 1: one at a time, in arrival order.
         max_queue: requests one model (or the explorer) may hold, waiting or running; one more is
             answered 503 with ``Retry-After``.
         header_timeout_s: seconds a connection has to send a request's headers (from when it opens,
@@ -55,13 +60,14 @@ class Limits:
     max_batch_wait_ms: float = 5.0
     max_batch_tokens: int = 4000
     max_queue: int = 32
+    max_generate_batch: int = 32
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int | None = None
 
     def __post_init__(self) -> None:
         names = ["max_chars", "max_texts", "max_new_tokens", "max_beam", "max_body_bytes", "max_batch_tokens"]
-        names += ["max_queue", *(["max_connections"] if self.max_connections is not None else [])]
+        names += ["max_queue", "max_generate_batch", *(["max_connections"] if self.max_connections is not None else [])]
         for name in names:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -84,6 +90,13 @@ class ServedModel:
     name: str
     explorer: Explorer
     decode: dict[str, Any] = field(default_factory=dict)
+    translator: Translator | None = None  # a translation run's engine besides qkv's (``--engine``), or None
+    folder: Path | None = None  # the folder it was opened from (its chat template, if any), or None
+
+    @property
+    def engine(self) -> str:
+        """What decodes the model's answers: ``"qkv"``, or its :attr:`translator`'s engine (``"ctranslate2"``)."""
+        return self.translator.name if self.translator is not None else "qkv"
 
     @property
     def kind(self) -> str:
@@ -112,12 +125,19 @@ def served_model(explorer: Explorer, folder: str | Path | None = None) -> Served
     if explorer.kind == SEQ2SEQ.serve_kind:
         config = read_run_config(folder) if folder is not None and is_run_folder(folder) else {}
         decode = decode_settings(config)  # a run saved without a form decodes with gnmt, as before
-    return ServedModel(name=explorer.name, explorer=explorer, decode=decode)
+    where = Path(folder) if folder is not None else None
+    return ServedModel(name=explorer.name, explorer=explorer, decode=decode, folder=where)
 
 
-def open_models(paths: Iterable[str | Path | None]) -> dict[str, ServedModel]:
+def open_models(
+    paths: Iterable[str | Path | None], *, engine: str = "qkv", threads: int | None = None
+) -> dict[str, ServedModel]:
     """Open every folder (None: the default all-MiniLM-L6-v2); two folders of the same name are told
-    apart by a suffix (``run``, ``run-2``). Raises one-line ``FileNotFoundError`` / ``ValueError``."""
+    apart by a suffix (``run``, ``run-2``). With ``engine="ctranslate2"`` each translation run is also
+    converted for CTranslate2 (:func:`ctranslate2_engine`, ``threads`` its CPU threads; 0 or None: its
+    default); other models keep qkv's engine. Raises one-line ``FileNotFoundError`` / ``ValueError``."""
+    if engine not in SERVE_ENGINES:
+        raise ValueError(f"engine {engine!r}: qkv serve decodes with {' or '.join(SERVE_ENGINES)}")
     models: dict[str, ServedModel] = {}
     for path in paths:
         explorer = open_explorer(path)
@@ -125,7 +145,34 @@ def open_models(paths: Iterable[str | Path | None]) -> dict[str, ServedModel]:
         while name in models:
             name, suffix = f"{explorer.name}-{suffix}", suffix + 1
         explorer.name = name
-        models[name] = served_model(explorer, path)
+        models[name] = served = served_model(explorer, path)
+        if engine == "ctranslate2" and served.kind == SEQ2SEQ.serve_kind and path is not None:
+            served.translator = ctranslate2_engine(path, model_device(served.model).type, threads)
     if not models:
         raise ValueError("no models to serve")
     return models
+
+
+def ctranslate2_engine(run_dir: str | Path, device_type: str = "cpu", threads: int | None = None) -> Translator:
+    """A translation run converted for CTranslate2 as ``qkv translate --engine ctranslate2`` converts
+    it (:func:`qkv.export.ctranslate2.open_translator`: a float32 export, checked, in a temporary folder;
+    or the folder itself when it is an export), loaded into memory; the temporary folder is gone on return.
+
+    Args:
+        run_dir: the translation run folder (or a ``qkv export --to ctranslate2`` folder).
+        device_type: the served model's device type; CUDA when CTranslate2 has it (else the CPU).
+        threads: CTranslate2's CPU threads (0 or None: its own default).
+
+    Returns:
+        the translator (a :class:`~qkv.inference.ctranslate2.Ct2Translator`).
+
+    Raises:
+        ValueError: ctranslate2 is not installed, or the run has no CTranslate2 counterpart.
+    """
+    try:
+        from qkv.export.ctranslate2 import open_translator
+        from qkv.inference.ctranslate2 import ct2_device
+    except ImportError as err:
+        raise ValueError(f"--engine ctranslate2 needs ctranslate2: pip install 'qkv[deploy]' ({err})") from None
+    with open_translator(run_dir, device=ct2_device(device_type, None), threads=threads or 0) as translator:
+        return translator  # CTranslate2 has read the model: the temporary export may go

@@ -17,13 +17,15 @@ from fastapi import Request
 from qkv.decoding.steps import for_decoding
 from qkv.inference.decode import DecodeConfig
 from qkv.inference.engines import QkvTranslator
-from qkv.inference.kinds import SEQ2SEQ
+from qkv.inference.kinds import CAUSAL_LM, SEQ2SEQ
+from qkv.inference.policy import check_engine
 from qkv.models.sampling import check_sampling
 from qkv.serve.batching import DecodeKey, ModelWorker, TranslationBatcher
 from qkv.serve.errors import ApiError
+from qkv.serve.generation import Generations, Sampling
+from qkv.serve.metrics import ServerMetrics
 from qkv.serve.models import KIND_NAMES, Limits, ServedModel
 from qkv.serve.schemas import GenerateRequest, TranslateRequest
-from qkv.serve.streaming import Sampling
 from qkv.viz.app import ExplorerApp
 
 T = TypeVar("T")
@@ -40,18 +42,24 @@ class Service:
     def __init__(self, models: dict[str, ServedModel], explorer: ExplorerApp, limits: Limits) -> None:
         self.models, self.explorer, self.limits = models, explorer, limits
         self.worker = ModelWorker()
+        generators = [name for name, served in models.items() if served.kind == CAUSAL_LM.serve_kind]
+        # /metrics: each queue's depth is read at the scrape (every model, at 0 until it holds a request)
+        self.metrics = ServerMetrics(lambda: {**dict.fromkeys(self.models, 0), **self.queued}, generators)
         self.batchers = {
             name: TranslationBatcher(
                 self._decoder(served),
                 self.worker,
                 max_wait_s=limits.max_batch_wait_ms / 1000,
                 max_tokens=limits.max_batch_tokens,
+                metrics=self.metrics,
             )
             for name, served in models.items()
             if served.kind == SEQ2SEQ.serve_kind
         }
         self.queued: Counter[str] = Counter()  # requests waiting or running, per model (and the explorer)
         self.cancelled = 0  # requests whose client went before the answer: their work skipped or stopped
+        # generation requests of each language model: continuously batched on the model thread
+        self.generations = Generations(self.worker, max_rows=limits.max_generate_batch, metrics=self.metrics)
 
     def client_gone(self) -> None:
         """Count a request whose client went before its body was read (no work was started for it)."""
@@ -94,23 +102,39 @@ class Service:
 
     def decode_config(self, served: ServedModel, body: TranslateRequest) -> DecodeConfig:
         """How a translate request decodes: what it asks for over the run's saved settings; its beam
-        at most the server's ``max_beam`` (413 beyond; the run's own beam is capped to it)."""
+        at most the server's ``max_beam`` (413 beyond; the run's own beam is capped to it). With
+        another engine than qkv's, the length-penalty form is the request's or that engine's own (a
+        run's saved form is qkv's), and one the engine cannot do is refused 422, as ``qkv translate
+        --engine`` refuses it."""
         beam = body.beam_size if body.beam_size is not None else min(served.decode["beam_size"], self.limits.max_beam)
         if beam > self.limits.max_beam:
             raise ApiError(413, f"beam_size {beam}; the limit is {self.limits.max_beam}")
+        penalty = body.penalty
+        if served.engine != "qkv":
+            try:
+                penalty = check_engine(served.engine, penalty=body.penalty)
+            except ValueError as err:  # the command line's refusal, naming the request's field
+                message = str(err).replace("--length-penalty-form", "penalty")
+                raise ApiError(
+                    422, f"{message} (this server decodes {served.name!r} with --engine {served.engine})"
+                ) from None
         return DecodeConfig.of_run(
             {"decode": served.decode},
             beam_size=beam,
             alpha=body.alpha,
-            penalty=body.penalty,
+            penalty=penalty,
             max_batch_tokens=self.limits.max_batch_tokens,
         )
 
     def _decoder(self, served: ServedModel) -> Callable[[list[str], DecodeKey], list[str]]:
-        """The batcher's ``(texts, key) -> translations`` for ``served``: qkv's engine over the model's
-        inference object, built on the model thread at the first request and kept (the served weights
-        never change), so no request packs the weights again."""
+        """The batcher's ``(texts, key) -> translations`` for ``served``: its own translator when it has
+        one (CTranslate2's, ``--engine ctranslate2``), else qkv's engine over the model's inference
+        object, built on the model thread at the first request and kept (the served weights never
+        change), so no request packs the weights again."""
         budget = self.limits.max_batch_tokens
+        if served.translator is not None:
+            translator = served.translator
+            return lambda texts, key: translator.translate(texts, DecodeConfig(*key, max_batch_tokens=budget))
         held: list[QkvTranslator] = []
 
         def decode(texts: list[str], key: DecodeKey) -> list[str]:
