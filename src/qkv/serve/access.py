@@ -27,13 +27,12 @@ from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from qkv.serve.errors import SECURITY_HEADERS, Utf8JSONResponse, error_response
+from qkv.serve.errors import SECURITY_HEADERS, error_response, is_openai_path, openai_error_response
 from qkv.serve.metrics import ServerMetrics
 
 ACCESS_LOGGER = "qkv.serve.access"
 KEY_VARIABLE = "QKV_API_KEY"
 OPEN_ROUTES = frozenset({("GET", "/health")})  # readiness probes carry no key
-OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # errors in OpenAI's shape there
 MAX_REQUEST_ID = 128
 
 access_logger = logging.getLogger(ACCESS_LOGGER)
@@ -82,9 +81,9 @@ class ApiKeyGuard:
     """ASGI middleware: 401 for a request without the server's key (but ``GET /health``).
 
     The key is compared with :func:`hmac.compare_digest` (in constant time), from ``Authorization:
-    Bearer KEY`` or ``X-API-Key: KEY``. The refusal is one line of JSON (OpenAI's error object on
-    :data:`OPENAI_PATHS`), with ``WWW-Authenticate: Bearer`` and the security headers, sent before the
-    body is read.
+    Bearer KEY`` or ``X-API-Key: KEY``. The refusal is one line of JSON (OpenAI's error object on the
+    OpenAI paths, :func:`qkv.serve.errors.is_openai_path`), with ``WWW-Authenticate: Bearer`` and the
+    security headers, sent before the body is read.
 
     Args:
         app: the application it guards.
@@ -118,9 +117,9 @@ class ApiKeyGuard:
         else:
             message = "missing API key: send it as Authorization: Bearer <key> (or X-API-Key: <key>)"
         headers = {"WWW-Authenticate": "Bearer"}
-        if scope.get("path") in OPENAI_PATHS:
-            error = {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
-            response: JSONResponse = Utf8JSONResponse({"error": error}, status_code=401, headers=headers)
+        path = scope.get("path", "")
+        if is_openai_path(path):  # OpenAI's error shape, with its code for a key
+            response: JSONResponse = openai_error_response(401, message, code="invalid_api_key", headers=headers)
         else:
             response = error_response(401, message, headers)
 
