@@ -48,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from qkv.bench.provenance import write_result
@@ -263,14 +264,18 @@ def run_clients(
 ) -> tuple[list, float]:
     jobs = [sentences[i % len(sentences)] for i in range(n)][::-1]
     log: list = []
-    lock = threading.Lock()
-    threads = [threading.Thread(target=client_loop, args=(address, jobs, lock, args, log)) for _ in range(clients)]
+    return log, timed_clients(client_loop, (address, jobs, threading.Lock(), args, log), clients)
+
+
+def timed_clients(loop: Callable[..., None], work: tuple, clients: int) -> float:
+    """Run ``loop(*work)`` on ``clients`` threads at once; the seconds until the last one ends."""
+    threads = [threading.Thread(target=loop, args=work) for _ in range(clients)]
     start = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return log, time.perf_counter() - start
+    return time.perf_counter() - start
 
 
 def summary(log: list, wall: float) -> dict:
@@ -533,15 +538,8 @@ def run_generations(
     """``n`` requests (seeds 0..n-1, prompts in turn) from ``clients`` threads: the log and the wall time."""
     jobs = [(i, prompts[i % len(prompts)]) for i in range(n)][::-1]
     log: list = []
-    lock = threading.Lock()
-    work = (server.address, jobs, lock, max_tokens, temperature, log)
-    threads = [threading.Thread(target=generate_loop, args=work) for _ in range(clients)]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return log, time.perf_counter() - start
+    work = (server.address, jobs, threading.Lock(), max_tokens, temperature, log)
+    return log, timed_clients(generate_loop, work, clients)
 
 
 def generation_phase(server: Server, prompts: list[str], clients: int, args: argparse.Namespace) -> dict:

@@ -6,7 +6,6 @@ JSON object per request, with its id, a streamed answer logged once it ends)."""
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import logging
 import re
@@ -16,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from test_serve import HANG_GUARD_S, wait_for
+from test_serve import exchange, wait_for
 
 pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
@@ -328,13 +327,3 @@ def test_a_live_server_with_a_key_logs_a_stream_when_it_ends(models, caplog):
         and stream["bytes"] == len(streamed)
         and stream["client"].startswith("127.0.0.1:")
     )
-
-
-def exchange(address, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-    conn = http.client.HTTPConnection(*address, timeout=HANG_GUARD_S)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        response = conn.getresponse()
-        return response.status, response.headers, response.read()
-    finally:
-        conn.close()

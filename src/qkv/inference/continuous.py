@@ -72,7 +72,6 @@ class Member:
     new: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     result: Continuation | None = None  # set when it leaves
-    cached: bool = True  # False once its sequence fills the context: re-read each step
 
     @property
     def done(self) -> bool:
@@ -166,7 +165,6 @@ class ContinuousBatch:
         if member.done:
             return
         if len(member.ids) > self.context:  # the prompt filled the context: re-read from now on
-            member.cached = False
             self.overflowing.append(member)
             return
         self.members.append(member)
@@ -200,7 +198,6 @@ class ContinuousBatch:
             if member.done:
                 left.append(member)
             elif len(member.ids) > self.context:
-                member.cached = False
                 self.overflowing.append(member)
         if len(keep) == len(self.members):
             return
