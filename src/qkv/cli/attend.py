@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="translation models: the target to teacher-force for each sentence, in order "
         "(default: the model's greedy translation)",
     )
+    parser.add_argument(
+        "--no-lens",
+        action="store_true",
+        help="leave out the logit-lens and attribution views of a language or translation model (on a "
+        "GPT-2-sized model they cost several seconds: a projection per layer, a backward per continued token)",
+    )
     parser.add_argument("--max-chars", type=int, default=2000, help="refuse longer sentences (default 2000)")
     parser.add_argument(
         "--compare",
@@ -94,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     if not texts and corpus is not None:  # no sentence given: the corpus's first (checked above)
         texts = [corpus[0][1]]
     explorer = open_explorer(args.model)
+    if args.no_lens and hasattr(explorer, "lens"):
+        explorer.lens = False
     targets = args.target or []
     if targets and not isinstance(explorer, Seq2SeqExplorer):
         what = "an encoder" if isinstance(explorer, EncoderExplorer) else "a language model"

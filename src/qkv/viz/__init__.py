@@ -8,6 +8,8 @@ and a local web app (``qkv serve``).
 Any qkv model can be shown: build :class:`AttentionView` objects from its weights (one
 ``(h, s_q, s_k)`` tensor per layer) and pass them to :func:`make_example`. For a forward pass
 that ran the fused kernel, :class:`AttentionRecorder` recomputes the chosen layers' weights exactly.
+In a notebook, :func:`show`, :func:`head_view` and :func:`model_view` (:mod:`qkv.viz.notebook`)
+display the explorer inline.
 """
 
 from qkv.viz.capture import AttentionRecorder
@@ -15,6 +17,7 @@ from qkv.viz.explorers import EncoderExplorer, Seq2SeqExplorer, open_explorer, t
 from qkv.viz.export import AttentionView, check_data, explorer_data, make_example, write_json
 from qkv.viz.html import render_html, write_html
 from qkv.viz.lm_explorer import CausalLMExplorer
+from qkv.viz.notebook import ExplorerView, head_view, model_view, show
 from qkv.viz.png import save_heatmaps
 
 __all__ = [
@@ -22,13 +25,17 @@ __all__ = [
     "AttentionView",
     "CausalLMExplorer",
     "EncoderExplorer",
+    "ExplorerView",
     "Seq2SeqExplorer",
     "check_data",
     "explorer_data",
+    "head_view",
     "make_example",
+    "model_view",
     "open_explorer",
     "render_html",
     "save_heatmaps",
+    "show",
     "token_strings",
     "write_html",
     "write_json",

@@ -40,6 +40,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from qkv.viz.long_inputs import weights_field
+
 
 class AttentionViewLike(Protocol):
     """What :func:`view_fields` reads of a :class:`~qkv.viz.export.AttentionView` (declared here, since
@@ -262,8 +264,9 @@ def view_fields(
         "delimiters": delimiters,
         "labels": head_labels(stats, entropy_ratio(att)),
     }
+    # a long input's rollout (more than FULL_WEIGHTS_LIMIT weights) in its reduced form (qkv.viz.long_inputs)
     if not cross:
-        fields["rollout"] = rounded(rollout(att))
+        fields["rollout"] = weights_field(rollout(att))
     elif encoder_rollout is not None:
-        fields["rollout"] = rounded(cross_rollout(att, encoder_rollout))
+        fields["rollout"] = weights_field(cross_rollout(att, encoder_rollout))
     return fields

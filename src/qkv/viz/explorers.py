@@ -28,6 +28,7 @@ from qkv.inference.kinds import CAUSAL_LM, SEQ2SEQ, model_kind
 from qkv.runtime.device import model_device, pick_device
 from qkv.runtime.fileio import read_json
 from qkv.viz.analysis import rollout, view_fields
+from qkv.viz.attribution import seq2seq_fields
 from qkv.viz.capture import AttentionRecorder
 from qkv.viz.export import AttentionView, check_text, make_example
 from qkv.viz.lm_explorer import (
@@ -134,6 +135,7 @@ class Seq2SeqExplorer:
         self.tokenizer = tokenizer
         self.name = name
         self.max_new_tokens = max_new_tokens
+        self.lens = True  # the logit lens and attribution views (qkv attend --no-lens: False)
 
     @torch.no_grad()
     def translate_ids(self, src: torch.Tensor) -> list[int]:
@@ -222,6 +224,9 @@ class Seq2SeqExplorer:
             scores=scores,
             attention=cross.attentions[-1].mean(0),  # the last decoder layer's cross-attention, mean over heads
         )
+        labels = lambda ids: token_strings(self.tokenizer, list(ids))  # noqa: E731
+        if self.lens:
+            example.update(seq2seq_fields(self.model, src, tgt, predicted, views, scores, labels, about=f"the {what}"))
         return example
 
 

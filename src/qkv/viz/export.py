@@ -31,12 +31,20 @@ where each is defined exactly)::
     example["saliency"] {"about": str, "inputs": [str], "outputs": [str],
                          "scores": [n_out][n_in] (gradient x input, signed),
                          "attention": [n_out][n_in] (the same outputs' attention weights)}.
+    example["lens"]     the logit lens: each layer's top tokens per position (qkv.viz.lens).
+    example["attribution"] each generated token's gradient x input and rollout over its context
+                        (qkv.viz.attribution).
     data["compare"]     {"examples": [i, j], "view": str, "shared": [[a, b], ...],
                          "heads": [{"layer": l, "head": h, "difference": float,
                                     "per_token": [float per shared pair]}, ...] largest first,
                          "measure": str}.
     data["corpus"]      {"file": str, "sentences": int,
                          "views": {view name: {"stats": {...}, "labels": [L][H]}}}.
+
+Long inputs: a view of more than ``qkv.viz.long_inputs.FULL_WEIGHTS_LIMIT`` weights has, in place of
+the nested lists of ``"attention"`` (and of ``"rollout"``), their reduced form
+``{"reduced": "qkv-reduced/1", ...}``: each row's largest weights and block means
+(:mod:`qkv.viz.long_inputs`).
 
 Cross-attention rows are labelled by the token each decoder position predicts (the decoder's
 input shifted by one, ending with </s>); token labels show spaces and control characters (a
@@ -51,10 +59,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch import Tensor
 
 from qkv.runtime.fileio import write_text
 from qkv.viz.analysis import BROAD_LABEL, LABELS
+from qkv.viz.attribution import check_fields as check_lens_and_attribution
+from qkv.viz.long_inputs import check_reduced, reduce_weights, too_large
 
 FORMAT = "qkv-attention/1"
 
@@ -119,14 +130,22 @@ class AttentionView:
         return self.attentions[0].size(0)
 
     def to_dict(self, decimals: int = 4) -> dict:
-        """JSON-ready dict; weights rounded to ``decimals`` places to keep the HTML small."""
+        """JSON-ready dict; weights rounded to ``decimals`` places to keep the HTML small. A view of
+        more than :data:`qkv.viz.long_inputs.FULL_WEIGHTS_LIMIT` weights (a long input) gets their
+        reduced form instead (:func:`qkv.viz.long_inputs.reduce_weights`: each row's largest weights
+        and block means)."""
+        shape = (self.num_layers, *self.attentions[0].shape)
+        if too_large(shape):
+            attention: list | dict = reduce_weights(self.attentions)
+        else:  # float64: short JSON
+            attention = [a.double().round(decimals=decimals).tolist() for a in self.attentions]
         return {
             "name": self.name,
             "queries": self.queries,
             "keys": self.keys,
             "layers": self.num_layers,
             "heads": self.num_heads,
-            "attention": [a.double().round(decimals=decimals).tolist() for a in self.attentions],  # float64: short JSON
+            "attention": attention,
         }
 
 
@@ -160,6 +179,11 @@ def check_data(data: dict) -> None:
     for e, example in enumerate(examples):
         for view in example.get("views") or []:
             att, q, k = view["attention"], view["queries"], view["keys"]
+            if isinstance(att, dict):  # a long input's reduced form (qkv.viz.long_inputs)
+                shape = (view["layers"], view["heads"], len(q), len(k))
+                check_reduced(att, shape, f"example {e} view {view['name']!r}: 'attention'")
+                _check_view_analysis(view, f"example {e} view {view['name']!r}")
+                continue
             if len(att) != view["layers"] or any(len(layer) != view["heads"] for layer in att):
                 raise ValueError(f"example {e} view {view['name']!r}: layers/heads disagree with the attention array")
             for layer in att:
@@ -172,6 +196,7 @@ def check_data(data: dict) -> None:
             _check_view_analysis(view, f"example {e} view {view['name']!r}")
         if "saliency" in example:
             _check_saliency(example["saliency"], f"example {e} 'saliency'")
+        check_lens_and_attribution(example, f"example {e}")  # the optional "lens" and "attribution"
     if "compare" in data:
         _check_compare(data["compare"], examples)
     if "corpus" in data:
@@ -204,6 +229,17 @@ def _check_grid(
         raise ValueError(f"{where} must be {' x '.join(map(str, shape))} nested lists of {what}")
 
 
+def _check_weight_grid(grid: object, shape: tuple[int, ...], where: str) -> None:
+    """:func:`_check_grid` of numbers for large grids (a 2,048-token rollout has 16.8 million
+    weights): read by numpy at once instead of one by one in Python."""
+    try:
+        values = np.asarray(grid, dtype=np.float64)
+    except (TypeError, ValueError):
+        values = None  # ragged, or not numbers
+    if values is None or values.shape != shape or not np.isfinite(values).all():
+        raise ValueError(f"{where} must be {' x '.join(map(str, shape))} nested lists of numbers")
+
+
 def _check_view_analysis(view: dict[str, Any], where: str) -> None:
     layers, heads, s_q, s_k = view["layers"], view["heads"], len(view["queries"]), len(view["keys"])
     if "stats" in view:
@@ -223,8 +259,10 @@ def _check_view_analysis(view: dict[str, Any], where: str) -> None:
             item=lambda x: x is None or x in HEAD_LABELS,
             what=f"null or one of {', '.join(HEAD_LABELS)}",
         )
-    if "rollout" in view:
-        _check_grid(view["rollout"], (layers, s_q, s_k), f"{where}: 'rollout'")
+    if "rollout" in view and isinstance(view["rollout"], dict):
+        check_reduced(view["rollout"], (layers, s_q, s_k), f"{where}: 'rollout'")
+    elif "rollout" in view:
+        _check_weight_grid(view["rollout"], (layers, s_q, s_k), f"{where}: 'rollout'")
 
 
 def _check_saliency(saliency: object, where: str) -> None:

@@ -9,6 +9,8 @@ Inside the page (only there: ``qkv attend --json`` and ``qkv serve``'s answers s
 large arrays, each view's ``"attention"`` ``[L][H][s_q][s_k]`` and ``"rollout"`` ``[L][s_q][s_k]``, are
 packed (:func:`pack_weights`): a 512-token sentence has 6 x 12 x 512 x 512 weights, about 120 MB as
 JSON text, 9 MB packed. core.js unpacks them into ``Float32Array`` rows before the first draw.
+A long input's reduced form (:mod:`qkv.viz.long_inputs`) is packed layer by layer
+(:mod:`qkv.viz.page_long`); core.js decodes a layer when it is first shown.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import numpy as np
 
 from qkv.runtime.fileio import write_text
 from qkv.viz.export import check_data
+from qkv.viz.long_inputs import is_reduced
+from qkv.viz.page_long import pack_reduced, unpack_reduced
 
 # The page's JavaScript, inlined in this order into one <script> (core.js first: it makes the
 # shared object the others add to; main.js last: it starts the page).
@@ -32,10 +36,14 @@ SCRIPTS = (
     "core.js",
     "figure.js",
     "lines.js",
+    "longlines.js",
+    "longview.js",
     "attention.js",
     "summary.js",
     "rollout.js",
     "saliency.js",
+    "lens.js",
+    "attribution.js",
     "compare.js",
     "export.js",
     "main.js",
@@ -115,14 +123,18 @@ def pack_weights(grid: list) -> dict | None:
 
 
 def packed_for_page(data: dict) -> dict:
-    """``data`` with each view's ``attention`` and ``rollout`` packed (:func:`pack_weights`); the
-    caller's document is left as it was (the changed parts are copies)."""
+    """``data`` with each view's ``attention`` and ``rollout`` packed (:func:`pack_weights`, or for a
+    long input's reduced form :func:`qkv.viz.page_long.pack_reduced`); the caller's document is left
+    as it was (the changed parts are copies)."""
     examples = []
     for example in data.get("examples") or []:
         views = []
         for view in example.get("views") or []:
             view = dict(view)
             for key in ("attention", "rollout"):
+                if key in view and is_reduced(view[key]):
+                    view[key] = pack_reduced(view[key])
+                    continue
                 packed = pack_weights(view[key]) if key in view else None
                 if packed is not None:
                     view[key] = packed
@@ -156,7 +168,9 @@ def page_document(page: str) -> dict:
     for example in data.get("examples") or []:
         for view in example.get("views") or []:
             for key in ("attention", "rollout"):
-                if isinstance(view.get(key), dict):
+                if is_reduced(view.get(key)):
+                    view[key] = unpack_reduced(view[key])
+                elif isinstance(view.get(key), dict):
                     view[key] = unpack_weights(view[key]).tolist()
     return data
 

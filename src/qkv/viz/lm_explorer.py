@@ -23,6 +23,7 @@ import torch
 from qkv.inference.kinds import CAUSAL_LM
 from qkv.runtime.device import model_device
 from qkv.viz.analysis import view_fields
+from qkv.viz.attribution import causal_lm_fields
 from qkv.viz.export import AttentionView, check_text, make_example
 from qkv.viz.saliency import next_token_saliency, saliency_field
 
@@ -137,6 +138,7 @@ class CausalLMExplorer:
                 raise ValueError(f"the tokenizer has no {attr!r}; a language-model view needs encode/decode")
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.lens = True  # the logit lens and attribution views (qkv attend --no-lens: False)
         self.name = name
         self.sample_text = sample_text
 
@@ -213,7 +215,14 @@ class CausalLMExplorer:
             scores=scores[None],
             attention=view.attentions[-1].mean(0)[-1:],  # the last row predicts it
         )
+        if self.lens:  # the logit lens and the attribution of a continuation: a few more passes
+            example.update(causal_lm_fields(self.model, x, self._labels))
         return example
+
+    def _labels(self, ids: Iterable[int]) -> list[str]:
+        """Readable labels of token ids; an id past the tokenizer's vocabulary (a padded output) as ``#id``."""
+        known = _vocab_size(self.tokenizer)
+        return [lm_token_labels(self.tokenizer, [i])[0] if not known or i < known else f"#{i}" for i in ids]
 
 
 def _vocab_size(tokenizer: object) -> int:

@@ -1,5 +1,6 @@
 /* qkv attention explorer: the head view (one layer, the heads switched on, as lines) and the model
- * view (every layer x head as a heatmap) (attention.js). */
+ * view (every layer x head as a heatmap) (attention.js). A long input's head view (reduced weights,
+ * longview.js) adds a caption of what is aggregated and an overview of the layer's block means. */
 (function (Q) {
   "use strict";
 
@@ -9,17 +10,26 @@
 
   function headSpec() {
     var view = Q.currentView();
-    var layer = view.attention[Q.state.layer];
-    return {
+    var spec = {
       queries: view.queries,
       keys: view.keys,
       matrices: Q.range(view.heads).filter(function (h) { return Q.state.heads[h]; }).map(function (h) {
-        return { head: h, color: Q.headColor(h, view.heads), weights: layer[h] };
+        var m = Q.matrixOf(view, "attention", Q.state.layer, h);
+        m.head = h;
+        m.color = Q.headColor(h, view.heads);
+        return m;
       })
     };
+    if (Q.isReduced(view.attention)) { spec.onWindow = Q.drawOverview; }
+    return spec;
   }
 
-  function drawHeadView() { Q.drawTokenLines(Q.$("head-svg"), headSpec()); }
+  function drawHeadView() {
+    var view = Q.currentView();
+    Q.describeLong(view, "attention", Q.$("head-svg"));
+    Q.drawTokenLines(Q.$("head-svg"), headSpec());
+    Q.drawOverview();
+  }
 
   /* The heatmaps are drawn once per example and view; a new layer or head only moves the outline. */
   function drawModelView() {
@@ -46,7 +56,8 @@
   function axis(text) { return Q.html("div", { "class": "axis" }, null, text); }
 
   /* One heatmap: white (0) to the accent colour (1); for inputs longer than MAX_CELL_PIXELS each
-   * pixel shows the largest weight of the block of queries x keys it covers. */
+   * pixel shows the largest weight of the block of queries x keys it covers; for a long input's
+   * reduced weights (qkv.viz.long_inputs) each pixel is a block's mean weight (Q.relative). */
   function heatmap(view, l, h) {
     var nq = view.queries.length, nk = view.keys.length;
     var rows = Math.min(nq, MAX_CELL_PIXELS), cols = Math.min(nk, MAX_CELL_PIXELS);
@@ -57,14 +68,15 @@
     canvas.style.height = CELL + "px";
     canvas.dataset.layer = String(l);
     canvas.dataset.head = String(h);
-    var block = new Float64Array(rows * cols);
-    var w = view.attention[l][h];
-    for (var q = 0; q < nq; q++) {
-      var r = Math.floor((q * rows) / nq), row = w[q];
-      for (var k = 0; k < nk; k++) {
-        var p = r * cols + Math.floor((k * cols) / nk);
-        if (row[k] > block[p]) { block[p] = row[k]; }
-      }
+    var block;
+    if (Q.isReduced(view.attention)) { // a long input: the block means (longview.js's Q.relative shade)
+      var b = Q.blocksOf(view.attention, l, h);
+      canvas.width = cols = b.cols;
+      canvas.height = rows = b.rows;
+      block = Q.relative(b.means);
+      canvas.title += ": mean weight of each " + b.block[0] + " x " + b.block[1] + "-token block (shade: square root of mean / largest)";
+    } else {
+      block = maxBlocks(view.attention[l][h], nq, nk, rows, cols);
     }
     var ctx = canvas.getContext("2d");
     var image = ctx.createImageData(cols, rows);
@@ -78,6 +90,19 @@
     ctx.putImageData(image, 0, 0);
     canvas.addEventListener("click", function () { Q.openHead(l, h); });
     return canvas;
+  }
+
+  /* The largest weight of each block of the rows x cols grid over nq x nk weights. */
+  function maxBlocks(w, nq, nk, rows, cols) {
+    var block = new Float64Array(rows * cols);
+    for (var q = 0; q < nq; q++) {
+      var r = Math.floor((q * rows) / nq), row = w[q];
+      for (var k = 0; k < nk; k++) {
+        var p = r * cols + Math.floor((k * cols) / nk);
+        if (row[k] > block[p]) { block[p] = row[k]; }
+      }
+    }
+    return block;
   }
 
   function modelFigure() {
@@ -113,6 +138,7 @@
   Q.register({
     id: "attention",
     available: function () { return true; },
+    needs: function () { return [[Q.currentView().attention, Q.state.layer]]; },
     draw: function () { drawHeadView(); drawModelView(); },
     figures: { "head-view": headFigure, "model-view": modelFigure }
   });

@@ -79,7 +79,7 @@
     return {
       queries: view.queries,
       keys: view.keys,
-      matrices: [{ head: entry.head, color: COLOR, weights: view.attention[entry.layer][entry.head] }],
+      matrices: [Object.assign(Q.matrixOf(view, "attention", entry.layer, entry.head), { head: entry.head, color: COLOR })],
       emphasis: { query: flags, key: selfAttention ? flags : view.keys.map(function () { return true; }) },
       onFocus: function (tokenSide, index) {
         var other = Q.$(side === 0 ? "compare-right" : "compare-left");
@@ -181,5 +181,10 @@
     return Q.titled(fig, caption());
   }
 
-  Q.register({ id: "compare", available: available, draw: draw, figures: { compare: compareFigure } });
+  function needs() { // a long input's layer, inflated before the draw (core.js)
+    var e = entry() || compare().heads[0];
+    return views().map(function (v) { return [v.attention, e.layer]; });
+  }
+
+  Q.register({ id: "compare", available: available, needs: needs, draw: draw, figures: { compare: compareFigure } });
 })(window.qkvExplorer);

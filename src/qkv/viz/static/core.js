@@ -1,7 +1,7 @@
 /* qkv attention explorer: shared state and helpers (core.js).
  * Plain browser JavaScript with no dependencies and no network access: the data is read from the
  * <script id="qkv-data" type="application/json"> element of the page. html.py inlines the files
- * core.js, figure.js, lines.js, attention.js, summary.js, rollout.js, saliency.js, compare.js,
+ * core.js, figure.js, lines.js, longlines.js, longview.js, attention.js, summary.js, rollout.js, saliency.js, compare.js,
  * export.js and main.js, in that order, into one <script>; they share the object
  * window.qkvExplorer (called Q in each file). Token text is only ever set with textContent. */
 (function () {
@@ -53,6 +53,87 @@
     });
   }
 
+  /* A long input's reduced weights (qkv.viz.long_inputs, packed by qkv.viz.page_long): { reduced,
+   * shape, k, block, index, weight, blocks }, each of the three arrays { packed: "qkv-layers/1",
+   * dtype, shape, scale, layers: [base64 of zlib bytes] }. The block means ("blocks", small) are
+   * inflated when the page opens; a layer's top-k "index" and "weight" when it is first shown
+   * (Q.needLayers), into value.loaded[l] = { index: Uint16Array, weight: Float32Array }. */
+  var LAYERS = "qkv-layers/1";
+
+  function inflate(text) {
+    if (typeof DecompressionStream === "undefined") {
+      return Promise.reject(new Error("this browser cannot unpack the page's data (it has no DecompressionStream)"));
+    }
+    var stream = new Blob([base64Bytes(text)]).stream().pipeThrough(new DecompressionStream("deflate"));
+    return new Response(stream).arrayBuffer();
+  }
+
+  function words(buffer, scale) {
+    var n = buffer.byteLength / 2, high = new Uint8Array(buffer, 0, n), low = new Uint8Array(buffer, n, n);
+    var out = scale === 1 ? new Uint16Array(n) : new Float32Array(n);
+    for (var i = 0; i < n; i++) { out[i] = (high[i] * 256 + low[i]) / scale; }
+    return out;
+  }
+
+  function prepareReduced(value) {
+    if (value.index.packed !== LAYERS || value.weight.packed !== LAYERS || value.blocks.packed !== LAYERS) {
+      return Promise.reject(new Error("unknown packing of reduced weights"));
+    }
+    value.loaded = [];
+    value.loading = [];
+    return inflate(value.blocks.layers[0]).then(function (buffer) {
+      value.blockMeans = new Float32Array(buffer);
+      var s = value.shape, nq = Math.ceil(s[s.length - 2] / value.block[0]), nk = Math.ceil(s[s.length - 1] / value.block[1]);
+      value.blockShape = [nq, nk];
+      if (value.blockMeans.length !== value.blocks.shape.reduce(function (a, b) { return a * b; }, 1)) {
+        throw new Error("reduced weights: block means of the wrong size");
+      }
+    });
+  }
+
+  /* Whether a view's "attention" or "rollout" is a long input's reduced form. */
+  Q.isReduced = function (value) { return Boolean(value && value.reduced); };
+
+  /* Layer l of a reduced value inflated; a promise (resolved at once when it already is). */
+  Q.loadLayer = function (value, l) {
+    if (value.loaded[l]) { return Promise.resolve(value.loaded[l]); }
+    if (!value.loading[l]) {
+      value.loading[l] = Promise.all([inflate(value.index.layers[l]), inflate(value.weight.layers[l])]).then(function (b) {
+        var t0 = performance.now();
+        value.loaded[l] = { index: words(b[0], 1), weight: words(b[1], value.weight.scale) };
+        Q.timings.decoded = (Q.timings.decoded || 0) + performance.now() - t0;
+        return value.loaded[l];
+      });
+    }
+    return value.loading[l];
+  };
+
+  /* Null when layer l of each [value, l] pair is ready, else a promise of when they all are. */
+  Q.needLayers = function (pairs) {
+    var missing = pairs.filter(function (p) { return Q.isReduced(p[0]) && !p[0].loaded[p[1]]; });
+    if (!missing.length) { return null; }
+    return Promise.all(missing.map(function (p) { return Q.loadLayer(p[0], p[1]); }));
+  };
+
+  /* One matrix of a view's "attention" (layer l, head h) or "rollout" (layer l; h ignored) for the
+   * line drawings: { weights: [s_q][s_k] } (every weight) or, for a reduced form whose layer is
+   * loaded, { sparse: { k, index, weight } }: row q's K largest weights are weight[q K .. q K + K - 1],
+   * at keys index[...] (largest first). */
+  Q.matrixOf = function (view, key, l, h) {
+    var value = view[key];
+    if (!Q.isReduced(value)) { return { weights: key === "rollout" ? value[l] : value[l][h] }; }
+    var layer = value.loaded[l], k = value.k, s = value.shape;
+    var rows = s[s.length - 2], per = key === "rollout" ? 0 : h * rows * k;
+    return { sparse: { k: k, index: layer.index.subarray(per, per + rows * k), weight: layer.weight.subarray(per, per + rows * k) } };
+  };
+
+  /* The block means of layer l, head h (h ignored for a rollout): { rows, cols, block: [b_q, b_k], means }. */
+  Q.blocksOf = function (value, l, h) {
+    var nq = value.blockShape[0], nk = value.blockShape[1], n = nq * nk;
+    var offset = value.shape.length === 4 ? (l * value.shape[1] + h) * n : l * n;
+    return { rows: nq, cols: nk, block: value.block, means: value.blockMeans.subarray(offset, offset + n) };
+  };
+
   /* Unpack, in place, the packed arrays of these examples' views; a promise of when it is done. */
   Q.unpackExamples = function (examples) {
     var jobs = [];
@@ -60,7 +141,9 @@
       (example.views || []).forEach(function (view) {
         ["attention", "rollout"].forEach(function (key) {
           var value = view[key];
-          if (value && value.packed === PACKED) {
+          if (Q.isReduced(value)) {
+            jobs.push(prepareReduced(value));
+          } else if (value && value.packed === PACKED) {
             jobs.push(unpack(value).then(function (nested) { view[key] = nested; }));
           } else if (value && value.packed) {
             jobs.push(Promise.reject(new Error("unknown packing " + value.packed)));
@@ -141,6 +224,14 @@
     var tab = Q.tab(Q.state.tab);
     if (!tab || !tab.available()) { tab = Q.tab("attention"); Q.state.tab = "attention"; }
     Q.syncTabs();
+    /* a long input's layer is inflated when first shown: draw when it is (tab.needs(): [value, layer] pairs) */
+    var waiting = tab.needs ? Q.needLayers(tab.needs()) : null;
+    if (waiting) {
+      document.body.dataset.loading = "true";
+      waiting.then(function () { delete document.body.dataset.loading; Q.render(); },
+                   function (err) { Q.showError("cannot read the page's data: " + err.message); });
+      return;
+    }
     try {
       var example = Q.currentExample();
       Q.$("model-name").textContent = example.model ? "model: " + example.model : "";

@@ -8,7 +8,8 @@
  * draws tens of thousands) are painted on a canvas between the token labels, grouped by colour and
  * opacity so one stroke paints many lines, and only where they cross the part of the (scrolling)
  * drawing in view, repainted as it scrolls. Hovering a token keeps only its lines and shades the
- * tokens on the other side by its mean weight over the matrices. */
+ * tokens on the other side by its mean weight over the matrices. Longer inputs (over Q.LONG_ROWS
+ * tokens a side, or a long input's reduced weights) are drawn by longlines.js, rows in view only. */
 (function (Q) {
   "use strict";
 
@@ -168,6 +169,11 @@
 
   /* Draw `spec` into `svg` (whose parent is a .lines-host). Returns the number of lines. */
   Q.drawTokenLines = function (svg, spec) {
+    var long = spec.matrices.some(function (m) { return m.sparse; }) ||
+      Math.max(spec.queries.length, spec.keys.length) > Q.LONG_ROWS;
+    if (long) { return Q.drawLongLines(svg, spec); } // longlines.js: only the rows in view
+    svg.parentNode.classList.remove("long");
+    svg.onmousemove = null;
     var L = layout(spec);
     var count = countLines(spec);
     var onCanvas = count > MAX_SVG_LINES;
@@ -211,6 +217,11 @@
     var old = drawn.focus;
     if ((!old && !focus) || (old && focus && old.side === focus.side && old.index === focus.index)) { return; }
     drawn.focus = focus;
+    if (drawn.long) {
+      Q.focusLongLines(svg, focus);
+      if (byUser && drawn.spec.onFocus) { drawn.spec.onFocus(side, index); }
+      return;
+    }
     if (svg.dataset.mode === "canvas") {
       paintLines(svg.parentNode.querySelector("canvas.lines-canvas"), drawn.spec, drawn.layout, focus);
     } else {
@@ -228,6 +239,7 @@
   /* What `svg` shows now (lines, focus and shading) as a Q.Figure, for Save PNG / Save SVG. */
   Q.tokenLinesFigure = function (svg) {
     var drawn = svg.qkvLines;
+    if (drawn.long) { return Q.longLinesFigure(svg); }
     return figure(drawn.spec, drawn.focus, true);
   };
 })(window.qkvExplorer);

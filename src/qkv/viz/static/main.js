@@ -133,12 +133,25 @@
     });
   }
 
+  /* Where the page opens (qkv.viz.notebook's head_view / model_view write data.start): the model
+   * view above the head view, the layer shown, the heads switched on. */
+  function applyStart(start) {
+    if (!start || !Q.data.examples.length) { return; }
+    var view = Q.data.examples[0].views[0];
+    if (start.panel === "model-view") { $("head-view").parentNode.insertBefore($("model-view"), $("head-view")); }
+    if (typeof start.layer === "number") { state.layer = Math.max(0, Math.min(view.layers - 1, start.layer)); }
+    if (Array.isArray(start.heads)) {
+      state.heads = Q.range(view.heads).map(function (h) { return start.heads.indexOf(h) >= 0; });
+    }
+  }
+
   document.title = Q.data.title || document.title;
   $("title").textContent = Q.data.title || "qkv attention explorer";
   wireControls();
   if (Q.live) { wireLive(); }
   Q.ready.then(function () {
     if (Q.data.examples.length) {
+      applyStart(Q.data.start);
       Q.setExample(0);
     } else {
       $("controls").hidden = true;

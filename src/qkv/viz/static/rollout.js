@@ -9,8 +9,10 @@
 
   function spec() {
     var view = Q.currentView();
-    return { queries: view.queries, keys: view.keys,
-             matrices: [{ head: 0, color: COLOR, weights: view.rollout[Q.state.layer] }] };
+    var m = Q.matrixOf(view, "rollout", Q.state.layer, 0); // every weight, or a long input's largest (core.js)
+    m.head = 0;
+    m.color = COLOR;
+    return { queries: view.queries, keys: view.keys, matrices: [m] };
   }
 
   function caption() {
@@ -21,8 +23,10 @@
   Q.register({
     id: "rollout",
     available: function () { return Boolean(Q.currentView().rollout); },
+    needs: function () { return [[Q.currentView().rollout, Q.state.layer]]; },
     draw: function () {
       Q.$("rollout-caption").textContent = caption();
+      Q.describeLong(Q.currentView(), "rollout", Q.$("rollout-svg"));
       Q.drawTokenLines(Q.$("rollout-svg"), spec());
     },
     figures: { rollout: function () { return Q.titled(Q.tokenLinesFigure(Q.$("rollout-svg")), caption()); } }
