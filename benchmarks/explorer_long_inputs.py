@@ -13,8 +13,10 @@ qkv.viz.long_inputs (each query's 8 largest weights and block means).
 
 bertviz's head view (``pip install bertviz``, for this benchmark only: not a dependency of qkv) gets
 the same attention tensors and tokens, ``head_view(..., html_action="return")``, its page written to
-a file with its three scripts (require.js 2.3.6, d3 5.7.0, jQuery, from npm: ``--bertviz-js``, a
-folder with ``node_modules``) beside it instead of its CDN addresses, since the browser is offline.
+a file with its three scripts beside it instead of its CDN addresses, since the browser is offline:
+require.js 2.3.6, d3 5.7.0 and jQuery 2.1.0 (bertviz asks for 2.0.0, which npm does not have), from
+``npm install --prefix DIR requirejs@2.3.6 d3@5.7.0 jquery@2.1.0``, passed as ``--bertviz-js
+DIR/node_modules``.
 
 Measured in each page (``--repeats`` loads, medians), Chromium offline, viewport 1320 x 900:
 
@@ -259,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bertviz-js",
         type=Path,
-        default=Path("/tmp/h2/npm/node_modules"),
-        help="a node_modules folder with requirejs, d3@5.7.0 and jquery (npm install)",
+        default=None,
+        help="a node_modules folder with requirejs@2.3.6, d3@5.7.0 and jquery@2.1.0 (npm install); "
+        "needed for bertviz (its results JSON was made with one in /tmp/h2/npm)",
     )
     parser.add_argument(
         "--bertviz-max-weights",
@@ -274,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     check_result_file(parser, args, flag="--output")  # before any work
+    if not args.no_bertviz and args.bertviz_js is None:
+        parser.error(
+            "pass --bertviz-js DIR/node_modules (npm install --prefix DIR requirejs@2.3.6 d3@5.7.0 jquery@2.1.0) or --no-bertviz"
+        )
     from qkv.viz import explorer_data, write_html
     from qkv.viz.long_inputs import is_reduced
 

@@ -7,10 +7,36 @@ Shape legend: ``b`` rows, ``h_kv`` key/value heads, ``s_k`` keys kept, ``d_h`` h
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
+
+ROOM = 128  # the key slots a grown cache holds beyond its keys: appends write in place until they are used
+
+
+@dataclass
+class _Room:
+    """The storage a cache's keys and values are views of, with free slots after them.
+
+    ``used``: the slots written so far (by the latest extension): only a cache whose keys end there may
+    write the next ones in place; any other (an older step's cache, extended a second time) copies.
+    """
+
+    key: Tensor  # (b, h_kv, capacity, d_h)
+    value: Tensor
+    used: int
+
+
+def _may_grow_in_place() -> bool:
+    """Appending in place is for decoding: not under autograd, a trace, an ONNX export or torch.compile."""
+    return not (
+        torch.is_grad_enabled()
+        or torch.jit.is_tracing()
+        or torch.onnx.is_in_onnx_export()
+        or torch.compiler.is_compiling()
+        or torch.compiler.is_exporting()
+    )
 
 
 @dataclass
@@ -33,6 +59,8 @@ class KVCache:
     static: bool = False
     start: int = 0
     positions: Tensor | None = None  # (b,) int64
+    room: _Room | None = field(default=None, repr=False, compare=False)  # (decoding) storage with free slots
+    offset: int = field(default=0, repr=False, compare=False)  # the first key's slot in room
 
     def __len__(self) -> int:
         return self.key.size(-2)
@@ -48,11 +76,33 @@ class KVCache:
         return self.end if self.positions is None else self.positions
 
     def extend(self, key: Tensor, value: Tensor) -> KVCache:
-        """This cache with ``key``, ``value`` ``(b, h_kv, s_new, d_h)`` appended after its own."""
+        """This cache with ``key``, ``value`` ``(b, h_kv, s_new, d_h)`` appended after its own.
+
+        While decoding (no autograd, trace or export), the keys live in storage with :data:`ROOM`
+        free slots after them, so a step writes its keys in place instead of copying the whole cache
+        (which made a long generation's appends quadratic); this cache stays as it was either way."""
         positions = None if self.positions is None else self.positions + key.size(-2)
-        return KVCache(
-            torch.cat([self.key, key], dim=-2), torch.cat([self.value, value], dim=-2), False, self.start, positions
-        )
+        n, new = self.key.size(-2), key.size(-2)
+        if not _may_grow_in_place():
+            return KVCache(
+                torch.cat([self.key, key], dim=-2), torch.cat([self.value, value], dim=-2), False, self.start, positions
+            )
+        room, end = self.room, self.offset + n
+        if room is None or room.used != end or end + new > room.key.size(-2) or room.key.size(0) != key.size(0):
+            room = _Room(self._storage(self.key, key), self._storage(self.value, value), n)
+            room.key[..., :n, :], room.value[..., :n, :] = self.key, self.value
+            end, offset = n, 0
+        else:
+            offset = self.offset
+        room.key[..., end : end + new, :], room.value[..., end : end + new, :] = key, value
+        room.used = end + new
+        keys, values = room.key[..., offset : end + new, :], room.value[..., offset : end + new, :]
+        return KVCache(keys, values, False, self.start, positions, room, offset)
+
+    @staticmethod
+    def _storage(kept: Tensor, new: Tensor) -> Tensor:
+        shape = (*new.shape[:-2], kept.size(-2) + new.size(-2) + ROOM, new.size(-1))
+        return new.new_empty(shape)
 
     def keep_last(self, n: int | None) -> KVCache:
         """The cache holding only its last ``n`` keys (what a window of ``n + 1`` needs next); None: all."""
@@ -60,7 +110,13 @@ class KVCache:
         if drop <= 0:
             return self
         return KVCache(
-            self.key[..., drop:, :], self.value[..., drop:, :], self.static, self.start + drop, self.positions
+            self.key[..., drop:, :],
+            self.value[..., drop:, :],
+            self.static,
+            self.start + drop,
+            self.positions,
+            self.room,
+            self.offset + drop,
         )
 
     def index_select(self, batch_index: Tensor) -> KVCache:
@@ -71,6 +127,8 @@ class KVCache:
             key=self.key.index_select(0, batch_index),
             value=self.value.index_select(0, batch_index),
             positions=positions,
+            room=None,
+            offset=0,
         )
 
     def padding_mask(self) -> Tensor | None:

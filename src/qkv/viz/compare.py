@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from qkv.viz.long_inputs import is_reduced
+
 MEASURE = (
     "mean over the shared tokens of the total-variation distance between their attention rows, "
     "each read over the shared tokens plus one bucket for all other tokens"
@@ -84,7 +86,7 @@ def compare_field(examples: Sequence[dict], first: int = 0, second: int = 1, *, 
 
     Raises:
         ValueError: an index out of range, a view that is missing or not self-attention, views of
-            different sizes, or no shared token.
+            different sizes, a view too long to carry every weight, or no shared token.
     """
     for index in (first, second):
         if not 0 <= index < len(examples):
@@ -94,6 +96,11 @@ def compare_field(examples: Sequence[dict], first: int = 0, second: int = 1, *, 
     name = view if view is not None else examples[first]["views"][0]["name"]
     view_a, view_b = _view(examples[first], name, first), _view(examples[second], name, second)
     for which, v in ((first, view_a), (second, view_b)):
+        if is_reduced(v["attention"]):
+            raise ValueError(
+                f"example {which} view {name!r} has {len(v['queries'])} tokens, too long to carry every weight "
+                "(docs/explorer.md, Long inputs); compare needs them all: compare shorter texts"
+            )
         if v["queries"] != v["keys"]:
             raise ValueError(f"example {which} view {name!r} is not self-attention; compare needs queries == keys")
     pairs = shared_tokens(view_a["queries"], view_b["queries"])
