@@ -202,6 +202,7 @@ def check_bars(page, kind: str, lens: dict, layer: int, position: int) -> None:
 
 def test_lens_and_attribution_views_draw_the_documents_numbers(gpt2, translator, tmp_path):  # noqa: F811
     from test_browser import ARGS, CHROMIUM, Watch, offline_page, sync_api, wait_renders
+    from test_browser_analysis import screenshot  # saves docs/explorer_*.png when QKV_SCREENSHOT_DIR is set
 
     _, _, explorer = gpt2
     lm, mt = explorer.example(LONG_TEXT), translator.example("a dog runs on the beach")
@@ -241,6 +242,7 @@ def test_lens_and_attribution_views_draw_the_documents_numbers(gpt2, translator,
         assert page.text_content("#lens-svg text.lens-bar-next") == (
             f"came next: {lens['next'][3]} {js_prob(lens['next_probs'][1][3])}"
         )
+        screenshot(page, "explorer_lens.png")
         # attribution: a chip per generated token; a step's chips shaded by its scores and rollout
         open_tab(page, "attribution")
         a = lm["attribution"]
@@ -263,6 +265,7 @@ def test_lens_and_attribution_views_draw_the_documents_numbers(gpt2, translator,
             )
             assert shades == pytest.approx([w / max(step["rollout"]) for w in step["rollout"]], abs=1e-3)
             assert f"p = {js_prob(step['prob'])}" in page.text_content("#attribution-svg")
+        screenshot(page, "explorer_attribution.png")
         # the translation: its decoder's lens and each target token over the source
         before = int(page.evaluate("Number(document.body.dataset.renders)"))
         page.select_option("#example-select", "1")

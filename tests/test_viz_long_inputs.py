@@ -144,7 +144,7 @@ def page(long_page):
         browser = p.chromium.launch(
             executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"), args=ARGS
         )
-        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        context = browser.new_context(viewport={"width": 1320, "height": 900})  # as wide as the other screenshots
         context.set_offline(True)
         tab = context.new_page()
         errors: list[str] = []
@@ -173,6 +173,11 @@ def test_a_4096_token_page_shows_a_picture(page, long_page):
     note = tab.locator("#head-view p.long-note").text_content()
     assert "4,096 \u00d7 4,096 tokens" in note and "8 largest weights" in note and "32 \u00d7 32-token block" in note
     assert not errors
+    # docs/explorer_long.png when QKV_SCREENSHOT_DIR is set: the page's top 840 px (the dense lines keep the PNG small)
+    folder = os.environ.get("QKV_SCREENSHOT_DIR")
+    if folder:
+        clip = {"x": 0, "y": 0, "width": 820, "height": 840}
+        tab.screenshot(path=os.path.join(folder, "explorer_long.png"), clip=clip)
 
 
 def test_switching_heads_scrolling_and_hovering(page, long_page):

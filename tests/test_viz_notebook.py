@@ -347,6 +347,10 @@ def test_two_views_draw_in_their_own_frames(browser, tmp_path):
     two.select_option("#layer-select", "1")
     two.wait_for_function("n => Number(document.body.dataset.renders) > n", arg=renders)
     assert one.input_value("#layer-select") == "1" and one.evaluate("window.qkvExplorer.state.layer") == 1
+    # docs/explorer_notebook.png when QKV_SCREENSHOT_DIR is set: the two outputs, as a notebook shows them
+    folder = os.environ.get("QKV_SCREENSHOT_DIR")
+    if folder:
+        nb.page.screenshot(path=os.path.join(folder, "explorer_notebook.png"), full_page=True)
     nb.check_clean()
 
 
