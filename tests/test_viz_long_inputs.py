@@ -205,3 +205,72 @@ def test_switching_heads_scrolling_and_hovering(page, long_page):
     expected[index[0]] = weight[0]
     np.testing.assert_allclose(shades, expected, atol=1e-6)  # one head on: its K largest weights of that row
     assert not errors
+
+
+# --- a translation model on a 4,096-token source document --------------------------------------
+
+
+@pytest.mark.slow  # about 40 s on one core: the model, the page and numpy's 4,096^3 rollout reference
+def test_a_translation_of_a_4096_token_document_builds_opens_and_draws(tmp_path):
+    from test_viz import WordTokenizer
+
+    from qkv import Transformer, TransformerConfig
+    from qkv.viz import Seq2SeqExplorer
+
+    tokenizer = WordTokenizer(["a", "dog", "runs", "on", "the", "beach", "ein", "hund", "läuft", "am", "strand"])
+    torch.manual_seed(5)
+    config = TransformerConfig(
+        src_vocab_size=15,
+        tgt_vocab_size=15,
+        d_model=32,
+        num_heads=2,
+        num_encoder_layers=3,  # 3 layers x 4,096^2: the encoder's rollout too is over the limit, reduced
+        num_decoder_layers=1,
+        d_ff=64,
+        max_len=4096,
+        dropout=0.0,
+    )
+    explorer = Seq2SeqExplorer(model=Transformer(config).eval(), tokenizer=tokenizer, name="random", max_new_tokens=4)
+    words = ["a", "dog", "runs", "on", "the", "beach"]
+    document = " ".join(words[i % len(words)] for i in range(4095))  # 4,095 words and </s>
+    target = "ein hund läuft"
+    example = explorer.example(document, target)
+    encoder, decoder, cross = example["views"]
+    assert len(encoder["keys"]) == 4096 and len(cross["queries"]) == 4
+    assert long_inputs.is_reduced(encoder["attention"]) and long_inputs.is_reduced(encoder["rollout"])
+    assert isinstance(cross["attention"], list) and isinstance(cross["rollout"], list)  # 1 x 2 x 4 x 4,096: exact
+    # the first encoder layer's top weights against the recorded weights, ranked here by numpy
+    views = explorer.views(document, target)
+    first = views[0].attentions[0].double().numpy()  # (heads, 4,096, 4,096)
+    index, weight = numpy_top_k(first[1, 100:110], long_inputs.TOP_K)
+    assert np.array_equal(np.asarray(encoder["attention"]["index"][0][1][100:110]), index)
+    assert np.array_equal(np.asarray(encoder["attention"]["weight"][0][1][100:110]), weight)
+    # cross-attention rollout: each layer's mean over heads (rows renormalised) times the encoder's full rollout
+    flow = np.eye(4096)
+    for layer in views[0].attentions:
+        mixed = layer.double().numpy().mean(0) + np.eye(4096)
+        flow = (mixed / mixed.sum(-1, keepdims=True)) @ flow
+    mean = views[2].attentions[0].double().numpy().mean(0)
+    np.testing.assert_allclose(cross["rollout"][0], (mean / mean.sum(-1, keepdims=True)) @ flow, atol=2e-4)
+    data = explorer_data([example])
+    check_data(data)
+    path = tmp_path / "translation.html"
+    path.write_text(render_html(data))
+    if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
+        pytest.skip("Debian's chromium is not installed")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"), args=ARGS
+        )
+        tab = browser.new_context(viewport={"width": 1320, "height": 900}).new_page()
+        errors: list[str] = []
+        tab.on("pageerror", lambda err: errors.append(str(err)))
+        tab.goto(path.as_uri())
+        tab.wait_for_function("() => Number(document.body.dataset.renders || 0) > 0", timeout=60_000)
+        svg = tab.locator("#head-svg")  # the encoder's self-attention first: the reduced form's lines
+        assert svg.get_attribute("data-mode") == "virtual"
+        assert int(svg.get_attribute("data-lines")) == lines_drawn(first, [0, 1])
+        assert tab.locator("#model-grid canvas.cell").count() == 3 * 2
+        assert not errors
+        browser.close()

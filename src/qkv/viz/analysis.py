@@ -85,6 +85,39 @@ def delimiter_indices(tokens: Iterable[str]) -> list[int]:
     return [i for i, token in enumerate(tokens) if token in DELIMITER_TOKENS]
 
 
+ROW_CHUNK = 256  # query rows processed at a time: (h, 256, 4,096) float32 is 16 MB a head
+
+
+def _layers(attentions: Sequence[Tensor] | Tensor) -> list[Tensor]:
+    """Per-layer ``(h, s_q, s_k)`` CPU tensors, float32 or float64 as given (half precision as float32),
+    not copied when already so: a 4,096-token view is GBs, so nothing stacks or upcasts it all."""
+    if isinstance(attentions, Tensor):
+        if attentions.dim() != 4:
+            raise ValueError(f"attention must be (layers, heads, s_q, s_k), got shape {tuple(attentions.shape)}")
+        layers = list(attentions.unbind(0))
+    else:
+        if not attentions:
+            raise ValueError("no attention layers")
+        layers = [a[0] if a.dim() == 4 else a for a in attentions]
+        if any(a.dim() != 3 or a.shape != layers[0].shape for a in layers):
+            raise ValueError("attention must be (layers, heads, s_q, s_k): layers of one (h, s_q, s_k) shape")
+    dtype = torch.float64 if layers[0].dtype == torch.float64 else torch.float32
+    return [a.detach().to(device="cpu", dtype=dtype) for a in layers]
+
+
+def _chunks(s_q: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of the query rows taken :data:`ROW_CHUNK` at a time."""
+    return [(r, min(r + ROW_CHUNK, s_q)) for r in range(0, s_q, ROW_CHUNK)]
+
+
+def _causal(layers: list[Tensor]) -> bool:
+    """:func:`is_causal` of per-layer weights, row chunk by row chunk."""
+    s_q, s_k = layers[0].shape[-2:]
+    if s_q != s_k or s_q < 2:
+        return False
+    return all(bool(a[:, r0:r1].triu(diagonal=1 + r0).eq(0).all()) for a in layers for r0, r1 in _chunks(s_q))
+
+
 def is_causal(attention: Tensor) -> bool:
     """Whether a square ``(..., s, s)`` attention puts exactly zero weight above the diagonal
     everywhere (a causal mask's softmax gives exact zeros)."""
@@ -96,8 +129,44 @@ def is_causal(attention: Tensor) -> bool:
 
 def _row_entropy(att: Tensor) -> Tensor:
     """``-sum_j a ln a`` per row, with ``0 ln 0 = 0``. ``(..., s_q, s_k) -> (..., s_q)``."""
-    logs = torch.where(att > 0, att, torch.ones_like(att)).log()
-    return -(att * logs).sum(-1)
+    return -torch.special.xlogy(att, att).sum(-1)
+
+
+def _row_stats(layers: list[Tensor], delimiters: Sequence[int], cross: bool) -> dict[str, Tensor]:
+    """Per-row statistics ``(L, h, s_q)`` float64 (entropy, delimiter and distance; for self-attention
+    also previous/same/next), computed row chunk by row chunk in the weights' own precision."""
+    s_q, s_k = layers[0].shape[-2:]
+    dtype = layers[0].dtype
+    cols = torch.arange(s_k, dtype=dtype)
+    index = torch.tensor(list(delimiters), dtype=torch.long)
+    names = ("entropy", "delimiter", "distance") + (() if cross else ("previous", "same", "next"))
+    out = {name: torch.zeros(len(layers), layers[0].shape[0], s_q, dtype=torch.float64) for name in names}
+    for r0, r1 in _chunks(s_q):
+        rows = torch.arange(r0, r1, dtype=torch.float64)
+        centre = rows * (s_k - 1) / max(s_q - 1, 1) if cross else rows  # where row i sits on the diagonal
+        offsets = (cols[None, :] - centre.to(dtype)[:, None]).abs()  # (rows, s_k)
+        for layer, att in enumerate(layers):
+            chunk = att[:, r0:r1]  # (h, rows, s_k)
+            out["entropy"][layer, :, r0:r1] = _row_entropy(chunk)
+            out["delimiter"][layer, :, r0:r1] = chunk.index_select(-1, index).sum(-1)
+            out["distance"][layer, :, r0:r1] = (chunk * offsets).sum(-1)
+            if not cross:
+                for name, shift in (("previous", -1), ("same", 0), ("next", 1)):
+                    keys = torch.arange(r0, r1) + shift
+                    ok = (keys >= 0) & (keys < s_k)
+                    picked = chunk.gather(-1, keys.clamp(0, s_k - 1).expand(chunk.shape[0], -1)[..., None])[..., 0]
+                    out[name][layer, :, r0:r1] = picked * ok
+    return out
+
+
+def _check(layers: list[Tensor], delimiters: Sequence[int], cross: bool) -> None:
+    """ValueError for a non-square self-attention view or a delimiter outside the keys."""
+    s_q, s_k = layers[0].shape[-2:]
+    if not cross and s_q != s_k:
+        raise ValueError(f"a self-attention view must be square, got s_q={s_q}, s_k={s_k}")
+    bad = [d for d in delimiters if not 0 <= d < s_k]
+    if bad:
+        raise ValueError(f"delimiter positions {bad} are outside the {s_k} keys")
 
 
 def head_stats(
@@ -118,29 +187,20 @@ def head_stats(
     Raises:
         ValueError: a self-attention view that is not square, or a delimiter out of range.
     """
-    att = stack_layers(attentions)  # (L, h, s_q, s_k)
-    s_q, s_k = att.shape[-2:]
-    if not cross and s_q != s_k:
-        raise ValueError(f"a self-attention view must be square, got s_q={s_q}, s_k={s_k}")
-    bad = [d for d in delimiters if not 0 <= d < s_k]
-    if bad:
-        raise ValueError(f"delimiter positions {bad} are outside the {s_k} keys")
-    rows = torch.arange(s_q, dtype=torch.float64)
-    cols = torch.arange(s_k, dtype=torch.float64)
-    if cross:
-        diagonal = rows * (s_k - 1) / max(s_q - 1, 1)  # (s_q,) where row i would sit on a straight alignment
-        offsets = (cols[None, :] - diagonal[:, None]).abs()  # (s_q, s_k)
-    else:
-        offsets = (cols[None, :] - rows[:, None]).abs()
-    stats = {"entropy": _row_entropy(att).mean(-1)}
-    if not cross:
-        stats["previous"] = att.diagonal(offset=-1, dim1=-2, dim2=-1).sum(-1) / s_q
-        stats["same"] = att.diagonal(dim1=-2, dim2=-1).sum(-1) / s_q
-        stats["next"] = att.diagonal(offset=1, dim1=-2, dim2=-1).sum(-1) / s_q
-    index = torch.tensor(list(delimiters), dtype=torch.long)
-    stats["delimiter"] = att.index_select(-1, index).sum((-2, -1)) / s_q
-    stats["distance"] = (att * offsets).sum(-1).mean(-1)
-    return stats
+    layers = _layers(attentions)
+    _check(layers, delimiters, cross)
+    per_row = _row_stats(layers, delimiters, cross)
+    return {name: per_row[name].mean(-1) for name in (CROSS_STATS if cross else SELF_STATS)}
+
+
+def _entropy_ratio(entropy: Tensor, causal: bool, s_k: int) -> Tensor:
+    """:func:`entropy_ratio` from per-row entropies ``(L, h, s_q)``."""
+    s_q = entropy.shape[-1]
+    visible = torch.arange(1, s_q + 1, dtype=torch.float64) if causal else torch.full((s_q,), float(s_k))
+    usable = visible > 1
+    if not usable.any():
+        return torch.zeros(entropy.shape[:2], dtype=torch.float64)
+    return (entropy[..., usable] / visible[usable].log()).mean(-1)  # (L, h) over the rows that can spread
 
 
 def entropy_ratio(attentions: Sequence[Tensor] | Tensor) -> Tensor:
@@ -150,14 +210,11 @@ def entropy_ratio(attentions: Sequence[Tensor] | Tensor) -> Tensor:
     Returns:
         ``(L, h)`` float64 tensor in [0, 1] (0 when no row sees more than one key).
     """
-    att = stack_layers(attentions)
-    s_q, s_k = att.shape[-2:]
-    visible = torch.arange(1, s_q + 1, dtype=torch.float64) if is_causal(att) else torch.full((s_q,), float(s_k))
-    usable = visible > 1
-    if not usable.any():
-        return torch.zeros(att.shape[:2], dtype=torch.float64)
-    ratio = _row_entropy(att)[..., usable] / visible[usable].log()  # (L, h, rows that can spread)
-    return ratio.mean(-1)
+    layers = _layers(attentions)
+    entropy = torch.stack(
+        [torch.cat([_row_entropy(a[:, r0:r1]) for r0, r1 in _chunks(a.shape[1])], -1) for a in layers]
+    )
+    return _entropy_ratio(entropy.double(), _causal(layers), layers[0].shape[-1])
 
 
 def head_labels(stats: dict[str, Tensor], broadness: Tensor) -> list[list[str | None]]:
@@ -188,6 +245,14 @@ def head_labels(stats: dict[str, Tensor], broadness: Tensor) -> list[list[str | 
     return out
 
 
+def _head_mean(att: Tensor) -> Tensor:
+    """One layer's ``(h, s_q, s_k)`` averaged over heads, row chunk by row chunk (no ``h``-fold temporary)."""
+    out = torch.empty(att.shape[1:], dtype=att.dtype)
+    for r0, r1 in _chunks(att.shape[1]):
+        out[r0:r1] = att[:, r0:r1].mean(0)
+    return out
+
+
 def rollout(attentions: Sequence[Tensor] | Tensor) -> Tensor:
     """Attention rollout through layers ``0..l`` for every ``l`` (Abnar & Zuidema 2020).
 
@@ -195,21 +260,24 @@ def rollout(attentions: Sequence[Tensor] | Tensor) -> Tensor:
         attentions: a self-attention view's weights, per layer ``(h, s, s)``.
 
     Returns:
-        ``(L, s, s)`` float64: entry ``[l, i, j]`` is how much of position ``i`` after layer ``l``
-        comes from input token ``j``; every row sums to 1.
+        ``(L, s, s)`` in the weights' precision (float64 weights give float64, others float32):
+        entry ``[l, i, j]`` is how much of position ``i`` after layer ``l`` comes from input token
+        ``j``; every row sums to 1.
     """
-    att = stack_layers(attentions)  # (L, h, s, s)
-    s_q, s_k = att.shape[-2:]
+    layers = _layers(attentions)
+    s_q, s_k = layers[0].shape[-2:]
     if s_q != s_k:
         raise ValueError(f"rollout needs square self-attention, got s_q={s_q}, s_k={s_k}")
-    eye = torch.eye(s_q, dtype=torch.float64)
-    out, flow = [], eye
-    for layer in att:
-        mixed = layer.mean(0) + eye  # (s, s): attention plus the residual connection
-        mixed = mixed / mixed.sum(-1, keepdim=True)
-        flow = mixed @ flow
-        out.append(flow)
-    return torch.stack(out)
+    out = torch.empty(len(layers), s_q, s_q, dtype=layers[0].dtype)
+    for index, att in enumerate(layers):
+        mixed = _head_mean(att)  # (s, s): attention plus the residual connection, rows renormalised
+        mixed.diagonal().add_(1.0)
+        mixed /= mixed.sum(-1, keepdim=True)
+        if index == 0:
+            out[0] = mixed  # the first layer's flow is its own mixed attention
+        else:
+            torch.matmul(mixed, out[index - 1], out=out[index])
+    return out
 
 
 def cross_rollout(cross_attentions: Sequence[Tensor] | Tensor, encoder_rollout: Tensor) -> Tensor:
@@ -221,16 +289,21 @@ def cross_rollout(cross_attentions: Sequence[Tensor] | Tensor, encoder_rollout: 
             last entry of :func:`rollout` of the encoder self-attention).
 
     Returns:
-        ``(L, s_t, s_src)`` float64: layer ``l``'s cross-attention (mean over heads, rows
-        renormalised) times ``encoder_rollout``.
+        ``(L, s_t, s_src)`` (float64 when both inputs are, else float32): layer ``l``'s
+        cross-attention (mean over heads, rows renormalised) times ``encoder_rollout``.
     """
-    att = stack_layers(cross_attentions)  # (L, h, s_t, s_src)
-    s_src = att.shape[-1]
+    layers = _layers(cross_attentions)
+    s_src = layers[0].shape[-1]
     if tuple(encoder_rollout.shape) != (s_src, s_src):
         raise ValueError(f"the encoder rollout is {tuple(encoder_rollout.shape)}; the cross-attention has {s_src} keys")
-    mean = att.mean(1)  # (L, s_t, s_src)
-    mean = mean / mean.sum(-1, keepdim=True).clamp(min=1e-12)
-    return mean @ encoder_rollout.to(torch.float64)
+    dtype = torch.float64 if layers[0].dtype == encoder_rollout.dtype == torch.float64 else torch.float32
+    encoder = encoder_rollout.detach().to(device="cpu", dtype=dtype)
+    out = []
+    for att in layers:
+        mean = _head_mean(att).to(dtype)  # (s_t, s_src)
+        mean /= mean.sum(-1, keepdim=True).clamp(min=1e-12)
+        out.append(mean @ encoder)
+    return torch.stack(out)
 
 
 def rounded(values: Tensor | float, decimals: int = DECIMALS) -> float | list[Any]:
@@ -256,17 +329,20 @@ def view_fields(
     Returns:
         A dict to merge into the view's dict; every number rounded to 4 decimals.
     """
-    att, cross = stack_layers(view.attentions), view.cross
+    layers, cross = _layers(view.attentions), view.cross
     delimiters = delimiter_indices(view.keys) if delimiters is None else list(delimiters)
-    stats = head_stats(att, delimiters=delimiters, cross=cross)
+    _check(layers, delimiters, cross)
+    per_row = _row_stats(layers, delimiters, cross)  # once, for the statistics and the broadness
+    stats = {name: per_row[name].mean(-1) for name in (CROSS_STATS if cross else SELF_STATS)}
+    broadness = _entropy_ratio(per_row["entropy"], _causal(layers), layers[0].shape[-1])
     fields: dict[str, object] = {
         "stats": {name: rounded(value) for name, value in stats.items()},
         "delimiters": delimiters,
-        "labels": head_labels(stats, entropy_ratio(att)),
+        "labels": head_labels(stats, broadness),
     }
     # a long input's rollout (more than FULL_WEIGHTS_LIMIT weights) in its reduced form (qkv.viz.long_inputs)
     if not cross:
-        fields["rollout"] = weights_field(rollout(att))
+        fields["rollout"] = weights_field(rollout(layers))
     elif encoder_rollout is not None:
-        fields["rollout"] = weights_field(cross_rollout(att, encoder_rollout))
+        fields["rollout"] = weights_field(cross_rollout(layers, encoder_rollout))
     return fields

@@ -42,6 +42,7 @@ TOP_K = 8  # the largest weights kept of each row
 OVERVIEW_CELLS = 128  # the block overview has at most this many blocks a side
 DECIMALS = 4  # the document's weights (qkv.viz.export.AttentionView.to_dict, qkv.viz.analysis.rounded)
 BLOCK_DECIMALS = 8
+ROW_CHUNK = 256  # rows of a matrix reduced at a time (about 8 MB as float64 at 4,096 keys)
 
 
 def too_large(shape: Sequence[int], limit: int | None = None) -> bool:
@@ -104,12 +105,18 @@ def reduce_weights(array: Tensor | Sequence[Tensor], *, k: int = TOP_K, cells: i
     b_q, b_k = block_size(s_q, cells), block_size(s_k, cells)
     index, weight, blocks = [], [], []
     matrices = (m for part in parts for m in part.detach().reshape(-1, s_q, s_k))
-    for matrix in matrices:  # one (s_q, s_k) at a time: a 4,096-token head is 134 MB as float64
-        m = matrix.to(device="cpu", dtype=torch.float64)
-        top, units = _top_k(torch.round(m * 10**DECIMALS), k)
-        index.append(top.numpy().astype(np.int32))
-        weight.append(units.numpy() / 10**DECIMALS)
-        blocks.append(_block_means(m, b_q, b_k).numpy())
+    step = b_q * max(1, ROW_CHUNK // b_q)  # whole row blocks at a time, so each block is summed in one piece
+    for matrix in matrices:  # one (s_q, s_k) at a time, in row chunks: a 4,096-token head is 134 MB as float64
+        top_rows, unit_rows, block_rows = [], [], []
+        for r0 in range(0, s_q, step):
+            m = matrix[r0 : r0 + step].to(device="cpu", dtype=torch.float64)
+            top, units = _top_k((m * 10**DECIMALS).round_(), k)
+            top_rows.append(top)
+            unit_rows.append(units)
+            block_rows.append(_block_means(m, b_q, b_k))
+        index.append(torch.cat(top_rows).numpy().astype(np.int32))
+        weight.append(torch.cat(unit_rows).numpy() / 10**DECIMALS)
+        blocks.append(torch.cat(block_rows).numpy())  # chunks of whole row blocks: their means are the matrix's
     lead = shape[:-2]
     nq, nk = blocks[0].shape
     return {
