@@ -105,7 +105,26 @@ def sample_next(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, -math.inf)
     probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(probs, generator)
+
+
+def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One index per row of ``probs (b, V)``, index ``i`` with probability ``probs[:, i]``: one uniform
+    number a row, placed in the rows' running sums (inverse transform sampling). The same law as
+    ``torch.multinomial(probs, 1)``, which on a CPU takes ~15x longer over a 50k vocabulary (it
+    spends a quarter of a batched GPT-2-sized decoding step there).
+
+    Returns:
+        ``(b,)`` int64; never an index of probability 0.
+    """
+    running = probs.float().cumsum(dim=-1)  # (b, V)
+    u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device) * running[:, -1:]
+    index = torch.searchsorted(running, u, right=True).squeeze(-1)  # the first sum above u: probability > 0
+    past = index >= probs.size(-1)  # u rounded up to the total: the last token of positive probability
+    if bool(past.any()):
+        last = probs.size(-1) - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
+        index = torch.where(past, last, index)
+    return index
 
 
 @torch.no_grad()
