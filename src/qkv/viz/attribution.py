@@ -56,13 +56,16 @@ class View(Protocol):
     imports this module's checks: a protocol, not an import, keeps the two apart)."""
 
     @property
-    def queries(self) -> Sequence[str]: ...  # the tokens that attend (rows)
+    def queries(self) -> Sequence[str]:
+        """The tokens that attend (rows)."""
 
     @property
-    def keys(self) -> Sequence[str]: ...  # the tokens attended to (columns)
+    def keys(self) -> Sequence[str]:
+        """The tokens attended to (columns)."""
 
     @property
-    def attentions(self) -> Sequence[Tensor]: ...  # one (h, s_q, s_k) tensor per layer
+    def attentions(self) -> Sequence[Tensor]:
+        """One ``(h, s_q, s_k)`` tensor per layer."""
 
 
 def attribution_field(
