@@ -111,8 +111,8 @@ def sample_next(
 def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One index per row of ``probs (b, V)``, index ``i`` with probability ``probs[:, i]``: one uniform
     number a row, placed in the rows' running sums (inverse transform sampling). The same law as
-    ``torch.multinomial(probs, 1)``, which on a CPU takes ~15x longer over a 50k vocabulary (it
-    spends a quarter of a batched GPT-2-sized decoding step there).
+    ``torch.multinomial(probs, 1)``, which on a CPU takes many times longer over a 50k vocabulary
+    (a large share of a batched GPT-2-sized decoding step).
 
     Returns:
         ``(b,)`` int64; never an index of probability 0.
