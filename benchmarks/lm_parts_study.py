@@ -8,6 +8,15 @@ figure. Runs go one at a time (``--cpus`` pins them, e.g. to one core while some
 the other), so a variant's budget buys the steps that its own speed gives it. ``--collect`` scores
 finished runs without training.
 
+``--held-out-play`` asks how a variant does on a play it never saw. The validation split continues
+The Taming of the Shrew, which the training split holds the first acts of; the test split is half
+The Tempest, which it does not hold at all (288 of its 463 speeches are by speakers the training
+split never names). A recipe chosen on validation alone can buy memory of the Shrew's names and
+lines, which the Tempest does not reward. So this mode trains on the training split without Romeo
+and Juliet (133k of its 1.0M characters, one whole play) and scores each run on that play (the run's
+own validation text, which also picks its best weights) and on the validation split as before.
+Still no test text is read.
+
     python benchmarks/lm_parts_study.py --minutes 5 --seeds 0 --work-dir WORK --cpus 1 \\
         --out benchmarks/results/language-model/lm_parts_5min_zen5_1core.json
 """
@@ -28,7 +37,9 @@ from qkv.bench.results import add_result_options, check_result_file
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "src" / "qkv" / "runs" / "recipes" / "tinyshakespeare.toml"
-# each variant: the lines added to the recipe's [model] and [train] tables
+LLAMA = ['norm = "rms"', 'positional = "rotary"', 'activation = "swiglu"', "bias = false"]
+# each variant: the lines added to the recipe's [model] and [train] tables; "budget": the recipe's
+# tokens_per_parameter replaced (a larger size for the same budget)
 VARIANTS: dict[str, dict[str, list[str]]] = {
     "gpt2": {"model": [], "train": []},  # the recipe as it is: learned positions, LayerNorm, GELU, biases
     "llama": {"model": ['norm = "rms"', 'positional = "rotary"', 'activation = "swiglu"', "bias = false"], "train": []},
@@ -40,17 +51,35 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
         "model": ['norm = "rms"', 'positional = "rotary"', 'activation = "relu2"', "qk_norm = true", "bias = false"],
         "train": [],
     },
+    "relu2_qk_norm_muon": {
+        "model": ['norm = "rms"', 'positional = "rotary"', 'activation = "relu2"', "qk_norm = true", "bias = false"],
+        "train": ['optimizer = "muon"'],
+    },
+    "llama_muon_8tpp": {"model": LLAMA, "train": ['optimizer = "muon"'], "budget": ["tokens_per_parameter = 8.0"]},
+    "llama_muon_lr04": {"model": LLAMA, "train": ['optimizer = "muon"', "muon_lr = 0.04"]},
+    "llama_muon_dropout": {
+        "model": ['norm = "rms"', 'positional = "rotary"', 'activation = "swiglu"', "bias = false", "dropout = 0.1"],
+        "train": ['optimizer = "muon"'],
+    },
 }
+PLAY = ("\n\nSAMPSON:\n", "Than this of Juliet and her Romeo.\n")  # Romeo and Juliet's first and last lines
 
 
 def recipe_text(name: str) -> str:
-    """The tinyshakespeare recipe with ``name``'s lines added, as a recipe file of its own."""
+    """The tinyshakespeare recipe with ``name``'s lines, as a recipe file of its own: a line whose key
+    the recipe has replaces that line, any other goes first in its table."""
     text = RECIPE.read_text(encoding="utf-8")
     text = re.sub(r"^(default_for|gpu_variant) = .*$\n", "", text, flags=re.MULTILINE)  # a copy, not a default
     lines = text.splitlines()
-    for table in ("model", "train"):
-        at = lines.index(next(line for line in lines if line.startswith(f"[{table}]"))) + 1
-        lines[at:at] = VARIANTS[name][table]
+    for table in ("model", "train", "budget"):
+        for line in VARIANTS[name].get(table, []):
+            key = line.split("=")[0].strip()
+            old = [i for i, have in enumerate(lines) if have.startswith(f"{key} =")]
+            if old:
+                lines[old[0]] = line
+            else:
+                at = lines.index(next(have for have in lines if have.startswith(f"[{table}]"))) + 1
+                lines.insert(at, line)
     return "\n".join(lines) + "\n"
 
 
@@ -61,16 +90,44 @@ def _run(command: list[str], cpus: str | None) -> str:
     return done.stdout + done.stderr
 
 
-def score(run_dir: Path, cpus: str | None) -> dict:
-    """The run's whole validation split, as ``qkv evaluate --split val`` reports it, and its steps."""
-    out = _run([sys.executable, "-m", "qkv", "evaluate", str(run_dir), "--split", "val"], cpus)
+def held_out_play_texts(work_dir: Path) -> dict[str, Path]:
+    """Text files for ``--held-out-play``: ``train`` (the training split without Romeo and Juliet),
+    ``play`` (Romeo and Juliet) and ``val`` (the validation split), written into ``work_dir``."""
+    from qkv.data.text import read_text_splits
+
+    texts = read_text_splits({"source": "tinyshakespeare", "folder": None})
+    start = texts.train.index(PLAY[0]) + 2
+    end = texts.train.index(PLAY[1], start) + len(PLAY[1])
+    parts = {"train": texts.train[:start] + texts.train[end:], "play": texts.train[start:end], "val": texts.val}
+    paths = {name: work_dir / f"{name}.txt" for name in parts}
+    for name, text in parts.items():
+        paths[name].write_text(text, encoding="utf-8")
+    return paths
+
+
+def _loss(out: str, run_dir: Path) -> float:
     loss = re.search(r"loss ([0-9.]+) nats/token", out)
     if loss is None:
-        raise RuntimeError(f"{run_dir}: no validation loss in qkv evaluate's output:\n{out[-500:]}")
+        raise RuntimeError(f"{run_dir}: no loss in qkv evaluate's output:\n{out[-500:]}")
+    return float(loss.group(1))
+
+
+def score(run_dir: Path, cpus: str | None, texts: dict[str, Path] | None = None) -> dict:
+    """The run's whole validation split, as ``qkv evaluate --split val`` reports it, and its steps.
+    With ``texts`` (``--held-out-play``), the run's validation text is the held-out play, and the
+    validation split is scored too, with ``qkv evaluate --text``."""
+    evaluate = [sys.executable, "-m", "qkv", "evaluate", str(run_dir)]
+    if texts is None:
+        result = {"val_nats_per_char": _loss(_run([*evaluate, "--split", "val"], cpus), run_dir)}
+    else:
+        result = {
+            "held_out_play_nats_per_char": _loss(_run([*evaluate, "--split", "val"], cpus), run_dir),
+            "val_nats_per_char": _loss(_run([*evaluate, "--text", str(texts["val"])], cpus), run_dir),
+        }
     state = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = max((row.get("step", 0) for row in state), default=0)
     config = json.loads((run_dir / "config.json").read_text())
-    return {"val_nats_per_char": float(loss.group(1)), "steps": steps, "model": config["model"]}
+    return {**result, "steps": steps, "model": config["model"]}
 
 
 def main() -> int:
@@ -83,11 +140,22 @@ def main() -> int:
     parser.add_argument(
         "--collect", action="store_true", help="score the finished runs in --work-dir only (the --seeds that exist)"
     )
+    parser.add_argument(
+        "--held-out-play",
+        action="store_true",
+        help="train without Romeo and Juliet and score on it as well (see above)",
+    )
     add_result_options(parser)
     args = parser.parse_args()
     if args.out:
         check_result_file(parser, args)
     args.work_dir.mkdir(parents=True, exist_ok=True)
+    texts = held_out_play_texts(args.work_dir) if args.held_out_play else None
+    data = (
+        ["--train-text", str(texts["train"]), "--val-text", str(texts["play"])]
+        if texts
+        else ["--data", "tinyshakespeare"]
+    )
     results: dict[str, dict] = {}
     for name in args.variants:
         recipe = args.work_dir / f"{name}.toml"
@@ -95,31 +163,35 @@ def main() -> int:
         runs = []
         for seed in args.seeds:
             run_dir = args.work_dir / f"{name}_seed{seed}_{args.minutes:g}min"
-            train = ["qkv", "train", "--data", "tinyshakespeare", "--recipe", str(recipe)]
+            train = ["qkv", "train", *data, "--recipe", str(recipe)]
             train += ["--minutes", f"{args.minutes:g}", "--seed", str(seed), "--run-dir", str(run_dir)]
             if args.collect and not run_dir.is_dir():
                 continue  # --collect: the runs that exist (a variant run with fewer seeds)
             if not args.collect:
                 _run([sys.executable, "-m", "qkv", *train[1:], "--overwrite"], args.cpus)
-            runs.append({"seed": seed, "train_command": " ".join(train), **score(run_dir, args.cpus)})
-            print(f"{name} seed {seed}: val {runs[-1]['val_nats_per_char']:.4f} in {runs[-1]['steps']} steps")
-        values = [r["val_nats_per_char"] for r in runs]
-        results[name] = {
-            "recipe_lines": VARIANTS[name],
-            "runs": runs,
-            "val_mean": statistics.mean(values),
-            "val_spread": statistics.pstdev(values) if len(values) > 1 else None,
-        }
+            runs.append({"seed": seed, "train_command": " ".join(train), **score(run_dir, args.cpus, texts)})
+            play = f", held-out play {runs[-1]['held_out_play_nats_per_char']:.4f}" if texts else ""
+            print(f"{name} seed {seed}: val {runs[-1]['val_nats_per_char']:.4f}{play} in {runs[-1]['steps']} steps")
+        results[name] = {"recipe_lines": VARIANTS[name], "runs": runs}
+        for key in ("val", "held_out_play") if texts else ("val",):
+            values = [r[f"{key}_nats_per_char"] for r in runs]
+            results[name][f"{key}_mean"] = statistics.mean(values)
+            results[name][f"{key}_spread"] = statistics.pstdev(values) if len(values) > 1 else None
     base = results.get("gpt2")
     report = {
         "question": "which of today's parts help the character LM at a fixed budget (validation only)",
         "minutes": args.minutes,
         "cpus": args.cpus,
+        "held_out_play": "Romeo and Juliet, left out of training" if texts else None,
         "variants": results,
         "against_gpt2_layout": {
             name: round(r["val_mean"] - base["val_mean"], 4) for name, r in results.items() if base is not None
         },
     }
+    if texts and base is not None:
+        report["held_out_play_against_gpt2_layout"] = {
+            name: round(r["held_out_play_mean"] - base["held_out_play_mean"], 4) for name, r in results.items()
+        }
     if args.out:
         write_result(args.out, report)
     return 0

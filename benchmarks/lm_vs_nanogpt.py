@@ -9,7 +9,10 @@ For each budget (``--minutes 5 10 30``), one after the other and with nothing el
    schedule ends at the budget: the iterations that fit, from a short timing run first (the median
    iteration, and the extra seconds of its step-0 evaluation for each of its evaluations every 250
    iterations). Its data is its own ``data/shakespeare_char/prepare.py`` over the same tiny
-   Shakespeare text (``$QKV_DATA``; copied in first, so nothing is downloaded). The estimate can
+   Shakespeare text (``$QKV_DATA``; copied in first, so nothing is downloaded). ``--seeds`` repeats
+   each budget: nanoGPT's train.py seeds torch with 1337 plus its process's rank, a constant, so the
+   copy gets a config value ``seed`` (1337, its own, for seed 0; 1337 + S for seed S), set with
+   ``--seed=``; qkv gets ``--seed S``. The estimate can
    miss (the machine's speed drifts: one 30-minute schedule took 43 minutes), so the checkpoint
    nanoGPT holds when its loop passes the budget is copied aside (``ckpt_at_budget.pt``, taken
    between two iterations, never while it saves) and scored too: nanoGPT **at equal minutes**, beside
@@ -144,23 +147,41 @@ class CheckpointAtBudget:
         return False
 
 
+NANOGPT_SEED_LINE = "torch.manual_seed(1337 + seed_offset)"
+NANOGPT_CONFIG_LINE = "config_keys = ["
+
+
+def seedable(train_py: str) -> str:
+    """nanoGPT's train.py with its constant seed 1337 made a config value ``seed`` (default 1337)."""
+    if train_py.count(NANOGPT_SEED_LINE) != 1 or train_py.count(NANOGPT_CONFIG_LINE) != 1:
+        sys.exit("nanoGPT's train.py: its seed line or its config_keys line is not where this benchmark expects")
+    train_py = train_py.replace(NANOGPT_SEED_LINE, "torch.manual_seed(seed + seed_offset)")
+    return train_py.replace(
+        NANOGPT_CONFIG_LINE, "seed = 1337  # added by qkv's benchmark: --seed=N\n" + NANOGPT_CONFIG_LINE
+    )
+
+
 def prepare_nanogpt(source: Path, work: Path, text_path: Path) -> Path:
-    """A copy of the nanoGPT checkout in ``work`` with tiny Shakespeare prepared by its own script."""
+    """A copy of the nanoGPT checkout in ``work`` with tiny Shakespeare prepared by its own script,
+    its seed a config value (:func:`seedable`)."""
     if not (source / "train.py").is_file() or not (source / "model.py").is_file():
         sys.exit(f"--nanogpt {source}: not a nanoGPT checkout (no train.py / model.py)")
     copy = work / "nanoGPT"
     if copy.exists():
         shutil.rmtree(copy)
     shutil.copytree(source, copy, ignore=shutil.ignore_patterns(".git", "out*", "*.bin", "*.pkl", "input.txt"))
+    train_py = copy / "train.py"
+    train_py.write_text(seedable(train_py.read_text(encoding="utf-8")), encoding="utf-8")
     data = copy / "data" / "shakespeare_char"
     shutil.copyfile(text_path, data / "input.txt")  # prepare.py downloads only when this is missing
     run_logged([sys.executable, "data/shakespeare_char/prepare.py"], copy, work / "nanogpt_prepare.log")
     return copy
 
 
-def nanogpt_cmd(iters: int, out_dir: Path, eval_interval: int = NANOGPT_EVAL_INTERVAL) -> list[str]:
+def nanogpt_cmd(iters: int, out_dir: Path, eval_interval: int = NANOGPT_EVAL_INTERVAL, seed: int = 0) -> list[str]:
     """nanoGPT's command; ``eval_interval`` other than its config's 250 only for smoke tests."""
     extra = [] if eval_interval == NANOGPT_EVAL_INTERVAL else [f"--eval_interval={eval_interval}"]
+    extra += [f"--seed={1337 + seed}"] if seed else []
     return [sys.executable, "train.py", *NANOGPT_README_CPU, *extra, f"--max_iters={iters}",
             f"--lr_decay_iters={iters}", f"--out_dir={out_dir}"]  # fmt: skip
 
@@ -181,15 +202,16 @@ def iters_for(seconds: float, timing: dict, eval_interval: int) -> int:
 
 
 def train_nanogpt(
-    copy: Path, work: Path, minutes: float, timing: dict, eval_interval: int, cut_at_budget: bool = False
+    copy: Path, work: Path, minutes: float, timing: dict, eval_interval: int, cut_at_budget: bool = False, seed: int = 0
 ) -> dict:
     iters = iters_for(minutes * 60, timing, eval_interval)
-    out_dir = work / f"nanogpt-{minutes:g}min"
+    name = f"nanogpt-{minutes:g}min" + (f"-seed{seed}" if seed else "")
+    out_dir = work / name
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    cmd = nanogpt_cmd(iters, out_dir, eval_interval)
+    cmd = nanogpt_cmd(iters, out_dir, eval_interval, seed)
     at_budget = CheckpointAtBudget(out_dir, minutes * 60, cut=cut_at_budget)
-    lines, wall = run_logged(cmd, copy, work / f"nanogpt-{minutes:g}min.log", watch=at_budget)
+    lines, wall = run_logged(cmd, copy, work / f"{name}.log", watch=at_budget)
     starts = [t for t, line in lines if line.startswith(LOOP_START_LINES)]
     loop_start = starts[-1] if starts else 0.0
     iter_times = [(t, int(m[1]), float(m[3])) for t, line in lines if (m := ITER_LINE.match(line))]
@@ -232,13 +254,14 @@ def train_nanogpt(
     }
 
 
-def train_qkv(work: Path, minutes: float) -> dict:
-    run_dir = work / f"qkv-{minutes:g}min"
+def train_qkv(work: Path, minutes: float, seed: int = 0) -> dict:
+    name = f"qkv-{minutes:g}min" + (f"-seed{seed}" if seed else "")
+    run_dir = work / name
     if run_dir.exists():
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "qkv", "train", "--data", "tinyshakespeare", "--minutes", f"{minutes:g}",
-           "--run-dir", str(run_dir)]  # fmt: skip
-    lines, wall = run_logged(cmd, Path.cwd(), work / f"qkv-{minutes:g}min.log")
+           "--run-dir", str(run_dir)] + (["--seed", str(seed)] if seed else [])  # fmt: skip
+    lines, wall = run_logged(cmd, Path.cwd(), work / f"{name}.log")
     done = [m for _, line in lines if (m := TRAINED_LINE.search(line))]  # qkv train's last line
     records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
     train = [r for r in records if r.get("event") == "train"]
@@ -348,6 +371,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="stop nanoGPT when its loop passes the budget (default: let its schedule end, and score both)",
     )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="each budget once per seed (default 0)")
+    parser.add_argument(
+        "--no-test",
+        action="store_true",
+        help="score the validation split only (for runs that choose; a finished recipe's test is scored once)",
+    )
     add_result_options(parser, required=True)
     args = parser.parse_args(argv)
     out = check_result_file(parser, args)
@@ -382,19 +411,47 @@ def main(argv: list[str] | None = None) -> None:
         "nanogpt_timing_run": timing,
         "budgets": [],
     }
-    splits = {"val": texts.val, "test": texts.test}
+    splits = {"val": texts.val} if args.no_test else {"val": texts.val, "test": texts.test}
     for minutes in args.minutes:
-        nanogpt = train_nanogpt(copy, args.work_dir, minutes, timing, args.eval_interval, args.cut_at_budget)
-        qkv = train_qkv(args.work_dir, minutes)
-        score_both(nanogpt, qkv, splits, chars)
-        report["budgets"].append({"minutes": minutes, "nanogpt": nanogpt, "qkv": qkv})
-        write_result(out, report, argv)
-        for name in splits:
-            at = nanogpt["at_budget"].get("scores", {}).get(name)
-            print(f"{minutes:g} min, {name}: nanoGPT {nanogpt['scores'][name]['nats_per_char']:.4f} at its "
-                  f"schedule's end, {at['nats_per_char'] if at else float('nan'):.4f} at the budget; "
-                  f"qkv {qkv['scores'][name]['nats_per_char']:.4f} nats/char")  # fmt: skip
+        for seed in args.seeds:
+            nanogpt = train_nanogpt(
+                copy, args.work_dir, minutes, timing, args.eval_interval, args.cut_at_budget, seed=seed
+            )
+            qkv = train_qkv(args.work_dir, minutes, seed=seed)
+            score_both(nanogpt, qkv, splits, chars)
+            report["budgets"].append({"minutes": minutes, "seed": seed, "nanogpt": nanogpt, "qkv": qkv})
+            report["summary"] = summarize(report["budgets"], list(splits))
+            write_result(out, report, argv)
+            for name in splits:
+                at = nanogpt["at_budget"].get("scores", {}).get(name)
+                print(f"{minutes:g} min, seed {seed}, {name}: nanoGPT {nanogpt['scores'][name]['nats_per_char']:.4f} "
+                      f"at its schedule's end, {at['nats_per_char'] if at else float('nan'):.4f} at the budget; "
+                      f"qkv {qkv['scores'][name]['nats_per_char']:.4f} nats/char")  # fmt: skip
     print(f"wrote {out}")
+
+
+def summarize(budgets: list[dict], splits: list[str]) -> dict:
+    """Per budget and split: the mean and spread (population) over the seeds of nanoGPT at equal
+    minutes and of qkv, and ``qkv_ahead`` = nanoGPT's mean minus qkv's (positive: qkv is ahead)."""
+    summary: dict = {}
+    for minutes in sorted({b["minutes"] for b in budgets}):
+        runs = [b for b in budgets if b["minutes"] == minutes]
+        entry: dict = {"seeds": [b["seed"] for b in runs]}
+        for name in splits:
+            nano = [b["nanogpt"]["at_budget"]["scores"][name]["nats_per_char"] for b in runs
+                    if b["nanogpt"]["at_budget"].get("scores")]  # fmt: skip
+            ours = [b["qkv"]["scores"][name]["nats_per_char"] for b in runs]
+            if not nano:
+                continue
+            entry[name] = {
+                "nanogpt_mean": round(statistics.mean(nano), 4),
+                "nanogpt_spread": round(statistics.pstdev(nano), 4),
+                "qkv_mean": round(statistics.mean(ours), 4),
+                "qkv_spread": round(statistics.pstdev(ours), 4),
+                "qkv_ahead": round(statistics.mean(nano) - statistics.mean(ours), 4),
+            }
+        summary[f"{minutes:g}"] = entry
+    return summary
 
 
 if __name__ == "__main__":

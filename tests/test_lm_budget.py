@@ -156,6 +156,9 @@ def test_speeds_are_measured_with_the_runs_weight_decay_and_kept_apart(tmp_path,
     assert seen == [0.0, 0.1]
     plain = budget._speed_key(SIZES[0], MODEL, 65, torch.device("cpu"), False, 0.0)
     assert plain != budget._speed_key(SIZES[0], MODEL, 65, torch.device("cpu"), False, 0.1)
+    assert plain == budget._speed_key(SIZES[0], MODEL, 65, torch.device("cpu"), False, 0.0, "adamw")
+    muon = budget._speed_key(SIZES[0], MODEL, 65, torch.device("cpu"), False, 0.1, "muon")
+    assert muon != budget._speed_key(SIZES[0], MODEL, 65, torch.device("cpu"), False, 0.1)
 
 
 def test_measuring_a_speed_uses_adamw_with_the_weight_decay(monkeypatch):
@@ -180,6 +183,33 @@ def test_measuring_a_speed_uses_adamw_with_the_weight_decay(monkeypatch):
         weight_decay=0.1,
     )
     assert [c.weight_decay for c in configs] == [0.1]
+
+
+def test_measuring_a_speed_uses_the_runs_optimizer(monkeypatch):
+    """Muon's steps are slower than AdamW's: a Muon run's budget is sized by Muon's speed."""
+    import qkv.training as training
+
+    optimizers = []
+    original = training.Trainer
+
+    def recording(model, task, config, *args, **kwargs):
+        trainer = original(model, task, config, *args, **kwargs)
+        optimizers.append(type(trainer.optimizer).__name__)
+        return trainer
+
+    monkeypatch.setattr(training, "Trainer", recording)
+    task = _Task(16).task
+    budget._measure(
+        SIZES[0],
+        MODEL,
+        lambda c: task,
+        vocab_size=task.tokenizer.vocab_size,
+        device=torch.device("cpu"),
+        bf16=False,
+        weight_decay=0.1,
+        optimizer="muon",
+    )
+    assert optimizers == ["MuonWithAdamW"]
 
 
 def test_measuring_a_speed_leaves_the_random_state_as_it_was():
@@ -224,7 +254,9 @@ def test_a_run_takes_the_size_its_budget_affords_and_says_why(tmp_path):
     sizing = config["recipe"]["sizing"]
     counts = [
         parameters(
-            CausalLMConfig(**{**MODEL, "d_model": s["d_model"], "vocab_size": trainer.task.tokenizer.vocab_size})
+            CausalLMConfig(
+                **{**base.model, **MODEL, "d_model": s["d_model"], "vocab_size": trainer.task.tokenizer.vocab_size}
+            )
         )
         for s in SIZES
     ]

@@ -38,21 +38,23 @@ def to_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.bfloat16().float()
 
 
-def newton_schulz(update: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+def newton_schulz(update: torch.Tensor, steps: int = 5, eps: float = 1e-7, bf16: bool = True) -> torch.Tensor:
     """The matrix ``update`` orthogonalised as Muon does it: scaled to Frobenius norm 1, then
-    ``steps`` times X <- a X + (b X X^T + c (X X^T)^2) X on the wide orientation. The iteration
-    runs in bfloat16: every product sums in float32 and each of the three results is rounded to
-    bfloat16 once (a matrix product with its addition fused, as torch.addmm's), written here as
-    float32 arithmetic with those roundings."""
-    x = to_bf16(update)
+    ``steps`` times X <- a X + (b X X^T + c (X X^T)^2) X on the wide orientation. ``bf16``: the
+    iteration runs in bfloat16 (torch's Muon; qkv's on CUDA): every product sums in float32 and each
+    of the three results is rounded to bfloat16 once (a matrix product with its addition fused, as
+    torch.addmm's), written here as float32 arithmetic with those roundings. Else float32 (qkv's
+    Muon on a CPU)."""
+    round_ = to_bf16 if bf16 else (lambda t: t)
+    x = round_(update)
     tall = x.shape[0] > x.shape[1]
     if tall:
         x = x.T
-    x = to_bf16(x / to_bf16(x.norm()).clamp(min=eps))
+    x = round_(x / round_(x.norm()).clamp(min=eps))
     for _ in range(steps):
-        gram = to_bf16(x @ x.T)
-        poly = to_bf16(NS_B * gram + NS_C * (gram @ gram))
-        x = to_bf16(NS_A * x + poly @ x)
+        gram = round_(x @ x.T)
+        poly = round_(NS_B * gram + NS_C * (gram @ gram))
+        x = round_(NS_A * x + poly @ x)
     return x.T if tall else x
 
 
@@ -68,9 +70,9 @@ class Stacked(nn.Module):
 @pytest.mark.parametrize("shape", [(8, 4), (4, 8)])  # tall (orthogonalised transposed, rate x sqrt(2)) and wide
 def test_three_steps_equal_the_algorithm_written_out(shape):
     """Each step: the momentum buffer B <- mu B + (1 - mu) g, Nesterov's update (1 - mu) g + mu B,
-    orthogonalised (:func:`newton_schulz`); the weight decays by lr x wd, then moves by
-    -lr x sqrt(max(1, rows / cols)) x the orthogonalised update. A momentum of 3/4 and gradients in
-    eighths keep the float32 part exact, so the bfloat16 iteration starts from the same matrix."""
+    orthogonalised (:func:`newton_schulz`, in float32 on a CPU); the weight decays by lr x wd, then
+    moves by -lr x sqrt(max(1, rows / cols)) x the orthogonalised update. A momentum of 3/4 and
+    gradients in eighths keep the momentum exact."""
     rows, cols = shape
     mu, wd = 0.75, 0.1
     config = TrainConfig(optimizer="muon", muon_lr=0.02, muon_momentum=mu, weight_decay=wd, warmup_steps=4)
@@ -91,13 +93,40 @@ def test_three_steps_equal_the_algorithm_written_out(shape):
         lr = optimizer.muon.param_groups[0]["lr"]
         assert lr == pytest.approx(0.02, rel=1e-12)
         buffer = mu * buffer + (1 - mu) * grad
-        update = newton_schulz((1 - mu) * grad + mu * buffer)
+        update = newton_schulz((1 - mu) * grad + mu * buffer, bf16=False)
         weight = weight * (1 - lr * wd) - lr * math.sqrt(max(1.0, rows / cols)) * update
         torch.testing.assert_close(optimizer.state[matrix]["momentum_buffer"], buffer, atol=0, rtol=0)
         torch.testing.assert_close(matrix.detach(), weight, atol=1e-5, rtol=0)
     # and the embedding took AdamW's steps at the schedule's own rate
     assert optimizer.adamw.param_groups[0]["lr"] == schedule
     assert int(optimizer.state[module.embedding.weight]["step"]) == 3
+
+
+@pytest.mark.parametrize("shape", [(8, 4), (4, 8), (24, 16)])
+def test_the_bfloat16_iteration_equals_the_written_out_one_and_torchs_muon(shape):
+    """qkv's Muon with ``ns_dtype=torch.bfloat16`` (what it runs on CUDA) takes the written-out
+    bfloat16 steps, and the very steps of ``torch.optim.Muon``, whose iteration is always bfloat16."""
+    from qkv.training.muon import Muon
+
+    mu, wd, lr = 0.75, 0.1, 0.02
+    ours, theirs = (nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(1))) for _ in range(2))
+    with torch.no_grad():
+        theirs.copy_(ours)
+    mine = Muon([ours], lr=lr, weight_decay=wd, momentum=mu, ns_dtype=torch.bfloat16)
+    torchs = torch.optim.Muon([theirs], lr=lr, weight_decay=wd, momentum=mu)
+    weight, buffer = ours.detach().clone(), torch.zeros(shape)
+    gen = torch.Generator().manual_seed(sum(shape))
+    for _ in range(3):
+        grad = torch.randint(-16, 17, shape, generator=gen).float() / 8
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        mine.step()
+        torchs.step()
+        buffer = mu * buffer + (1 - mu) * grad
+        update = newton_schulz((1 - mu) * grad + mu * buffer, bf16=True)
+        weight = weight * (1 - lr * wd) - lr * math.sqrt(max(1.0, shape[0] / shape[1])) * update
+        torch.testing.assert_close(ours.detach(), weight, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours.detach(), theirs.detach(), atol=0, rtol=0)
+        torch.testing.assert_close(mine.state[ours]["momentum_buffer"], torchs.state[theirs]["momentum_buffer"])
 
 
 def test_the_step_test_tells_the_bfloat16_iteration_from_a_float32_one():
@@ -261,20 +290,32 @@ def is_muon(saved: dict) -> bool:
 
 
 def test_optimizer_muon_from_a_recipe_file_and_from_the_command_line(tmp_path):
+    """The shipped language-model recipe trains with Muon (2.0); a recipe file's ``optimizer`` and
+    the command line's ``--optimizer`` choose either."""
     shipped = (RECIPE_DIR / "tinyshakespeare.toml").read_text(encoding="utf-8")
-    assert "\n[train]\n" in shipped
-    recipe_file = tmp_path / "muon.toml"
-    recipe_file.write_text(
-        shipped.replace("\n[train]\n", '\n[train]\noptimizer = "muon"\nmuon_lr = 0.01\n'), encoding="utf-8"
-    )
-    assert load_recipe(recipe_file).train.config().optimizer == "muon"
+    assert load_recipe("tinyshakespeare").train.config().optimizer == "muon"
+    assert is_muon(qkv_train(tmp_path, "shipped")["optimizer"])
+    assert shipped.count('\noptimizer = "muon"') == 1
+    recipe_file = tmp_path / "adamw.toml"
+    recipe_file.write_text(shipped.replace('\noptimizer = "muon"', '\noptimizer = "adamw"'), encoding="utf-8")
+    assert load_recipe(recipe_file).train.config().optimizer == "adamw"
     from_recipe = qkv_train(tmp_path, "recipe", "--recipe", str(recipe_file))
-    assert from_recipe["train"]["optimizer"] == "muon" and from_recipe["train"]["muon_lr"] == 0.01
-    assert is_muon(from_recipe["optimizer"])
-    from_flag = qkv_train(tmp_path, "flag", "--optimizer", "muon", "--muon-momentum", "0.9")
-    assert from_flag["train"]["optimizer"] == "muon" and is_muon(from_flag["optimizer"])
-    assert from_flag["optimizer"]["param_groups"][0]["momentum"] == 0.9
-    bad = recipe_file.read_text(encoding="utf-8").replace('optimizer = "muon"', 'optimizer = "lion"')
+    assert from_recipe["train"]["optimizer"] == "adamw" and not is_muon(from_recipe["optimizer"])
+    from_flag = qkv_train(
+        tmp_path,
+        "flag",
+        "--recipe",
+        str(recipe_file),
+        "--optimizer",
+        "muon",
+        "--muon-momentum",
+        "0.9",
+        "--muon-lr",
+        "0.01",
+    )
+    assert from_flag["train"]["optimizer"] == "muon" and from_flag["train"]["muon_lr"] == 0.01
+    assert is_muon(from_flag["optimizer"]) and from_flag["optimizer"]["param_groups"][0]["momentum"] == 0.9
+    bad = recipe_file.read_text(encoding="utf-8").replace('optimizer = "adamw"', 'optimizer = "lion"')
     recipe_file.write_text(bad, encoding="utf-8")
-    with pytest.raises(ValueError, match=r"muon\.toml: train: optimizer \(--optimizer\) must be one of adamw, muon"):
+    with pytest.raises(ValueError, match=r"adamw\.toml: train: optimizer \(--optimizer\) must be one of adamw, muon"):
         load_recipe(recipe_file)

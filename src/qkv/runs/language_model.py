@@ -254,6 +254,7 @@ def _sized_by_budget(
         bf16=train_config.bf16,
         cache_dir=default_cache_dir(),
         weight_decay=train_config.weight_decay,
+        optimizer=train_config.optimizer,
     )
     c = train_config
     chosen = choose_size(

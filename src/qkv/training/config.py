@@ -144,7 +144,8 @@ class TrainConfig:
     optimizer: str = _option(
         "adamw",
         "adamw = Adam (section 5.3), or AdamW with --weight-decay, for every parameter; muon = Muon "
-        "(momentum orthogonalised by a Newton-Schulz iteration, torch.optim.Muon) for the weight "
+        "(momentum orthogonalised by a Newton-Schulz iteration; torch.optim.Muon's algorithm, the iteration in "
+        "float32 on a CPU) for the weight "
         "matrices of the layers (attention and feed-forward), with AdamW as adamw for the "
         "embeddings, the output projection, norms and biases; --weight-decay applies to both",
         choices=("adamw", "muon"),

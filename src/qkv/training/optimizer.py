@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from qkv.training.config import TrainConfig
+from qkv.training.muon import Muon
 from qkv.training.schedule import learning_rate
 
 #: the key of a parameter group whose rate is the schedule's times this factor (the engine reads it;
@@ -26,8 +27,9 @@ def make_optimizer(
 
     ``config.optimizer == "adamw"``: Adam (section 5.3), or with ``config.weight_decay`` AdamW whose
     decay falls on the matrices (weights and embeddings, two dimensions or more) and not on biases or
-    layer-norm gains. ``"muon"``: :class:`MuonWithAdamW`, torch's Muon for :func:`muon_matrices` (with
-    ``config.muon_momentum`` and the same decoupled ``weight_decay``) and the above for every other
+    layer-norm gains. ``"muon"``: :class:`MuonWithAdamW`, qkv's :class:`~qkv.training.muon.Muon` for
+    :func:`muon_matrices` (with ``config.muon_momentum`` and the same decoupled ``weight_decay``; its
+    iteration in bfloat16 on CUDA as torch's Muon, in float32 on a CPU) and the above for every other
     parameter; Muon's rate is ``config.muon_lr`` at the schedule's peak and follows the schedule's shape.
 
     Args:
@@ -55,7 +57,8 @@ def make_optimizer(
     chosen = {id(p) for p in matrices}
     rest = [p for p in module.parameters() if id(p) not in chosen]
     peak = learning_rate(config, config.warmup_steps, d_model)  # every schedule's rate at the end of warmup
-    muon = torch.optim.Muon(matrices, lr=0.0, weight_decay=config.weight_decay, momentum=config.muon_momentum)
+    ns_dtype = torch.bfloat16 if matrices[0].device.type == "cuda" else torch.float32
+    muon = Muon(matrices, lr=0.0, weight_decay=config.weight_decay, momentum=config.muon_momentum, ns_dtype=ns_dtype)
     muon.param_groups[0][LR_SCALE] = config.muon_lr / peak if peak > 0 else 0.0
     return MuonWithAdamW(muon, _adam(rest, config, fused))
 
@@ -131,7 +134,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     in that order, and a checkpoint of it resumes into another built the same way.
 
     Args:
-        muon: the ``torch.optim.Muon`` of the weight matrices.
+        muon: the :class:`~qkv.training.muon.Muon` (or ``torch.optim.Muon``) of the weight matrices.
         adamw: the optimizer of every other parameter (``torch.optim.AdamW`` or ``Adam``).
     """
 

@@ -186,10 +186,12 @@ def measured_speeds(
     bf16: bool,
     cache_dir: Path | None,
     weight_decay: float = 0.0,
+    optimizer: str = "adamw",
 ) -> Callable[[int], float]:
     """``speed(i)``: size ``i``'s training tokens per second on this machine, measured on first
     use (``WARMUP_STEPS`` untimed and ``TIMED_STEPS`` timed real steps of a fresh model on
-    ``task_for(context)``'s batches, with the run's optimizer: AdamW where ``weight_decay`` is not 0)
+    ``task_for(context)``'s batches, with the run's optimizer: ``optimizer``, AdamW's part of it
+    with ``weight_decay``; Muon's Newton-Schulz iterations make its steps slower)
     and kept in ``cache_dir/lm_speeds.json`` under a key of the machine, threads, torch, device,
     precision, optimizer and size. The cache holds numbers only: anything
     else in it is ignored and measured again."""
@@ -197,7 +199,7 @@ def measured_speeds(
 
     def speed(i: int) -> float:
         if i not in found:
-            key = _speed_key(rule.sizes[i], model, vocab_size, device, bf16, weight_decay)
+            key = _speed_key(rule.sizes[i], model, vocab_size, device, bf16, weight_decay, optimizer)
             cached = _read_cache(cache_dir).get(key)
             if cached is None:
                 cached = _measure(
@@ -208,6 +210,7 @@ def measured_speeds(
                     device=device,
                     bf16=bf16,
                     weight_decay=weight_decay,
+                    optimizer=optimizer,
                 )
                 _write_cache(cache_dir, key, cached)
             found[i] = cached
@@ -217,7 +220,13 @@ def measured_speeds(
 
 
 def _speed_key(
-    size: dict, model: Mapping, vocab_size: int, device: torch.device, bf16: bool, weight_decay: float
+    size: dict,
+    model: Mapping,
+    vocab_size: int,
+    device: torch.device,
+    bf16: bool,
+    weight_decay: float,
+    optimizer: str = "adamw",
 ) -> str:
     from qkv.runtime.machine import cpuinfo_fields
 
@@ -230,8 +239,10 @@ def _speed_key(
         "bf16": bf16,
         "model": {**model, **size, "vocab_size": vocab_size},
     }
-    if weight_decay:  # AdamW's two parameter groups make a step slower than Adam's (keys of Adam runs unchanged)
-        what["optimizer"] = {"weight_decay": weight_decay}
+    if weight_decay or optimizer != "adamw":  # the keys of plain Adam runs unchanged
+        what["optimizer"] = {"weight_decay": weight_decay}  # AdamW's two groups make a step slower than Adam's
+        if optimizer != "adamw":
+            what["optimizer"]["name"] = optimizer
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -272,16 +283,22 @@ def _measure(
     device: torch.device,
     bf16: bool,
     weight_decay: float = 0.0,
+    optimizer: str = "adamw",
 ) -> float:
     """Training tokens per second of a fresh model of ``size``: real steps (forward, backward, the
-    optimizer: Adam, or AdamW with ``weight_decay``)."""
+    optimizer: ``optimizer``, Adam or AdamW with ``weight_decay``)."""
     from qkv.models.causal_lm import CausalLM, CausalLMConfig
     from qkv.training import TrainConfig, Trainer
 
     config = CausalLMConfig(**{**model, **model_values(size), "vocab_size": vocab_size})
     task = task_for(config.context)
     train = TrainConfig(
-        max_tokens=size.get("max_tokens", 4096), max_steps=1, bf16=bf16, progress=False, weight_decay=weight_decay
+        max_tokens=size.get("max_tokens", 4096),
+        max_steps=1,
+        bf16=bf16,
+        progress=False,
+        weight_decay=weight_decay,
+        optimizer=optimizer,
     )
     # measuring leaves the random state (the run's seeded weights, its dropout) as it found it
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
