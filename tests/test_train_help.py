@@ -129,6 +129,7 @@ MODEL_FIELDS = {
     "--kv-heads": ("num_kv_heads", "num_kv_heads"),
     "--sliding-window": (None, "sliding_window"),
     "--qk-norm": (None, "qk_norm"),
+    "--bias": (None, "bias"),
 }
 
 

@@ -249,6 +249,9 @@ MODEL_OPTION_GROUPS: dict[str, dict[str, ModelOption]] = {
             None, "sliding_window", int, "a language model's sliding window: tokens each one sees, itself included"
         ),
         "qk_norm": ModelOption(None, "qk_norm", bool, "a norm over each head's queries and keys (a language model)"),
+        "bias": ModelOption(
+            None, "bias", bool, "biases in the attention and feed-forward projections (a language model)"
+        ),
         "norm_first": ModelOption("norm_first", "norm_first", bool, "pre-LN instead of the paper's post-LN"),
         "max_len": ModelOption(
             "max_len",

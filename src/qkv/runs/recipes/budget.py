@@ -240,9 +240,10 @@ def _speed_key(
         "model": {**model, **size, "vocab_size": vocab_size},
     }
     if weight_decay or optimizer != "adamw":  # the keys of plain Adam runs unchanged
-        what["optimizer"] = {"weight_decay": weight_decay}  # AdamW's two groups make a step slower than Adam's
+        chosen: dict[str, object] = {"weight_decay": weight_decay}  # AdamW's two groups: slower than Adam
         if optimizer != "adamw":
-            what["optimizer"]["name"] = optimizer
+            chosen["name"] = optimizer
+        what["optimizer"] = chosen
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
