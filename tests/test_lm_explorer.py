@@ -22,7 +22,9 @@ from qkv.viz import CausalLMExplorer, check_data, explorer_data, open_explorer
 from qkv.viz.html import page_document
 from qkv.viz.lm_explorer import BYTE_ALPHABET, lm_token_labels, visible
 
+# the GPT-2 layout (the language-model recipe's before 2.0), which independent_attention writes out
 MODEL = dict(d_model=32, num_heads=4, num_layers=2, d_ff=64, context=24, dropout=0.0)
+MODEL.update(positional="learned", norm="layer", activation="gelu_tanh", bias=True)
 TRAIN = dict(max_steps=3, max_minutes=0, progress=False, max_tokens=128, warmup_steps=2)
 TEXT = "".join(f"{'to be or not to be' if i % 2 else 'that is the question'}, line {i % 7}.\n" for i in range(60))
 TEXT_CHARS = sorted(set(TEXT))

@@ -96,9 +96,22 @@ OLD_TINYSHAKESPEARE = {
     "lm": {"tokenizer": "char", "windows": "random"},
     "vocab_size": 2000,
     # 1.2.0: the medium size and the cosine schedule (the size now follows the budget: tests/test_lm_budget.py)
-    "model": dict(d_model=128, num_heads=4, num_layers=4, d_ff=512, context=64, dropout=0.0),
+    # 2.0: the Llama layout with Muon, chosen on validation and a held-out play (lm_parts_10min_held_out_play_zen3_1core.json)
+    "model": dict(
+        d_model=128,
+        num_heads=4,
+        num_layers=4,
+        d_ff=512,
+        context=64,
+        dropout=0.0,
+        norm="rms",
+        positional="rotary",
+        activation="swiglu",
+        bias=False,
+    ),  # fmt: skip
     "train": dict(
         max_tokens=2048,
+        optimizer="muon",
         warmup_steps=100,
         lr_factor=0.35,
         schedule="cosine",
