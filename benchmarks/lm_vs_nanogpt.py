@@ -39,6 +39,11 @@ its validation split, against minutes), and the two scores. The JSON is rewritte
     QKV_DATA=/work/shared/data python benchmarks/lm_vs_nanogpt.py --nanogpt /path/to/nanoGPT \\
         --minutes 5 --out benchmarks/results/language-model/lm_vs_nanogpt_5min_MACHINE.json
 
+A comparison over several seeds can be spread over sessions: ``--nanogpt-from EARLIER.json`` takes
+nanoGPT's runs for the same minutes and seeds from an earlier report of this benchmark (refused
+unless it ran on a machine of the same kind: CPU model, family, model number, AVX flags, threads and
+torch version) and trains only qkv; the report names that file under ``nanogpt_from``.
+
 Smoke test (a minute; results into /tmp): ``--minutes 0.2 --timing-iters 101 --eval-interval 1 --out /tmp/lmvn.json``.
 """
 
@@ -328,11 +333,10 @@ def score(model: CausalLM, ids: list[int], context: int, batch: int = 32) -> dic
 def score_both(nanogpt: dict, qkv: dict, splits: dict[str, str], chars: list[str]) -> None:
     """Add ``scores`` (validation and test splits, the same windows) and ``parameters`` to both records."""
     nano_model, info = load_nanogpt(Path(nanogpt["out_dir"]) / "ckpt.pt")
-    qkv_model, tokenizer, _ = load_run(qkv["run_dir"], "model", task="lm")
-    assert isinstance(qkv_model, CausalLM)
     if nano_model.config.vocab_size != len(chars):
         sys.exit(f"nanoGPT's vocabulary has {nano_model.config.vocab_size} characters, the text {len(chars)}")
     stoi = {c: i for i, c in enumerate(chars)}  # nanoGPT's prepare.py: sorted(set(text))
+    qkv_model = score_qkv(qkv, splits, nano_model.config.context)
     context = min(nano_model.config.context, qkv_model.config.context)
     nanogpt.update(parameters=info["parameters"], checkpoint_iter=info["iter_num"], scores={})
     budget = nanogpt["at_budget"]
@@ -342,22 +346,58 @@ def score_both(nanogpt: dict, qkv: dict, splits: dict[str, str], chars: list[str
         budget.update(checkpoint_iter=budget_info["iter_num"], scores={})
     elif budget["checkpoint"] is not None:  # the same weights as at its schedule's end
         budget.update(checkpoint_iter=info["iter_num"], scores=nanogpt["scores"])
-    qkv["parameters"] = sum(p.numel() for p in qkv_model.parameters())
-    qkv["scores"], qkv["scores_own_context"] = {}, {}
     for name, text in splits.items():
-        nano_ids, qkv_ids = [stoi[c] for c in text], tokenizer.encode(text)
-        if len(qkv_ids) != len(text):
-            sys.exit("qkv's run is not character-level; this benchmark compares character models")
+        nano_ids = [stoi[c] for c in text]
         nanogpt["scores"][name] = score(nano_model, nano_ids, context)
         if budget_model is not None:
             budget["scores"][name] = score(budget_model, nano_ids, context)
+
+
+def score_qkv(qkv: dict, splits: dict[str, str], other_context: int) -> CausalLM:
+    """Add ``scores`` (at the shorter of the two contexts), ``scores_own_context`` and ``parameters``
+    to qkv's record; its model."""
+    qkv_model, tokenizer, _ = load_run(qkv["run_dir"], "model", task="lm")
+    assert isinstance(qkv_model, CausalLM)
+    context = min(other_context, qkv_model.config.context)
+    qkv["parameters"] = sum(p.numel() for p in qkv_model.parameters())
+    qkv["scores"], qkv["scores_own_context"] = {}, {}
+    for name, text in splits.items():
+        qkv_ids = tokenizer.encode(text)
+        if len(qkv_ids) != len(text):
+            sys.exit("qkv's run is not character-level; this benchmark compares character models")
         qkv["scores"][name] = score(qkv_model, qkv_ids, context)
         qkv["scores_own_context"][name] = score(qkv_model, qkv_ids, qkv_model.config.context)
+    return qkv_model
+
+
+MACHINE_KEYS = ("cpu_model", "cpu_family", "cpu_model_number", "avx2", "avx512_bf16", "amx", "threads", "torch")
+
+
+def earlier_nanogpt(path: Path, machine: dict, text: dict, splits: list[str]) -> tuple[dict, dict]:
+    """``--nanogpt-from``: the nanoGPT runs of an earlier report of this benchmark, by (minutes, seed),
+    and where they come from. Refused unless that report ran on a machine of this kind (the keys of
+    ``MACHINE_KEYS``), on the same text, and scored every split asked for."""
+    from qkv.runtime.fileio import read_json
+
+    earlier = read_json(path)
+    differ = [k for k in MACHINE_KEYS if earlier.get("machine", {}).get(k) != machine.get(k)]
+    if differ:
+        sys.exit(f"--nanogpt-from {path}: ran on another kind of machine ({', '.join(differ)} differ); "
+                 "nanoGPT must run on this one")  # fmt: skip
+    if earlier.get("text", {}).get("splits_chars") != text["splits_chars"]:
+        sys.exit(f"--nanogpt-from {path}: its text's splits are not this text's")
+    runs = {}
+    for b in earlier.get("budgets", []):
+        if all(name in b["nanogpt"]["at_budget"].get("scores", {}) for name in splits):
+            runs[(b["minutes"], b["seed"])] = b["nanogpt"]
+    source = {"path": str(path), "commit": earlier.get("commit"), "date": earlier.get("date"),
+              "machine_time": earlier.get("machine", {}).get("time")}  # fmt: skip
+    return runs, source
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nanogpt", required=True, type=Path, help="a nanoGPT checkout (read, never written)")
+    parser.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout (read, never written)")
     parser.add_argument("--minutes", type=float, nargs="+", default=[5.0], help="the budgets (default 5)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/lm_vs_nanogpt"), help="runs and logs")
     parser.add_argument(
@@ -377,9 +417,18 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="score the validation split only (for runs that choose; a finished recipe's test is scored once)",
     )
+    parser.add_argument(
+        "--nanogpt-from",
+        type=Path,
+        default=None,
+        help="an earlier report of this benchmark on a machine of this kind: its nanoGPT runs (same minutes "
+        "and seeds) are taken from it, and only qkv trains (a 3-seed comparison spread over sessions)",
+    )
     add_result_options(parser, required=True)
     args = parser.parse_args(argv)
     out = check_result_file(parser, args)
+    if (args.nanogpt is None) == (args.nanogpt_from is None):
+        parser.error("give one of --nanogpt (train nanoGPT here) and --nanogpt-from (an earlier report's runs)")
     if any(not (m > 0 and math.isfinite(m)) for m in args.minutes):
         parser.error("--minutes must be positive")
     if args.timing_iters <= 100:  # nanoGPT's schedule divides by lr_decay_iters - warmup_iters (100)
@@ -392,12 +441,23 @@ def main(argv: list[str] | None = None) -> None:
     nano_val_start = int(len(whole) * 0.9)  # nanoGPT's prepare.py: the last 10% validates
     inside = all(texts.chars[name][0] >= nano_val_start for name in ("val", "test"))
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    copy = prepare_nanogpt(args.nanogpt.resolve(), args.work_dir, text_path)
-    timing = time_nanogpt(copy, args.work_dir, args.timing_iters)
+    splits = {"val": texts.val} if args.no_test else {"val": texts.val, "test": texts.test}
+    machine = {**environment(), "threads": torch.get_num_threads()}
+    text = {"splits_chars": {k: list(v) for k, v in texts.chars.items() if v}}
+    earlier, earlier_source = (
+        earlier_nanogpt(args.nanogpt_from, machine, text, list(splits)) if args.nanogpt_from else ({}, None)
+    )
+    missing = [(m, s) for m in args.minutes for s in args.seeds if (m, s) not in earlier]
+    if args.nanogpt_from and missing:
+        sys.exit(f"--nanogpt-from {args.nanogpt_from}: no scored nanoGPT run for (minutes, seed) {missing}")
+    copy = timing = None
+    if not args.nanogpt_from:
+        copy = prepare_nanogpt(args.nanogpt.resolve(), args.work_dir, text_path)
+        timing = time_nanogpt(copy, args.work_dir, args.timing_iters)
     report: dict = {
         "what": "qkv's default language-model recipe vs nanoGPT (its own code, README CPU settings) at equal "
         "minutes, trained one after the other; both scored on qkv's whole validation and test splits",
-        "machine": {**environment(), "threads": torch.get_num_threads()},
+        "machine": machine,
         "text": {
             "path": str(text_path),
             "chars": len(whole),
@@ -409,16 +469,22 @@ def main(argv: list[str] | None = None) -> None:
         "scoring": "nats/char over every character of each split, non-overlapping windows of the shorter "
         "context (64) plus one last window; nanoGPT's ckpt.pt loaded into qkv's CausalLM",
         "nanogpt_timing_run": timing,
+        "nanogpt_from": earlier_source,  # None: nanoGPT trained in this run, just before qkv
         "budgets": [],
     }
-    splits = {"val": texts.val} if args.no_test else {"val": texts.val, "test": texts.test}
     for minutes in args.minutes:
         for seed in args.seeds:
-            nanogpt = train_nanogpt(
-                copy, args.work_dir, minutes, timing, args.eval_interval, args.cut_at_budget, seed=seed
-            )
-            qkv = train_qkv(args.work_dir, minutes, seed=seed)
-            score_both(nanogpt, qkv, splits, chars)
+            if args.nanogpt_from:
+                nanogpt = earlier[(minutes, seed)]
+                qkv = train_qkv(args.work_dir, minutes, seed=seed)
+                score_qkv(qkv, splits, nanogpt["scores"]["val"]["context"])
+            else:
+                assert copy is not None and timing is not None
+                nanogpt = train_nanogpt(
+                    copy, args.work_dir, minutes, timing, args.eval_interval, args.cut_at_budget, seed=seed
+                )
+                qkv = train_qkv(args.work_dir, minutes, seed=seed)
+                score_both(nanogpt, qkv, splits, chars)
             report["budgets"].append({"minutes": minutes, "seed": seed, "nanogpt": nanogpt, "qkv": qkv})
             report["summary"] = summarize(report["budgets"], list(splits))
             write_result(out, report, argv)

@@ -89,3 +89,27 @@ def test_nothing_is_copied_when_nanogpt_saved_nothing_by_the_budget(tmp_path):
     watch(0.0, "using fused AdamW: False")
     watch(2.0, "iter 7: loss 3.0, time 80.00ms, mfu 0.10%")
     assert watch.iter == 7 and not watch.copied and not watch.path.exists()
+
+
+def _earlier_report(machine: dict, splits: dict, scored: tuple[str, ...]) -> dict:
+    scores = {name: {"nats_per_char": 1.5, "chars_scored": 10, "context": 64} for name in scored}
+    nanogpt = {"at_budget": {"scores": scores}, "scores": scores}
+    return {"machine": machine, "text": {"splits_chars": splits}, "commit": "abc", "date": "d",
+            "budgets": [{"minutes": 30.0, "seed": 0, "nanogpt": nanogpt}]}  # fmt: skip
+
+
+def test_earlier_nanogpt_runs_are_taken_only_from_a_machine_of_this_kind(tmp_path):
+    bench = load_benchmark("lm_vs_nanogpt")
+    machine = {"cpu_model": "AMD EPYC", "cpu_family": "25", "cpu_model_number": "1", "avx2": True,
+               "avx512_bf16": False, "amx": False, "threads": 2, "torch": "2.13.0+cpu", "time": "t"}  # fmt: skip
+    splits = {"train": [0, 90], "val": [90, 95], "test": [95, 100]}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(_earlier_report(machine, splits, ("val", "test"))))
+    runs, source = bench.earlier_nanogpt(path, machine, {"splits_chars": splits}, ["val", "test"])
+    assert list(runs) == [(30.0, 0)] and source["commit"] == "abc"
+    with pytest.raises(SystemExit, match="avx512_bf16"):
+        bench.earlier_nanogpt(path, {**machine, "avx512_bf16": True}, {"splits_chars": splits}, ["val"])
+    with pytest.raises(SystemExit, match="splits"):
+        bench.earlier_nanogpt(path, machine, {"splits_chars": {**splits, "val": [90, 96]}}, ["val"])
+    path.write_text(json.dumps(_earlier_report(machine, splits, ("val",))))  # scored without test
+    assert bench.earlier_nanogpt(path, machine, {"splits_chars": splits}, ["val", "test"])[0] == {}
