@@ -422,13 +422,14 @@ def main(argv: list[str] | None = None) -> None:
         type=Path,
         default=None,
         help="an earlier report of this benchmark on a machine of this kind: its nanoGPT runs (same minutes "
-        "and seeds) are taken from it, and only qkv trains (a 3-seed comparison spread over sessions)",
+        "and seeds) are taken from it and only qkv trains for those; with --nanogpt, nanoGPT trains for the "
+        "others (a 3-seed comparison spread over sessions)",
     )
     add_result_options(parser, required=True)
     args = parser.parse_args(argv)
     out = check_result_file(parser, args)
-    if (args.nanogpt is None) == (args.nanogpt_from is None):
-        parser.error("give one of --nanogpt (train nanoGPT here) and --nanogpt-from (an earlier report's runs)")
+    if args.nanogpt is None and args.nanogpt_from is None:
+        parser.error("give --nanogpt (train nanoGPT here), --nanogpt-from (an earlier report's runs) or both")
     if any(not (m > 0 and math.isfinite(m)) for m in args.minutes):
         parser.error("--minutes must be positive")
     if args.timing_iters <= 100:  # nanoGPT's schedule divides by lr_decay_iters - warmup_iters (100)
@@ -448,10 +449,13 @@ def main(argv: list[str] | None = None) -> None:
         earlier_nanogpt(args.nanogpt_from, machine, text, list(splits)) if args.nanogpt_from else ({}, None)
     )
     missing = [(m, s) for m in args.minutes for s in args.seeds if (m, s) not in earlier]
-    if args.nanogpt_from and missing:
-        sys.exit(f"--nanogpt-from {args.nanogpt_from}: no scored nanoGPT run for (minutes, seed) {missing}")
+    if earlier_source:
+        earlier_source["taken"] = [[m, s] for m in args.minutes for s in args.seeds if (m, s) in earlier]
+    if missing and args.nanogpt is None:
+        sys.exit(f"--nanogpt-from {args.nanogpt_from}: no scored nanoGPT run for (minutes, seed) {missing}; "
+                 "give --nanogpt too to train those")  # fmt: skip
     copy = timing = None
-    if not args.nanogpt_from:
+    if missing:
         copy = prepare_nanogpt(args.nanogpt.resolve(), args.work_dir, text_path)
         timing = time_nanogpt(copy, args.work_dir, args.timing_iters)
     report: dict = {
@@ -469,12 +473,12 @@ def main(argv: list[str] | None = None) -> None:
         "scoring": "nats/char over every character of each split, non-overlapping windows of the shorter "
         "context (64) plus one last window; nanoGPT's ckpt.pt loaded into qkv's CausalLM",
         "nanogpt_timing_run": timing,
-        "nanogpt_from": earlier_source,  # None: nanoGPT trained in this run, just before qkv
+        "nanogpt_from": earlier_source,  # its runs ("taken"); the others trained here, each just before qkv
         "budgets": [],
     }
     for minutes in args.minutes:
         for seed in args.seeds:
-            if args.nanogpt_from:
+            if (minutes, seed) in earlier:
                 nanogpt = earlier[(minutes, seed)]
                 qkv = train_qkv(args.work_dir, minutes, seed=seed)
                 score_qkv(qkv, splits, nanogpt["scores"]["val"]["context"])

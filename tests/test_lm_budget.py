@@ -273,6 +273,32 @@ def test_a_run_takes_the_size_its_budget_affords_and_says_why(tmp_path):
     assert "sizing" not in config["recipe"] and config["model"]["d_model"] == 16
 
 
+def test_a_sizes_dropout_is_its_own_unless_given_and_giving_it_keeps_the_rule(tmp_path):
+    from qkv.data.spec import DataSpec
+    from qkv.runs.recipes import Recipe
+    from qkv.runs.translation import start_run
+
+    (tmp_path / "train.txt").write_text(TEXT, encoding="utf-8")
+    base = load_recipe("tinyshakespeare")
+    named = {"s": {"dropout": 0.0, "d_model": 16, "max_tokens": 64}, "m": {"d_model": 32, "max_tokens": 64}}
+    model = {**base.model, **MODEL, "dropout": 0.1}
+    rule = read_budget_rule(Path("r.toml"), {"tokens_per_parameter": 1e9, "sizes": named}, model)  # always "s"
+    fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+    recipe = Recipe(**{**fields, "model": model, "budget": rule, "default_for": ()})
+    train = {"max_steps": 2, "max_minutes": 0.0, "progress": False, "eval_every_minutes": 0.0, "bf16": False}
+    train["checkpoint_every_minutes"] = 0.0
+    data = DataSpec(source="text", train_text=str(tmp_path / "train.txt"))
+    for name, options, dropout in (("own", None, 0.0), ("given", {"dropout": 0.25}, 0.25)):
+        start_run(tmp_path / name, data=data, model_options=options, train_options=train, device="cpu", recipe=recipe)
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert config["recipe"]["sizing"]["size"]["d_model"] == 16  # chosen by the rule, not turned off
+        assert config["model"]["dropout"] == config["recipe"]["sizing"]["size"]["dropout"] == dropout
+    assert budget.with_settings(rule, {"dropout": 0.3, "d_model": 8}).sizes == (
+        {"dropout": 0.3, "d_model": 16, "max_tokens": 64},
+        {"dropout": 0.3, "d_model": 32, "max_tokens": 64},
+    )
+
+
 def test_the_budgets_end_is_validated_and_can_be_the_runs_best(tmp_path):
     """eval every 4 steps over a 6-step budget: validations at steps 4 and 6 (the end), the last one's
     loss is that of the final weights (computed here with F.cross_entropy), and the run's model is the

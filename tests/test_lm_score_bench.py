@@ -12,6 +12,9 @@ from bench_loader import load_benchmark
 
 from qkv.cli import main as qkv_main
 from qkv.models.causal_lm import CausalLM, CausalLMConfig
+from qkv.runs.recipes import load_recipe
+
+DEFAULT_DROPOUT = load_recipe("tinyshakespeare").model["dropout"]  # a size option given starts from [model]
 
 
 def reference_nats_per_char(model: CausalLM, ids: list[int], context: int) -> float:
@@ -43,7 +46,7 @@ def test_the_scorer_predicts_every_character_once_as_the_reference_does(n):
 def test_runs_are_grouped_by_recipe_seeds_together(tinyshakespeare_dir, tmp_path):
     tiny = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32", "--context", "16"]
     tiny += ["--max-tokens", "256", "--max-steps", "2", "--no-progress", "--threads", "1"]
-    runs = {"seed0": ["--seed", "0"], "seed1": ["--seed", "1"], "dropout": ["--seed", "0", "--dropout", "0.1"]}
+    runs = {"seed0": ["--seed", "0"], "seed1": ["--seed", "1"], "dropout": ["--seed", "0", "--dropout", "0.3"]}
     for name, extra in runs.items():
         argv = ["train", "--data", "tinyshakespeare", "--run-dir", str(tmp_path / name), *tiny, *extra]
         assert qkv_main(argv) == 0
@@ -56,7 +59,7 @@ def test_runs_are_grouped_by_recipe_seeds_together(tinyshakespeare_dir, tmp_path
     assert [r["seed"] for r in report["runs"]] == [0, 1, 0]
     first, second = report["summary"]
     assert first["seeds"] == [0, 1] and first["differs_from_first_group"] == {}
-    assert second["seeds"] == [0] and second["differs_from_first_group"] == {"model.dropout": [0.0, 0.1]}
+    assert second["seeds"] == [0] and second["differs_from_first_group"] == {"model.dropout": [DEFAULT_DROPOUT, 0.3]}
     for split in ("val", "test"):
         values = [r["scores"][split]["nats_per_char"] for r in report["runs"][:2]]
         assert first[split]["mean"] == pytest.approx(sum(values) / 2, abs=1e-4)

@@ -40,7 +40,7 @@ from qkv.models.options import check_trainable
 from qkv.runs import folder as run_folder
 from qkv.runs.kinds import LANGUAGE_MODEL
 from qkv.runs.recipes import Recipe
-from qkv.runs.recipes.budget import choose_size, measured_speeds, model_values
+from qkv.runs.recipes.budget import SIZE_KEYS_SETTINGS, choose_size, measured_speeds, model_values, with_settings
 from qkv.runs.recipes.choice import RecipeChoice
 from qkv.runs.resolve import ResolvedOptions, as_resolved
 from qkv.runtime.device import pick_device
@@ -234,10 +234,10 @@ def _sized_by_budget(
     (``--d-model``, ``--layers``, ``--context``, ``--max-tokens`` ...) is given, which turns the rule off.
     The speeds are measured in ``train_config``'s precision, the one the run trains in.
     Returns the options, the training settings and config.json's record of the choice (or None)."""
-    rule = recipe.budget
-    if rule is None:
+    if recipe.budget is None:
         return model_options, train_config, None
-    size_keys = {key for size in rule.sizes for key in size}
+    rule = with_settings(recipe.budget, model_options or {})  # --dropout: every size's, still chosen
+    size_keys = {key for size in rule.sizes for key in size} - set(SIZE_KEYS_SETTINGS)
     given = sorted(size_keys & ({**(model_options or {}), **(train_options or {})}).keys())
     if given:  # said once the data has passed its checks
         return model_options, train_config, {"why": f"as given ({', '.join(given)}), not chosen by the budget"}

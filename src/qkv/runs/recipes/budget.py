@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,9 @@ from qkv.training.config import MAX_BATCH_TOKENS
 logger = logging.getLogger(__name__)
 
 SIZE_KEYS_TRAIN = ("max_tokens",)  # a size's keys that are TrainConfig fields, not the model's
+# a size's keys that say how it trains, not how large it is: an option given sets them for every size
+# and the budget still chooses (a size option given, such as --d-model, turns the rule off)
+SIZE_KEYS_SETTINGS = ("dropout",)
 CACHE_NAME = "lm_speeds.json"
 TIMED_STEPS, WARMUP_STEPS, MAX_TIMED_SECONDS = 6, 2, 3.0
 
@@ -100,6 +103,12 @@ def read_budget_rule(path: Path, values: dict[str, Any], model: Mapping[str, Any
     if counts != sorted(counts):
         raise ValueError(f"{path}: budget.sizes: list the sizes smallest first (parameters {counts})")
     return BudgetRule(float(ratio), tuple(dict(s) for s in sizes.values()), tuple(sizes))
+
+
+def with_settings(rule: BudgetRule, options: Mapping[str, Any]) -> BudgetRule:
+    """The rule with the settings among ``options`` (:data:`SIZE_KEYS_SETTINGS`) over each size's own."""
+    given = {k: v for k, v in options.items() if k in SIZE_KEYS_SETTINGS}
+    return replace(rule, sizes=tuple({**size, **given} for size in rule.sizes)) if given else rule
 
 
 def model_values(size: dict[str, Any]) -> dict[str, Any]:
