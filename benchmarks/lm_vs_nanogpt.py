@@ -64,6 +64,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qkv.bench.provenance import machine as recorded_machine
 from qkv.bench.provenance import write_result
 from qkv.bench.results import add_result_options, check_result_file
 from qkv.bench.timing import environment
@@ -373,6 +374,12 @@ def score_qkv(qkv: dict, splits: dict[str, str], other_context: int) -> CausalLM
 MACHINE_KEYS = ("cpu_model", "cpu_family", "cpu_model_number", "avx2", "avx512_bf16", "amx", "threads", "torch")
 
 
+def this_machine() -> dict:
+    """This machine as the report records it (its speed flags included, as ``write_result`` adds them),
+    so that an earlier report's machine compares key for key."""
+    return {**recorded_machine(), **environment(), "threads": torch.get_num_threads()}
+
+
 def earlier_nanogpt(path: Path, machine: dict, text: dict, splits: list[str]) -> tuple[dict, dict]:
     """``--nanogpt-from``: the nanoGPT runs of an earlier report of this benchmark, by (minutes, seed),
     and where they come from. Refused unless that report ran on a machine of this kind (the keys of
@@ -443,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     inside = all(texts.chars[name][0] >= nano_val_start for name in ("val", "test"))
     args.work_dir.mkdir(parents=True, exist_ok=True)
     splits = {"val": texts.val} if args.no_test else {"val": texts.val, "test": texts.test}
-    machine = {**environment(), "threads": torch.get_num_threads()}
+    machine = this_machine()
     text = {"splits_chars": {k: list(v) for k, v in texts.chars.items() if v}}
     earlier, earlier_source = (
         earlier_nanogpt(args.nanogpt_from, machine, text, list(splits)) if args.nanogpt_from else ({}, None)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from bench_loader import load_benchmark
 
+from qkv.bench.provenance import stamp
 from qkv.cli import main as qkv_main
 from qkv.models.causal_lm import CausalLM, CausalLMConfig
 from qkv.runs.recipes import load_recipe
@@ -116,3 +117,12 @@ def test_earlier_nanogpt_runs_are_taken_only_from_a_machine_of_this_kind(tmp_pat
         bench.earlier_nanogpt(path, machine, {"splits_chars": {**splits, "val": [90, 96]}}, ["val"])
     path.write_text(json.dumps(_earlier_report(machine, splits, ("val",))))  # scored without test
     assert bench.earlier_nanogpt(path, machine, {"splits_chars": splits}, ["val", "test"])[0] == {}
+
+
+def test_this_machine_has_every_key_an_earlier_report_is_compared_on():
+    bench = load_benchmark("lm_vs_nanogpt")
+    here = bench.this_machine()
+    assert all(here.get(key) is not None for key in bench.MACHINE_KEYS)
+    assert {k: stamp({"machine": here})["machine"][k] for k in bench.MACHINE_KEYS} == {
+        k: here[k] for k in bench.MACHINE_KEYS
+    }
