@@ -44,6 +44,11 @@ nanoGPT's runs for the same minutes and seeds from an earlier report of this ben
 unless it ran on a machine of the same kind: CPU model, family, model number, AVX flags, threads and
 torch version) and trains only qkv; the report names that file under ``nanogpt_from``.
 
+``--combine A.json B.json ...`` writes one report of the runs of several (say seed 0 and 1 from one
+session, seed 2 from the next), with the summary over all of them; refused unless the reports ran on
+machines of one kind, scored the same splits, hold no (minutes, seed) twice, and qkv's recipe file
+(``src/qkv/runs/recipes/tinyshakespeare.toml``) is the same at each one's commit.
+
 Smoke test (a minute; results into /tmp): ``--minutes 0.2 --timing-iters 101 --eval-interval 1 --out /tmp/lmvn.json``.
 """
 
@@ -402,6 +407,57 @@ def earlier_nanogpt(path: Path, machine: dict, text: dict, splits: list[str]) ->
     return runs, source
 
 
+RECIPE_FILE = "src/qkv/runs/recipes/tinyshakespeare.toml"
+
+
+def recipe_at(commit: str) -> str:
+    """qkv's recipe file at ``commit`` of this repository (exits where the commit is not one of its)."""
+    if not re.fullmatch(r"[0-9a-f]{7,40}", commit or ""):
+        sys.exit(f"--combine: commit {commit!r} is not a clean commit, so its recipe is not known")
+    root = Path(__file__).resolve().parents[1]
+    shown = subprocess.run(["git", "-C", str(root), "show", f"{commit}:{RECIPE_FILE}"], capture_output=True, text=True)
+    if shown.returncode != 0:
+        sys.exit(f"--combine: commit {commit} is not in this repository ({shown.stderr.strip()})")
+    return shown.stdout
+
+
+def combine(paths: list[Path], recipe_of: Callable[[str], str] = recipe_at) -> dict:
+    """One report of the runs of several reports of this benchmark, summarized over all of them.
+    ``recipe_of``: the recipe file's text at a commit (tests give their own)."""
+    from qkv.runtime.fileio import read_json
+
+    reports = [read_json(path) for path in paths]
+    first = reports[0]
+    for path, report in zip(paths[1:], reports[1:], strict=True):
+        differ = [k for k in MACHINE_KEYS if report.get("machine", {}).get(k) != first.get("machine", {}).get(k)]
+        if differ:
+            sys.exit(f"--combine: {path} ran on another kind of machine than {paths[0]} ({', '.join(differ)} differ)")
+        if report.get("text", {}).get("splits_chars") != first.get("text", {}).get("splits_chars"):
+            sys.exit(f"--combine: {path}'s text splits are not {paths[0]}'s")
+        if recipe_of(report.get("commit", "")) != recipe_of(first.get("commit", "")):
+            sys.exit(f"--combine: qkv's recipe at {path}'s commit is not the one at {paths[0]}'s")
+    budgets, seen = [], set()
+    for path, report in zip(paths, reports, strict=True):
+        for b in report.get("budgets", []):
+            if (b["minutes"], b["seed"]) in seen:
+                sys.exit(f"--combine: {path} holds ({b['minutes']:g} minutes, seed {b['seed']}) again")
+            seen.add((b["minutes"], b["seed"]))
+            budgets.append(b)
+    splits = sorted({name for b in budgets for name in b["qkv"].get("scores", {})} & {"val", "test"})
+    budgets.sort(key=lambda b: (b["minutes"], b["seed"]))
+    sources = [{"path": str(path), "commit": r.get("commit"), "date": r.get("date"),
+                "runs": [[b["minutes"], b["seed"]] for b in r.get("budgets", [])],
+                "nanogpt_timing_run": r.get("nanogpt_timing_run"), "nanogpt_from": r.get("nanogpt_from")}
+               for path, r in zip(paths, reports, strict=True)]  # fmt: skip
+    return {
+        **{k: first[k] for k in ("what", "text", "scoring") if k in first},
+        "machine": first.get("machine"),
+        "combined_from": sources,
+        "budgets": budgets,
+        "summary": summarize(budgets, splits),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout (read, never written)")
@@ -432,9 +488,20 @@ def main(argv: list[str] | None = None) -> None:
         "and seeds) are taken from it and only qkv trains for those; with --nanogpt, nanoGPT trains for the "
         "others (a 3-seed comparison spread over sessions)",
     )
+    parser.add_argument(
+        "--combine",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="write one report of these reports' runs, the summary over all of them (nothing trains)",
+    )
     add_result_options(parser, required=True)
     args = parser.parse_args(argv)
     out = check_result_file(parser, args)
+    if args.combine:
+        write_result(out, combine(args.combine), argv)
+        print(f"wrote {out}")
+        return
     if args.nanogpt is None and args.nanogpt_from is None:
         parser.error("give --nanogpt (train nanoGPT here), --nanogpt-from (an earlier report's runs) or both")
     if any(not (m > 0 and math.isfinite(m)) for m in args.minutes):

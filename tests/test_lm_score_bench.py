@@ -4,6 +4,8 @@ logits and log-softmax, window by window); and runs grouped by recipe, seeds tog
 
 import json
 import math
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,3 +128,46 @@ def test_this_machine_has_every_key_an_earlier_report_is_compared_on():
     assert {k: stamp({"machine": here})["machine"][k] for k in bench.MACHINE_KEYS} == {
         k: here[k] for k in bench.MACHINE_KEYS
     }
+
+
+def _scored_report(machine, splits, commit, seeds, ours, theirs):
+    def scores(value):
+        return {name: {"nats_per_char": value, "chars_scored": 10, "context": 64} for name in ("val", "test")}
+
+    budgets = [{"minutes": 30.0, "seed": seed, "nanogpt": {"at_budget": {"scores": scores(t)}, "scores": scores(t)},
+                "qkv": {"scores": scores(o)}} for seed, o, t in zip(seeds, ours, theirs, strict=True)]  # fmt: skip
+    return {"machine": machine, "text": {"splits_chars": splits}, "commit": commit, "date": "d", "budgets": budgets}
+
+
+def test_reports_of_one_kind_of_machine_and_one_recipe_are_combined_over_their_seeds(tmp_path):
+    bench = load_benchmark("lm_vs_nanogpt")
+    machine = {"cpu_model": "AMD EPYC", "cpu_family": "25", "cpu_model_number": "1", "avx2": True,
+               "avx512_bf16": False, "amx": False, "threads": 2, "torch": "2.13.0+cpu"}  # fmt: skip
+    splits = {"train": [0, 90], "val": [90, 95], "test": [95, 100]}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_scored_report(machine, splits, "aaaaaaa", [0, 1], [1.40, 1.42], [1.46, 1.48])))
+    b.write_text(json.dumps(_scored_report(machine, splits, "bbbbbbb", [2], [1.44], [1.50])))
+    recipes = {"aaaaaaa": "recipe", "bbbbbbb": "recipe"}
+    report = bench.combine([b, a], recipes.__getitem__)
+    assert [x["seed"] for x in report["budgets"]] == [0, 1, 2]
+    summary = report["summary"]["30"]
+    assert summary["seeds"] == [0, 1, 2]
+    for name in ("val", "test"):
+        assert summary[name]["qkv_mean"] == pytest.approx(1.42) and summary[name]["nanogpt_mean"] == pytest.approx(1.48)
+        assert summary[name]["qkv_ahead"] == pytest.approx(0.06)
+        assert summary[name]["qkv_spread"] == pytest.approx(math.sqrt(2 / 3) * 0.02, abs=1e-4)
+    assert [s["runs"] for s in report["combined_from"]] == [[[30.0, 2]], [[30.0, 0], [30.0, 1]]]
+    with pytest.raises(SystemExit, match="again"):
+        bench.combine([a, a], recipes.__getitem__)
+    with pytest.raises(SystemExit, match="recipe"):
+        bench.combine([a, b], {"aaaaaaa": "recipe", "bbbbbbb": "another"}.__getitem__)
+    b.write_text(json.dumps(_scored_report({**machine, "threads": 1}, splits, "bbbbbbb", [2], [1.44], [1.50])))
+    with pytest.raises(SystemExit, match="threads"):
+        bench.combine([a, b], recipes.__getitem__)
+    with pytest.raises(SystemExit, match="not a clean commit"):
+        bench.recipe_at("abc1234-dirty")
+    head = subprocess.run(
+        ["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
+    if head.returncode == 0:  # in a git checkout (CI's clean clone is one)
+        assert "[budget.sizes]" in bench.recipe_at(head.stdout.strip())
