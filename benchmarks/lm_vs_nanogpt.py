@@ -40,9 +40,12 @@ its validation split, against minutes), and the two scores. The JSON is rewritte
         --minutes 5 --out benchmarks/results/language-model/lm_vs_nanogpt_5min_MACHINE.json
 
 A comparison over several seeds can be spread over sessions: ``--nanogpt-from EARLIER.json`` takes
-nanoGPT's runs for the same minutes and seeds from an earlier report of this benchmark (refused
-unless it ran on a machine of the same kind: CPU model, family, model number, AVX flags, threads and
-torch version) and trains only qkv; the report names that file under ``nanogpt_from``.
+nanoGPT's runs for the same minutes and seeds from an earlier report of this benchmark, and nanoGPT
+trains only for the others. It is refused unless the earlier run was on a machine of the same kind
+(CPU model, family, model number, AVX flags, threads, torch version) that ran at the same speed:
+nanoGPT's timing run here within 10% of that report's. Machines of one kind have run at half the
+speed on another day (0.084 s a nanoGPT iteration against 0.041), where equal minutes are not equal
+compute. The report names that file under ``nanogpt_from``.
 
 ``--combine A.json B.json ...`` writes one report of the runs of several (say seed 0 and 1 from one
 session, seed 2 from the next), with the summary over all of them; refused unless the reports ran on
@@ -403,8 +406,24 @@ def earlier_nanogpt(path: Path, machine: dict, text: dict, splits: list[str]) ->
         if all(name in b["nanogpt"]["at_budget"].get("scores", {}) for name in splits):
             runs[(b["minutes"], b["seed"])] = b["nanogpt"]
     source = {"path": str(path), "commit": earlier.get("commit"), "date": earlier.get("date"),
-              "machine_time": earlier.get("machine", {}).get("time")}  # fmt: skip
+              "machine_time": earlier.get("machine", {}).get("time"),
+              "nanogpt_timing_run": earlier.get("nanogpt_timing_run")}  # fmt: skip
     return runs, source
+
+
+SPEED_TOLERANCE = 0.10
+
+
+def same_speed(source: dict, timing: dict) -> None:
+    """Exit unless this machine's nanoGPT timing run is within ``SPEED_TOLERANCE`` of the earlier
+    report's: machines of one kind (same CPU, flags, threads) have run nanoGPT at half the speed on
+    another day (0.084 s an iteration against 0.041), and minutes are then not the same compute."""
+    then = (source.get("nanogpt_timing_run") or {}).get("seconds_per_iter")
+    now = timing["seconds_per_iter"]
+    if not then or abs(now / then - 1) > SPEED_TOLERANCE:
+        sys.exit(f"--nanogpt-from {source['path']}: nanoGPT's iteration takes {now * 1000:.1f} ms here, "
+                 f"{then * 1000 if then else float('nan'):.1f} ms in that report's run: not the same "
+                 f"speed (within {SPEED_TOLERANCE:.0%}), so equal minutes would not be equal compute")  # fmt: skip
 
 
 RECIPE_FILE = "src/qkv/runs/recipes/tinyshakespeare.toml"
@@ -484,9 +503,9 @@ def main(argv: list[str] | None = None) -> None:
         "--nanogpt-from",
         type=Path,
         default=None,
-        help="an earlier report of this benchmark on a machine of this kind: its nanoGPT runs (same minutes "
-        "and seeds) are taken from it and only qkv trains for those; with --nanogpt, nanoGPT trains for the "
-        "others (a 3-seed comparison spread over sessions)",
+        help="an earlier report of this benchmark on a machine of this kind and speed (nanoGPT's timing run "
+        "within 10%%): its nanoGPT runs (same minutes and seeds) are taken from it and nanoGPT trains for "
+        "the others only",
     )
     parser.add_argument(
         "--combine",
@@ -502,8 +521,10 @@ def main(argv: list[str] | None = None) -> None:
         write_result(out, combine(args.combine), argv)
         print(f"wrote {out}")
         return
-    if args.nanogpt is None and args.nanogpt_from is None:
-        parser.error("give --nanogpt (train nanoGPT here), --nanogpt-from (an earlier report's runs) or both")
+    if args.nanogpt is None:
+        parser.error(
+            "give --nanogpt (a nanoGPT checkout; with --nanogpt-from its timing run checks this machine's speed)"
+        )
     if any(not (m > 0 and math.isfinite(m)) for m in args.minutes):
         parser.error("--minutes must be positive")
     if args.timing_iters <= 100:  # nanoGPT's schedule divides by lr_decay_iters - warmup_iters (100)
@@ -522,16 +543,12 @@ def main(argv: list[str] | None = None) -> None:
     earlier, earlier_source = (
         earlier_nanogpt(args.nanogpt_from, machine, text, list(splits)) if args.nanogpt_from else ({}, None)
     )
-    missing = [(m, s) for m in args.minutes for s in args.seeds if (m, s) not in earlier]
     if earlier_source:
         earlier_source["taken"] = [[m, s] for m in args.minutes for s in args.seeds if (m, s) in earlier]
-    if missing and args.nanogpt is None:
-        sys.exit(f"--nanogpt-from {args.nanogpt_from}: no scored nanoGPT run for (minutes, seed) {missing}; "
-                 "give --nanogpt too to train those")  # fmt: skip
-    copy = timing = None
-    if missing:
-        copy = prepare_nanogpt(args.nanogpt.resolve(), args.work_dir, text_path)
-        timing = time_nanogpt(copy, args.work_dir, args.timing_iters)
+    copy = prepare_nanogpt(args.nanogpt.resolve(), args.work_dir, text_path)
+    timing = time_nanogpt(copy, args.work_dir, args.timing_iters)
+    if earlier_source:
+        same_speed(earlier_source, timing)
     report: dict = {
         "what": "qkv's default language-model recipe vs nanoGPT (its own code, README CPU settings) at equal "
         "minutes, trained one after the other; both scored on qkv's whole validation and test splits",
@@ -557,7 +574,6 @@ def main(argv: list[str] | None = None) -> None:
                 qkv = train_qkv(args.work_dir, minutes, seed=seed)
                 score_qkv(qkv, splits, nanogpt["scores"]["val"]["context"])
             else:
-                assert copy is not None and timing is not None
                 nanogpt = train_nanogpt(
                     copy, args.work_dir, minutes, timing, args.eval_interval, args.cut_at_budget, seed=seed
                 )

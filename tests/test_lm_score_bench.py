@@ -171,3 +171,13 @@ def test_reports_of_one_kind_of_machine_and_one_recipe_are_combined_over_their_s
     )
     if head.returncode == 0:  # in a git checkout (CI's clean clone is one)
         assert "[budget.sizes]" in bench.recipe_at(head.stdout.strip())
+
+
+def test_earlier_nanogpt_runs_are_refused_from_a_machine_of_another_speed():
+    bench = load_benchmark("lm_vs_nanogpt")
+    source = {"path": "earlier.json", "nanogpt_timing_run": {"seconds_per_iter": 0.041}}
+    bench.same_speed(source, {"seconds_per_iter": 0.043})  # within 10%
+    with pytest.raises(SystemExit, match="84.0 ms here, 41.0 ms"):
+        bench.same_speed(source, {"seconds_per_iter": 0.084})
+    with pytest.raises(SystemExit, match="not the same speed"):
+        bench.same_speed({"path": "old.json", "nanogpt_timing_run": None}, {"seconds_per_iter": 0.04})
