@@ -3,6 +3,7 @@ recipe's ``[budget]`` table (which size a budget's tokens afford), the per-machi
 only, anything else measured again), and a run whose model the rule sizes, recorded in config.json."""
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -125,11 +126,39 @@ def test_speeds_are_measured_once_and_a_foreign_cache_is_measured_again(tmp_path
         )
 
     speed = speeds()
-    assert [speed(1), speed(1), speed(0)] == [1234.5, 1234.5, 1234.5] and measured == [32, 16]
+    assert [speed(1), speed(1), speed(0)] == [1234.5, 1234.5, 1234.5] and measured == [16, 32]  # the smallest first
     kept = json.loads((tmp_path / budget.CACHE_NAME).read_text())
     assert sorted(kept.values()) == [1234.5, 1234.5] and all(isinstance(k, str) for k in kept)
-    assert speeds()(1) == 1234.5 and measured == [32, 16]  # from the cache: not measured again
-    assert speeds()(2) == 1234.5 and measured == [32, 16, 64]  # another size is
+    # from the cache, once the smallest size, timed again, shows the machine at the cache's speed
+    assert speeds()(1) == 1234.5 and measured == [16, 32, 16]
+    assert speeds()(2) == 1234.5 and measured == [16, 32, 16, 16, 64]  # a size not in the cache is measured
+
+
+def test_a_cache_from_a_slower_or_faster_day_is_measured_again(tmp_path, monkeypatch, caplog):
+    rate = {"now": 1000.0}
+    measured = []
+
+    def fake_measure(size, model, task_for, **kwargs):
+        measured.append(size["d_model"])
+        return rate["now"] * 16 / size["d_model"]
+
+    monkeypatch.setattr(budget, "_measure", fake_measure)
+    rule, device = _rule(), torch.device("cpu")
+
+    def speeds():
+        return measured_speeds(
+            rule, MODEL, lambda c: _Task(c).task, vocab_size=65, device=device, bf16=False, cache_dir=tmp_path
+        )
+
+    assert speeds()(2) == 250.0 and measured == [16, 64]  # nothing cached: the smallest, then the one asked for
+    rate["now"] = 1100.0  # within DRIFT: the cache holds
+    assert speeds()(2) == 250.0 and measured == [16, 64, 16]
+    rate["now"] = 500.0  # half the speed: every size asked for is timed again and kept
+    caplog.set_level(logging.INFO, logger="qkv")
+    speed = speeds()
+    assert speed(2) == 125.0 and speed(0) == 500.0 and measured == [16, 64, 16, 16, 64]
+    assert "at 45% of the speed in qkv's cache" in caplog.text  # against the 1100 the probe last kept
+    assert sorted(json.loads((tmp_path / budget.CACHE_NAME).read_text()).values()) == [125.0, 500.0]
 
 
 def test_speeds_are_measured_with_the_runs_weight_decay_and_kept_apart(tmp_path, monkeypatch):
@@ -152,8 +181,7 @@ def test_speeds_are_measured_with_the_runs_weight_decay_and_kept_apart(tmp_path,
 
     speeds()(0)
     speeds(weight_decay=0.1)(0)
-    speeds(weight_decay=0.1)(0)  # cached
-    assert seen == [0.0, 0.1]
+    assert seen == [0.0, 0.1]  # not the speed cached without weight decay
     plain = budget._speed_key(SIZES[0], MODEL, 65, torch.device("cpu"), False, 0.0)
     assert plain != budget._speed_key(SIZES[0], MODEL, 65, torch.device("cpu"), False, 0.1)
     assert plain == budget._speed_key(SIZES[0], MODEL, 65, torch.device("cpu"), False, 0.0, "adamw")

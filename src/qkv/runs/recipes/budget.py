@@ -5,7 +5,8 @@ budget's tokens cover that many times.
 The tokens a budget affords are ``--max-steps x tokens a step``, or ``--epochs x the training
 tokens``, or, for ``--minutes M``, ``M x 60 x`` the training speed of that size measured on this
 machine (a few real training steps of each size, timed once per machine and kept in qkv's cache,
-:func:`measured_speeds`); where several are set, the smallest. A recipe file says, for instance::
+which each run checks by timing the smallest size again: :func:`measured_speeds`); where several are
+set, the smallest. A recipe file says, for instance::
 
     [budget]
     tokens_per_parameter = 4.0
@@ -44,6 +45,7 @@ SIZE_KEYS_TRAIN = ("max_tokens",)  # a size's keys that are TrainConfig fields, 
 SIZE_KEYS_SETTINGS = ("dropout",)
 CACHE_NAME = "lm_speeds.json"
 TIMED_STEPS, WARMUP_STEPS, MAX_TIMED_SECONDS = 6, 2, 3.0
+DRIFT = 0.2  # a cache is trusted while the smallest size, timed again, is within 20% of its cached speed
 
 
 @dataclass(frozen=True)
@@ -203,26 +205,46 @@ def measured_speeds(
     with ``weight_decay``; Muon's Newton-Schulz iterations make its steps slower)
     and kept in ``cache_dir/lm_speeds.json`` under a key of the machine, threads, torch, device,
     precision, optimizer and size. The cache holds numbers only: anything
-    else in it is ignored and measured again."""
+    else in it is ignored and measured again.
+
+    A machine of one kind can run at another speed on another day (a cloud machine's neighbours: the
+    same 2-core EPYC trained at half its morning's speed one afternoon), so the smallest size is timed
+    again once per call (a second or two) and the cache is trusted only where that is within
+    ``DRIFT`` of the speed it holds for it; otherwise every size asked for is measured again and kept."""
     found: dict[int, float] = {}
+    trusted: list[bool] = []  # decided once, on the first speed asked for
+
+    def key_of(i: int) -> str:
+        return _speed_key(rule.sizes[i], model, vocab_size, device, bf16, weight_decay, optimizer)
+
+    def measure(i: int) -> float:
+        measured = _measure(
+            rule.sizes[i],
+            model,
+            task_for,
+            vocab_size=vocab_size,
+            device=device,
+            bf16=bf16,
+            weight_decay=weight_decay,
+            optimizer=optimizer,
+        )
+        _write_cache(cache_dir, key_of(i), measured)
+        return measured
 
     def speed(i: int) -> float:
-        if i not in found:
-            key = _speed_key(rule.sizes[i], model, vocab_size, device, bf16, weight_decay, optimizer)
-            cached = _read_cache(cache_dir).get(key)
-            if cached is None:
-                cached = _measure(
-                    rule.sizes[i],
-                    model,
-                    task_for,
-                    vocab_size=vocab_size,
-                    device=device,
-                    bf16=bf16,
-                    weight_decay=weight_decay,
-                    optimizer=optimizer,
+        if not trusted:  # first: time the smallest size, and hold the cache against it
+            then = _read_cache(cache_dir).get(key_of(0))
+            found[0] = now = measure(0)
+            trusted.append(then is not None and abs(now / then - 1) <= DRIFT)
+            if then is not None and not trusted[0]:
+                logger.info(
+                    "this machine trains at %.0f%% of the speed in qkv's cache (%s): the sizes are measured again",
+                    100 * now / then,
+                    cache_dir,
                 )
-                _write_cache(cache_dir, key, cached)
-            found[i] = cached
+        if i not in found:
+            cached = _read_cache(cache_dir).get(key_of(i)) if trusted[0] else None
+            found[i] = cached if cached is not None else measure(i)
         return found[i]
 
     return speed
