@@ -50,7 +50,9 @@ compute. The report names that file under ``nanogpt_from``.
 ``--combine A.json B.json ...`` writes one report of the runs of several (say seed 0 and 1 from one
 session, seed 2 from the next), with the summary over all of them; refused unless the reports ran on
 machines of one kind, scored the same splits, hold no (minutes, seed) twice, and qkv's recipe file
-(``src/qkv/runs/recipes/tinyshakespeare.toml``) is the same at each one's commit.
+(``src/qkv/runs/recipes/tinyshakespeare.toml``) is the same at each one's commit. ``--leave-out REPORT
+MINUTES SEED WHY`` drops one report's run (one that was not a side by side, say), and the combined
+report records it with the reason.
 
 Smoke test (a minute; results into /tmp): ``--minutes 0.2 --timing-iters 101 --eval-interval 1 --out /tmp/lmvn.json``.
 """
@@ -440,12 +442,26 @@ def recipe_at(commit: str) -> str:
     return shown.stdout
 
 
-def combine(paths: list[Path], recipe_of: Callable[[str], str] = recipe_at) -> dict:
+def combine(
+    paths: list[Path], recipe_of: Callable[[str], str] = recipe_at, leave_out: list[tuple[Path, float, int, str]] = ()
+) -> dict:
     """One report of the runs of several reports of this benchmark, summarized over all of them.
-    ``recipe_of``: the recipe file's text at a commit (tests give their own)."""
+    ``recipe_of``: the recipe file's text at a commit (tests give their own). ``leave_out``: (report,
+    minutes, seed, why) for runs of a report that are not taken (say one that was not a side by side);
+    each must be in that report, and is recorded with its reason."""
     from qkv.runtime.fileio import read_json
 
     reports = [read_json(path) for path in paths]
+    dropped: dict[int, list] = {}
+    for path, minutes, seed, why in leave_out:
+        where = [i for i, known in enumerate(paths) if Path(known).resolve() == Path(path).resolve()]
+        if not where:
+            sys.exit(f"--leave-out: {path} is not one of the reports given to --combine")
+        if not any((b["minutes"], b["seed"]) == (minutes, seed) for b in reports[where[0]].get("budgets", [])):
+            sys.exit(f"--leave-out: {path} holds no run of {minutes:g} minutes with seed {seed}")
+        if not why.strip():
+            sys.exit("--leave-out: say why the run is left out")
+        dropped.setdefault(where[0], []).append({"minutes": minutes, "seed": seed, "why": why})
     first = reports[0]
     for path, report in zip(paths[1:], reports[1:], strict=True):
         differ = [k for k in MACHINE_KEYS if report.get("machine", {}).get(k) != first.get("machine", {}).get(k)]
@@ -456,8 +472,10 @@ def combine(paths: list[Path], recipe_of: Callable[[str], str] = recipe_at) -> d
         if recipe_of(report.get("commit", "")) != recipe_of(first.get("commit", "")):
             sys.exit(f"--combine: qkv's recipe at {path}'s commit is not the one at {paths[0]}'s")
     budgets, seen = [], set()
-    for path, report in zip(paths, reports, strict=True):
+    for i, (path, report) in enumerate(zip(paths, reports, strict=True)):
         for b in report.get("budgets", []):
+            if any((b["minutes"], b["seed"]) == (d["minutes"], d["seed"]) for d in dropped.get(i, [])):
+                continue
             if (b["minutes"], b["seed"]) in seen:
                 sys.exit(f"--combine: {path} holds ({b['minutes']:g} minutes, seed {b['seed']}) again")
             seen.add((b["minutes"], b["seed"]))
@@ -465,9 +483,11 @@ def combine(paths: list[Path], recipe_of: Callable[[str], str] = recipe_at) -> d
     splits = sorted({name for b in budgets for name in b["qkv"].get("scores", {})} & {"val", "test"})
     budgets.sort(key=lambda b: (b["minutes"], b["seed"]))
     sources = [{"path": str(path), "commit": r.get("commit"), "date": r.get("date"),
-                "runs": [[b["minutes"], b["seed"]] for b in r.get("budgets", [])],
+                "runs": [[b["minutes"], b["seed"]] for b in r.get("budgets", [])
+                         if not any((b["minutes"], b["seed"]) == (d["minutes"], d["seed"]) for d in dropped.get(i, []))],
+                **({"left_out": dropped[i]} if i in dropped else {}),
                 "nanogpt_timing_run": r.get("nanogpt_timing_run"), "nanogpt_from": r.get("nanogpt_from")}
-               for path, r in zip(paths, reports, strict=True)]  # fmt: skip
+               for i, (path, r) in enumerate(zip(paths, reports, strict=True))]  # fmt: skip
     return {
         **{k: first[k] for k in ("what", "text", "scoring") if k in first},
         "machine": first.get("machine"),
@@ -514,11 +534,26 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="write one report of these reports' runs, the summary over all of them (nothing trains)",
     )
+    parser.add_argument(
+        "--leave-out",
+        nargs=4,
+        action="append",
+        default=[],
+        metavar=("REPORT", "MINUTES", "SEED", "WHY"),
+        help="with --combine: do not take this report's run of these minutes and seed, for the reason given "
+        "(recorded); repeatable",
+    )
     add_result_options(parser, required=True)
     args = parser.parse_args(argv)
+    if args.leave_out and not args.combine:
+        parser.error("--leave-out goes with --combine")
+    try:
+        leave_out = [(Path(p), float(m), int(s), why) for p, m, s, why in args.leave_out]
+    except ValueError:
+        parser.error("--leave-out REPORT MINUTES SEED WHY: MINUTES is a number, SEED an integer")
     out = check_result_file(parser, args)
     if args.combine:
-        write_result(out, combine(args.combine), argv)
+        write_result(out, combine(args.combine, leave_out=leave_out), argv)
         print(f"wrote {out}")
         return
     if args.nanogpt is None:

@@ -159,6 +159,16 @@ def test_reports_of_one_kind_of_machine_and_one_recipe_are_combined_over_their_s
     assert [s["runs"] for s in report["combined_from"]] == [[[30.0, 2]], [[30.0, 0], [30.0, 1]]]
     with pytest.raises(SystemExit, match="again"):
         bench.combine([a, a], recipes.__getitem__)
+    c = tmp_path / "c.json"  # seed 0 again, in another report: left out of a, a's seed 0 comes from c
+    c.write_text(json.dumps(_scored_report(machine, splits, "bbbbbbb", [0], [1.30], [1.50])))
+    left = bench.combine([a, c], recipes.__getitem__, leave_out=[(a, 30.0, 0, "not a side by side")])
+    assert [(x["seed"], x["qkv"]["scores"]["val"]["nats_per_char"]) for x in left["budgets"]] == [(0, 1.30), (1, 1.42)]
+    assert left["combined_from"][0]["runs"] == [[30.0, 1]]
+    assert left["combined_from"][0]["left_out"] == [{"minutes": 30.0, "seed": 0, "why": "not a side by side"}]
+    assert left["summary"]["30"]["val"]["qkv_mean"] == pytest.approx(1.36)
+    for wrong, match in [((b, 30.0, 0, "x"), "not one of"), ((a, 30.0, 2, "x"), "no run"), ((a, 30.0, 0, " "), "why")]:
+        with pytest.raises(SystemExit, match=match):
+            bench.combine([a, c], recipes.__getitem__, leave_out=[wrong])
     with pytest.raises(SystemExit, match="recipe"):
         bench.combine([a, b], {"aaaaaaa": "recipe", "bbbbbbb": "another"}.__getitem__)
     b.write_text(json.dumps(_scored_report({**machine, "threads": 1}, splits, "bbbbbbb", [2], [1.44], [1.50])))
