@@ -471,11 +471,12 @@ def combine(
             sys.exit(f"--combine: {path}'s text splits are not {paths[0]}'s")
         if recipe_of(report.get("commit", "")) != recipe_of(first.get("commit", "")):
             sys.exit(f"--combine: qkv's recipe at {path}'s commit is not the one at {paths[0]}'s")
+    kept = [[b for b in report.get("budgets", [])
+             if (b["minutes"], b["seed"]) not in {(d["minutes"], d["seed"]) for d in dropped.get(i, [])}]
+            for i, report in enumerate(reports)]  # fmt: skip
     budgets, seen = [], set()
-    for i, (path, report) in enumerate(zip(paths, reports, strict=True)):
-        for b in report.get("budgets", []):
-            if any((b["minutes"], b["seed"]) == (d["minutes"], d["seed"]) for d in dropped.get(i, [])):
-                continue
+    for path, runs in zip(paths, kept, strict=True):
+        for b in runs:
             if (b["minutes"], b["seed"]) in seen:
                 sys.exit(f"--combine: {path} holds ({b['minutes']:g} minutes, seed {b['seed']}) again")
             seen.add((b["minutes"], b["seed"]))
@@ -483,8 +484,7 @@ def combine(
     splits = sorted({name for b in budgets for name in b["qkv"].get("scores", {})} & {"val", "test"})
     budgets.sort(key=lambda b: (b["minutes"], b["seed"]))
     sources = [{"path": str(path), "commit": r.get("commit"), "date": r.get("date"),
-                "runs": [[b["minutes"], b["seed"]] for b in r.get("budgets", [])
-                         if not any((b["minutes"], b["seed"]) == (d["minutes"], d["seed"]) for d in dropped.get(i, []))],
+                "runs": [[b["minutes"], b["seed"]] for b in kept[i]],
                 **({"left_out": dropped[i]} if i in dropped else {}),
                 "nanogpt_timing_run": r.get("nanogpt_timing_run"), "nanogpt_from": r.get("nanogpt_from")}
                for i, (path, r) in enumerate(zip(paths, reports, strict=True))]  # fmt: skip
