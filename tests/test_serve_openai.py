@@ -8,10 +8,13 @@ rendered as transformers renders them, in jinja2's sandbox."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import logging
+import re
 import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -359,3 +362,62 @@ def test_a_template_runs_in_the_sandbox(source):
         ChatTemplate(source).render(CHAT)
     with pytest.raises(ValueError, match="does not compile"):
         ChatTemplate("{% for m in messages %}")
+
+
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"  # 10^10 empty turns
+
+
+@pytest.mark.parametrize(
+    "source, reason",
+    [
+        (LOOPS, "ran past 0.2 s"),  # no call, no output: only the line deadline sees it
+        ("{% for m in messages %}" + LOOPS + "{% endfor %}", "ran past 0.2 s"),
+        ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recurses too deeply"),
+        ("{% for i in range(100000) %}{{ messages[0]['content'] * 100 }}{% endfor %}", "writes more than 1000000"),
+        ("{{ 'x' * 10**9 }}", "a repeat of 1 items 1000000000 times"),
+        ("{% set n = 10**9 %}{{ [0] * n }}", "a repeat of 1 items"),
+        ("{{ 7 ** 100000000 }}", "the power 7 ** 100000000 is over 100000 bits"),
+        (
+            "{% set ns = namespace(x=1) %}{% set ns.x = 2**50000 %}{% set ns.x = ns.x * ns.x %}",
+            "a product is over 100000 bits",
+        ),
+        ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "made"),
+        ("{{ 'x' | center(10**9) }}", "the number 1000000000 is over its limit"),
+        ("{{ 'x'.ljust(10**9) }}", "the number 1000000000 is over its limit"),
+        ("{{ '{:>2000000}'.format('x') }}", "an operation made 2000000 items"),
+        ("{{ range(10**7) | list }}", "over its limit"),
+    ],
+)
+def test_a_template_is_stopped_at_its_limits(source, reason):
+    """The sandbox does not bound work: each of these would hold a worker for minutes or take
+    gigabytes. Each is refused with its reason (the deadline short for the loops, long for the others,
+    so that each of those is stopped by its own limit), and the thread's trace function is put back."""
+    before = sys.gettrace()
+    with pytest.raises(ChatTemplateError, match=re.escape(reason)):
+        ChatTemplate(source, max_seconds=0.2 if "ran past" in reason else 60).render(CHAT)
+    assert sys.gettrace() is before
+    within = ChatTemplate(
+        "{% for i in range(2000) %}{{ 'ab' * 3 + '%s' % i }}{% endfor %}{{ 2 ** 10 }}", max_seconds=60
+    )
+    assert (
+        within.render(CHAT) == "".join(f"ababab{i}" for i in range(2000)) + "1024"
+    )  # the same operations inside the limits
+
+
+def test_a_chat_template_renders_off_the_event_loop(served, monkeypatch):
+    """A template is rendered in a worker thread: however long it takes, the server's loop goes on."""
+    seen = []
+    render = ChatTemplate.render
+
+    def recording(self, messages):
+        try:
+            asyncio.get_running_loop()
+            seen.append("on the event loop")
+        except RuntimeError:
+            seen.append("off the loop")
+        return render(self, messages)
+
+    monkeypatch.setattr(ChatTemplate, "render", recording)
+    _, _, client = served
+    client.chat.completions.create(model="tiny-chat", messages=CHAT, temperature=0, max_tokens=2)
+    assert seen == ["off the loop"]

@@ -30,6 +30,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from qkv.inference.kinds import CAUSAL_LM
@@ -331,7 +332,8 @@ def add_openai_routes(app: FastAPI, service: Service) -> None:
         ends at the template's end-of-sequence token (or a stop text, or the token limit)."""
         served = pick(body.model)
         check_unsupported(body)
-        ids, template = conversation_ids(service, served, templates.get(served.name), body)
+        # a template is someone else's code: rendered off the event loop, within its limits
+        ids, template = await run_in_threadpool(conversation_ids, service, served, templates.get(served.name), body)
         stops = _stops(service, body.stop)
         if template.eos_token and template.eos_token not in stops:
             stops.append(template.eos_token)  # the end of the assistant's turn
