@@ -41,6 +41,7 @@ SCRIPTS = (
     "attention.js",
     "summary.js",
     "rollout.js",
+    "scores.js",
     "saliency.js",
     "lens.js",
     "attribution.js",
