@@ -166,6 +166,35 @@ def quiet_exporter() -> Iterator[None]:
                 logger.setLevel(level)
 
 
+def write_graph(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    path: Path,
+    names: dict[str, list[str]],
+    dynamic_shapes: Any,
+    *,
+    optimize: bool = True,
+) -> None:
+    """``module`` (in eval mode) written to ``path`` as one ONNX file by PyTorch's dynamo-based
+    exporter at :data:`OPSET`, with ``names["inputs"]`` and ``names["outputs"]``, the exporter
+    quiet (:func:`quiet_exporter`). ``optimize=False`` keeps the initializers under the module's
+    parameter names and layouts."""
+    with quiet_exporter():
+        torch.onnx.export(
+            module.eval(),
+            args,
+            str(path),
+            input_names=names["inputs"],
+            output_names=names["outputs"],
+            dynamic_shapes=dynamic_shapes,
+            opset_version=OPSET,
+            dynamo=True,
+            external_data=False,
+            verbose=False,
+            optimize=optimize,
+        )
+
+
 def _export_graphs(model: Transformer, folder: Path) -> dict[str, dict[str, list[str]]]:
     """Write encoder.onnx and decoder_step.onnx into ``folder``; returns their input/output names."""
     from torch.export import Dim
@@ -193,20 +222,8 @@ def _export_graphs(model: Transformer, folder: Path) -> dict[str, dict[str, list
             "decoder_step",
         ),
     ]
-    with quiet_exporter():
-        for module, args, dynamic_shapes, name in exports:
-            torch.onnx.export(
-                module.eval(),
-                args,
-                str(folder / f"{name}.onnx"),
-                input_names=names[name]["inputs"],
-                output_names=names[name]["outputs"],
-                dynamic_shapes=dynamic_shapes,
-                opset_version=OPSET,
-                dynamo=True,
-                external_data=False,
-                verbose=False,
-            )
+    for module, args, dynamic_shapes, name in exports:
+        write_graph(module, args, folder / f"{name}.onnx", names[name], dynamic_shapes)
     return names
 
 

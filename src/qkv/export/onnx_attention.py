@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from qkv.export.onnx import OPSET, check_output_folder, quiet_exporter
+from qkv.export.onnx import OPSET, check_output_folder, write_graph
 from qkv.export.output import building_export
 from qkv.inference.kinds import CAUSAL_LM
 from qkv.inference.runs import open_run
@@ -103,22 +103,10 @@ def _export_graph(model: CausalLM, path: Path) -> dict[str, list[str]]:
     config = model.config
     names = {"inputs": ["ids"], "outputs": ["logits", *attention_names(config.num_layers)]}
     ids = torch.randint(0, config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(0))
-    with quiet_exporter():
-        torch.onnx.export(
-            LMAttentionGraph(model).eval(),
-            (ids,),
-            str(path),
-            input_names=names["inputs"],
-            output_names=names["outputs"],
-            dynamic_shapes=({0: Dim("batch", min=1), 1: Dim("seq", min=1, max=config.context)},),
-            opset_version=OPSET,
-            dynamo=True,
-            external_data=False,
-            verbose=False,
-            # unoptimised, so that the initializers keep the model's parameter names and layouts
-            # (:func:`state_dict_of`); onnxruntime optimises the graph when it loads it
-            optimize=False,
-        )
+    shapes = ({0: Dim("batch", min=1), 1: Dim("seq", min=1, max=config.context)},)
+    # unoptimised, so that the initializers keep the model's parameter names and layouts
+    # (:func:`state_dict_of`); onnxruntime optimises the graph when it loads it
+    write_graph(LMAttentionGraph(model), (ids,), path, names, shapes, optimize=False)
     return names
 
 

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention.multihead import KVCache
-from qkv.export.onnx import OPSET, cache_names, check_output_folder, quiet_exporter
+from qkv.export.onnx import OPSET, cache_names, check_output_folder, write_graph
 from qkv.export.output import building_export
 from qkv.inference.kinds import CAUSAL_LM
 from qkv.inference.runs import open_run
@@ -137,19 +137,8 @@ def _export_graph(model: CausalLM, folder: Path) -> dict[str, list[str]]:
     past = Dim("past", min=0, max=context - 1)
     ids, past_kv = _example_inputs(model)
     names = _names(model.config.num_layers)
-    with quiet_exporter():
-        torch.onnx.export(
-            LMStepGraph(model).eval(),
-            (ids, *past_kv),
-            str(folder / "decoder_step.onnx"),
-            input_names=names["inputs"],
-            output_names=names["outputs"],
-            dynamic_shapes=({0: batch, 1: new}, tuple([{0: batch, 2: past}] * len(past_kv))),
-            opset_version=OPSET,
-            dynamo=True,
-            external_data=False,
-            verbose=False,
-        )
+    shapes = ({0: batch, 1: new}, tuple([{0: batch, 2: past}] * len(past_kv)))
+    write_graph(LMStepGraph(model), (ids, *past_kv), folder / "decoder_step.onnx", names, shapes)
     return names
 
 
