@@ -7,11 +7,11 @@ Set ``QKV_SCREENSHOT=docs/explorer.png`` to also save the README's screenshot of
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 
 import pytest
 import torch
+from chromium import chromium, playwright_or_skip
 
 import qkv
 from qkv import Transformer, TransformerConfig
@@ -20,20 +20,7 @@ from qkv.serve.server import make_server
 from qkv.viz import EncoderExplorer, Seq2SeqExplorer, explorer_data, write_html
 from qkv.viz.app import ExplorerApp
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-
-if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
-    pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api")
+playwright_or_skip(module=True)
 
 
 class WordTokenizer:
@@ -53,12 +40,8 @@ class WordTokenizer:
 
 @pytest.fixture(scope="module")
 def browser():
-    with sync_api.sync_playwright() as p:
-        instance = p.chromium.launch(
-            executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"), args=ARGS
-        )
+    with chromium() as instance:
         yield instance
-        instance.close()
 
 
 @pytest.fixture(scope="module", name="minilm")  # named apart from the function: other modules import it

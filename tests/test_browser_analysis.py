@@ -18,15 +18,13 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from chromium import chromium
 from explorer_documents import FRACTION_STATS, long_document, seed_document
 from test_browser import (  # noqa: F401  (minilm_fixture, seq2seq_explorer_fixture: fixtures)
-    ARGS,
-    CHROMIUM,
     Watch,
     minilm_fixture,
     offline_page,
     seq2seq_explorer_fixture,
-    sync_api,
     wait_renders,
 )
 
@@ -41,13 +39,8 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 @pytest.fixture(scope="module")
 def browser():
-    # downloads (Save PNG) would otherwise wait seconds on a download-protection check that cannot reach out
-    with sync_api.sync_playwright() as p:
-        instance = p.chromium.launch(
-            executable_path=CHROMIUM, args=[*ARGS, "--safebrowsing-disable-download-protection"]
-        )
+    with chromium() as instance:
         yield instance
-        instance.close()
 
 
 @pytest.fixture(scope="module")

@@ -32,9 +32,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from chromium import chromium
 
 # the module is skipped when chromium or playwright is missing (test_browser skips at import)
-from test_browser import ARGS, CHROMIUM, Watch, offline_page, sync_api, texts, wait_renders
+from test_browser import Watch, offline_page, texts, wait_renders
 
 from qkv import Transformer, TransformerConfig
 from qkv.cli import main
@@ -110,13 +111,8 @@ INERT = """() => ({
 
 @pytest.fixture(scope="module")
 def browser():
-    # as in test_browser_analysis: Save SVG's download would otherwise wait on a check that cannot reach out
-    with sync_api.sync_playwright() as p:
-        instance = p.chromium.launch(
-            executable_path=CHROMIUM, args=[*ARGS, "--safebrowsing-disable-download-protection"]
-        )
+    with chromium() as instance:
         yield instance
-        instance.close()
 
 
 class Session:

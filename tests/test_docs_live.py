@@ -23,14 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from chromium import chromium, playwright_or_skip
 
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
-
-if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
-    pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api")
+playwright_or_skip(module=True)
 pytest.importorskip("mkdocs")
 pytest.importorskip("onnx")
 
@@ -76,12 +72,8 @@ def site(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def browser():
-    with sync_api.sync_playwright() as p:
-        instance = p.chromium.launch(
-            executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"), args=ARGS
-        )
+    with chromium() as instance:
         yield instance
-        instance.close()
 
 
 @pytest.fixture(scope="module")

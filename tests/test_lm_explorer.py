@@ -286,58 +286,36 @@ def test_serve_command_opens_on_the_runs_own_text(lm_run, monkeypatch, capsys):
 
 
 def test_language_model_page_in_a_real_browser(explorer, tmp_path):
-    import os
-    import shutil
+    from chromium import chromium
 
-    chromium = "/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else shutil.which("chromium")
-    if not chromium:
-        pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api")
     from qkv.viz import write_html
 
     text = "to be or not"
     html = write_html(explorer_data([explorer.example(text)]), tmp_path / "lm.html")
-    args = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-    ]
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=args)
-        try:
-            context = browser.new_context(viewport={"width": 1320, "height": 900})
-            context.set_offline(True)
-            page = context.new_page()
-            errors = []
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
-            page.goto(html.as_uri())
-            page.wait_for_function("Number(document.body.dataset.renders || 0) > 0")
-            queries = page.eval_on_selector_all("#head-svg text.query", "ts => ts.map(t => t.textContent)")
-            assert queries == [visible(c) for c in text]
-            drawn = page.eval_on_selector_all("#head-svg line", "ls => ls.map(l => [+l.dataset.q, +l.dataset.k])")
-            assert drawn and all(k <= q for q, k in drawn)  # every line goes to the token itself or an earlier one
-            assert set(page.eval_on_selector_all("#head-svg line", "ls => ls.map(l => +l.dataset.head)")) == set(
-                range(4)
-            )
-            # the model view: one heatmap per layer and head, white above the diagonal
-            cells = page.eval_on_selector_all(
-                "#model-grid canvas",
-                """cs => cs.map(c => {
-                const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data, n = c.width, above = [];
-                for (let q = 0; q < c.height; q++) for (let k = q + 1; k < n; k++) above.push(d[4 * (q * n + k)]);
-                return {layer: +c.dataset.layer, head: +c.dataset.head, above: above, first: d[0]};
-            })""",
-            )
-            assert sorted((c["layer"], c["head"]) for c in cells) == [
-                (layer, h) for layer in range(2) for h in range(4)
-            ]
-            assert all(set(c["above"]) == {255} and c["first"] == 36 for c in cells)  # token 0 sees only itself
-            assert errors == []
-            context.close()
-        finally:
-            browser.close()
+    with chromium() as browser:
+        context = browser.new_context(viewport={"width": 1320, "height": 900})
+        context.set_offline(True)
+        page = context.new_page()
+        errors = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+        page.goto(html.as_uri())
+        page.wait_for_function("Number(document.body.dataset.renders || 0) > 0")
+        queries = page.eval_on_selector_all("#head-svg text.query", "ts => ts.map(t => t.textContent)")
+        assert queries == [visible(c) for c in text]
+        drawn = page.eval_on_selector_all("#head-svg line", "ls => ls.map(l => [+l.dataset.q, +l.dataset.k])")
+        assert drawn and all(k <= q for q, k in drawn)  # every line goes to the token itself or an earlier one
+        assert set(page.eval_on_selector_all("#head-svg line", "ls => ls.map(l => +l.dataset.head)")) == set(range(4))
+        # the model view: one heatmap per layer and head, white above the diagonal
+        cells = page.eval_on_selector_all(
+            "#model-grid canvas",
+            """cs => cs.map(c => {
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data, n = c.width, above = [];
+            for (let q = 0; q < c.height; q++) for (let k = q + 1; k < n; k++) above.push(d[4 * (q * n + k)]);
+            return {layer: +c.dataset.layer, head: +c.dataset.head, above: above, first: d[0]};
+        })""",
+        )
+        assert sorted((c["layer"], c["head"]) for c in cells) == [(layer, h) for layer in range(2) for h in range(4)]
+        assert all(set(c["above"]) == {255} and c["first"] == 36 for c in cells)  # token 0 sees only itself
+        assert errors == []
+        context.close()

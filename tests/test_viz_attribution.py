@@ -201,14 +201,14 @@ def check_bars(page, kind: str, lens: dict, layer: int, position: int) -> None:
 
 
 def test_lens_and_attribution_views_draw_the_documents_numbers(gpt2, translator, tmp_path):  # noqa: F811
-    from test_browser import ARGS, CHROMIUM, Watch, offline_page, sync_api, wait_renders
+    from chromium import chromium
+    from test_browser import Watch, offline_page, wait_renders
     from test_browser_analysis import screenshot  # saves docs/explorer_*.png when QKV_SCREENSHOT_DIR is set
 
     _, _, explorer = gpt2
     lm, mt = explorer.example(LONG_TEXT), translator.example("a dog runs on the beach")
     html = write_html(explorer_data([lm, mt]), tmp_path / "views.html")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    with chromium() as browser:
         blocked: list[str] = []
         context, page = offline_page(browser, blocked)
         watch = Watch(page)
@@ -280,4 +280,3 @@ def test_lens_and_attribution_views_draw_the_documents_numbers(gpt2, translator,
         assert watch.errors == []
         assert blocked == [] and all(url.startswith(("file:", "blob:")) for url in watch.requests)
         context.close()
-        browser.close()

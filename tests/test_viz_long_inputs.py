@@ -5,11 +5,11 @@ for the page, and a 4,096-token page in Debian's Chromium (drawn, heads switched
 from __future__ import annotations
 
 import os
-import shutil
 
 import numpy as np
 import pytest
 import torch
+from chromium import chromium
 
 from qkv.viz import AttentionView, explorer_data, long_inputs, make_example, render_html
 from qkv.viz.analysis import view_fields
@@ -113,9 +113,6 @@ def test_a_view_over_the_limit_is_reduced_checked_and_packed(monkeypatch):
 
 # --- a 4,096-token page in a real browser -------------------------------------------------------
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
-
 
 @pytest.fixture(scope="module")
 def long_page(tmp_path_factory):
@@ -137,13 +134,7 @@ def lines_drawn(weights: np.ndarray, heads: list[int]) -> int:
 
 @pytest.fixture(scope="module")
 def page(long_page):
-    if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
-        pytest.skip("Debian's chromium is not installed")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"), args=ARGS
-        )
+    with chromium() as browser:
         context = browser.new_context(viewport={"width": 1320, "height": 900})  # as wide as the other screenshots
         context.set_offline(True)
         tab = context.new_page()
@@ -152,7 +143,6 @@ def page(long_page):
         tab.goto(long_page[0].as_uri())
         tab.wait_for_function("() => Number(document.body.dataset.renders || 0) > 0", timeout=60_000)
         yield tab, errors
-        browser.close()
 
 
 def test_a_4096_token_page_shows_a_picture(page, long_page):
@@ -256,13 +246,7 @@ def test_a_translation_of_a_4096_token_document_builds_opens_and_draws(tmp_path)
     check_data(data)
     path = tmp_path / "translation.html"
     path.write_text(render_html(data))
-    if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
-        pytest.skip("Debian's chromium is not installed")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"), args=ARGS
-        )
+    with chromium() as browser:
         tab = browser.new_context(viewport={"width": 1320, "height": 900}).new_page()
         errors: list[str] = []
         tab.on("pageerror", lambda err: errors.append(str(err)))
@@ -273,4 +257,3 @@ def test_a_translation_of_a_4096_token_document_builds_opens_and_draws(tmp_path)
         assert int(svg.get_attribute("data-lines")) == lines_drawn(first, [0, 1])
         assert tab.locator("#model-grid canvas.cell").count() == 3 * 2
         assert not errors
-        browser.close()

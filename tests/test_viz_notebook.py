@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from html.parser import HTMLParser
 
 import numpy as np
 import pytest
 import torch
+from chromium import chromium
 from test_lm_explorer import TEXT_CHARS, independent_attention, lm_run  # noqa: F401  (lm_run: a fixture)
 
 from qkv.cli import main
 from qkv.viz import ExplorerView, head_view, model_view, open_explorer, render_html, show
 from qkv.viz.html import page_document
 
-CHROMIUM = "/usr/bin/chromium"
 SMALL = 2.6e-4  # the page keeps weights under 0.01 to within 0.0002 (html.pack_weights), plus 4-decimal rounding
 EXACT = 6e-5  # weights of 0.01 and more: 4-decimal rounding (and float32 in the browser)
 
@@ -272,16 +271,8 @@ def transformers_weights(sentences: list[str]) -> list[tuple[list[str], np.ndarr
 
 @pytest.fixture(scope="module")
 def browser():
-    if not os.path.exists(CHROMIUM) and not shutil.which("chromium"):
-        pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        instance = p.chromium.launch(
-            executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"),
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"],
-        )
+    with chromium() as instance:
         yield instance
-        instance.close()
 
 
 class NotebookPage:

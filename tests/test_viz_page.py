@@ -132,7 +132,8 @@ def test_the_page_is_smaller_and_the_callers_document_unchanged():
 
 
 def test_the_browser_unpacks_what_python_packed(tmp_path):
-    from test_browser import ARGS, CHROMIUM, Watch, offline_page, sync_api, wait_renders
+    from chromium import chromium
+    from test_browser import Watch, offline_page, wait_renders
 
     n = 24
     rng = np.random.default_rng(2)
@@ -144,80 +145,72 @@ def test_the_browser_unpacks_what_python_packed(tmp_path):
     data = explorer_data([make_example(" ".join(words), [view])])
     html = write_html(data, tmp_path / "packed.html")
     exact = np.array(data["examples"][0]["views"][0]["attention"])
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        try:
-            blocked: list[str] = []
-            context, page = offline_page(browser, blocked)
-            watch = Watch(page)
-            page.goto(html.as_uri())
-            wait_renders(page, 0)
-            unpacked = np.array(
-                page.evaluate(
-                    "() => window.qkvExplorer.data.examples[0].views[0].attention"
-                    ".map(layer => layer.map(head => head.map(row => Array.from(row))))"
-                )
+    with chromium() as browser:
+        blocked: list[str] = []
+        context, page = offline_page(browser, blocked)
+        watch = Watch(page)
+        page.goto(html.as_uri())
+        wait_renders(page, 0)
+        unpacked = np.array(
+            page.evaluate(
+                "() => window.qkvExplorer.data.examples[0].views[0].attention"
+                ".map(layer => layer.map(head => head.map(row => Array.from(row))))"
             )
-            kinds = page.evaluate(
-                "() => window.qkvExplorer.data.examples[0].views[0].attention[0][0].map(row => row.constructor.name)"
-            )
-            assert set(kinds) == {"Float32Array"}
-            assert_packed_close(unpacked, exact, slack=6e-8)  # float32 rounding of 4-decimal numbers
-            # layer 0, every head: one line per weight of at least 0.01 in the JSON, 0.01 included
-            assert int(page.get_attribute("#head-svg", "data-lines")) == int((exact[0] >= 0.01).sum())
-            drawn = page.eval_on_selector_all(
-                "#head-svg line[data-head='0'][data-q='0']",
-                "ls => ls.map(l => [+l.dataset.k, l.getAttribute('stroke-opacity')])",
-            )
-            assert drawn == [[k, f"{w:.4f}"] for k, w in enumerate(EDGES) if w >= 0.01]
-            assert watch.errors == [] and blocked == []
-            context.close()
-        finally:
-            browser.close()
+        )
+        kinds = page.evaluate(
+            "() => window.qkvExplorer.data.examples[0].views[0].attention[0][0].map(row => row.constructor.name)"
+        )
+        assert set(kinds) == {"Float32Array"}
+        assert_packed_close(unpacked, exact, slack=6e-8)  # float32 rounding of 4-decimal numbers
+        # layer 0, every head: one line per weight of at least 0.01 in the JSON, 0.01 included
+        assert int(page.get_attribute("#head-svg", "data-lines")) == int((exact[0] >= 0.01).sum())
+        drawn = page.eval_on_selector_all(
+            "#head-svg line[data-head='0'][data-q='0']",
+            "ls => ls.map(l => [+l.dataset.k, l.getAttribute('stroke-opacity')])",
+        )
+        assert drawn == [[k, f"{w:.4f}"] for k, w in enumerate(EDGES) if w >= 0.01]
+        assert watch.errors == [] and blocked == []
+        context.close()
 
 
 def test_a_long_head_view_saved_as_png_has_its_lines(tmp_path):
     """Over 4,000 lines the PNG strokes them batched by colour and opacity level (figure.js): the
     focused query's lines reach the keys the JSON gives 0.05 or more and none it gives under 0.01
     (lighter lines are a few levels from white, too faint to tell from the edges of others)."""
+    from chromium import chromium
     from explorer_documents import long_document
     from PIL import Image
-    from test_browser import ARGS, CHROMIUM, Watch, offline_page, sync_api, wait_renders
+    from test_browser import Watch, offline_page, wait_renders
 
     data = long_document(tokens=300, layers=1, heads=2, seed=3)  # head 1: 4,209 lines
     weights = np.array(data["examples"][0]["views"][0]["attention"][0])  # (heads, s, s)
     html = write_html(data, tmp_path / "long.html")
     query = 237  # near its row: 0.073 and 0.215 (and three lines of 0.018-0.027)
-    with sync_api.sync_playwright() as p:
-        args = [*ARGS, "--safebrowsing-disable-download-protection"]  # no wait on a check that cannot reach out
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=args)
-        try:
-            blocked: list[str] = []
-            context, page = offline_page(browser, blocked)
-            watch = Watch(page)
-            page.goto(html.as_uri())
-            wait_renders(page, 0)
-            assert page.get_attribute("#head-svg", "data-mode") == "canvas"  # over 4,000 lines
-            page.click("#head-toggles .head-toggle[data-head='0']")  # head 1 alone
-            page.hover(f"#head-svg text.query[data-index='{query}']")
-            geometry = page.evaluate(
-                """(q) => {
-                const s = document.getElementById('head-svg');
-                const y = t => +t.getAttribute('y');
-                return { width: window.qkvExplorer.tab('attention').figures['head-view']().width,
-                         end: +s.querySelector('text.key').getAttribute('x') - 6,
-                         start: +s.querySelector('text.query').getAttribute('x') + 6,
-                         yq: y(s.querySelector(`text.query[data-index='${q}']`)),
-                         yk: Array.from(s.querySelectorAll('text.key'), y) }; }""",
-                query,
-            )
-            with page.expect_download() as info:
-                page.evaluate("() => window.qkvExplorer.save('head-view', 'png')")
-            image = Image.open(info.value.path()).convert("RGB")
-            assert watch.errors == [] and blocked == []
-            context.close()
-        finally:
-            browser.close()
+    with chromium() as browser:
+        blocked: list[str] = []
+        context, page = offline_page(browser, blocked)
+        watch = Watch(page)
+        page.goto(html.as_uri())
+        wait_renders(page, 0)
+        assert page.get_attribute("#head-svg", "data-mode") == "canvas"  # over 4,000 lines
+        page.click("#head-toggles .head-toggle[data-head='0']")  # head 1 alone
+        page.hover(f"#head-svg text.query[data-index='{query}']")
+        geometry = page.evaluate(
+            """(q) => {
+            const s = document.getElementById('head-svg');
+            const y = t => +t.getAttribute('y');
+            return { width: window.qkvExplorer.tab('attention').figures['head-view']().width,
+                     end: +s.querySelector('text.key').getAttribute('x') - 6,
+                     start: +s.querySelector('text.query').getAttribute('x') + 6,
+                     yq: y(s.querySelector(`text.query[data-index='${q}']`)),
+                     yk: Array.from(s.querySelectorAll('text.key'), y) }; }""",
+            query,
+        )
+        with page.expect_download() as info:
+            page.evaluate("() => window.qkvExplorer.save('head-view', 'png')")
+        image = Image.open(info.value.path()).convert("RGB")
+        assert watch.errors == [] and blocked == []
+        context.close()
     scale = image.width / geometry["width"]
     x, gap = geometry["end"] - 3, geometry["end"] - geometry["start"]
 
